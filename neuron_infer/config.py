@@ -1,0 +1,390 @@
+"""Frozen, strict configuration objects, each with a JSON round trip.
+
+- `ModelConfig`   — what the checkpoint is (parsed from a Hugging Face `config.json`).
+- `BuildConfig`   — how it is compiled (target, dtype, batch, buckets, kernels, TP, quantization, speculation).
+- `SamplingConfig`— how tokens are chosen at generation time.
+
+Unknown keys and invalid combinations raise `ConfigError` with a message that says what to change.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from neuron_infer.errors import ConfigError
+
+# --------------------------------------------------------------------------------------------------------------
+# helpers
+
+
+def _strict_kwargs(cls: type, data: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """Return `data` as constructor kwargs of dataclass `cls`, raising on unknown keys."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ConfigError(
+            f"unknown key(s) {unknown} in {where}; valid keys are {sorted(names)}. "
+            "Remove or rename them (is the file from another neuron-infer version?)."
+        )
+    return dict(data)
+
+
+def _tuple(v: Any) -> Any:
+    return tuple(v) if isinstance(v, list) else v
+
+
+# --------------------------------------------------------------------------------------------------------------
+# ModelConfig
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3.1 style RoPE frequency scaling (`rope_type: llama3`)."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+    def __post_init__(self) -> None:
+        if self.factor <= 0 or self.low_freq_factor <= 0 or self.high_freq_factor <= self.low_freq_factor:
+            raise ConfigError(
+                f"invalid llama3 rope scaling {self}: need factor > 0 and high_freq_factor > low_freq_factor > 0"
+            )
+
+
+# HF config.json keys that do not change the inference math (or are checked elsewhere); accepted and dropped.
+_HF_IGNORED_KEYS = frozenset({
+    "_name_or_path", "architectures", "model_type", "transformers_version", "use_cache", "initializer_range",
+    "pretraining_tp", "pad_token_id", "torch_dtype", "dtype", "attention_dropout", "hidden_act", "is_llama_config",
+    "rope_interleaved", "output_attentions", "output_hidden_states", "return_dict", "tie_word_embeddings",
+    "bos_token_id", "eos_token_id", "rope_scaling", "rope_parameters", "head_dim", "attention_bias", "mlp_bias",
+    "max_position_embeddings", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+    "num_attention_heads", "num_key_value_heads", "rms_norm_eps", "rope_theta", "quantization_config",
+    "chunk_size_feed_forward", "is_encoder_decoder", "id2label", "label2id", "problem_type", "tokenizer_class",
+    "add_cross_attention", "cross_attention_hidden_size", "finetuning_task", "prefix", "sep_token_id",
+    "decoder_start_token_id", "task_specific_params", "tf_legacy_loss", "use_bfloat16", "torchscript",
+    "pruned_heads", "is_decoder", "layer_types", "sliding_window", "use_sliding_window", "max_window_layers",
+})
+_SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Llama-family architecture hyper-parameters (Llama 2/3/3.1/3.2, SmolLM2, Mistral-style GQA)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                     "head_dim", "max_position_embeddings"):
+            if int(getattr(self, name)) <= 0:
+                raise ConfigError(f"model config field {name}={getattr(self, name)} must be a positive integer")
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(
+                f"num_attention_heads={self.num_heads} is not a multiple of num_key_value_heads={self.num_kv_heads}; "
+                "grouped-query attention needs every KV head to serve the same number of query heads"
+            )
+        if self.head_dim % 2:
+            raise ConfigError(f"head_dim={self.head_dim} must be even for rotary embeddings")
+
+    @property
+    def q_per_kv(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    # ---- Hugging Face config.json ------------------------------------------------------------------------------
+    @classmethod
+    def from_hf_dict(cls, d: Mapping[str, Any], where: str = "config.json") -> "ModelConfig":
+        """Parse a Hugging Face Llama `config.json` dict; anything we cannot run raises `ConfigError`."""
+        arch = d.get("architectures") or ["LlamaForCausalLM"]
+        if d.get("model_type", "llama") != "llama" or any(a not in _SUPPORTED_ARCHITECTURES for a in arch):
+            raise ConfigError(
+                f"{where}: unsupported architecture model_type={d.get('model_type')!r} architectures={arch}; "
+                f"neuron-infer runs Llama-family checkpoints ({', '.join(_SUPPORTED_ARCHITECTURES)})"
+            )
+        unknown = sorted(k for k in d if k not in _HF_IGNORED_KEYS)
+        if unknown:
+            raise ConfigError(
+                f"{where}: unknown config key(s) {unknown}; neuron-infer cannot tell whether they change the model. "
+                "If they do not, delete them from config.json; otherwise this model is not supported."
+            )
+        _reject_unsupported_hf_values(d, where)
+        heads = int(d["num_attention_heads"])
+        try:
+            return cls(
+                vocab_size=int(d["vocab_size"]),
+                hidden_size=int(d["hidden_size"]),
+                intermediate_size=int(d["intermediate_size"]),
+                num_layers=int(d["num_hidden_layers"]),
+                num_heads=heads,
+                num_kv_heads=int(d.get("num_key_value_heads") or heads),
+                head_dim=int(d.get("head_dim") or int(d["hidden_size"]) // heads),
+                rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+                rope_theta=float(_rope_dict(d).get("rope_theta", d.get("rope_theta", 10000.0))),
+                rope_scaling=_parse_rope_scaling(d, where),
+                max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
+                tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+                attention_bias=bool(d.get("attention_bias", False)),
+                mlp_bias=bool(d.get("mlp_bias", False)),
+                bos_token_id=d.get("bos_token_id"),
+                eos_token_ids=_eos_tuple(d.get("eos_token_id")),
+            )
+        except KeyError as e:
+            raise ConfigError(f"{where}: required key {e.args[0]!r} is missing; is this a Llama config.json?") from e
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str | Path) -> "ModelConfig":
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise ConfigError(
+                f"{path} not found: a model directory needs a Hugging Face config.json next to its safetensors "
+                "weights (download the full model repository, not only the weights)"
+            )
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path} is not valid JSON ({e}); re-download it") from e
+        return cls.from_hf_dict(data, where=str(path))
+
+    # ---- our own JSON ------------------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "ModelConfig":
+        kw = _strict_kwargs(cls, d, "model config")
+        if kw.get("rope_scaling") is not None:
+            kw["rope_scaling"] = RopeScaling(**_strict_kwargs(RopeScaling, kw["rope_scaling"], "rope_scaling"))
+        kw["eos_token_ids"] = tuple(kw.get("eos_token_ids", ()))
+        return cls(**kw)
+
+
+def _eos_tuple(v: Any) -> tuple[int, ...]:
+    if v is None:
+        return ()
+    return tuple(int(x) for x in v) if isinstance(v, (list, tuple)) else (int(v),)
+
+
+def _rope_dict(d: Mapping[str, Any]) -> Mapping[str, Any]:
+    """transformers 5 writes `rope_parameters`; older configs write `rope_scaling` (+ top-level rope_theta)."""
+    rp = d.get("rope_parameters")
+    return rp if isinstance(rp, Mapping) else {}
+
+
+def _parse_rope_scaling(d: Mapping[str, Any], where: str) -> RopeScaling | None:
+    rs = d.get("rope_scaling") or _rope_dict(d)
+    rope_type = (rs or {}).get("rope_type", (rs or {}).get("type", "default"))
+    if not rs or rope_type == "default":
+        return None
+    if rope_type != "llama3":
+        raise ConfigError(
+            f"{where}: rope scaling type {rope_type!r} is not supported; neuron-infer implements 'default' and "
+            "'llama3' (Llama 3.1/3.2)"
+        )
+    try:
+        return RopeScaling(
+            factor=float(rs["factor"]),
+            low_freq_factor=float(rs["low_freq_factor"]),
+            high_freq_factor=float(rs["high_freq_factor"]),
+            original_max_position_embeddings=int(rs["original_max_position_embeddings"]),
+        )
+    except KeyError as e:
+        raise ConfigError(f"{where}: llama3 rope scaling is missing {e.args[0]!r}") from e
+
+
+def _reject_unsupported_hf_values(d: Mapping[str, Any], where: str) -> None:
+    act = d.get("hidden_act", "silu")
+    if act != "silu":
+        raise ConfigError(f"{where}: hidden_act={act!r} is not supported (Llama uses 'silu')")
+    if d.get("sliding_window") and d.get("use_sliding_window", True):
+        raise ConfigError(f"{where}: sliding-window attention (sliding_window={d['sliding_window']}) is not supported")
+    if d.get("quantization_config"):
+        raise ConfigError(
+            f"{where}: the checkpoint is pre-quantized (quantization_config present); give neuron-infer the "
+            "original bf16/fp16/fp32 checkpoint and choose --quant at compile time"
+        )
+
+
+# --------------------------------------------------------------------------------------------------------------
+# BuildConfig
+
+TARGETS = ("cpu", "neuron")
+DTYPES = ("fp32", "bf16")
+KERNELS = ("reference", "nki")
+QUANT_SCHEMES = ("none", "int8", "fp8", "mxfp8", "mxfp4", "w8a8")
+KV_CACHE_DTYPES = ("auto", "fp8")
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """Compile-time weight quantization (see neuron_infer/quant)."""
+
+    scheme: str = "none"
+    modules_to_not_convert: tuple[str, ...] = ()
+    weight_tiling: bool = False
+    kv_cache_dtype: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.scheme not in QUANT_SCHEMES:
+            raise ConfigError(f"quant scheme {self.scheme!r} is unknown; choose one of {', '.join(QUANT_SCHEMES)}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"kv_cache_dtype {self.kv_cache_dtype!r} is unknown; choose auto or fp8")
+        if self.modules_to_not_convert and self.scheme == "none":
+            raise ConfigError("modules_to_not_convert only makes sense with --quant; add --quant or drop the list")
+
+
+@dataclass(frozen=True)
+class SpeculationConfig:
+    """Speculative decoding: a draft model (a path, or 'self' for a self-draft) proposes `length` tokens."""
+
+    draft_model: str
+    length: int
+    fused: bool = False
+    draft_quant: str = "none"
+    draft_layers: int | None = None
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.length <= 64:
+            raise ConfigError(f"speculation length {self.length} must be in 1..64 (published sweet spots are 4-7)")
+        if self.draft_model != "self" and (self.draft_quant != "none" or self.draft_layers is not None):
+            raise ConfigError("--draft-quant/--draft-layers describe a self-draft; use them with --draft-model self")
+        if self.draft_model == "self" and self.draft_quant == "none" and self.draft_layers is None:
+            raise ConfigError("--draft-model self needs --draft-quant or --draft-layers (else the draft is the target)")
+
+
+def auto_buckets(lo: int, hi: int) -> tuple[int, ...]:
+    """Powers of two from `lo` up to (and always including) `hi`: auto_buckets(128, 600) == (128, 256, 512, 600)."""
+    out, b = [], lo
+    while b < hi:
+        out.append(b)
+        b *= 2
+    out.append(hi)
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class BuildConfig:
+    """How a model is compiled. Buckets of `None` mean automatic powers of two."""
+
+    target: str = "cpu"
+    dtype: str = "bf16"
+    batch_size: int = 1
+    max_context_length: int = 256
+    max_length: int = 512
+    context_buckets: tuple[int, ...] | None = None
+    tokengen_buckets: tuple[int, ...] | None = None
+    kernels: str = "reference"
+    tp_degree: int = 1
+    quant: QuantConfig = field(default_factory=QuantConfig)
+    speculation: SpeculationConfig | None = None
+
+    def __post_init__(self) -> None:
+        _check_choice("target", self.target, TARGETS)
+        _check_choice("dtype", self.dtype, DTYPES)
+        _check_choice("kernels", self.kernels, KERNELS)
+        if self.batch_size < 1:
+            raise ConfigError(f"batch_size={self.batch_size} must be >= 1")
+        if self.tp_degree < 1:
+            raise ConfigError(f"tp_degree={self.tp_degree} must be >= 1")
+        if not 1 <= self.max_context_length <= self.max_length:
+            raise ConfigError(
+                f"max_context_length={self.max_context_length} must be in 1..max_length={self.max_length} "
+                "(the prompt is part of the total length); raise --max-length or lower --max-context-length"
+            )
+        _check_buckets("context_buckets", self.context_buckets, self.max_context_length, "--max-context-length")
+        _check_buckets("tokengen_buckets", self.tokengen_buckets, self.max_length, "--max-length")
+
+    @property
+    def context_bucket_list(self) -> tuple[int, ...]:
+        return self.context_buckets or auto_buckets(min(128, self.max_context_length), self.max_context_length)
+
+    @property
+    def tokengen_bucket_list(self) -> tuple[int, ...]:
+        return self.tokengen_buckets or auto_buckets(min(128, self.max_length), self.max_length)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "BuildConfig":
+        kw = _strict_kwargs(cls, d, "build config")
+        for k in ("context_buckets", "tokengen_buckets"):
+            kw[k] = _tuple(kw.get(k))
+        if isinstance(kw.get("quant"), Mapping):
+            q = _strict_kwargs(QuantConfig, kw["quant"], "build config 'quant'")
+            q["modules_to_not_convert"] = tuple(q.get("modules_to_not_convert", ()))
+            kw["quant"] = QuantConfig(**q)
+        if isinstance(kw.get("speculation"), Mapping):
+            kw["speculation"] = SpeculationConfig(**_strict_kwargs(SpeculationConfig, kw["speculation"], "speculation"))
+        return cls(**kw)
+
+    def replace(self, **changes: Any) -> "BuildConfig":
+        return dataclasses.replace(self, **changes)
+
+
+def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(f"{name}={value!r} is not valid; choose one of {', '.join(choices)}")
+
+
+def _check_buckets(name: str, buckets: tuple[int, ...] | None, limit: int, flag: str) -> None:
+    if buckets is None:
+        return
+    if not buckets or list(buckets) != sorted(set(buckets)) or buckets[0] < 1:
+        raise ConfigError(f"{name}={list(buckets)} must be a non-empty, strictly increasing list of positive sizes")
+    if buckets[-1] != limit:
+        raise ConfigError(
+            f"the largest of {name}={list(buckets)} must equal {flag}={limit}, so every allowed length has a "
+            f"bucket; append {limit} to the list or change {flag}"
+        )
+
+
+# --------------------------------------------------------------------------------------------------------------
+# SamplingConfig
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """temperature 0 = greedy; top_k 0 = off; top_p 1.0 = off; seed None = nondeterministic."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ConfigError(f"temperature={self.temperature} must be >= 0 (0 means greedy)")
+        if self.top_k < 0:
+            raise ConfigError(f"top_k={self.top_k} must be >= 0 (0 disables top-k)")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ConfigError(f"top_p={self.top_p} must be in (0, 1] (1 disables nucleus sampling)")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "SamplingConfig":
+        return cls(**_strict_kwargs(cls, d, "sampling config"))

@@ -1,0 +1,207 @@
+"""The Llama-family math, written once.
+
+One forward serves prefill (T = context bucket), decode (T = 1) and speculative verification (T = k + 1): tokens at
+`positions` write their keys/values into the static KV cache, then attend to the first `attend_len` cache slots with a
+causal rule on absolute positions. Tensor parallelism enters only through `LocalLayout` (how many heads / rows this
+rank holds) and the collectives in `Ops`; quantization by swapping the `nn.Linear` modules (neuron_infer.quant).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from neuron_infer.config import ModelConfig
+from neuron_infer.model.ops import Ops, get_ops
+
+
+@dataclass(frozen=True)
+class LocalLayout:
+    """What one rank holds. `q_to_kv[h]` = local KV head serving local query head h."""
+
+    num_heads: int
+    num_kv_heads: int
+    q_to_kv: tuple[int, ...]
+    intermediate_size: int
+    vocab_start: int
+    vocab_local: int
+    vocab_size: int  # the true (global) vocabulary size; logits beyond it are padding and are dropped
+
+    @classmethod
+    def single(cls, cfg: ModelConfig) -> "LocalLayout":
+        return cls(
+            num_heads=cfg.num_heads,
+            num_kv_heads=cfg.num_kv_heads,
+            q_to_kv=tuple(h // cfg.q_per_kv for h in range(cfg.num_heads)),
+            intermediate_size=cfg.intermediate_size,
+            vocab_start=0,
+            vocab_local=cfg.vocab_size,
+            vocab_size=cfg.vocab_size,
+        )
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Inverse RoPE frequencies [D/2] in fp32, with Llama 3.1 frequency scaling when configured."""
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))  # [D/2]
+    rs = cfg.rope_scaling
+    if rs is None:
+        return inv.float()
+    low_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
+    high_wavelen = rs.original_max_position_embeddings / rs.high_freq_factor
+    wavelen = 2 * math.pi / inv
+    smooth = (rs.original_max_position_embeddings / wavelen - rs.low_freq_factor) / (
+        rs.high_freq_factor - rs.low_freq_factor
+    )
+    scaled = torch.where(wavelen > low_wavelen, inv / rs.factor, inv)  # long wavelengths: divided by factor
+    mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
+    blended = (1 - smooth) * inv / rs.factor + smooth * inv
+    return torch.where(mid, blended, scaled).float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, H, T, D], cos/sin [B, 1, T, D] (half-split layout, as Hugging Face Llama)."""
+    x1, x2 = x.chunk(2, dim=-1)  # [B, H, T, D/2] each
+    rotated = torch.cat((-x2, x1), dim=-1)  # [B, H, T, D]
+    return x * cos + rotated * sin
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, ops: Ops):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps, self.ops = eps, ops
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ops.rms_norm(x, self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, lay: LocalLayout, ops: Ops):
+        super().__init__()
+        d, bias = cfg.head_dim, cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, lay.num_heads * d, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, lay.num_kv_heads * d, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, lay.num_kv_heads * d, bias=bias)
+        self.o_proj = nn.Linear(lay.num_heads * d, cfg.hidden_size, bias=bias)
+        self.register_buffer("q_to_kv", torch.tensor(lay.q_to_kv, dtype=torch.int64), persistent=False)
+        self.h, self.hkv, self.d, self.ops = lay.num_heads, lay.num_kv_heads, d, ops
+
+    def forward(self, x, cos, sin, positions, k_cache, v_cache, attend_len: int):
+        # x [B, T, H]; positions [B, T]; k_cache/v_cache [B, Hkv, S, D] (this layer's slice, updated in place)
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.h, self.d).transpose(1, 2)  # [B, Hq, T, D]
+        k = self.k_proj(x).view(b, t, self.hkv, self.d).transpose(1, 2)  # [B, Hkv, T, D]
+        v = self.v_proj(x).view(b, t, self.hkv, self.d).transpose(1, 2)  # [B, Hkv, T, D]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        bi = torch.arange(b, device=x.device).view(b, 1, 1)  # [B, 1, 1]
+        hi = torch.arange(self.hkv, device=x.device).view(1, self.hkv, 1)  # [1, Hkv, 1]
+        pi = positions.unsqueeze(1)  # [B, 1, T]
+        k_cache.index_put_((bi, hi, pi), k.to(k_cache.dtype))  # cache[b, h, pos[b, t]] = k[b, h, t]
+        v_cache.index_put_((bi, hi, pi), v.to(v_cache.dtype))
+        ks = k_cache[:, :, :attend_len].to(q.dtype)  # [B, Hkv, S', D]
+        vs = v_cache[:, :, :attend_len].to(q.dtype)
+        o = self.ops.attention(q, ks, vs, self.q_to_kv, positions)  # [B, Hq, T, D]
+        o = o.transpose(1, 2).reshape(b, t, self.h * self.d)  # [B, T, Hq*D]
+        return self.ops.all_reduce(self.o_proj(o))  # row-parallel: partial sums over ranks
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, lay: LocalLayout, ops: Ops):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, lay.intermediate_size, bias=cfg.mlp_bias)
+        self.up_proj = nn.Linear(cfg.hidden_size, lay.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(lay.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.ops = ops
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ops.all_reduce(self.ops.mlp(x, self.gate_proj, self.up_proj, self.down_proj))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, lay: LocalLayout, ops: Ops):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        self.self_attn = Attention(cfg, lay, ops)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        self.mlp = MLP(cfg, lay, ops)
+
+    def forward(self, x, cos, sin, positions, k_cache, v_cache, attend_len: int):
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, k_cache, v_cache, attend_len)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class VocabEmbedding(nn.Module):
+    """Embedding over this rank's vocabulary range; ids outside it contribute zeros (summed over ranks)."""
+
+    def __init__(self, lay: LocalLayout, hidden: int, ops: Ops):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(lay.vocab_local, hidden))
+        self.start, self.ops, self.sharded = lay.vocab_start, ops, lay.vocab_local != lay.vocab_size
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # ids [B, T] -> [B, T, H]
+        if not self.sharded:  # static (build-time) property, not a data-dependent branch
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        inside = (local >= 0) & (local < self.weight.shape[0])  # [B, T]
+        x = F.embedding(local.clamp(0, self.weight.shape[0] - 1), self.weight) * inside.unsqueeze(-1)
+        return self.ops.all_reduce(x)
+
+
+class Inner(nn.Module):
+    """Holds the HF-named `model.*` parameters."""
+
+    def __init__(self, cfg: ModelConfig, lay: LocalLayout, ops: Ops):
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(lay, cfg.hidden_size, ops)
+        self.layers = nn.ModuleList(Block(cfg, lay, ops) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+
+
+class LlamaModel(nn.Module):
+    """Llama causal LM with a static KV cache. Parameter names equal Hugging Face's `LlamaForCausalLM`."""
+
+    def __init__(self, cfg: ModelConfig, layout: LocalLayout | None = None, ops: Ops | None = None):
+        super().__init__()
+        self.cfg, self.layout = cfg, layout or LocalLayout.single(cfg)
+        self.ops = ops or get_ops("reference")
+        self.model = Inner(cfg, self.layout, self.ops)
+        self.lm_head = nn.Linear(cfg.hidden_size, self.layout.vocab_local, bias=False)
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [B, T] int64
+        positions: torch.Tensor,  # [B, T] int64 absolute positions
+        k_cache: torch.Tensor,  # [L, B, Hkv, S, D] updated in place
+        v_cache: torch.Tensor,  # [L, B, Hkv, S, D] updated in place
+        logit_index: torch.Tensor,  # [B, n] int64: which of the T tokens need logits
+        attend_len: int,  # static: cache slots visible to attention (the bucket)
+    ) -> torch.Tensor:  # [B, n, V] fp32 logits
+        x = self.model.embed_tokens(input_ids)  # [B, T, H]
+        freqs = positions.unsqueeze(-1).float() * self.inv_freq  # [B, T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)  # [B, 1, T, D]
+        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, positions, k_cache[i], v_cache[i], attend_len)
+        x = self.model.norm(x)
+        idx = logit_index.unsqueeze(-1).expand(-1, -1, x.shape[-1])  # [B, n, H]
+        x = torch.gather(x, 1, idx)  # [B, n, H]
+        logits = self.ops.all_gather_vocab(self.lm_head(x).float())  # [B, n, V_padded]
+        return logits[..., : self.layout.vocab_size]
+
+
+class BucketStep(nn.Module):
+    """`LlamaModel.forward` with `attend_len` fixed: the static-shape module one compiled graph is built from."""
+
+    def __init__(self, model: LlamaModel, attend_len: int):
+        super().__init__()
+        self.model, self.attend_len = model, attend_len
+
+    def forward(self, input_ids, positions, k_cache, v_cache, logit_index):
+        return self.model(input_ids, positions, k_cache, v_cache, logit_index, self.attend_len)
