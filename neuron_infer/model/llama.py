@@ -171,8 +171,18 @@ class LlamaModel(nn.Module):
         self.model = Inner(cfg, self.layout, self.ops)
         self.lm_head = nn.Linear(cfg.hidden_size, self.layout.vocab_local, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
-        if cfg.tie_word_embeddings:
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share the embedding with the (unquantized) head when the checkpoint ties them."""
+        if self.cfg.tie_word_embeddings and type(self.lm_head) is nn.Linear:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def materialize_buffers(self) -> None:
+        """Recompute the non-persistent buffers (after building on the meta device and loading with assign=True)."""
+        self.inv_freq = rope_inv_freq(self.cfg)
+        for layer in self.model.layers:
+            layer.self_attn.q_to_kv = torch.tensor(self.layout.q_to_kv, dtype=torch.int64)
 
     def forward(
         self,

@@ -1,0 +1,114 @@
+"""`compile`: checkpoint dir -> artifact dir (weights per rank, one graph per (sub-model, bucket), manifest last)."""
+from __future__ import annotations
+
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from neuron_infer.checkpoint import checkpoint_fingerprint, load_checkpoint
+from neuron_infer.compile.artifact import FORMAT_VERSION, Manifest, atomic_directory, hash_tree, package_versions
+from neuron_infer.compile.artifact import write_manifest
+from neuron_infer.compile.weights import build_float_model, save_rank_weights
+from neuron_infer.config import BuildConfig, ModelConfig
+from neuron_infer.errors import ConfigError
+from neuron_infer.model.llama import BucketStep, LlamaModel
+from neuron_infer.runtime.engine import CacheShape, graph_name, planned_graphs
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "generation_config.json", "chat_template.jinja", "vocab.json", "merges.txt", "added_tokens.json")
+Progress = Callable[[str], None]
+
+
+def check_build_against_model(cfg: ModelConfig, build: BuildConfig) -> None:
+    """Combinations that only fail once the model is known."""
+    if build.max_length > cfg.max_position_embeddings:
+        raise ConfigError(
+            f"--max-length {build.max_length} exceeds the model's max_position_embeddings="
+            f"{cfg.max_position_embeddings}; lower --max-length"
+        )
+    if build.target == "cpu" and build.tp_degree != 1:
+        from neuron_infer.parallel.plan import ShardPlan  # noqa: PLC0415  (validates the degree)
+
+        ShardPlan.build(cfg, build.tp_degree)
+
+
+def example_args(cache: CacheShape, tokens: int) -> tuple[torch.Tensor, ...]:
+    """Static-shape example inputs of one step graph."""
+    b = cache.batch
+    k, v = cache.allocate()
+    ids = torch.zeros(b, tokens, dtype=torch.int64)  # [B, T]
+    pos = torch.arange(tokens, dtype=torch.int64).expand(b, tokens).contiguous()  # [B, T]
+    idx = torch.full((b, 1), tokens - 1, dtype=torch.int64)  # [B, 1]
+    return ids, pos, k, v, idx
+
+
+def cache_shape(model: LlamaModel, build: BuildConfig) -> CacheShape:
+    dtype = torch.float32 if build.dtype == "fp32" else torch.bfloat16
+    if build.quant.kv_cache_dtype == "fp8":
+        dtype = torch.float8_e4m3fn
+    return CacheShape(model.cfg.num_layers, build.batch_size, model.layout.num_kv_heads, build.max_length,
+                      model.cfg.head_dim, dtype)
+
+
+def compile_graphs(model: LlamaModel, build: BuildConfig, backend, graphs_dir: Path, say: Progress) -> dict:
+    """Compile every planned (sub-model, bucket) graph of one rank's model."""
+    graphs_dir.mkdir(parents=True, exist_ok=True)
+    shape, plan, out = cache_shape(model, build), planned_graphs(build), {}
+    for i, (kind, t, s) in enumerate(plan, 1):
+        name = graph_name(kind, t, s)
+        t0 = time.perf_counter()
+        say(f"[{i}/{len(plan)}] compiling {name} ({backend.name})")
+        with torch.inference_mode():
+            meta = backend.compile_graph(BucketStep(model, s), example_args(shape, t), graphs_dir, name)
+        out[name] = {"kind": kind, "tokens": t, "attend": s, "seconds": round(time.perf_counter() - t0, 3), **meta}
+    return out
+
+
+def copy_tokenizer(model_dir: Path, dst: Path) -> None:
+    dst.mkdir(parents=True, exist_ok=True)
+    for name in TOKENIZER_FILES:
+        if (Path(model_dir) / name).is_file():
+            shutil.copy2(Path(model_dir) / name, dst / name)
+
+
+def _stderr(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def compile_model(model_dir: str | Path, out_dir: str | Path, build: BuildConfig, *, backend: str | None = None,
+                  overwrite: bool = False, say: Progress = _stderr) -> Manifest:
+    """Compile `model_dir` into `out_dir` atomically; returns the manifest."""
+    from neuron_infer.compile.backend import get_backend  # noqa: PLC0415  (lazy: neuron SDK only when asked)
+
+    t_start = time.perf_counter()
+    model_dir = Path(model_dir)
+    cfg = ModelConfig.from_model_dir(model_dir)
+    check_build_against_model(cfg, build)
+    be = get_backend(backend or build.target)
+    state = load_checkpoint(model_dir, cfg)
+    with atomic_directory(Path(out_dir), overwrite) as tmp:
+        model = build_float_model(cfg, build, state)
+        del state
+        extra = {"quant": _quantize(model, build)}
+        save_rank_weights(model, tmp / "weights" / "rank0.safetensors")
+        graphs = compile_graphs(model, build, be, tmp / "graphs", say)
+        copy_tokenizer(model_dir, tmp / "tokenizer")
+        extra["compile_seconds"] = round(time.perf_counter() - t_start, 3)
+        manifest = Manifest(FORMAT_VERSION, package_versions(), be.name, cfg, build,
+                            checkpoint_fingerprint(model_dir), graphs, hash_tree(tmp), extra)
+        write_manifest(tmp, manifest)
+    say(f"compiled {len(graphs)} graphs into {out_dir} in {extra['compile_seconds']:.1f} s")
+    return manifest
+
+
+def _quantize(model: LlamaModel, build: BuildConfig) -> dict:
+    if build.quant.scheme == "none":
+        return {"scheme": "none"}
+    from neuron_infer.quant import apply_quantization  # noqa: PLC0415
+
+    report = apply_quantization(model, build.quant)
+    return report if isinstance(report, dict) else {"scheme": build.quant.scheme, "report": str(report)}

@@ -1,0 +1,68 @@
+"""Building a model from checkpoint tensors, and the per-rank weight files of an artifact."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from neuron_infer.config import BuildConfig, ModelConfig
+from neuron_infer.errors import ArtifactError
+from neuron_infer.model.llama import LlamaModel, LocalLayout
+from neuron_infer.model.ops import Ops, get_ops
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def empty_model(cfg: ModelConfig, build: BuildConfig, layout: LocalLayout | None = None,
+                ops: Ops | None = None) -> LlamaModel:
+    """A model skeleton on the meta device (no memory, no random init)."""
+    with torch.device("meta"):
+        return LlamaModel(cfg, layout, ops or get_ops(build.kernels)).eval()
+
+
+def build_float_model(cfg: ModelConfig, build: BuildConfig, state: dict[str, torch.Tensor],
+                      layout: LocalLayout | None = None, ops: Ops | None = None) -> LlamaModel:
+    """Model in the build dtype from (HF-named, already validated) tensors; tied head re-shared."""
+    model = empty_model(cfg, build, layout, ops)
+    dtype = DTYPES[build.dtype]
+    state = {k: v.to(dtype) for k, v in state.items()}
+    if cfg.tie_word_embeddings:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    model.load_state_dict(state, strict=True, assign=True)
+    model.tie_weights()
+    model.materialize_buffers()
+    return model
+
+
+def _shared_with_embedding(model: LlamaModel) -> bool:
+    head = getattr(model.lm_head, "weight", None)
+    return head is not None and head is model.model.embed_tokens.weight
+
+
+def save_rank_weights(model: LlamaModel, path: Path) -> int:
+    """Write this rank's parameters and persistent buffers once (a tied head is stored as the embedding only)."""
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if _shared_with_embedding(model):
+        state.pop("lm_head.weight")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(path))
+    return sum(t.numel() * t.element_size() for t in state.values())
+
+
+def load_rank_weights(model: LlamaModel, path: Path) -> None:
+    """Fill a meta-device skeleton (already given its quantized structure) from a weights file."""
+    try:
+        state = load_file(str(path))
+    except (OSError, SafetensorError) as e:
+        raise ArtifactError(f"cannot read weights {path} ({e}); recompile the model") from e
+    plain_head = type(model.lm_head) is torch.nn.Linear
+    if model.cfg.tie_word_embeddings and plain_head and "lm_head.weight" not in state:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    try:
+        model.load_state_dict(state, strict=True, assign=True)
+    except RuntimeError as e:
+        raise ArtifactError(f"weights {path} do not match the model the manifest describes: {e}") from e
+    model.tie_weights()
+    model.materialize_buffers()

@@ -1,0 +1,117 @@
+"""The autoregressive loop: prefill, sample, decode step by step, stop per sequence, measure."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from neuron_infer.config import SamplingConfig
+from neuron_infer.errors import NeuronInferError
+from neuron_infer.runtime.engine import Engine
+from neuron_infer.runtime.sampling import make_generator, sample
+
+
+@dataclass
+class Metrics:
+    """Latency of one generate call. tokens_per_s counts decode-phase tokens of all sequences per second."""
+
+    ttft_s: float = 0.0
+    token_latencies_s: list[float] = field(default_factory=list)  # one per decode step (after the first token)
+    num_generated: int = 0
+    tokens_per_s: float = 0.0
+    ms_per_token: float = 0.0
+
+    def finish(self, batch_rows: int) -> None:
+        steps = self.token_latencies_s
+        if steps:
+            self.ms_per_token = 1000.0 * sum(steps) / len(steps)
+            self.tokens_per_s = batch_rows * len(steps) / sum(steps)
+
+    def to_dict(self) -> dict:
+        return {
+            "ttft_s": self.ttft_s,
+            "ms_per_token": self.ms_per_token,
+            "tokens_per_s": self.tokens_per_s,
+            "num_generated": self.num_generated,
+            "token_latencies_s": self.token_latencies_s,
+        }
+
+
+@dataclass
+class SequenceResult:
+    token_ids: list[int]
+    finish_reason: str  # "eos" | "max_new_tokens" | "max_length"
+
+
+OnTokens = Callable[[list[list[int]]], None]  # called with each row's tokens generated so far
+
+
+def _check_prompts(prompts: list[list[int]], batch: int, max_ctx: int) -> None:
+    if not prompts or len(prompts) > batch:
+        raise NeuronInferError(f"got {len(prompts)} prompts for a build of batch size {batch}; pass 1..{batch}")
+    for i, p in enumerate(prompts):
+        if not p:
+            raise NeuronInferError(f"prompt {i} is empty after tokenization; give at least one token")
+        if len(p) > max_ctx:
+            raise NeuronInferError(
+                f"prompt {i} has {len(p)} tokens, more than max_context_length={max_ctx}; shorten it or recompile "
+                "with a larger --max-context-length"
+            )
+
+
+def generate_ids(
+    engine: Engine,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    sampling: SamplingConfig = SamplingConfig(),
+    eos_ids: tuple[int, ...] = (),
+    ignore_eos: bool = False,
+    on_tokens: OnTokens | None = None,
+) -> tuple[list[SequenceResult], Metrics]:
+    """Generate up to `max_new_tokens` per prompt (a static batch of <= batch_size prompts)."""
+    build = engine.build
+    _check_prompts(prompts, build.batch_size, build.max_context_length)
+    gen, n, metrics = make_generator(sampling.seed), len(prompts), Metrics()
+    out: list[list[int]] = [[] for _ in range(n)]
+    reasons: list[str | None] = [None] * n
+    lengths = torch.tensor([len(p) for p in prompts] + [1] * (build.batch_size - n))  # [B] tokens in cache + next
+    t0 = time.perf_counter()
+    logits = engine.prefill(prompts)
+    while True:
+        tokens = sample(logits, sampling, gen)  # [B]
+        now = time.perf_counter()
+        if metrics.num_generated == 0:
+            metrics.ttft_s = now - t0
+        else:
+            metrics.token_latencies_s.append(now - t0)
+        _accept(tokens, out, reasons, lengths, max_new_tokens, build.max_length, eos_ids, ignore_eos)
+        metrics.num_generated += 1
+        if on_tokens:
+            on_tokens(out)
+        if all(r is not None for r in reasons):
+            break
+        t0 = time.perf_counter()
+        positions = (lengths - 1).clamp(min=0)  # the new token is written at index len-1 (its own position)
+        logits = engine.decode(tokens, positions)
+    metrics.finish(n)
+    return [SequenceResult(o, r or "max_new_tokens") for o, r in zip(out, reasons)], metrics
+
+
+def _accept(tokens, out, reasons, lengths, max_new, max_length, eos_ids, ignore_eos) -> None:
+    """Append each active row's new token and decide whether the row stops."""
+    for row in range(len(out)):
+        if reasons[row] is not None:
+            continue
+        tok = int(tokens[row])
+        out[row].append(tok)
+        lengths[row] += 1
+        if not ignore_eos and tok in eos_ids:
+            reasons[row] = "eos"
+        elif len(out[row]) >= max_new:
+            reasons[row] = "max_new_tokens"
+        elif int(lengths[row]) >= max_length:
+            reasons[row] = "max_length"
+    for row in range(len(out), len(lengths)):
+        lengths[row] = 1  # idle padding rows stay at slot 0
