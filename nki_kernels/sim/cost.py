@@ -23,6 +23,7 @@ Usage::
 """
 from __future__ import annotations
 
+import threading
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -48,6 +49,7 @@ class CostReport:
     """Estimated cost of one simulated run on one NeuronCore (see module docstring for the definitions)."""
 
     generation: str
+    cores: int                     # physical cores the run used (2 for an LNC2 launch)
     engine_busy_s: dict[str, float]
     engine_instructions: dict[str, int]
     ops: tuple[OpStat, ...]
@@ -90,7 +92,8 @@ def _fmt_s(s: float) -> str:
 
 def format_report(r: CostReport) -> str:
     """Readable table of a report."""
-    lines = [f"NKI cost estimate — {r.generation} — {r.label}",
+    cores = f", {r.cores} cores (per-core busiest shown)" if r.cores > 1 else ""
+    lines = [f"NKI cost estimate — {r.generation}{cores} — {r.label}",
              f"{'engine':<8} {'instr':>9} {'busy':>12} {'share of lower bound':>22}"]
     for eng in C.ENGINES:
         busy = r.engine_busy_s[eng]
@@ -110,42 +113,72 @@ def format_report(r: CostReport) -> str:
     return "\n".join(lines)
 
 
-class CostModel:
-    """Recorder that accumulates estimated per-engine time for one NeuronCore of ``generation``."""
+def _run_context():
+    """The simulator's current run context (program id, target), or None outside a kernel run."""
+    try:
+        from . import runtime
+    except ImportError:  # the cost model also works on plain event lists
+        return None
+    return runtime.active()
 
-    def __init__(self, generation: str = "gen2") -> None:
-        self.generation = C.resolve_generation(generation)
-        self._g = C.GEN[self.generation]
+
+class CostModel:
+    """Recorder that accumulates estimated per-engine time per NeuronCore.
+
+    ``generation``: trn1|trn2|trn3 or gen2|gen3|gen4; ``None`` takes it from the simulated run's target (and
+    raises if events arrive outside a run). With LNC2 each program instance is one physical core: busy times are
+    kept per core and the bounds are taken over the cores, which run in parallel.
+    """
+
+    def __init__(self, generation: str | None = "gen2") -> None:
+        self.generation = None if generation is None else C.resolve_generation(generation)
+        self._lock = threading.Lock()
         self.reset()
 
     def reset(self) -> None:
         """Forget everything recorded so far."""
-        self._busy = dict.fromkeys(C.ENGINES, 0.0)
+        self._busy: dict[int, dict[str, float]] = {}
+        self._serial_extra: dict[int, float] = {}
         self._count = dict.fromkeys(C.ENGINES, 0)
         self._ops: dict[tuple[str, str], list] = defaultdict(lambda: [0, 0.0, False])
-        self._dma_serial_extra = 0.0
         self._dma_bytes = 0
         self._hbm_bytes = 0
         self._flops = 0.0
         self._peak_time = 0.0
         self._modes: set[str] = set()
 
+    def _resolve(self, ctx) -> C.GenerationConstants:
+        run_gen = f"gen{ctx.target.gen}" if ctx is not None else None
+        if self.generation is None:
+            if run_gen is None:
+                raise ValueError("CostModel(generation=None) can only record inside a simulated run; "
+                                 "pass generation='trn1'|'trn2'|'trn3' to cost a plain event list")
+            self.generation = run_gen
+        elif run_gen is not None and run_gen != self.generation:
+            raise ValueError(f"CostModel is for {self.generation} but the kernel runs on target {run_gen}; "
+                             f"set NEURON_PLATFORM_TARGET_OVERRIDE or build CostModel({run_gen!r})")
+        return C.GEN[self.generation]
+
     def record(self, ev) -> None:
         """Add one instruction event (``nki_kernels.sim.events.InstrEvent``)."""
-        seconds, generic = self._cost(ev)
-        self._busy[ev.engine] += seconds
-        self._count[ev.engine] += 1
-        slot = self._ops[(ev.engine, ev.op)]
-        slot[0] += 1
-        slot[1] += seconds
-        slot[2] = slot[2] or generic
+        ctx = _run_context()
+        core = ctx.program_id if ctx is not None else 0
+        with self._lock:
+            g = self._resolve(ctx)
+            seconds, generic = self._cost(ev, g, core)
+            busy = self._busy.setdefault(core, dict.fromkeys(C.ENGINES, 0.0))
+            busy[ev.engine] += seconds
+            self._count[ev.engine] += 1
+            slot = self._ops[(ev.engine, ev.op)]
+            slot[0] += 1
+            slot[1] += seconds
+            slot[2] = slot[2] or generic
 
-    def _cost(self, ev) -> tuple[float, bool]:
-        g = self._g
+    def _cost(self, ev, g: C.GenerationConstants, core: int) -> tuple[float, bool]:
         if ev.engine == "tensor":
             cycles = R.tensor_cycles(ev)          # validates the event first
             if ev.op in ("nc_matmul", "nc_matmul_mx"):
-                self._add_flops(ev)
+                self._add_flops(ev, g)
             return cycles / g.tensor_hz, False
         if ev.engine == "vector":
             cycles, known = R.vector_like_cycles(ev, g)
@@ -158,34 +191,42 @@ class CostModel:
             return cycles / g.scalar_hz, not known
         if ev.engine == "dma":
             occupancy, serial = R.dma_seconds(ev, g)
-            self._dma_serial_extra += serial - occupancy
+            self._serial_extra[core] = self._serial_extra.get(core, 0.0) + serial - occupancy
             self._dma_bytes += ev.dma_bytes
             self._hbm_bytes += ev.dma_bytes * ((ev.src_buffer == "hbm") + (ev.dst_buffer == "hbm"))
             return occupancy, False
         raise ValueError(f"cost model: unknown engine {ev.engine!r} in {ev}; expected one of {C.ENGINES}")
 
-    def _add_flops(self, ev) -> None:
+    def _add_flops(self, ev, g: C.GenerationConstants) -> None:
         k, m, n = ev.matmul_kmn
         mode = R.matmul_mode(ev)
         flops = 2.0 * k * m * n
         self._flops += flops
-        self._peak_time += flops / R.peak_flops_for(mode, self._g, self.generation)
+        self._peak_time += flops / R.peak_flops_for(mode, g, self.generation)
         self._modes.add(mode)
 
     def report(self) -> CostReport:
-        """Summarise everything recorded so far."""
-        g = self._g
-        lower = max(self._busy.values())
-        upper = sum(self._busy.values()) + self._dma_serial_extra
-        bound = max(C.ENGINES, key=lambda e: self._busy[e]) if lower > 0 else "none"
+        """Summarise everything recorded so far (per-engine busy = the busiest core's, for LNC2)."""
+        with self._lock:
+            return self._report()
+
+    def _report(self) -> CostReport:
+        gen = self.generation or "gen2"
+        g = C.GEN[gen]
+        cores = max(1, len(self._busy))
+        per_core = list(self._busy.items()) or [(0, dict.fromkeys(C.ENGINES, 0.0))]
+        busy = {e: max(b[e] for _, b in per_core) for e in C.ENGINES}
+        lower = max(busy.values())
+        upper = max(sum(b.values()) + self._serial_extra.get(c, 0.0) for c, b in per_core)
+        bound = max(C.ENGINES, key=lambda e: busy[e]) if lower > 0 else "none"
         mode = "none" if not self._modes else (next(iter(self._modes)) if len(self._modes) == 1 else "mixed")
         ops = tuple(OpStat(e, o, int(v[0]), float(v[1]), bool(v[2])) for (e, o), v in sorted(self._ops.items()))
 
-        def frac(num: float, den: float) -> float:
-            return num / den if den > 0 else 0.0
+        def frac(work_s: float, elapsed: float) -> float:  # work in core-seconds at peak, over all cores
+            return work_s / (elapsed * cores) if elapsed > 0 else 0.0
 
         return CostReport(
-            generation=self.generation, engine_busy_s=dict(self._busy), engine_instructions=dict(self._count),
+            generation=gen, cores=cores, engine_busy_s=busy, engine_instructions=dict(self._count),
             ops=ops, dma_bytes=self._dma_bytes, hbm_bytes=self._hbm_bytes, dma_transfers=self._count["dma"],
             flops=self._flops, tensor_peak_time_s=self._peak_time, matmul_mode=mode,
             lower_bound_s=lower, upper_bound_s=upper, bound_engine=bound,

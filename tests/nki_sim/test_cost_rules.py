@@ -226,3 +226,9 @@ def test_bad_inputs_raise():
         estimate([vec("tensor_copy", 8, engine="sync")], "gen2")
     with pytest.raises(ValueError, match="matmul_kmn"):
         estimate([InstrEvent("tensor", "nc_matmul", 128, 512, "bfloat16", "float32")], "gen2")
+
+
+def test_generation_from_run_is_required_outside_a_run():
+    # generation=None means "take it from the simulated run"; a plain event list has no run → clear error
+    with pytest.raises(ValueError, match="inside a simulated run"):
+        CostModel(None).record(mm())
