@@ -26,8 +26,8 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from neuron_infer.errors import CheckpointError
 

@@ -10,7 +10,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from neuron_infer.checkpoint import (
-    checkpoint_fingerprint, expected_shapes, load_checkpoint, load_tokenizer, scan_checkpoint,
+    checkpoint_fingerprint,
+    expected_shapes,
+    load_checkpoint,
+    load_tokenizer,
+    scan_checkpoint,
 )
 from neuron_infer.config import ModelConfig
 from neuron_infer.errors import CheckpointError

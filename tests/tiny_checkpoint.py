@@ -22,43 +22,43 @@ import torch
 
 # Base: 2 layers, hidden 96 (not a multiple of 128), GQA 4 query / 2 KV heads, head_dim 24, intermediate 200,
 # vocab 512. Presets override it; every preset keeps at least one size that is not a multiple of 128.
-TINY_BASE: dict[str, Any] = dict(
-    vocab_size=512,
-    hidden_size=96,
-    intermediate_size=200,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=512,
-    rms_norm_eps=1e-5,
-    rope_theta=10000.0,
-    bos_token_id=1,
-    eos_token_id=2,
-    pad_token_id=0,
-    tie_word_embeddings=False,
-)
+TINY_BASE: dict[str, Any] = {
+    "vocab_size": 512,
+    "hidden_size": 96,
+    "intermediate_size": 200,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+    "tie_word_embeddings": False,
+}
 
 TINY_PRESETS: dict[str, dict[str, Any]] = {
     # multi-head attention: as many KV heads as query heads
-    "mha": dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=4, intermediate_size=176),
+    "mha": {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 4, "intermediate_size": 176},
     # grouped-query attention, 2 query heads per KV head
-    "gqa": dict(hidden_size=96, num_attention_heads=4, num_key_value_heads=2, intermediate_size=200),
+    "gqa": {"hidden_size": 96, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 200},
     # Llama 3.1 RoPE frequency scaling; original_max_position_embeddings small so the scaling bands matter
-    "llama3_rope": dict(
-        hidden_size=128, num_attention_heads=4, num_key_value_heads=2, intermediate_size=320,
-        rope_theta=500000.0, max_position_embeddings=1024,
-        rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                          original_max_position_embeddings=64),
-    ),
+    "llama3_rope": {
+        "hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 320,
+        "rope_theta": 500000.0, "max_position_embeddings": 1024,
+        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 64},
+    },
     # Llama 3.2 / SmolLM2 style: lm_head shares the embedding matrix (no lm_head.weight in the file)
-    "tied": dict(hidden_size=96, num_attention_heads=6, num_key_value_heads=2, intermediate_size=256,
-                 tie_word_embeddings=True),
+    "tied": {"hidden_size": 96, "num_attention_heads": 6, "num_key_value_heads": 2, "intermediate_size": 256,
+             "tie_word_embeddings": True},
     # explicit head_dim different from hidden_size // num_attention_heads (96 // 4 = 24)
-    "head_dim": dict(hidden_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=40,
-                     intermediate_size=200),
+    "head_dim": {"hidden_size": 96, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 40,
+                 "intermediate_size": 200},
     # biases on q/k/v/o projections (and on the MLP)
-    "attn_bias": dict(hidden_size=80, num_attention_heads=4, num_key_value_heads=2, intermediate_size=208,
-                      attention_bias=True, mlp_bias=True),
+    "attn_bias": {"hidden_size": 80, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 208,
+                  "attention_bias": True, "mlp_bias": True},
 }
 
 _SPECIALS = ["<pad>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]  # ids 0..4 (pad, bos, eos: 0, 1, 2)
