@@ -346,5 +346,7 @@ def load_tokenizer(model_dir: str | Path):
 
     try:
         return AutoTokenizer.from_pretrained(str(d), local_files_only=True)
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(f"cannot load the tokenizer in {d}: {e}; re-download the tokenizer files") from e
+    except Exception as e:  # tokenizers raises a bare Exception for malformed files
+        raise CheckpointError(
+            f"cannot load the tokenizer in {d} ({type(e).__name__}: {e}); re-download the tokenizer files"
+        ) from e

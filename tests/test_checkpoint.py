@@ -275,3 +275,11 @@ def test_missing_tokenizer(tmp_path):
     d = write_tiny_checkpoint(tmp_path, tokenizer=False, **TINY_PRESETS["gqa"])
     with pytest.raises(CheckpointError, match="no tokenizer in .*tokenizer.json"):
         load_tokenizer(d)
+
+
+@pytest.mark.parametrize("content", ['{"truncated": ', '{"version": "1.0", "model": 3}'])
+def test_corrupt_tokenizer(tmp_path, content):
+    d = write_tiny_checkpoint(tmp_path, **TINY_PRESETS["gqa"])
+    (d / "tokenizer.json").write_text(content)
+    with pytest.raises(CheckpointError, match="cannot load the tokenizer in .*re-download"):
+        load_tokenizer(d)
