@@ -1,0 +1,74 @@
+"""Scalar-engine instructions: activation, activation_reduce (nki-reference.md §5.2, A.4, A.7)."""
+from __future__ import annotations
+
+import numpy as np
+
+from . import alu
+from . import checks as C
+from . import registers as R
+from . import runtime
+from .enums import reduce_cmd as RC
+from .errors import SimulationError
+from .tensor import NkiTensor
+
+
+def _activation_fn(op, iname):
+    o = alu.get(op, f"{iname} op")
+    if o.name not in alu.ACTIVATIONS:
+        raise SimulationError(f"{iname} op nl.{o.name} is not in the Scalar Engine activation table "
+                              f"({', '.join(sorted(alu.ACTIVATIONS))})")
+    return o
+
+
+def _bias(bias, parts, iname):
+    if bias is None:
+        return np.float32(0.0)
+    if isinstance(bias, NkiTensor):
+        if C.free(bias) != 1:
+            raise SimulationError(f"{iname} bias free dimension must be 1 (a ({parts}, 1) tile), got {bias.shape}")
+        C.buffers(bias, ("sbuf", "psum"), iname, "bias")
+    else:
+        C.gen_at_least(3, iname, "with a scalar bias (pass a (P, 1) tile on gen2)")
+    return C.scalar_operand(bias, parts, iname, "bias")
+
+
+def activation(dst, op, data, bias=None, scale=1.0, reduce_op=None, reduce_res=None, reduce_cmd=RC.idle,
+               relu_param=0.0, name=None):
+    """``dst = op(data * scale + bias)`` with optional add-reduction into the ScalarE registers (§5.2)."""
+    return _activation(dst, op, data, bias, scale, reduce_op, reduce_res, reduce_cmd, relu_param, "activation")
+
+
+def _activation(dst, op, data, bias, scale, reduce_op, reduce_res, reduce_cmd, relu_param, iname):
+    dst, x = C.tensor(dst, iname, "dst"), C.tensor(data, iname, "data")
+    o = _activation_fn(op, iname)
+    cmd = R.check_cmd(reduce_cmd, iname)
+    if reduce_op is not None:
+        R.reducer(reduce_op, f"{iname} reduce_op", ("add",))
+    for role, t in (("dst", dst), ("data", x)):
+        C.buffers(t, ("sbuf", "psum"), iname, role)
+    parts = C.same_partitions(iname, dst=dst, data=x)
+    C.same_free(iname, dst=dst, data=x)
+    C.writable(dst, iname)
+    b = _bias(bias, parts, iname)
+    s = C.scalar_operand(scale, parts, iname, "scale")
+    ctx = runtime.current()
+    if ctx.execute:
+        z = C.read_2d(x) * s + b
+        vals = _apply(o, z, relu_param)
+        R.update(ctx.act_acc, parts, cmd, vals, "add")
+        C.write(dst, vals)
+    R.readout(ctx.act_acc, parts, reduce_res, iname)
+    return C.emit("scalar", iname, x, dst)
+
+
+def _apply(o, z, relu_param):
+    if o.name == "prelu":
+        return np.where(z >= 0, z, np.float32(relu_param) * z).astype(np.float32)
+    return o.unary(z)
+
+
+def activation_reduce(dst, op, data, reduce_op, reduce_res, bias=None, scale=1.0, name=None):
+    """``activation`` with ``reduce_cmd=reset_reduce`` and the register read out into ``reduce_res`` (§5.2)."""
+    if reduce_res is None or reduce_op is None:
+        raise SimulationError("activation_reduce needs reduce_op=nl.add and reduce_res (a (P, 1) tile)")
+    return _activation(dst, op, data, bias, scale, reduce_op, reduce_res, RC.reset_reduce, 0.0, "activation_reduce")

@@ -1,0 +1,263 @@
+"""``nki.language`` functions: allocation, SPMD queries, loops and the experimental convenience wrappers
+(nl.load/store/copy/matmul/transpose, element-wise ops, reductions) that allocate their result and lower to
+``nisa`` instructions (nki-reference.md §1.3, §2.5, §3.3, §3.4, §4)."""
+from __future__ import annotations
+
+import builtins
+import contextlib
+import math
+import os
+import sys
+
+import numpy as np
+
+from . import alu
+from . import checks as C
+from . import dtypes as D
+from . import isa_data, isa_scalar, isa_tensor, isa_vector
+from . import memory as M
+from . import runtime
+from .errors import SimulationError
+from .tensor import NkiTensor, _row_major
+
+_SIM_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def _call_site() -> str:
+    frame = sys._getframe(1)
+    while frame is not None and os.path.dirname(os.path.abspath(frame.f_code.co_filename)) == _SIM_DIR:
+        frame = frame.f_back
+    return "" if frame is None else f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
+
+
+def ndarray(shape, dtype, buffer=M.sbuf, name="", address=None):
+    """Allocate an uninitialised tensor (NaN / 4 filled) in ``buffer`` (§2.5)."""
+    ctx = runtime.current()
+    if isinstance(buffer, str):
+        raise SimulationError(f"buffer must be an object such as nl.sbuf, not the string {buffer!r}")
+    if not isinstance(buffer, M.Buffer):
+        raise SimulationError(f"buffer must be nl.sbuf, nl.psum, nl.hbm, nl.private_hbm or nl.shared_hbm, got {buffer!r}")
+    shape = tuple(int(s) for s in (shape if isinstance(shape, (tuple, list)) else (shape,)))
+    if not shape or any(s <= 0 for s in shape):
+        raise SimulationError(f"tensor shape {shape} must have positive sizes")
+    dt = D.as_dtype(dtype)
+    label = name or f"{buffer.name}@{_call_site()}"
+    if buffer.on_chip and len(shape) < 2:
+        raise SimulationError(f"on-chip tensor {label!r} needs >= 2 dims (partition, free...), got {shape}")
+    if buffer is M.psum and address is not None and int(address[1]) % ctx.target.psum_bank_bytes:
+        raise SimulationError(f"PSUM tensor {label!r} address {address} must start at a bank boundary "
+                              f"(multiple of {ctx.target.psum_bank_bytes} B)")
+    storage = _shared_or_new(ctx, label, buffer, shape, dt)
+    if buffer.on_chip:
+        alloc = ctx.sbuf if buffer is M.sbuf else ctx.psum
+        alloc.allocate(storage, math.prod(shape[1:]) * D.itemsize(dt))
+    return NkiTensor(storage, dt, 0, _row_major(shape))
+
+
+def _shared_or_new(ctx, label, buffer, shape, dt):
+    """LNC2: the k-th shared_hbm allocation of every program instance is the same tensor (§3.4)."""
+    if buffer is not M.shared_hbm:
+        return M.new_storage(label, buffer, shape, dt, ctx.precise_fp, ctx.execute)
+    k = ctx.shared_index
+    ctx.shared_index += 1
+    if k < len(ctx.shared.storages):
+        st = ctx.shared.storages[k]
+        if st.shape != shape or st.dtype != dt:
+            raise SimulationError(f"program {ctx.program_id} allocates shared_hbm {label!r} {shape} but program 0 "
+                                  f"allocated {st.shape} at the same point; control flow must match across cores")
+        return st
+    st = M.new_storage(label, buffer, shape, dt, ctx.precise_fp, ctx.execute)
+    ctx.shared.storages.append(st)
+    return st
+
+
+def full(shape, fill_value, dtype, buffer=M.sbuf, name=""):
+    t = ndarray(shape, dtype, buffer=buffer, name=name)
+    if buffer.on_chip:
+        isa_data.memset(t, fill_value)
+    elif C.executing():
+        C.write(t, np.full(t.shape, fill_value, dtype=np.float64))
+    return t
+
+
+def zeros(shape, dtype, buffer=M.sbuf, name=""):
+    return full(shape, 0, dtype, buffer=buffer, name=name)
+
+
+def ones(shape, dtype, buffer=M.sbuf, name=""):
+    return full(shape, 1, dtype, buffer=buffer, name=name)
+
+
+def zeros_like(x, dtype=None, buffer=None, name=""):
+    return zeros(x.shape, dtype or x.dtype, buffer=buffer or x.buffer, name=name)
+
+
+def empty_like(x, dtype=None, buffer=None, name=""):
+    return ndarray(x.shape, dtype or x.dtype, buffer=buffer or x.buffer, name=name)
+
+
+def shared_identity_matrix(n, dtype=D.uint8):
+    """An (n, n) identity in SBUF (a constant the compiler DMAs in from HBM)."""
+    t = ndarray((n, n), dtype, buffer=M.sbuf, name=f"identity_{n}_{D.dtype_name(D.as_dtype(dtype))}")
+    if C.executing():
+        C.write(t, np.eye(n, dtype=np.float32))
+    C.emit("dma", "dma_copy", t, t, dma_bytes=t.size * D.itemsize(t.dtype))
+    return t
+
+
+def shared_constant(array, dtype=None):
+    arr = np.asarray(array)
+    t = ndarray(arr.shape, dtype or arr.dtype, buffer=M.shared_hbm, name="shared_constant")
+    if C.executing():
+        C.write(t, arr.astype(np.float64) if D.is_int(t.dtype) else arr.astype(np.float32))
+    return t
+
+
+# ---- SPMD / loops ----------------------------------------------------------------------------------------------
+def program_id(axis=0):
+    ctx = runtime.current()
+    if axis != 0:
+        raise SimulationError(f"program_id(axis={axis}): the new API launches a 1-D grid kernel[lnc]; use axis=0")
+    return ctx.program_id
+
+
+def num_programs(axes=0):
+    if axes not in (0, None):
+        raise SimulationError(f"num_programs(axes={axes}): only axis 0 exists in kernel[lnc] launches")
+    return runtime.current().num_programs
+
+
+def program_ndim():
+    return runtime.current().program_ndim
+
+
+def affine_range(*args, **kwargs):
+    return range(*args, **kwargs)
+
+
+sequential_range = static_range = affine_range
+
+
+def fori_loop(lower, upper, body_fn, step=1):
+    for i in range(lower, upper, step):
+        body_fn(i)
+
+
+def device_print(prefix, tensor):
+    if C.executing():
+        print(prefix, tensor.read())
+
+
+@contextlib.contextmanager
+def no_reorder():
+    yield
+
+
+class NKIObject:
+    """Base class for user objects passed through kernels (dataclass-like; §1.3)."""
+
+
+def ds(start, size):
+    """``nl.ds(start, size)`` == ``start:start+size`` (§3.1)."""
+    return slice(start, start + size)
+
+
+# ---- experimental convenience wrappers -----------------------------------------------------------------------
+def load(src, dtype=None):
+    if src.on_chip:
+        raise SimulationError("nl.load reads an HBM tensor; for on-chip tiles use nl.copy")
+    if src.ndim < 2:
+        raise SimulationError(f"nl.load needs a >= 2-D HBM view (partition dim first), got shape {src.shape}")
+    t = ndarray(src.shape, dtype or src.dtype, buffer=M.sbuf, name=f"load@{_call_site()}")
+    isa_data.dma_copy(t, src)
+    return t
+
+
+def store(dst, value):
+    if isinstance(value, NkiTensor) and value.kind == "psum":
+        raise SimulationError("nl.store of a PSUM tile is not supported; copy it to SBUF first (nl.copy)")
+    isa_data.dma_copy(dst, value)
+
+
+def copy(x, dtype=None):
+    t = ndarray(x.shape, dtype or x.dtype, buffer=M.sbuf, name=f"copy@{_call_site()}")
+    isa_data.tensor_copy(t, x)
+    return t
+
+
+def transpose(x, dtype=None):
+    p, f = x.shape[0], C.free(x)
+    t = ndarray((f, p), dtype or x.dtype, buffer=M.psum, name=f"transpose@{_call_site()}")
+    isa_tensor.nc_transpose(t, x)
+    return t
+
+
+def matmul(x, y, transpose_x=False):
+    """PSUM fp32 ``x.T @ y`` (transpose_x=True, x is [K, M]) or ``x @ y`` (x is [M, K], PE-transposed first)."""
+    if not transpose_x:
+        xt_psum = transpose(x)
+        x = copy(xt_psum)
+    out = ndarray((C.free(x), C.free(y)), D.float32, buffer=M.psum, name=f"matmul@{_call_site()}")
+    isa_tensor.nc_matmul(out, x, y, accumulate=False)
+    return out
+
+
+def apply_elementwise(op, *args, dtype=None):
+    """``nl.<op>(x[, y], dtype=None)``: new SBUF tile; binary ops do not broadcast (§4.2)."""
+    tiles = [a for a in args if isinstance(a, NkiTensor)]
+    if not tiles:
+        raise SimulationError(f"nl.{op.name} needs at least one tensor argument")
+    ref = tiles[0]
+    out = ndarray(ref.shape, dtype or ref.dtype, buffer=M.sbuf, name=f"{op.name}@{_call_site()}")
+    if len(args) == 1:
+        _unary(out, ref, op)
+    elif len(args) == 2 and len(tiles) == 2:
+        isa_vector.tensor_tensor(out, args[0], args[1], op)
+    elif len(args) == 2:
+        reverse = not isinstance(args[0], NkiTensor)
+        isa_vector.tensor_scalar(out, ref, op, args[1] if not reverse else args[0], reverse0=reverse)
+    else:
+        raise SimulationError(f"nl.{op.name} takes one or two operands, got {len(args)}")
+    return out
+
+
+def _unary(out, x, op):
+    if op.name in alu.ACTIVATIONS and op.name != "prelu":
+        isa_scalar.activation(out, op, x)
+    elif op.name in alu.ALU_UNARY or op.name == "invert":
+        isa_vector.tensor_scalar(out, x, op, None)
+    else:   # remaining unary math (negative, floor, cos, ...) on VectorE
+        C.same_free("nl." + op.name, dst=out, data=x)
+        if C.executing():
+            C.write(out, op.unary(C.read_2d(x)))
+        C.emit("vector", "tensor_scalar", x, out)
+
+
+def _reduce(op_name, x, axis, dtype, keepdims, name):
+    axes = (axis,) if isinstance(axis, int) else tuple(axis)
+    first = builtins.min(a + x.ndim if a < 0 else a for a in axes)
+    kept = x.shape[:first]
+    shape = kept + (1,) * (x.ndim - first) if keepdims or len(kept) < 2 else kept
+    out = ndarray(shape, dtype or x.dtype, buffer=M.sbuf, name=f"{name}@{_call_site()}")
+    isa_vector.tensor_reduce(out, alu.OPS[op_name], x, axes)
+    return out
+
+
+def sum(x, axis, dtype=None, keepdims=False):  # noqa: A001 (NKI name)
+    return _reduce("add", x, axis, dtype, keepdims, "sum")
+
+
+def max(x, axis, dtype=None, keepdims=False):  # noqa: A001
+    return _reduce("maximum", x, axis, dtype, keepdims, "max")
+
+
+def min(x, axis, dtype=None, keepdims=False):  # noqa: A001
+    return _reduce("minimum", x, axis, dtype, keepdims, "min")
+
+
+def mean(x, axis, dtype=None, keepdims=False):
+    total = _reduce("add", x, axis, D.float32, keepdims, "mean")
+    count = x.size // (total.size or 1)
+    out = ndarray(total.shape, dtype or x.dtype, buffer=M.sbuf, name=f"mean@{_call_site()}")
+    isa_vector.tensor_scalar(out, total, alu.OPS["multiply"], 1.0 / count)
+    return out

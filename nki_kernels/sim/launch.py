@@ -1,0 +1,120 @@
+"""Kernel launch: ``nki.jit``, ``nki.simulate``, ``nki.simulator.simulate_kernel`` (nki-reference.md §1.3, §7.1, A.1).
+
+Arguments: NumPy arrays and torch tensors become ``shared_hbm`` tensors that share memory with the caller where
+possible (so in-place writes are visible); results come back as NumPy arrays, or torch tensors if any argument
+was a torch tensor. torch is imported only when a torch tensor is passed. LNC2 runs the body twice (program 0
+then program 1, sequentially) over the same HBM storages.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from . import dtypes as D
+from . import runtime
+from .args import ArgConverter
+from .errors import SimulationError
+from .target import parse_target, precise_fp_from_env, target_from_env
+from .tensor import NkiTensor
+
+
+@dataclass(frozen=True)
+class ShapeSpec:
+    """A shape/dtype placeholder argument: no data is allocated (for ``execute=False`` cost-only runs)."""
+
+    shape: tuple
+    dtype: object
+
+
+class Kernel:
+    """Result of ``nki.jit(fn)``: callable (runs on the simulator on this machine) and ``kernel[lnc]``."""
+
+    def __init__(self, fn, lnc=None, options=None):
+        self.fn, self.lnc, self.options = fn, lnc, dict(options or {})
+        self.__name__ = getattr(fn, "__name__", "kernel")
+        self.__doc__ = getattr(fn, "__doc__", None)
+        self.__wrapped__ = fn
+
+    def __getitem__(self, lnc) -> "Kernel":
+        if isinstance(lnc, tuple):
+            raise SimulationError("kernel[d0, d1, ...] SPMD grids are legacy NKI; the new API takes kernel[lnc] "
+                                  "with lnc 1 or 2 (loop over batch/heads inside the kernel)")
+        if lnc not in (1, 2):
+            raise SimulationError(f"kernel[lnc]: lnc must be 1 or 2, got {lnc!r}")
+        return Kernel(self.fn, lnc, self.options)
+
+    def __call__(self, *args, **kwargs):
+        return simulate_kernel(self.fn, args, kwargs, lnc=self.lnc)
+
+    def __repr__(self) -> str:
+        return f"nki.jit({self.__name__}){'' if self.lnc is None else f'[{self.lnc}]'}"
+
+
+def jit(fn=None, **kwargs):
+    """``@nki.jit`` / ``nki.jit(fn, **opts)``. ``platform_target=`` is an error since 0.3; ``mode`` is ignored."""
+    if "platform_target" in kwargs:
+        raise SimulationError("nki.jit(platform_target=...) is not supported; set NEURON_PLATFORM_TARGET_OVERRIDE")
+    if fn is None:
+        return lambda f: jit(f, **kwargs)
+    if isinstance(fn, Kernel):
+        return fn
+    return Kernel(fn, None, kwargs)
+
+
+def simulate(kernel):
+    """``nki.simulate(kernel)(*args)`` / ``nki.simulate(kernel[2])(*args)``: run on the CPU simulator."""
+    fn, lnc = _unwrap(kernel)
+    return lambda *args, **kwargs: simulate_kernel(fn, args, kwargs, lnc=lnc)
+
+
+def _unwrap(kernel):
+    if isinstance(kernel, Kernel):
+        return kernel.fn, kernel.lnc
+    if callable(kernel):
+        return kernel, None
+    raise SimulationError(f"expected a kernel function or nki.jit object, got {type(kernel).__name__}")
+
+
+def _default_lnc():
+    value = os.environ.get("NEURON_LOGICAL_NC_CONFIG")
+    return None if not value else int(value)
+
+
+def simulate_kernel(func, args=(), kwargs=None, lnc=None, recorder=None, execute=True, target=None):
+    """Run ``func(*args, **kwargs)`` as an NKI kernel on the CPU and return its outputs.
+
+    lnc: None (no grid: program_ndim() == 0) or 1/2 (``kernel[lnc]``). recorder: receives one InstrEvent per
+    instruction. execute=False validates and records without doing the NumPy math (outputs are then None).
+    target: "trn1" | "trn2" | "trn3" (default: NEURON_PLATFORM_TARGET_OVERRIDE, else trn3).
+    """
+    fn, bracket = _unwrap(func)
+    lnc = lnc if lnc is not None else (bracket if bracket is not None else _default_lnc())
+    tgt = parse_target(target) if target else target_from_env()
+    if lnc not in (None, 1, 2):
+        raise SimulationError(f"lnc must be 1 or 2, got {lnc!r}")
+    if lnc == 2 and tgt.gen < 3:
+        raise SimulationError("LNC2 needs trn2/trn3 (gen3+); trn1 NeuronCores run kernel[1] only")
+    precise = precise_fp_from_env()
+    conv = ArgConverter(precise=precise, execute=execute)
+    shared = runtime.Shared()
+    hbm_args, hbm_kwargs = conv.wrap(tuple(args), dict(kwargs or {}), shared, ShapeSpec)
+    out = None
+    for pid in range(lnc or 1):
+        ctx = runtime.RunContext(target=tgt, recorder=recorder, execute=execute, precise_fp=precise, program_id=pid,
+                                 num_programs=lnc or 1, program_ndim=0 if lnc is None else 1, shared=shared)
+        with runtime.kernel_context(ctx):
+            result = fn(*hbm_args, **hbm_kwargs)
+        _check_outputs(result)
+        out = result if pid == 0 else out
+    conv.write_back()
+    return conv.unwrap(out) if execute else None
+
+
+def _check_outputs(result) -> None:
+    items = result if isinstance(result, (tuple, list)) else (result,)
+    for r in items:
+        if isinstance(r, (tuple, list)):
+            _check_outputs(r)
+        elif isinstance(r, NkiTensor) and r.buffer.name != "shared_hbm":
+            raise SimulationError(f"kernel output {r.name!r} is in {r.buffer!r}; kernel outputs must be allocated "
+                                  f"with buffer=nl.shared_hbm")

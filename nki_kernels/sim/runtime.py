@@ -1,0 +1,101 @@
+"""Per-run interpreter state: target, program instance, allocators, engine accumulators, event recording.
+
+A run context exists only while a kernel executes (``kernel_context``); NKI calls outside one raise.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+import warnings
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .errors import SimulationError, SimulatorWarning
+from .events import InstrEvent, Recorder
+from .memory import Allocator
+from .target import Target
+
+_local = threading.local()
+_global_recorders: list[Recorder] = []
+
+
+@dataclass
+class Shared:
+    """State shared by the program instances of one launch (LNC2 shares HBM ``shared_hbm`` allocations)."""
+
+    storages: list = field(default_factory=list)
+
+
+@dataclass
+class RunContext:
+    target: Target
+    recorder: Recorder | None
+    execute: bool
+    precise_fp: bool
+    program_id: int = 0
+    num_programs: int = 1
+    program_ndim: int = 0
+    shared: Shared = field(default_factory=Shared)
+    shared_index: int = 0
+    sbuf: Allocator = None
+    psum: Allocator = None
+    act_acc: np.ndarray = None   # ScalarE accumulator registers, 128 fp32 lanes (A.4)
+    vec_acc: np.ndarray = None   # VectorE accumulator registers, 128 fp32 lanes (A.4)
+
+    def __post_init__(self):
+        t = self.target
+        self.sbuf = Allocator("sbuf", t.sbuf_bytes_per_partition)
+        self.psum = Allocator("psum", t.psum_bytes_per_partition, unit=t.psum_bank_bytes)
+        self.act_acc = np.zeros(t.pmax, dtype=np.float32)
+        self.vec_acc = np.zeros(t.pmax, dtype=np.float32)
+
+    @property
+    def gen(self) -> int:
+        return self.target.gen
+
+
+def current() -> RunContext:
+    ctx = getattr(_local, "ctx", None)
+    if ctx is None:
+        raise SimulationError("NKI API called outside a running kernel; launch it through nki.simulate(kernel)(...), "
+                              "nki.jit or nki.simulator.simulate_kernel")
+    return ctx
+
+
+def active() -> RunContext | None:
+    return getattr(_local, "ctx", None)
+
+
+@contextlib.contextmanager
+def kernel_context(ctx: RunContext):
+    """Make ``ctx`` the current run context of this thread for the duration of the block."""
+    prev = getattr(_local, "ctx", None)
+    _local.ctx = ctx
+    try:
+        yield ctx
+    finally:
+        _local.ctx = prev
+
+
+@contextlib.contextmanager
+def recording(recorder: Recorder):
+    """Send the events of every kernel run inside this block to ``recorder`` (in addition to a per-run one)."""
+    _global_recorders.append(recorder)
+    try:
+        yield recorder
+    finally:
+        _global_recorders.remove(recorder)
+
+
+def emit(ev: InstrEvent) -> None:
+    ctx = current()
+    if ctx.recorder is not None:
+        ctx.recorder.record(ev)
+    for rec in list(_global_recorders):
+        if rec is not ctx.recorder:
+            rec.record(ev)
+
+
+def warn(message: str) -> None:
+    warnings.warn(message, SimulatorWarning, stacklevel=4)

@@ -1,0 +1,296 @@
+"""NkiTensor: a view (offset + [[stride, count], ...] in element units) over a Storage (nki-reference.md §3.1, A.2).
+
+Reading a view gathers ``flat[offset + sum_k stride_k * i_k]`` with one broadcast index array; writing scatters
+to the same indices. Views never copy.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from . import dtypes as D
+from .errors import SimulationError
+
+
+def _is_tensor_like(x) -> bool:
+    return isinstance(x, NkiTensor)
+
+
+class NkiTensor:
+    """A view of an NKI tensor. Attributes mirror the real ``NkiTensor``: shape, strides, offset, dtype, buffer."""
+
+    __slots__ = ("storage", "dtype", "offset", "dims", "_idx")
+
+    def __init__(self, storage, dtype, offset: int, dims):
+        self.storage, self.dtype, self.offset = storage, dtype, int(offset)
+        self.dims = tuple((int(s), int(c)) for s, c in dims)
+        self._idx = None
+        self._check_bounds()
+
+    # ---- attributes -------------------------------------------------------------------------------------
+    shape = property(lambda self: tuple(c for _, c in self.dims))
+    strides = property(lambda self: tuple(s for s, _ in self.dims))
+    ndim = property(lambda self: len(self.dims))
+    size = property(lambda self: math.prod(self.shape))
+    buffer = property(lambda self: self.storage.buffer)
+    name = property(lambda self: self.storage.name)
+    on_chip = property(lambda self: self.storage.buffer.on_chip)
+    kind = property(lambda self: self.storage.buffer.kind)
+
+    def __repr__(self) -> str:
+        return (f"NkiTensor(name={self.name!r}, shape={self.shape}, dtype={D.dtype_name(self.dtype)}, "
+                f"buffer={self.buffer!r}, offset={self.offset}, strides={self.strides})")
+
+    def __iter__(self):
+        raise TypeError("NkiTensor is not iterable; index it with slices or loop over range(...)")
+
+    # ---- element units -------------------------------------------------------------------------------------
+    @property
+    def np_dtype(self) -> np.ndarray:
+        """NumPy dtype used to address the flat storage for this view."""
+        st = self.storage
+        if st.backing != D.storage_dtype(st.dtype):  # NKI_PRECISE_FP=0: low-precision data stored as fp32
+            return st.backing
+        return D.storage_dtype(self.dtype)
+
+    def _limit(self) -> int:
+        st = self.storage
+        return st.elements * st.backing.itemsize // self.np_dtype.itemsize
+
+    def _check_bounds(self) -> None:
+        if any(c <= 0 for _, c in self.dims):
+            raise SimulationError(f"tensor view {self.shape} of {self.name!r} has an empty dimension")
+        lo = self.offset + sum(min(0, s * (c - 1)) for s, c in self.dims)
+        hi = self.offset + sum(max(0, s * (c - 1)) for s, c in self.dims)
+        if lo < 0 or hi >= self._limit():
+            raise SimulationError(f"access pattern {self.get_pattern()} offset {self.offset} reaches elements "
+                                  f"[{lo}, {hi}] outside tensor {self.name!r} of {self._limit()} elements")
+
+    def partition_stride(self) -> int:
+        """Elements between partitions of the underlying on-chip allocation (in this view's units)."""
+        st = self.storage
+        return math.prod(st.shape[1:]) * st.backing.itemsize // self.np_dtype.itemsize
+
+    # ---- data access -------------------------------------------------------------------------------------
+    def index(self) -> np.ndarray:
+        if self._idx is None:
+            idx = np.full((1,) * self.ndim, self.offset, dtype=np.int64)
+            for k, (s, c) in enumerate(self.dims):
+                shape = [1] * self.ndim
+                shape[k] = c
+                idx = idx + (np.arange(c, dtype=np.int64) * s).reshape(shape)
+            self._idx = idx
+        return self._idx
+
+    def read(self) -> np.ndarray:
+        """Gather the view's stored values (storage dtype) into an array of ``self.shape``."""
+        if self.storage.raw is None:
+            raise SimulationError("tensor data is not available in cost-only mode (execute=False)")
+        return self.storage.typed(self.np_dtype)[self.index()]
+
+    def write(self, values: np.ndarray) -> None:
+        """Scatter already-cast values (any shape with the same element count) into the view."""
+        if self.storage.raw is None:
+            return
+        values = np.asarray(values, dtype=self.np_dtype)
+        if values.size != self.size:
+            raise SimulationError(f"internal: writing {values.size} elements into a view of {self.size}")
+        self.storage.typed(self.np_dtype)[self.index()] = values.reshape(self.shape)
+
+    # ---- indexing -------------------------------------------------------------------------------------------
+    def __getitem__(self, key) -> "NkiTensor":
+        key = _normalise_key(key, self.ndim)
+        offset, dims, kept, int_dims = self.offset, [], [], []
+        for k, (item, (s, c)) in enumerate(zip(key, self.dims)):
+            if isinstance(item, slice):
+                start, count, step = _slice_range(item, c, k, self.shape)
+                offset += start * s
+                dims.append((s * step, count))
+                kept.append(k)
+            else:
+                i = _int_index(item, c, k, self.shape)
+                offset += i * s
+                if self.on_chip and k == 0:   # on-chip: an integer on the partition dim keeps a size-1 dim
+                    dims.append((s, 1))
+                    kept.append(k)
+                else:
+                    int_dims.append((k, s))
+        if self.on_chip and len(dims) < 2:     # on-chip results stay >= 2-D: keep the last dropped free dim
+            k, s = int_dims[-1]
+            dims.append((s, 1))
+        if not dims:
+            raise SimulationError(f"indexing {self.name!r} with {key} leaves no dimension; use a slice of size 1")
+        return NkiTensor(self.storage, self.dtype, offset, dims)
+
+    # ---- view methods (0.5+) ----------------------------------------------------------------------------------
+    def get_pattern(self):
+        return [[s, c] for s, c in self.dims]
+
+    def is_contiguous(self) -> bool:
+        dims = self.dims[1:] if self.on_chip else self.dims
+        expect = 1
+        for s, c in reversed(dims):
+            if c != 1 and s != expect:
+                return False
+            expect *= c
+        return True
+
+    def ap(self, pattern, offset=0, scalar_offset=None, vector_offset=None, indirect_dim=0, dtype=None):
+        """Raw access pattern over the underlying storage (not composable with the current view, §3.1)."""
+        if vector_offset is not None:
+            raise SimulationError("ap(vector_offset=...) indirect DMA is not implemented in this simulator")
+        dt = D.as_dtype(dtype) if dtype is not None else self.dtype
+        base = NkiTensor.__new__(NkiTensor)
+        base.storage, base.dtype, base.offset, base.dims, base._idx = self.storage, dt, 0, ((1, 1),), None
+        pattern = [tuple(int(v) for v in pair) for pair in pattern]
+        if any(len(pair) != 2 for pair in pattern):
+            raise SimulationError(f"ap pattern must be a list of [stride, count] pairs, got {pattern}")
+        if self.on_chip and pattern[0][1] > 1 and pattern[0][0] != base.partition_stride():
+            raise SimulationError(f"ap on on-chip tensor {self.name!r}: the first [stride, count] pair is the "
+                                  f"partition dim and its stride must be {base.partition_stride()} (the allocation's "
+                                  f"free size), got {pattern[0][0]}")
+        start = int(offset) + _scalar_offset(scalar_offset, self.storage.shape, indirect_dim)
+        return NkiTensor(self.storage, dt, start, pattern)
+
+    def view(self, dtype) -> "NkiTensor":
+        """Bit reinterpretation; the last dim (contiguous) is rescaled by the itemsize ratio (§3.1)."""
+        dt = D.as_dtype(dtype)
+        old, new = self.np_dtype.itemsize, D.itemsize(dt)
+        if self.storage.backing != D.storage_dtype(self.storage.dtype):
+            raise SimulationError("view(dtype) reinterprets bits and needs NKI_PRECISE_FP=1")
+        if old == new:
+            return NkiTensor(self.storage, dt, self.offset, self.dims)
+        s_last, c_last = self.dims[-1]
+        if s_last != 1 and c_last != 1 or (c_last * old) % new:
+            raise SimulationError(f"view({D.dtype_name(dt)}) needs a contiguous last dim whose byte size "
+                                  f"({c_last}x{old} B) is a multiple of {new} B")
+        scaled = [(s * old) for s, _ in self.dims[:-1]] + [self.offset * old]
+        if any(v % new for v in scaled):
+            raise SimulationError(f"view({D.dtype_name(dt)}): offset/strides are not aligned to {new} B")
+        dims = [(s * old // new, c) for s, c in self.dims[:-1]] + [(1, c_last * old // new)]
+        return NkiTensor(self.storage, dt, self.offset * old // new, dims)
+
+    reinterpret_cast = view
+
+    def reshape(self, shape) -> "NkiTensor":
+        shape = _resolve_shape(tuple(shape), self.size)
+        if not self.is_contiguous():
+            raise SimulationError(f"reshape of non-contiguous view {self.get_pattern()} of {self.name!r}")
+        if self.on_chip:
+            if shape[0] != self.shape[0]:
+                raise SimulationError(f"reshape of an on-chip tensor must keep the partition dim {self.shape[0]}")
+            return NkiTensor(self.storage, self.dtype, self.offset, [(self.dims[0][0], shape[0])] + _row_major(shape[1:]))
+        return NkiTensor(self.storage, self.dtype, self.offset, _row_major(shape))
+
+    def broadcast(self, dim: int, size: int) -> "NkiTensor":
+        dim = _axis(dim, self.ndim)
+        if self.dims[dim][1] != 1 or (self.on_chip and dim == 0):
+            raise SimulationError(f"broadcast(dim={dim}) needs a size-1 free dim (shape {self.shape})")
+        dims = list(self.dims)
+        dims[dim] = (0, int(size))
+        return NkiTensor(self.storage, self.dtype, self.offset, dims)
+
+    def expand_dim(self, dim: int) -> "NkiTensor":
+        dims = list(self.dims)
+        dims.insert(_axis(dim, self.ndim + 1), (0, 1))
+        return NkiTensor(self.storage, self.dtype, self.offset, dims)
+
+    def squeeze_dim(self, dim: int) -> "NkiTensor":
+        dim = _axis(dim, self.ndim)
+        if self.dims[dim][1] != 1:
+            raise SimulationError(f"squeeze_dim({dim}) on a dim of size {self.dims[dim][1]}")
+        return NkiTensor(self.storage, self.dtype, self.offset, self.dims[:dim] + self.dims[dim + 1:])
+
+    def slice(self, dim: int, start: int, end: int, step: int = 1) -> "NkiTensor":
+        key = [slice(None)] * self.ndim
+        key[_axis(dim, self.ndim)] = slice(start, end, step)
+        return self[tuple(key)]
+
+    def select(self, dim: int, index: int) -> "NkiTensor":
+        key = [slice(None)] * self.ndim
+        key[_axis(dim, self.ndim)] = index
+        return self[tuple(key)]
+
+    def permute(self, dims) -> "NkiTensor":
+        dims = [_axis(d, self.ndim) for d in dims]
+        if sorted(dims) != list(range(self.ndim)) or (self.on_chip and dims[0] != 0):
+            raise SimulationError(f"permute({dims}) must be a permutation (keeping dim 0 first on-chip)")
+        return NkiTensor(self.storage, self.dtype, self.offset, [self.dims[d] for d in dims])
+
+
+def _axis(dim: int, ndim: int) -> int:
+    d = dim + ndim if dim < 0 else dim
+    if not 0 <= d < ndim:
+        raise SimulationError(f"dimension {dim} out of range for a {ndim}-D tensor")
+    return d
+
+
+def _row_major(shape):
+    dims, stride = [], 1
+    for c in reversed(shape):
+        dims.append((stride, c))
+        stride *= c
+    return dims[::-1]
+
+
+def _resolve_shape(shape, size):
+    if shape.count(-1) > 1:
+        raise SimulationError(f"reshape {shape}: at most one -1")
+    known = math.prod(c for c in shape if c != -1)
+    if -1 in shape:
+        shape = tuple(size // known if c == -1 else c for c in shape)
+    if math.prod(shape) != size:
+        raise SimulationError(f"reshape to {shape} changes the element count {size}")
+    return shape
+
+
+def _scalar_offset(value, base_shape, indirect_dim) -> int:
+    if value is None:
+        return 0
+    if isinstance(value, NkiTensor):
+        if value.size != 1:
+            raise SimulationError("scalar_offset tensor must hold exactly one element")
+        value = int(np.asarray(value.read()).reshape(-1)[0])
+    return int(value) * math.prod(base_shape[indirect_dim + 1:])
+
+
+def _normalise_key(key, ndim):
+    if not isinstance(key, tuple):
+        key = (key,)
+    if any(k is None for k in key):
+        raise SimulationError("None/np.newaxis indexing is not supported on NkiTensor; use expand_dim")
+    if sum(k is Ellipsis for k in key) > 1:
+        raise SimulationError("an index may contain at most one Ellipsis")
+    if Ellipsis in key:
+        i = key.index(Ellipsis)
+        key = key[:i] + (slice(None),) * (ndim - len(key) + 1) + key[i + 1:]
+    if len(key) > ndim:
+        raise SimulationError(f"too many indices ({len(key)}) for a {ndim}-D tensor")
+    return key + (slice(None),) * (ndim - len(key))
+
+
+def _int_index(item, count, k, shape) -> int:
+    try:
+        i = int(item)
+    except TypeError as exc:
+        raise SimulationError(f"unsupported index {item!r} on dim {k}; use ints, slices or nl.ds") from exc
+    if i < 0:
+        i += count
+    if not 0 <= i < count:
+        raise SimulationError(f"index {item} out of range for dim {k} of size {count} (shape {shape})")
+    return i
+
+
+def _slice_range(sl: slice, count, k, shape):
+    step = 1 if sl.step is None else int(sl.step)
+    if step <= 0:
+        raise SimulationError(f"slice step must be positive, got {step}")
+    start = 0 if sl.start is None else int(sl.start)
+    stop = count if sl.stop is None else int(sl.stop)
+    start = start + count if start < 0 else start
+    stop = stop + count if stop < 0 else stop
+    if not (0 <= start < stop <= count):
+        raise SimulationError(f"slice [{sl.start}:{sl.stop}] is empty or out of range for dim {k} of size "
+                              f"{count} (shape {shape}); clamp it with min()")
+    return start, len(range(start, stop, step)), step
