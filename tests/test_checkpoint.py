@@ -283,3 +283,20 @@ def test_corrupt_tokenizer(tmp_path, content):
     (d / "tokenizer.json").write_text(content)
     with pytest.raises(CheckpointError, match="cannot load the tokenizer in .*re-download"):
         load_tokenizer(d)
+
+
+def test_invalid_index_json(tmp_path):
+    d = write_tiny_checkpoint(tmp_path, tokenizer=False, max_shard_size="40KB", **TINY_PRESETS["gqa"])
+    (d / "model.safetensors.index.json").write_text('{"weight_map": ')
+    with pytest.raises(CheckpointError, match=r"index\.json is not a valid safetensors index.*re-download"):
+        load_checkpoint(d, ModelConfig.from_model_dir(d))
+
+
+def test_tensor_in_two_shards(tmp_path):
+    d = write_tiny_checkpoint(tmp_path, tokenizer=False, max_shard_size="40KB", **TINY_PRESETS["gqa"])
+    first, second = sorted(d.glob("model-*.safetensors"))[:2]
+    a, b = load_file(first), load_file(second)
+    name = next(iter(a))
+    save_file({**b, name: a[name]}, second, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=f"tensor {name} appears in both"):
+        load_checkpoint(d, ModelConfig.from_model_dir(d))
