@@ -200,8 +200,16 @@ def layout_kind(name: str) -> str:
 
 def shard_state_dict(sd: Mapping[str, torch.Tensor], cfg: ModelConfig, plan: ShardPlan,
                      rank: int) -> dict[str, torch.Tensor]:
-    """That rank's state dict: every tensor replaced by its shard (new tensors; `sd` is untouched)."""
+    """That rank's state dict: every tensor replaced by its shard (new tensors; `sd` is untouched).
+
+    With tied embeddings `lm_head.weight` is dropped (as Hugging Face files omit it): the model ties its lm_head
+    to the embedding shard, so the rank file holds the vocabulary rows once."""
     _check_plan(cfg, plan)
+    if cfg.tie_word_embeddings and "lm_head.weight" in sd:
+        if not torch.equal(sd["lm_head.weight"], sd["model.embed_tokens.weight"]):
+            raise ConfigError("tie_word_embeddings is true but lm_head.weight differs from the embedding; fix "
+                              "config.json (tie_word_embeddings: false) or the checkpoint")
+        sd = {k: v for k, v in sd.items() if k != "lm_head.weight"}
     layouts = {k: plan_layout(plan, k) for k in LAYOUT_KINDS}
     return {name: shard(t, rank, plan.tp, layouts[layout_kind(name)]) for name, t in sd.items()}
 

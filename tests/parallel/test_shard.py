@@ -183,3 +183,15 @@ def test_sum_of_rank_partials_equals_the_full_layer(heads, kv, tp):
         parts.append(_layer_partial(x, local, r.q_to_kv, d))
     for i in range(2):
         torch.testing.assert_close(sum(p[i] for p in parts), ref[i], rtol=1e-10, atol=1e-10)
+
+
+def test_tied_lm_head_is_stored_once_and_must_equal_the_embedding():
+    cfg = make_cfg(4, 2, head_dim=4, inter=24, vocab=30, tie_word_embeddings=True)
+    plan = ShardPlan.build(cfg, 2)
+    sd = random_state_dict(cfg)
+    sd["lm_head.weight"] = sd["model.embed_tokens.weight"]  # what a tied HF model's state_dict() returns
+    rank_sd = shard_state_dict(sd, cfg, plan, 1)
+    assert "lm_head.weight" not in rank_sd and rank_sd["model.embed_tokens.weight"].shape == (15, 16)
+    sd["lm_head.weight"] = sd["model.embed_tokens.weight"] + 1
+    with pytest.raises(ConfigError, match="lm_head.weight differs from the embedding"):
+        shard_state_dict(sd, cfg, plan, 0)
