@@ -17,9 +17,9 @@ from neuron_infer.compile.artifact import Manifest, read_manifest
 from neuron_infer.compile.builder import cache_shape, compile_model  # noqa: F401  (re-exported)
 from neuron_infer.compile.weights import empty_model, load_rank_weights
 from neuron_infer.config import SamplingConfig
-from neuron_infer.errors import NeuronInferError
+from neuron_infer.errors import ArtifactError, NeuronInferError
 from neuron_infer.model.llama import BucketStep
-from neuron_infer.runtime.engine import Engine, graph_name, planned_graphs
+from neuron_infer.runtime.engine import Engine, planned_graphs
 from neuron_infer.runtime.generate import Metrics, SequenceResult, generate_ids
 
 
@@ -58,9 +58,9 @@ def _load_graphs(root: Path, manifest: Manifest, model) -> dict:
 
     be = get_backend(manifest.backend)
     graphs = {}
-    for kind, t, s in planned_graphs(manifest.build):
-        name = graph_name(kind, t, s)
-        graphs[name] = be.load_graph(root / "graphs", name, BucketStep(model, s))
+    for spec in planned_graphs(manifest.build):
+        step = BucketStep(model, spec.attend, spec.select_rows)
+        graphs[spec.name] = be.load_graph(root / "graphs", spec.name, step)
     return graphs
 
 
@@ -83,17 +83,22 @@ class CompiledModel:
         self.eos_ids = _eos_ids(manifest, tokenizer, root)
 
     @classmethod
-    def load(cls, artifact_dir: str | Path, verify_files: bool = True) -> "CompiledModel":
+    def load(cls, artifact_dir: str | Path, verify_files: bool = True,
+             expect_checkpoint: str | Path | None = None) -> "CompiledModel":
+        """Load an artifact; with `expect_checkpoint`, also require that it was compiled from that checkpoint."""
         from neuron_infer.checkpoint import load_tokenizer  # noqa: PLC0415
 
         root = Path(artifact_dir)
         manifest = read_manifest(root, verify_files=verify_files)
+        if expect_checkpoint is not None:
+            check_checkpoint(manifest, root, Path(expect_checkpoint))
         if manifest.build.tp_degree != 1:
             raise NeuronInferError("this artifact is tensor-parallel; load it with neuron_infer.parallel")
         model = empty_model(manifest.model, manifest.build)
         _apply_quant_structure(model, manifest)
         load_rank_weights(model, root / "weights" / "rank0.safetensors")
-        engine = Engine(_load_graphs(root, manifest, model), manifest.build, cache_shape(model, manifest.build))
+        engine = Engine(_load_graphs(root, manifest, model), manifest.build, cache_shape(model, manifest.build),
+                        manifest.model.vocab_size)
         return cls(root, manifest, engine, load_tokenizer(root / "tokenizer"))
 
     def encode(self, prompt: str, chat: bool = False) -> list[int]:
@@ -126,6 +131,17 @@ class CompiledModel:
 
     def _text(self, r: SequenceResult) -> TextOutput:
         return TextOutput(r.token_ids, self.tokenizer.decode(r.token_ids, skip_special_tokens=True), r.finish_reason)
+
+
+def check_checkpoint(manifest: Manifest, root: Path, model_dir: Path) -> None:
+    from neuron_infer.checkpoint import checkpoint_fingerprint  # noqa: PLC0415
+
+    found = checkpoint_fingerprint(model_dir)
+    if found != manifest.checkpoint_fingerprint:
+        raise ArtifactError(
+            f"{root / 'manifest.json'}: checkpoint_fingerprint {manifest.checkpoint_fingerprint[:12]}... does not match "
+            f"{model_dir} ({found[:12]}...): the artifact was compiled from another checkpoint; recompile it"
+        )
 
 
 def _apply_quant_structure(model, manifest: Manifest) -> None:

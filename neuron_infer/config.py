@@ -68,6 +68,7 @@ _HF_IGNORED_KEYS = frozenset({
     "add_cross_attention", "cross_attention_hidden_size", "finetuning_task", "prefix", "sep_token_id",
     "decoder_start_token_id", "task_specific_params", "tf_legacy_loss", "use_bfloat16", "torchscript",
     "pruned_heads", "is_decoder", "layer_types", "sliding_window", "use_sliding_window", "max_window_layers",
+    "_model_name_or_path", "unk_token_id", "transformers.js_config",
 })
 _SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
 

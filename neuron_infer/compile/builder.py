@@ -16,7 +16,7 @@ from neuron_infer.compile.weights import build_float_model, save_rank_weights
 from neuron_infer.config import BuildConfig, ModelConfig
 from neuron_infer.errors import ConfigError
 from neuron_infer.model.llama import BucketStep, LlamaModel
-from neuron_infer.runtime.engine import CacheShape, graph_name, planned_graphs
+from neuron_infer.runtime.engine import CacheShape, GraphSpec, planned_graphs
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "generation_config.json", "chat_template.jinja", "vocab.json", "merges.txt", "added_tokens.json")
@@ -36,13 +36,15 @@ def check_build_against_model(cfg: ModelConfig, build: BuildConfig) -> None:
         ShardPlan.build(cfg, build.tp_degree)
 
 
-def example_args(cache: CacheShape, tokens: int) -> tuple[torch.Tensor, ...]:
-    """Static-shape example inputs of one step graph."""
-    b = cache.batch
+def example_args(cache: CacheShape, spec: GraphSpec) -> tuple[torch.Tensor, ...]:
+    """Static-shape example inputs of one step graph (see runtime.engine for the signatures)."""
+    b, t = spec.batch, spec.tokens
     k, v = cache.allocate()
-    ids = torch.zeros(b, tokens, dtype=torch.int64)  # [B, T]
-    pos = torch.arange(tokens, dtype=torch.int64).expand(b, tokens).contiguous()  # [B, T]
-    idx = torch.full((b, 1), tokens - 1, dtype=torch.int64)  # [B, 1]
+    ids = torch.zeros(b, t, dtype=torch.int64)  # [B, T]
+    pos = torch.arange(t, dtype=torch.int64).expand(b, t).contiguous()  # [B, T]
+    idx = torch.full((b, 1), t - 1, dtype=torch.int64)  # [B, 1]
+    if spec.select_rows:
+        return ids, pos, k, v, idx, torch.zeros(b, dtype=torch.int64)  # seq_ids [B]
     return ids, pos, k, v, idx
 
 
@@ -58,13 +60,14 @@ def compile_graphs(model: LlamaModel, build: BuildConfig, backend, graphs_dir: P
     """Compile every planned (sub-model, bucket) graph of one rank's model."""
     graphs_dir.mkdir(parents=True, exist_ok=True)
     shape, plan, out = cache_shape(model, build), planned_graphs(build), {}
-    for i, (kind, t, s) in enumerate(plan, 1):
-        name = graph_name(kind, t, s)
+    for i, spec in enumerate(plan, 1):
         t0 = time.perf_counter()
-        say(f"[{i}/{len(plan)}] compiling {name} ({backend.name})")
+        say(f"[{i}/{len(plan)}] compiling {spec.name} ({backend.name})")
+        step = BucketStep(model, spec.attend, spec.select_rows)
         with torch.inference_mode():
-            meta = backend.compile_graph(BucketStep(model, s), example_args(shape, t), graphs_dir, name)
-        out[name] = {"kind": kind, "tokens": t, "attend": s, "seconds": round(time.perf_counter() - t0, 3), **meta}
+            meta = backend.compile_graph(step, example_args(shape, spec), graphs_dir, spec.name)
+        out[spec.name] = {"kind": spec.kind, "tokens": spec.tokens, "attend": spec.attend, "batch": spec.batch,
+                          "seconds": round(time.perf_counter() - t0, 3), **meta}
     return out
 
 

@@ -90,21 +90,25 @@ class Attention(nn.Module):
         self.register_buffer("q_to_kv", torch.tensor(lay.q_to_kv, dtype=torch.int64), persistent=False)
         self.h, self.hkv, self.d, self.ops = lay.num_heads, lay.num_kv_heads, d, ops
 
-    def forward(self, x, cos, sin, positions, k_cache, v_cache, attend_len: int):
-        # x [B, T, H]; positions [B, T]; k_cache/v_cache [B, Hkv, S, D] (this layer's slice, updated in place)
+    def forward(self, x, cos, sin, positions, k_cache, v_cache, attend_len: int, seq_ids=None):
+        # x [B, T, H]; positions [B, T]; k_cache/v_cache [R, Hkv, S, D] this layer's cache, updated in place.
+        # seq_ids [B]: the cache row of each batch row (None: batch row b is cache row b, R == B).
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.h, self.d).transpose(1, 2)  # [B, Hq, T, D]
         k = self.k_proj(x).view(b, t, self.hkv, self.d).transpose(1, 2)  # [B, Hkv, T, D]
         v = self.v_proj(x).view(b, t, self.hkv, self.d).transpose(1, 2)  # [B, Hkv, T, D]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        bi = torch.arange(b, device=x.device).view(b, 1, 1)  # [B, 1, 1]
+        rows = torch.arange(b, device=x.device) if seq_ids is None else seq_ids  # [B]
         hi = torch.arange(self.hkv, device=x.device).view(1, self.hkv, 1)  # [1, Hkv, 1]
-        pi = positions.unsqueeze(1)  # [B, 1, T]
-        k_cache.index_put_((bi, hi, pi), k.to(k_cache.dtype))  # cache[b, h, pos[b, t]] = k[b, h, t]
-        v_cache.index_put_((bi, hi, pi), v.to(v_cache.dtype))
-        ks = k_cache[:, :, :attend_len].to(q.dtype)  # [B, Hkv, S', D]
-        vs = v_cache[:, :, :attend_len].to(q.dtype)
-        o = self.ops.attention(q, ks, vs, self.q_to_kv, positions)  # [B, Hq, T, D]
+        idx = (rows.view(b, 1, 1), hi, positions.unsqueeze(1))  # cache[row[b], h, pos[b, t]] <- k[b, h, t]
+        k_cache.index_put_(idx, k.to(k_cache.dtype))
+        v_cache.index_put_(idx, v.to(v_cache.dtype))
+        if seq_ids is None:
+            ks, vs = k_cache[:, :, :attend_len], v_cache[:, :, :attend_len]  # [B, Hkv, S', D] views
+        else:
+            ks = k_cache[:, :, :attend_len].index_select(0, seq_ids)  # [B, Hkv, S', D]
+            vs = v_cache[:, :, :attend_len].index_select(0, seq_ids)
+        o = self.ops.attention(q, ks.to(q.dtype), vs.to(q.dtype), self.q_to_kv, positions)  # [B, Hq, T, D]
         o = o.transpose(1, 2).reshape(b, t, self.h * self.d)  # [B, T, Hq*D]
         return self.ops.all_reduce(self.o_proj(o))  # row-parallel: partial sums over ranks
 
@@ -129,8 +133,8 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.mlp = MLP(cfg, lay, ops)
 
-    def forward(self, x, cos, sin, positions, k_cache, v_cache, attend_len: int):
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, k_cache, v_cache, attend_len)
+    def forward(self, x, cos, sin, positions, k_cache, v_cache, attend_len: int, seq_ids=None):
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, k_cache, v_cache, attend_len, seq_ids)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -188,17 +192,18 @@ class LlamaModel(nn.Module):
         self,
         input_ids: torch.Tensor,  # [B, T] int64
         positions: torch.Tensor,  # [B, T] int64 absolute positions
-        k_cache: torch.Tensor,  # [L, B, Hkv, S, D] updated in place
-        v_cache: torch.Tensor,  # [L, B, Hkv, S, D] updated in place
+        k_cache: torch.Tensor,  # [L, R, Hkv, S, D] updated in place (R cache rows)
+        v_cache: torch.Tensor,  # [L, R, Hkv, S, D] updated in place
         logit_index: torch.Tensor,  # [B, n] int64: which of the T tokens need logits
         attend_len: int,  # static: cache slots visible to attention (the bucket)
+        seq_ids: torch.Tensor | None = None,  # [B] int64 cache row per batch row; None: row b <-> batch b
     ) -> torch.Tensor:  # [B, n, V] fp32 logits
         x = self.model.embed_tokens(input_ids)  # [B, T, H]
         freqs = positions.unsqueeze(-1).float() * self.inv_freq  # [B, T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)  # [B, 1, T, D]
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, positions, k_cache[i], v_cache[i], attend_len)
+            x = layer(x, cos, sin, positions, k_cache[i], v_cache[i], attend_len, seq_ids)
         x = self.model.norm(x)
         idx = logit_index.unsqueeze(-1).expand(-1, -1, x.shape[-1])  # [B, n, H]
         x = torch.gather(x, 1, idx)  # [B, n, H]
@@ -207,11 +212,16 @@ class LlamaModel(nn.Module):
 
 
 class BucketStep(nn.Module):
-    """`LlamaModel.forward` with `attend_len` fixed: the static-shape module one compiled graph is built from."""
+    """`LlamaModel.forward` with `attend_len` fixed: the static-shape module one compiled graph is built from.
 
-    def __init__(self, model: LlamaModel, attend_len: int):
+    `select_rows=False`: forward(input_ids, positions, k_cache, v_cache, logit_index) over every cache row.
+    `select_rows=True`:  forward(..., logit_index, seq_ids) on the cache rows named by seq_ids [B] (context
+    encoding of one new sequence into its slot while other slots keep their state).
+    """
+
+    def __init__(self, model: LlamaModel, attend_len: int, select_rows: bool = False):
         super().__init__()
-        self.model, self.attend_len = model, attend_len
+        self.model, self.attend_len, self.select_rows = model, attend_len, select_rows
 
-    def forward(self, input_ids, positions, k_cache, v_cache, logit_index):
-        return self.model(input_ids, positions, k_cache, v_cache, logit_index, self.attend_len)
+    def forward(self, input_ids, positions, k_cache, v_cache, logit_index, seq_ids=None):
+        return self.model(input_ids, positions, k_cache, v_cache, logit_index, self.attend_len, seq_ids)

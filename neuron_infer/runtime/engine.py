@@ -1,8 +1,12 @@
 """The engine owns the static KV cache and routes each step to the compiled graph of its bucket.
 
 A step graph has the signature of `LlamaModel.forward` with `attend_len` fixed (see `model.llama.BucketStep`):
-    graph(input_ids [B,T], positions [B,T], k_cache, v_cache, logit_index [B,n]) -> logits [B,n,V]
-and is keyed by (T, S): context encoding uses (ctx_bucket, ctx_bucket), token generation (1, tg_bucket).
+    context encoding (one sequence into its cache row, batch 1):
+        graph(input_ids [1,T], positions [1,T], k_cache, v_cache, logit_index [1,1], seq_ids [1]) -> [1,1,V]
+    token generation (every row of the static batch):
+        graph(input_ids [B,1], positions [B,1], k_cache, v_cache, logit_index [B,1]) -> [B,1,V]
+Graphs are keyed by (kind, T, S): context (ctx_bucket, ctx_bucket), tokengen (1, tg_bucket). Encoding one sequence
+at a time lets a new request join while others keep decoding (continuous batching) without touching their rows.
 """
 from __future__ import annotations
 
@@ -23,10 +27,23 @@ def graph_name(kind: str, tokens: int, attend: int) -> str:
     return f"{kind}_t{tokens}_s{attend}"
 
 
-def planned_graphs(build: BuildConfig) -> list[tuple[str, int, int]]:
-    """(kind, T, S) of every graph a build compiles."""
-    out = [("context", b, b) for b in build.context_bucket_list]
-    out += [("tokengen", 1, s) for s in build.tokengen_bucket_list]
+@dataclass(frozen=True)
+class GraphSpec:
+    kind: str  # "context" | "tokengen"
+    tokens: int  # T
+    attend: int  # S (cache slots visible)
+    batch: int
+    select_rows: bool  # takes seq_ids (writes/reads only the named cache rows)
+
+    @property
+    def name(self) -> str:
+        return graph_name(self.kind, self.tokens, self.attend)
+
+
+def planned_graphs(build: BuildConfig) -> list[GraphSpec]:
+    """Every graph a build compiles."""
+    out = [GraphSpec("context", b, b, 1, True) for b in build.context_bucket_list]
+    out += [GraphSpec("tokengen", 1, s, build.batch_size, False) for s in build.tokengen_bucket_list]
     return out
 
 
@@ -51,31 +68,36 @@ class CacheShape:
 class Engine:
     """Runs prefill and decode steps for one static batch."""
 
-    def __init__(self, graphs: dict[str, StepFn], build: BuildConfig, cache: CacheShape):
-        self.graphs, self.build, self.cache_shape = graphs, build, cache
+    def __init__(self, graphs: dict[str, StepFn], build: BuildConfig, cache: CacheShape, vocab_size: int):
+        self.graphs, self.build, self.cache_shape, self.vocab_size = graphs, build, cache, vocab_size
         self.k_cache, self.v_cache = cache.allocate()
 
-    def _run(self, kind: str, t: int, s: int, *args: torch.Tensor) -> torch.Tensor:
+    def _run(self, kind: str, t: int, s: int, ids, pos, logit_index, *rest: torch.Tensor) -> torch.Tensor:
         name = graph_name(kind, t, s)
         try:
             fn = self.graphs[name]
         except KeyError as e:
             raise NeuronInferError(f"compiled graph {name!r} is missing from the artifact; recompile") from e
         with torch.inference_mode():
-            return fn(args[0], args[1], self.k_cache, self.v_cache, args[2])
+            return fn(ids, pos, self.k_cache, self.v_cache, logit_index, *rest)
+
+    def prefill_row(self, row: int, prompt: list[int]) -> torch.Tensor:
+        """Encode one prompt into cache row `row` (other rows untouched) -> next-token logits [V]."""
+        t = pick_bucket(len(prompt), self.build.context_bucket_list, "prompt",
+                        "--max-context-length/--context-buckets")
+        ids = torch.zeros(1, t, dtype=torch.int64)  # [1, T], right-padded; padding writes slots >= len (unused)
+        ids[0, : len(prompt)] = torch.tensor(prompt, dtype=torch.int64)
+        positions = torch.arange(t, dtype=torch.int64).view(1, t)  # [1, T]
+        last = torch.tensor([[len(prompt) - 1]], dtype=torch.int64)  # [1, 1]
+        seq = torch.tensor([row], dtype=torch.int64)  # [1]
+        return self._run("context", t, t, ids, positions, last, seq)[0, 0]  # [V]
 
     def prefill(self, prompts: list[list[int]]) -> torch.Tensor:
-        """Encode right-padded prompts (one per batch row) -> next-token logits [B, V] at each prompt's end."""
-        b = self.build.batch_size
-        longest = max(len(p) for p in prompts)
-        t = pick_bucket(longest, self.build.context_bucket_list, "prompt", "--max-context-length/--context-buckets")
-        ids = torch.zeros(b, t, dtype=torch.int64)  # [B, T]; rows past len(prompts) are idle padding
-        last = torch.zeros(b, 1, dtype=torch.int64)  # [B, 1]
+        """Encode prompts into rows 0..n-1 -> next-token logits [B, V] (idle rows: zeros)."""
+        out = torch.zeros(self.build.batch_size, self.vocab_size, dtype=torch.float32)  # [B, V]
         for row, p in enumerate(prompts):
-            ids[row, : len(p)] = torch.tensor(p, dtype=torch.int64)
-            last[row, 0] = len(p) - 1
-        positions = torch.arange(t, dtype=torch.int64).expand(b, t).contiguous()  # [B, T]
-        return self._run("context", t, t, ids, positions, last)[:, 0]  # [B, V]
+            out[row] = self.prefill_row(row, p)
+        return out
 
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """tokens [B], positions [B] (slot each token is written to) -> logits [B, V]."""

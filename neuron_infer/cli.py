@@ -1,0 +1,214 @@
+"""`neuron-infer` command line: compile | generate | plan | info.
+
+Every user-fixable problem is a `NeuronInferError`: printed as one `error: ...` line, exit status 2.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from neuron_infer.errors import NeuronInferError
+
+
+def _ints(value: str | None) -> list[int] | None:
+    if value is None:
+        return None
+    try:
+        return [int(x) for x in value.split(",") if x.strip()]
+    except ValueError as e:
+        raise click.BadParameter(f"{value!r} is not a comma-separated list of integers, e.g. 128,512") from e
+
+
+def _say(msg: str) -> None:
+    click.echo(msg, err=True)
+
+
+def build_options(f):
+    """The BuildConfig flags shared by compile and generate (None = take the preset's value)."""
+    opts = [
+        click.option("--config", "config", default=None, help="preset name in configs/ or a preset JSON file"),
+        click.option("--target", type=click.Choice(["cpu", "neuron"]), default=None),
+        click.option("--dtype", type=click.Choice(["fp32", "bf16"]), default=None),
+        click.option("--batch-size", type=int, default=None),
+        click.option("--max-context-length", type=int, default=None, help="longest prompt (tokens)"),
+        click.option("--max-length", type=int, default=None, help="longest prompt + generation (tokens)"),
+        click.option("--context-buckets", default=None, help="comma list, e.g. 128,512 (default: powers of two)"),
+        click.option("--tokengen-buckets", default=None, help="comma list, e.g. 256,1024 (default: powers of two)"),
+        click.option("--kernels", type=click.Choice(["reference", "nki"]), default=None),
+        click.option("--tp-degree", type=int, default=None, help="tensor-parallel ranks"),
+        click.option("--quant", type=click.Choice(["none", "int8", "fp8", "mxfp8", "mxfp4", "w8a8"]), default=None),
+        click.option("--modules-to-not-convert", default=None, help="comma list or a file with one name per line"),
+        click.option("--weight-tiling/--no-weight-tiling", default=None),
+        click.option("--kv-cache-dtype", type=click.Choice(["auto", "fp8"]), default=None),
+    ]
+    for opt in reversed(opts):
+        f = opt(f)
+    return f
+
+
+def _build_overrides(kw: dict) -> dict:
+    mods = kw.pop("modules_to_not_convert", None)
+    if mods is not None:
+        p = Path(mods)
+        names = p.read_text().split() if p.is_file() else [m for m in mods.split(",") if m]
+        mods = names
+    return {
+        "target": kw.pop("target"), "dtype": kw.pop("dtype"), "batch_size": kw.pop("batch_size"),
+        "max_context_length": kw.pop("max_context_length"), "max_length": kw.pop("max_length"),
+        "context_buckets": _ints(kw.pop("context_buckets")), "tokengen_buckets": _ints(kw.pop("tokengen_buckets")),
+        "kernels": kw.pop("kernels"), "tp_degree": kw.pop("tp_degree"), "quant.scheme": kw.pop("quant"),
+        "quant.modules_to_not_convert": mods, "quant.weight_tiling": kw.pop("weight_tiling"),
+        "quant.kv_cache_dtype": kw.pop("kv_cache_dtype"),
+    }
+
+
+def _preset(kw: dict):
+    from neuron_infer.presets import DEFAULT_PRESET, load_preset  # noqa: PLC0415
+
+    config = kw.pop("config")
+    return load_preset(config or DEFAULT_PRESET, _build_overrides(kw))
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="neuron-infer")
+def cli() -> None:
+    """Compile Llama-family checkpoints into per-bucket graphs and generate from them."""
+
+
+@cli.command("compile")
+@click.argument("model_dir", required=False)
+@click.option("-o", "--output", required=True, type=click.Path(file_okay=False), help="artifact directory to write")
+@click.option("--backend", default=None, help="override the target's backend (e.g. cpu-eager for debugging)")
+@click.option("--overwrite", is_flag=True, help="replace an existing artifact directory")
+@build_options
+def compile_cmd(model_dir, output, backend, overwrite, **kw) -> None:
+    """Compile MODEL_DIR (a Hugging Face Llama checkpoint; omit for the embedded default) into OUTPUT."""
+    from neuron_infer.compile.builder import compile_model  # noqa: PLC0415
+
+    preset = _preset(kw)
+    if model_dir is None or model_dir == "default":
+        from neuron_infer.embedded import default_model_dir  # noqa: PLC0415
+
+        model_dir = default_model_dir(log=_say)
+    compile_model(model_dir, output, preset.build, backend=backend, overwrite=overwrite, say=_say)
+
+
+@cli.command("generate")
+@click.argument("artifacts", required=False)
+@click.option("--prompt", "prompts", multiple=True, help="repeat for a batch")
+@click.option("--prompt-file", type=click.Path(exists=True, dir_okay=False), help="one prompt per line")
+@click.option("--chat", is_flag=True, help="apply the tokenizer's chat template")
+@click.option("--max-new-tokens", type=int, default=128, show_default=True)
+@click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy")
+@click.option("--top-k", type=int, default=0, show_default=True)
+@click.option("--top-p", type=float, default=1.0, show_default=True)
+@click.option("--seed", type=int, default=None)
+@click.option("--ignore-eos", is_flag=True, help="generate max-new-tokens even past EOS (benchmarks)")
+@click.option("--json", "as_json", is_flag=True, help="print one JSON object (outputs and metrics)")
+@build_options
+def generate_cmd(artifacts, prompts, prompt_file, chat, max_new_tokens, temperature, top_k, top_p, seed,
+                 ignore_eos, as_json, **kw) -> None:
+    """Generate from ARTIFACTS (omit to compile or reuse the embedded default model)."""
+    from neuron_infer.api import CompiledModel  # noqa: PLC0415
+    from neuron_infer.config import SamplingConfig  # noqa: PLC0415
+
+    prompts = list(prompts) + (Path(prompt_file).read_text().splitlines() if prompt_file else [])
+    prompts = [p for p in prompts if p.strip()] or ["The capital of France is"]
+    sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    if artifacts is None:
+        from neuron_infer.presets import default_artifact_dir  # noqa: PLC0415
+
+        preset = _preset(kw)
+        if preset.build.batch_size < len(prompts):
+            preset = _preset_with_batch(kw, preset, len(prompts))
+        artifacts = default_artifact_dir(preset.build, _say)
+    elif any(v is not None for v in kw.values()):
+        raise NeuronInferError("build flags (--dtype, --max-length, ...) apply when compiling; pass them to "
+                               "`neuron-infer compile`, or omit ARTIFACTS to use the embedded default")
+    model = CompiledModel.load(artifacts)
+    stream = _Streamer(model.tokenizer) if (len(prompts) == 1 and not as_json) else None
+    out = model.generate(prompts, max_new_tokens, sampling, chat=chat, ignore_eos=ignore_eos,
+                         on_tokens=stream)
+    _print_result(out, as_json, stream is not None)
+
+
+def _preset_with_batch(kw, preset, n):
+    from neuron_infer.presets import Preset  # noqa: PLC0415
+
+    return Preset(preset.name, preset.description, preset.model, preset.build.replace(batch_size=n))
+
+
+class _Streamer:
+    """Prints row 0's text as it grows (decoding the whole sequence each step keeps multi-byte tokens intact)."""
+
+    def __init__(self, tokenizer):
+        self.tok, self.shown = tokenizer, ""
+
+    def __call__(self, rows: list[list[int]]) -> None:
+        text = self.tok.decode(rows[0], skip_special_tokens=True)
+        if text.startswith(self.shown):
+            sys.stdout.write(text[len(self.shown):])
+            sys.stdout.flush()
+            self.shown = text
+
+
+def _print_result(out, as_json: bool, streamed: bool) -> None:
+    d = out.to_dict()
+    if as_json:
+        click.echo(json.dumps(d, indent=2))
+        return
+    if streamed:
+        click.echo()
+    else:
+        for i, o in enumerate(out.outputs):
+            click.echo(f"[{i}] {o.text}")
+    m = d["metrics"]
+    n = sum(len(o.token_ids) for o in out.outputs)
+    reasons = ",".join(sorted({o.finish_reason for o in out.outputs}))
+    _say(f"TTFT {m['ttft_s'] * 1000:.1f} ms | {m['ms_per_token']:.2f} ms/token | {m['tokens_per_s']:.1f} tokens/s "
+         f"| {n} tokens generated | finish: {reasons}")
+
+
+@cli.command("info")
+@click.argument("artifacts")
+def info_cmd(artifacts) -> None:
+    """Print an artifact's manifest summary (and verify its files)."""
+    from neuron_infer.compile.artifact import read_manifest  # noqa: PLC0415
+
+    m = read_manifest(Path(artifacts))
+    click.echo(json.dumps({"backend": m.backend, "versions": m.versions, "build": m.build.to_dict(),
+                           "graphs": sorted(m.graphs), "extra": m.extra}, indent=2))
+
+
+def _register_optional_commands() -> None:
+    """Commands contributed by feature packages (plan, quantize, ...) when present."""
+    try:
+        from neuron_infer.cli_plan import plan_cmd  # noqa: PLC0415
+
+        cli.add_command(plan_cmd)
+    except ImportError:
+        pass
+
+
+_register_optional_commands()
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        cli.main(args=argv, prog_name="neuron-infer", standalone_mode=False)
+    except NeuronInferError as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(2)
+    except click.exceptions.Abort:
+        click.echo("aborted", err=True)
+        sys.exit(130)
+    except click.ClickException as e:
+        e.show()
+        sys.exit(e.exit_code)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,123 @@
+"""ModelConfig / BuildConfig / SamplingConfig: parsing, strictness, JSON round trips, presets."""
+import json
+
+import pytest
+
+from neuron_infer.config import BuildConfig, ModelConfig, QuantConfig, SamplingConfig, SpeculationConfig, auto_buckets
+from neuron_infer.errors import ConfigError
+from neuron_infer.presets import all_presets, load_preset, merge_build
+
+LLAMA31 = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256, "hidden_size": 4096,
+    "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "max_position_embeddings": 131072, "bos_token_id": 128000,
+    "eos_token_id": [128001, 128008, 128009], "hidden_act": "silu", "tie_word_embeddings": False,
+    "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 8192},
+}
+
+
+def test_llama31_legacy_rope_scaling_key():
+    cfg = ModelConfig.from_hf_dict(LLAMA31)
+    assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.q_per_kv) == (32, 8, 128, 4)
+    assert cfg.rope_scaling.factor == 8.0 and cfg.rope_scaling.original_max_position_embeddings == 8192
+    assert cfg.eos_token_ids == (128001, 128008, 128009)
+
+
+def test_transformers5_rope_parameters_key_gives_the_same_config():
+    d = {k: v for k, v in LLAMA31.items() if k not in ("rope_scaling", "rope_theta")}
+    d["rope_parameters"] = dict(LLAMA31["rope_scaling"], rope_theta=500000.0)
+    assert ModelConfig.from_hf_dict(d) == ModelConfig.from_hf_dict(LLAMA31)
+
+
+def test_llama32_tied_and_explicit_head_dim():
+    d = dict(LLAMA31, tie_word_embeddings=True, hidden_size=2048, num_attention_heads=32, head_dim=64)
+    cfg = ModelConfig.from_hf_dict(d)
+    assert cfg.tie_word_embeddings and cfg.head_dim == 64
+
+
+def test_model_config_json_round_trip():
+    cfg = ModelConfig.from_hf_dict(LLAMA31)
+    assert ModelConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"model_type": "mistral", "architectures": ["MistralForCausalLM"]}, "unsupported architecture"),
+    ({"frobnicate": 3}, r"unknown config key\(s\) \['frobnicate'\]"),
+    ({"hidden_act": "gelu"}, "hidden_act"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "'yarn' is not supported"),
+    ({"num_key_value_heads": 5}, "not a multiple"),
+    ({"quantization_config": {"quant_method": "gptq"}}, "pre-quantized"),
+])
+def test_unsupported_hf_configs_raise_with_the_reason(change, match):
+    with pytest.raises(ConfigError, match=match):
+        ModelConfig.from_hf_dict(dict(LLAMA31, **change))
+
+
+def test_missing_required_key_is_named():
+    d = {k: v for k, v in LLAMA31.items() if k != "hidden_size"}
+    with pytest.raises(ConfigError, match="'hidden_size' is missing"):
+        ModelConfig.from_hf_dict(d)
+
+
+def test_auto_buckets_are_powers_of_two_ending_at_the_limit():
+    assert auto_buckets(128, 600) == (128, 256, 512, 600)
+    assert auto_buckets(128, 128) == (128,)
+    b = BuildConfig(max_context_length=300, max_length=1024)
+    assert b.context_bucket_list == (128, 256, 300) and b.tokengen_bucket_list == (128, 256, 512, 1024)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(dtype="fp16"), "dtype='fp16' is not valid"),
+    (dict(target="gpu"), "target='gpu'"),
+    (dict(max_context_length=2048, max_length=1024), "max_context_length=2048"),
+    (dict(context_buckets=(128, 64), max_context_length=128), "strictly increasing"),
+    (dict(context_buckets=(128,), max_context_length=256), "must equal --max-context-length=256"),
+    (dict(tokengen_buckets=(256,), max_length=512), "must equal --max-length=512"),
+    (dict(batch_size=0), "batch_size=0"),
+    (dict(tp_degree=0), "tp_degree=0"),
+    (dict(kernels="fast"), "kernels='fast'"),
+])
+def test_invalid_build_configs_name_the_fix(kw, match):
+    with pytest.raises(ConfigError, match=match):
+        BuildConfig(**kw)
+
+
+def test_build_config_json_round_trip_with_nested_groups():
+    b = BuildConfig(dtype="fp32", context_buckets=(64, 256), max_context_length=256,
+                    quant=QuantConfig(scheme="fp8", modules_to_not_convert=("lm_head",)),
+                    speculation=SpeculationConfig(draft_model="self", length=4, draft_layers=8))
+    assert BuildConfig.from_dict(json.loads(json.dumps(b.to_dict()))) == b
+
+
+def test_build_config_unknown_key_raises():
+    with pytest.raises(ConfigError, match="unknown key"):
+        BuildConfig.from_dict({"dtype": "bf16", "n_positions": 128})
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(temperature=-1.0), "temperature"), (dict(top_k=-2), "top_k"), (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+])
+def test_invalid_sampling_raises(kw, match):
+    with pytest.raises(ConfigError, match=match):
+        SamplingConfig(**kw)
+
+
+def test_every_preset_loads_and_validates():
+    presets = {p.name: p for p in all_presets()}
+    assert {"tiny", "smollm2-cpu", "cs1-llama2-70b-speculative-trn1", "cs2-open-llama-7b-int8-trn1",
+            "cs3-llama3.1-405b-baseline-trn2", "cs3-llama3.1-405b-fp8-fused-spec-trn2"} <= set(presets)
+    cs3 = presets["cs3-llama3.1-405b-fp8-fused-spec-trn2"].build
+    assert cs3.tp_degree == 64 and cs3.speculation.length == 7 and cs3.quant.scheme == "fp8"
+    assert cs3.context_bucket_list == (2048, 4096, 10240, 12288) and cs3.tokengen_bucket_list == (12800,)
+
+
+def test_flags_override_preset_fields():
+    p = load_preset("smollm2-cpu", {"dtype": "fp32", "batch_size": None, "quant.scheme": "int8"})
+    assert p.build.dtype == "fp32" and p.build.batch_size == 1 and p.build.quant.scheme == "int8"
+
+
+def test_override_that_breaks_the_preset_is_reported():
+    with pytest.raises(ConfigError, match="must equal --max-length"):
+        merge_build({"max_length": 1024, "tokengen_buckets": [256, 1024]}, {"max_length": 2048})
