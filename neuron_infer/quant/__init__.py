@@ -15,6 +15,7 @@ dtypes instead (to load a compiled artifact's state dict with `load_state_dict(s
 * An entry that matches no linear raises ConfigError naming it (typos never pass silently).
 
 Schemes (registry, imported lazily): int8, fp8, mxfp8, mxfp4, w8a8. See each module's docstring.
+Importing this package does not import torch (mx_golden is shared with NumPy-only code).
 """
 from __future__ import annotations
 
@@ -23,12 +24,13 @@ import importlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
-
-import torch
-from torch import nn
+from typing import TYPE_CHECKING, Iterable
 
 from neuron_infer.errors import ConfigError
+
+if TYPE_CHECKING:  # torch is imported lazily so `neuron_infer.quant.mx_golden` stays NumPy-only
+    import torch
+    from torch import nn
 
 SCHEMES = {
     "int8": ("neuron_infer.quant.int8", "Int8Linear"),
@@ -139,20 +141,22 @@ def parse_modules_to_not_convert(value: str | Path | Iterable[str]) -> tuple[str
 # the transform
 
 
-def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
+def _set_submodule(model: "nn.Module", name: str, module: "nn.Module") -> None:
     parent_name, _, child = name.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
     setattr(parent, child, module)
 
 
-def apply_quantization(model: nn.Module, qcfg, *, structure_only: bool = False,
-                       act_dtype: torch.dtype | None = None) -> QuantReport:
+def apply_quantization(model: "nn.Module", qcfg, *, structure_only: bool = False,
+                       act_dtype: "torch.dtype | None" = None) -> QuantReport:
     """Swap model's nn.Linear modules for `qcfg.scheme`'s module in place; return a QuantReport.
 
     `qcfg` is a config.QuantConfig. structure_only: build empty modules (no weights read; the float linears may be
     on the meta device) in `act_dtype` (default: each linear's weight dtype).
     """
-    from neuron_infer.quant.base import linear_weight_bytes  # noqa: PLC0415 (keeps `import quant` torch-light)
+    from torch import nn  # noqa: PLC0415 (keeps `import neuron_infer.quant` torch-free)
+
+    from neuron_infer.quant.base import linear_weight_bytes  # noqa: PLC0415
 
     linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
     if qcfg.scheme == "none":
