@@ -1,0 +1,1 @@
+"""Causal GQA flash attention for prefill: kernel.py (NKI), reference.py (NumPy oracle), design.md."""
