@@ -165,6 +165,7 @@ def apply_quantization(model: "nn.Module", qcfg, *, structure_only: bool = False
     cls = get_scheme(qcfg.scheme)
     convert, keep = split_not_convert(linears, qcfg.modules_to_not_convert)
     before = after = sum(linear_weight_bytes(linears[n]) for n in keep)
+    new_modules = {}  # build everything first, swap after: a failure leaves the model untouched
     for name in convert:
         lin = linears[name]
         before += linear_weight_bytes(lin)
@@ -174,5 +175,7 @@ def apply_quantization(model: "nn.Module", qcfg, *, structure_only: bool = False
         else:
             new = cls.from_linear(lin).to(lin.weight.device)
         after += new.weight_bytes()
+        new_modules[name] = new
+    for name, new in new_modules.items():
         _set_submodule(model, name, new)
     return QuantReport(qcfg.scheme, tuple(convert), tuple(keep), before, after)
