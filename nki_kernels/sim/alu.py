@@ -88,6 +88,13 @@ def _abs_pick(x, y, larger):
     return np.where(ax > ay, x, y) if larger else np.where(ax < ay, x, y)
 
 
+def _logical_rshift(x, y):
+    """Logical (zero-filling) right shift at the operand's own width (arithmetic shift is not supported, §5.3)."""
+    x = np.asarray(x)
+    unsigned = x.astype(x.dtype.str.replace("i", "u")) if x.dtype.kind == "i" else x
+    return np.right_shift(unsigned, np.asarray(y).astype(unsigned.dtype)).astype(x.dtype)
+
+
 def _cmp(fn):
     return lambda x, y: fn(x, y).astype(np.float32)
 
@@ -103,7 +110,7 @@ BINARY = {
 }
 BITVEC = {
     "bitwise_and": np.bitwise_and, "bitwise_or": np.bitwise_or, "bitwise_xor": np.bitwise_xor,
-    "left_shift": np.left_shift, "right_shift": lambda x, y: (x.astype(np.uint64) >> y.astype(np.uint64)),
+    "left_shift": np.left_shift, "right_shift": lambda x, y: _logical_rshift(x, y),
     "invert": lambda x, y=None: np.invert(x),
 }
 # Reducible operators (§5.3): name -> (NumPy reduction, identity for register reset).

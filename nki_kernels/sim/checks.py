@@ -93,7 +93,10 @@ def read_2d(t: NkiTensor) -> np.ndarray:
 
 def write(dst: NkiTensor, values: np.ndarray) -> None:
     """Cast fp32 results to dst's dtype and store them; a non-matmul write clears PSUM matmul bits."""
-    dst.write(D.cast(values, dst.dtype))
+    if dst.np_dtype != D.storage_dtype(dst.dtype):   # NKI_PRECISE_FP=0: low-precision tensor held in fp32
+        dst.write(np.asarray(values, dtype=np.float32))
+    else:
+        dst.write(D.cast(values, dst.dtype))
     if dst.kind == "psum" and dst.storage.written is not None:
         dst.storage.written[dst.index().reshape(-1)] = False
 

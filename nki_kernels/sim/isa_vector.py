@@ -48,8 +48,8 @@ def tensor_tensor(dst, data1, data2, op, engine=None, name=None):
     eng = C.engine_name(engine, default, iname, ("vector", "gpsimd", "scalar"))
     if eng == "gpsimd" and "psum" in (a.kind, b.kind, dst.kind):
         raise SimulationError(f"{iname} on GpSimd cannot access PSUM")
-    C.same_partitions(iname, dst=dst, data1=a, data2=b)
-    C.same_free(iname, dst=dst, data1=a, data2=b)
+    C.same_partitions(iname, data1=a, data2=b, dst=dst)
+    C.same_free(iname, data1=a, data2=b, dst=dst)
     C.writable(dst, iname)
     if o.is_bitvec:
         _bitvec_ints(iname, dst, a, b)

@@ -22,3 +22,32 @@ def run_events(kernel, *args, target="trn3", **kwargs):
     rec = ListRecorder()
     out = run(kernel, *args, target=target, recorder=rec, **kwargs)
     return out, rec.events
+
+
+def sbuf_in(x_hbm, dtype=None, buffer=None):
+    """Test helper (usable inside a simulated kernel): DMA an HBM tensor into a fresh SBUF tile."""
+    import nki.isa as nisa
+    import nki.language as nl
+
+    t = nl.ndarray(x_hbm.shape, dtype or x_hbm.dtype, buffer=buffer or nl.sbuf)
+    if t.buffer is nl.psum:
+        s = nl.ndarray(x_hbm.shape, x_hbm.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=s, src=x_hbm)
+        nisa.tensor_copy(dst=t, src=s)
+    else:
+        nisa.dma_copy(dst=t, src=x_hbm)
+    return t
+
+
+def hbm_out(t, dtype=None):
+    """Test helper: copy an on-chip tile (SBUF or PSUM) to a new shared_hbm output."""
+    import nki.isa as nisa
+    import nki.language as nl
+
+    out = nl.ndarray(t.shape, dtype or t.dtype, buffer=nl.shared_hbm)
+    if t.buffer is nl.psum:
+        s = nl.ndarray(t.shape, t.dtype, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=s, src=t)
+        t = s
+    nisa.dma_copy(dst=out, src=t)
+    return out
