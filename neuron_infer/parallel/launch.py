@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue as queue_mod
 import signal
 import threading
@@ -206,9 +207,9 @@ def _rank_entry(rank: int, tp: int, port: int, worker_fn: Callable[..., Any], ar
         store = dist.TCPStore("127.0.0.1", port, tp + 1, is_master=False, timeout=timedelta(seconds=timeout_s + 60))
         dist.init_process_group("gloo", store=store, rank=rank, world_size=tp,
                                 timeout=timedelta(seconds=timeout_s + 60))
-        emit = (lambda obj: results.put(("emit", 0, obj))) if rank == 0 else None
+        emit = (lambda obj: results.put(("emit", 0, _pack(obj)))) if rank == 0 else None
         value = worker_fn(RankContext(rank, tp, emit), *args)
-        results.put(("result", rank, value if rank == 0 else None))
+        results.put(("result", rank, _pack(value if rank == 0 else None)))
     except BaseException as e:  # noqa: BLE001 - everything goes back to the parent, named by rank
         results.put(("error", rank, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
     finally:
@@ -216,6 +217,12 @@ def _rank_entry(rank: int, tp: int, port: int, worker_fn: Callable[..., Any], ar
             dist.destroy_process_group()
         results.close()
         results.join_thread()  # flush our messages before the process exits
+
+
+def _pack(obj: Any) -> bytes:
+    """Plain pickle: tensors are copied into the bytes. (torch's multiprocessing pickler would instead pass shared
+    memory by file descriptor, which breaks once the rank process has exited.)"""
+    return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
 
 
 def _exit_with_parent(parent_pid: int) -> None:
@@ -278,10 +285,10 @@ class _Monitor:
             kind, rank, payload = msg
             if kind == "emit":
                 if self.on_emit is not None:
-                    self.on_emit(payload)
+                    self.on_emit(pickle.loads(payload))
             elif kind == "result":
                 self.finished.add(rank)
-                self.value = payload if rank == 0 else self.value
+                self.value = pickle.loads(payload) if rank == 0 else self.value
             else:
                 self.errors[rank] = payload
             try:

@@ -54,3 +54,37 @@ def sigkill_self_on(ctx, bad_rank: int) -> None:
     if ctx.rank == bad_rank:
         os.kill(os.getpid(), signal.SIGKILL)
     all_reduce_sum(torch.ones(2))
+
+
+def tp_greedy(ctx, cfg_dict: dict, full_sd: dict, ids: torch.Tensor, steps: int) -> dict:
+    """The Llama model on this rank's shard: prefill logits, then `steps` greedy decode steps (token chosen on
+    rank 0 and broadcast). Returns prefill logits, per-step logits and the tokens (rank 0's view)."""
+    from neuron_infer.compile.weights import build_float_model
+    from neuron_infer.config import BuildConfig, ModelConfig
+    from neuron_infer.model.llama import LocalLayout
+    from neuron_infer.model.ops import get_ops
+    from neuron_infer.parallel.plan import ShardPlan
+    from neuron_infer.parallel.shard import shard_state_dict
+
+    cfg = ModelConfig.from_dict(cfg_dict)
+    plan = ShardPlan.build(cfg, ctx.world_size)
+    mine = plan.ranks[ctx.rank]
+    ops = get_ops("reference").with_collectives(all_reduce_sum, all_gather_last_dim)
+    model = build_float_model(cfg, BuildConfig(dtype="fp32"), shard_state_dict(full_sd, cfg, plan, ctx.rank),
+                              LocalLayout(**mine.local_layout_fields()), ops)
+    b, t = ids.shape
+    cache_len = t + steps
+    k = torch.zeros(cfg.num_layers, b, mine.num_kv_heads, cache_len, cfg.head_dim)  # [L, B, Hkv_local, S, D]
+    v = torch.zeros_like(k)
+    pos = torch.arange(t).expand(b, t)  # [B, T]
+    with torch.no_grad():
+        prefill = model(ids, pos, k, v, pos, attend_len=cache_len)  # [B, T, V]
+        token = broadcast_from_rank0(prefill[:, -1].argmax(-1, keepdim=True))  # [B, 1]
+        tokens, step_logits = [token], []
+        for i in range(steps - 1):
+            p = torch.full((b, 1), t + i)  # [B, 1]
+            logits = model(token, p, k, v, torch.zeros(b, 1, dtype=torch.long), attend_len=cache_len)  # [B, 1, V]
+            step_logits.append(logits)
+            token = broadcast_from_rank0(logits[:, -1].argmax(-1, keepdim=True))
+            tokens.append(token)
+    return {"prefill": prefill, "steps": step_logits, "tokens": torch.cat(tokens, dim=1)}
