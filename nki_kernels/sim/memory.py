@@ -102,6 +102,8 @@ class Allocator:
     def _overflow_message(self, storage, nbytes, cost) -> str:
         top = sorted(self.live.values(), key=lambda e: -e[1])[:6]
         live = ", ".join(f"{n or '<unnamed>'}={c}B" for n, c in top)
+        if len(self.live) > len(top):
+            live += f" and {len(self.live) - len(top)} more"
         what = f"{self.kind.upper()} allocation {storage.name or '<unnamed>'!r} {storage.shape} {D.dtype_name(storage.dtype)}"
         unit = f" ({cost // self.unit} bank(s) of {self.unit} B)" if self.unit > 1 else ""
         return (f"{what} needs {nbytes} B per partition{unit}, but only {self.capacity - self.used} of "
@@ -128,7 +130,7 @@ def new_storage(name, buffer, shape, dtype, precise_fp: bool, execute: bool, fil
 
 def _fill(arr: np.ndarray, dtype) -> None:
     if D.is_x4(dtype):
-        arr[...] = np.iinfo(arr.dtype).max  # all-ones bytes decode as NaN in every fp8/fp4 x4 element format
+        arr[...] = np.iinfo(arr.dtype).max  # all-ones bytes: NaN for fp8 x4 elements, -6 for fp4 (no NaN)
     elif arr.dtype.kind == "f" or dtype in D.LOW_PRECISION or dtype == D.tfloat32:
         arr[...] = np.nan
     else:
