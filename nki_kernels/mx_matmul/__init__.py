@@ -1,0 +1,1 @@
+"""MX matmul for trn3: kernel.py (NKI), reference.py (mx_golden oracle + host packing helpers), design.md."""

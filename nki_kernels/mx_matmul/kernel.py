@@ -1,0 +1,112 @@
+"""MX (microscaling) matmul for NeuronCore-v4 (trn3): y = x @ W with MXFP8 / MXFP4 weights — see design.md.
+
+Dimensions:
+    N: tokens (any; blocks of up to 512 tokens, 128-token stationary tiles; an odd tile is padded to even).
+    K: contraction, a multiple of 512 (= 128 partitions x 4 quad slots; zero-pad K on the host).
+    F: output features (any; moving tiles of 512 = one fp32 PSUM bank).  T = K / 512 contraction tiles.
+
+Args:
+    x_hbm: [N, K] activations, bf16, HBM (quantized on chip to MXFP8 e4m3fn with quantize_mx).
+    w_hbm: [K/4, F] weight words in the quad-packed layout of neuron_infer/quant/mx_golden.py
+        (quantize_for_matmul): uint32 = 4 x float8_e4m3fn (MXFP8) or uint16 = 4 x float4_e2m1fn (MXFP4), HBM.
+    ws_hbm: [K/32, F] uint8 E8M0 weight scales, logical layout (row t*16 + g covers partitions 8g..8g+7 of
+        contraction tile t), HBM.
+
+Returns:
+    y_hbm: [N, F] = x @ dequant(W), bf16, shared HBM.
+
+Notes:
+    Envelope: gen4 only (quantize_mx, nc_matmul_mx, dma_transpose). Activations are the stationary operand
+    ([128 partitions, <= 128 tokens] x4), weights the moving one ([128, 512 outputs] x4), so PSUM already holds
+    y[tokens, outputs] (no output transpose). x reaches the quad layout by HBM->SBUF dma_transpose of
+    [tokens, 128 k] blocks written with a stride of 4 (slot q of word f holds k = t*512 + q*128 + p).
+    The scales of one 512-output weight tile for all T contraction tiles come in with 4 DMAs (one per
+    32-partition quadrant: logical scale row g lives at partition 32*(g//4) + g%4). Every weight tile is reused
+    by all token tiles of a 512-token block. Precision: quantize_mx uses the NKI >= 0.5 scale rule (no clipping);
+    fp32 PSUM accumulation over the T tiles; one bf16 rounding on the way out.
+
+Pseudocode:
+    for token block nb (<= 512 tokens):
+      for t: xq[t], xs[t] = quantize_mx(quad(x[nb, t*512:(t+1)*512]^T))
+      for f tile: W[:, t, f], Ws[:, t, f] -> SBUF (all t)
+        for token tile m: y[m, f] = sum_t nc_matmul_mx(xq[t][:, m], W[:, t, f], xs[t][:, m], Ws[:, t, f])
+"""
+import nki
+import nki.isa as nisa
+import nki.language as nl
+
+P = 128           # partitions of a contraction tile
+QUAD = 4          # slots per x4 word: contraction tile = 512
+TOK_BLOCK = 512   # tokens per block (weight reuse)
+TOK_TILE = 128    # tokens per stationary tile
+F_TILE = 512      # outputs per moving tile (one fp32 PSUM bank)
+
+
+def _quantize_block(x_hbm, n0, n1):
+    """xq [128, T, tb] float8_e4m3fn_x4 and xs [128, T, tb] scales for tokens [n0, n1) (tb even)."""
+    k_total = x_hbm.shape[1]
+    n_t = k_total // (P * QUAD)
+    rows = n1 - n0
+    tb = rows + rows % 2   # nc_matmul_mx needs an even stationary free size
+    xq = nl.ndarray((P, n_t, tb), dtype=nl.float8_e4m3fn_x4, buffer=nl.sbuf, name="xq")
+    xs = nl.ndarray((P, n_t, tb), dtype=nl.float8_e8m0fnu, buffer=nl.sbuf, name="xs")
+    for t in range(n_t):
+        quad = nl.ndarray((P, tb, QUAD), dtype=x_hbm.dtype, buffer=nl.sbuf, name="x_quad")
+        if tb > rows:
+            nisa.memset(dst=quad[:, rows:tb, :], value=0.0)
+        for q in range(QUAD):
+            k0 = t * P * QUAD + q * P
+            for s0 in range(0, rows, TOK_TILE):
+                s1 = min(rows, s0 + TOK_TILE)
+                # [tokens, 128 k] -> [128 k, tokens] written to slot q (free stride 4)
+                nisa.dma_transpose(dst=quad[:, s0:s1, q], src=x_hbm[n0 + s0:n0 + s1, k0:k0 + P])
+        nisa.quantize_mx(dst=xq[:, t, :], src=quad, dst_scale=xs[:, t, :])
+    return xq, xs
+
+
+def _load_weight_tile(w_hbm, ws_hbm, f0, f1, w_dtype):
+    """Weight words [128, T, fc] (x4 dtype) and scales [128, T, fc] in the quadrant layout for outputs [f0, f1)."""
+    n_t = w_hbm.shape[0] // P
+    fc = f1 - f0
+    w_sbuf = nl.ndarray((P, n_t, fc), dtype=w_dtype, buffer=nl.sbuf, name="w_tile")
+    # [T*128, F] -> [T, 128, F] -> [T, 128, fc] -> [128, T, fc]
+    w_view = w_hbm.view(w_dtype).reshape((n_t, P, w_hbm.shape[1]))[:, :, f0:f1].permute((1, 0, 2))
+    nisa.dma_copy(dst=w_sbuf, src=w_view)
+    # partitions outside the 4 scale rows of each quadrant are never read by nc_matmul_mx
+    ws_sbuf = nl.ndarray((P, n_t, fc), dtype=nl.float8_e8m0fnu, buffer=nl.sbuf, name="ws_tile")
+    groups = P // 8
+    s_view = ws_hbm.view(nl.float8_e8m0fnu).reshape((n_t, groups, ws_hbm.shape[1]))[:, :, f0:f1]   # [T, 16, fc]
+    for j in range(groups // 4):
+        # logical rows g = 4j..4j+3 of every tile -> partitions 32j..32j+3: [T, 4, fc] -> [4, T, fc]
+        nisa.dma_copy(dst=ws_sbuf[32 * j:32 * j + 4, :, :], src=s_view[:, 4 * j:4 * j + 4, :].permute((1, 0, 2)))
+    return w_sbuf, ws_sbuf
+
+
+@nki.jit
+def mx_matmul_kernel(x_hbm, w_hbm, ws_hbm):
+    """y = x @ W, W in MXFP8 or MXFP4 (quad-packed words + E8M0 scales); see the module docstring."""
+    n_tok, k_total = x_hbm.shape
+    f_total = w_hbm.shape[1]
+    n_t = k_total // (P * QUAD)
+    w_dtype = nl.float8_e4m3fn_x4
+    if w_hbm.dtype == nl.uint16:
+        w_dtype = nl.float4_e2m1fn_x4
+    y_hbm = nl.ndarray((n_tok, f_total), dtype=x_hbm.dtype, buffer=nl.shared_hbm, name="mx_out")
+    for n0 in range(0, n_tok, TOK_BLOCK):
+        n1 = min(n_tok, n0 + TOK_BLOCK)
+        xq, xs = _quantize_block(x_hbm, n0, n1)
+        for f0 in range(0, f_total, F_TILE):
+            f1 = min(f_total, f0 + F_TILE)
+            w_sbuf, ws_sbuf = _load_weight_tile(w_hbm, ws_hbm, f0, f1, w_dtype)
+            for m0 in range(0, n1 - n0, TOK_TILE):
+                m1 = min(n1 - n0, m0 + TOK_TILE)
+                mp = m1 - m0 + (m1 - m0) % 2
+                acc = nl.ndarray((mp, f1 - f0), dtype=nl.float32, buffer=nl.psum, name="y_psum")
+                for t in range(n_t):
+                    nisa.nc_matmul_mx(dst=acc, stationary=xq[:, t, m0:m0 + mp], moving=w_sbuf[:, t, :],
+                                      stationary_scale=xs[:, t, m0:m0 + mp], moving_scale=ws_sbuf[:, t, :],
+                                      accumulate=(t > 0))
+                y_sbuf = nl.ndarray((mp, f1 - f0), dtype=x_hbm.dtype, buffer=nl.sbuf, name="y_rows")
+                nisa.tensor_copy(dst=y_sbuf, src=acc)
+                nisa.dma_copy(dst=y_hbm[n0 + m0:n0 + m1, f0:f1], src=y_sbuf[0:m1 - m0, :])
+    return y_hbm
