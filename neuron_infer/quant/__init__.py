@@ -137,6 +137,19 @@ def parse_modules_to_not_convert(value: str | Path | Iterable[str]) -> tuple[str
     return tuple(ln for ln in lines if ln)
 
 
+def check_combination(qcfg, model_dtype: str = "bf16") -> None:
+    """Reject scheme/option/dtype combinations that have no meaning; called before any weight is touched."""
+    if qcfg.scheme in ("mxfp8", "mxfp4") and qcfg.weight_tiling:
+        raise ConfigError(
+            f"--weight-tiling does not apply to --quant {qcfg.scheme}: MX weights use the nc_matmul_mx x4 quad "
+            "layout (neuron_infer.quant.mx_golden); drop --weight-tiling"
+        )
+    if model_dtype not in ("fp32", "bf16", "fp16"):
+        raise ConfigError(f"--quant {qcfg.scheme} needs a float model dtype (fp32/bf16/fp16), got {model_dtype!r}")
+    if qcfg.scheme != "none":
+        get_scheme(qcfg.scheme)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # the transform
 
@@ -158,6 +171,7 @@ def apply_quantization(model: "nn.Module", qcfg, *, structure_only: bool = False
 
     from neuron_infer.quant.base import linear_weight_bytes  # noqa: PLC0415
 
+    check_combination(qcfg)
     linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
     if qcfg.scheme == "none":
         b = sum(linear_weight_bytes(m) for m in linears.values())

@@ -113,6 +113,16 @@ def test_bad_scheme_errors():
         apply_quantization(FakeLlama().double(), QuantConfig(scheme="int8"))
 
 
+def test_unsupported_combinations():
+    from neuron_infer.quant import check_combination
+
+    with pytest.raises(ConfigError, match="weight-tiling does not apply"):
+        apply_quantization(FakeLlama(), QuantConfig(scheme="mxfp4", weight_tiling=True))
+    with pytest.raises(ConfigError, match="float model dtype"):
+        check_combination(QuantConfig(scheme="int8"), "int8")
+    check_combination(QuantConfig(scheme="int8", weight_tiling=True, kv_cache_dtype="fp8"), "bf16")  # valid
+
+
 def test_none_scheme_is_identity():
     model = FakeLlama()
     rep = apply_quantization(model, QuantConfig())
