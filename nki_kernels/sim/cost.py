@@ -8,11 +8,12 @@ DMA) with the published rules of ``docs/nki-reference.md`` §9 (see ``cost_rules
 * per-engine busy time, instruction counts, DMA bytes (and the part touching HBM), matmul FLOPs;
 * ``lower_bound_s`` = perfect overlap of the engines = max(engine busy) — the headline estimate;
 * ``upper_bound_s`` = fully serialised = sum of engine busy + the whole fixed latency of every DMA;
-* the implied fraction of Tensor Engine peak (for the matmul modes used) and of per-core HBM / DMA bandwidth,
-  at both bounds, and which engine bounds the kernel.
+* the implied fraction of Tensor Engine peak (for the matmul modes used; at both bounds) and of per-core HBM and
+  DMA bandwidth (at the lower bound), and which engine bounds the kernel.
 
 Nothing here was measured on hardware. Engines are modelled as independent in-order pipelines with no dependency
-stalls, PSUM/SBUF port contention or DMA queue limits: real kernels land between the two bounds.
+stalls, PSUM/SBUF port contention or DMA queue limits, so a real kernel should land between the two bounds (the
+two published Trn1 GEMM measurements do: tests/nki_sim/test_cost_calibration.py).
 
 Usage::
 
@@ -46,7 +47,10 @@ class OpStat:
 
 @dataclass(frozen=True)
 class CostReport:
-    """Estimated cost of one simulated run on one NeuronCore (see module docstring for the definitions)."""
+    """Estimated cost of one simulated run (see module docstring for the definitions).
+
+    Times are per NeuronCore (the busiest core for LNC2); counts, bytes and FLOPs are totals over all cores.
+    """
 
     generation: str
     cores: int                     # physical cores the run used (2 for an LNC2 launch)

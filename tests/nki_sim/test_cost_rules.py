@@ -232,3 +232,13 @@ def test_generation_from_run_is_required_outside_a_run():
     # generation=None means "take it from the simulated run"; a plain event list has no run → clear error
     with pytest.raises(ValueError, match="inside a simulated run"):
         CostModel(None).record(mm())
+
+
+def test_report_dict_is_json_serialisable():
+    import json
+
+    rep = estimate([mm(), dma(4096), vec("tensor_copy", 64)], "trn2")
+    back = json.loads(json.dumps(rep.to_dict()))
+    assert back["generation"] == "gen3" and back["engine_instructions"] == {
+        "tensor": 1, "vector": 1, "scalar": 0, "gpsimd": 0, "dma": 1}
+    assert back["lower_bound_s"] == rep.lower_bound_s and len(back["ops"]) == 3
