@@ -299,8 +299,8 @@ class _Monitor:
     def _check_exits(self) -> None:
         for rank, p in enumerate(self.procs):
             code = p.exitcode
-            if code is None or code == 0 or rank in self.errors or rank in self.finished or rank in self.deaths:
-                continue
+            if code is None or rank in self.errors or rank in self.finished or rank in self.deaths:
+                continue  # exit code 0 without a result is a death too (e.g. os._exit(0) inside the worker)
             self._drain(0.2)  # a report sent just before exiting may still be in the pipe
             if rank not in self.errors and rank not in self.finished:
                 self.deaths[rank] = code

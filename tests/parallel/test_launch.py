@@ -149,3 +149,8 @@ def test_torchrun_environment_joins_the_group_instead_of_spawning():
     assert [g["rank"] for g in got] == [0, 1] and all(g["world"] == 2 for g in got)
     for g in got:
         assert g["sum"] == [0.0, 3.0, 6.0] and g["gathered"] == [[0.0, 0.0, 1.0, 1.0]] * 2 and g["token"] == [100]
+
+
+def test_a_rank_that_exits_cleanly_without_a_result_is_reported():
+    with pytest.raises(RankFailure, match="rank 1 died: exited with code 0"):
+        run_ranks(tw.exit0_on, 2, (1,), timeout_s=60)
