@@ -28,7 +28,7 @@ class ArgConverter:
         self._write_backs = []   # (storage, numpy target, torch target or None)
 
     def wrap(self, args, kwargs, shared, spec_cls):
-        self.torch_mode = any(_is_torch(a) for a in list(args) + list(kwargs.values()))
+        self.torch_mode = any(_is_torch(a) for a in _leaves(list(args) + list(kwargs.values())))
         conv = lambda a, n: self._one(a, n, shared, spec_cls)  # noqa: E731
         return (tuple(conv(a, f"arg{i}") for i, a in enumerate(args)),
                 {k: conv(v, k) for k, v in kwargs.items()})
@@ -40,6 +40,10 @@ class ArgConverter:
         torch_src = None
         if _is_torch(a):
             torch_src, a = a, _torch_to_numpy(a)
+        if isinstance(a, tuple):
+            return tuple(self._one(v, f"{name}[{i}]", shared, spec_cls) for i, v in enumerate(a))
+        if isinstance(a, dict):
+            return {k: self._one(v, f"{name}[{k!r}]", shared, spec_cls) for k, v in a.items()}
         if not isinstance(a, np.ndarray):
             if isinstance(a, list):
                 raise SimulationError(f"kernel argument {name!r} is a list; NKI kernels take tuples (0.3-0.6 parser)")
@@ -85,6 +89,16 @@ class ArgConverter:
         if result.np_dtype != D.storage_dtype(result.dtype):   # NKI_PRECISE_FP=0: fp32 backing -> declared dtype
             arr = arr.astype(D.storage_dtype(result.dtype))
         return _numpy_to_torch(arr) if self.torch_mode else arr
+
+
+def _leaves(items):
+    for a in items:
+        if isinstance(a, (tuple, list)):
+            yield from _leaves(a)
+        elif isinstance(a, dict):
+            yield from _leaves(list(a.values()))
+        else:
+            yield a
 
 
 def _torch_to_numpy(t) -> np.ndarray:

@@ -29,10 +29,13 @@ def tensor(x, op: str, role: str) -> NkiTensor:
 
 
 def pdim(t: NkiTensor, op: str, role: str) -> int:
-    """Partition count of an on-chip operand (checked <= 128; §2.4)."""
+    """Partition count of an on-chip operand (checked <= 128 and contiguous; §2.4)."""
     p = t.shape[0]
     if t.on_chip and p > 128:
         raise SimulationError(f"{op} {role} partition dimension {p} exceeds maximum 128")
+    if t.on_chip and p > 1 and t.dims[0][0] != t.partition_stride():
+        raise SimulationError(f"{op} {role} accesses partitions with a step; an SBUF/PSUM access must cover a "
+                              f"contiguous range of partitions (slice dim 0 without a step)")
     return p
 
 
@@ -91,14 +94,23 @@ def read_2d(t: NkiTensor) -> np.ndarray:
     return read_f32(t).reshape(t.shape[0], -1)
 
 
+def cast_for(dst: NkiTensor, values: np.ndarray) -> np.ndarray:
+    """fp32 results -> dst's storage values (no rounding when NKI_PRECISE_FP=0 holds low precision in fp32)."""
+    if dst.np_dtype != D.storage_dtype(dst.dtype):
+        return np.asarray(values, dtype=np.float32)
+    return D.cast(values, dst.dtype)
+
+
 def write(dst: NkiTensor, values: np.ndarray) -> None:
-    """Cast fp32 results to dst's dtype and store them; a non-matmul write clears PSUM matmul bits."""
-    if dst.np_dtype != D.storage_dtype(dst.dtype):   # NKI_PRECISE_FP=0: low-precision tensor held in fp32
-        dst.write(np.asarray(values, dtype=np.float32))
-    else:
-        dst.write(D.cast(values, dst.dtype))
-    if dst.kind == "psum" and dst.storage.written is not None:
-        dst.storage.written[dst.index().reshape(-1)] = False
+    """Cast fp32 results to dst's dtype and store them (A.3 steps 3-4)."""
+    store(dst, cast_for(dst, values))
+
+
+def store(dst: NkiTensor, stored: np.ndarray, by_matmul: bool = False) -> None:
+    """Write values already in dst's storage dtype; track which PSUM elements a matmul wrote (A.3 accumulate)."""
+    dst.write(stored)
+    if dst.kind == "psum" and (by_matmul or dst.storage.written is not None):
+        dst.storage.matmul_bits()[dst.index().reshape(-1)] = by_matmul
 
 
 def scalar_operand(x, parts: int, op: str, role: str, integer: bool = False):

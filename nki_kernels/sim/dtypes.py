@@ -81,8 +81,14 @@ def as_dtype(dt):
     return d
 
 
+_NAMES: dict = {}
+
+
 def dtype_name(dt) -> str:
-    return dt.name if isinstance(dt, SpecialDType) else str(np.dtype(dt))
+    name = _NAMES.get(dt)
+    if name is None:
+        name = _NAMES[dt] = dt.name if isinstance(dt, SpecialDType) else str(np.dtype(dt))
+    return name
 
 
 def storage_dtype(dt) -> np.dtype:

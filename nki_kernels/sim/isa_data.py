@@ -14,10 +14,13 @@ from .enums import require
 from .errors import SimulationError
 
 
-def _copy_values(dst, src) -> None:
+def _copy_values(dst, src, op) -> None:
     """dst <- src: bit copy when dtypes match, else src -> fp32 -> dst."""
     if dst.dtype == src.dtype and dst.np_dtype == src.np_dtype:
-        dst.write(src.read())
+        C.store(dst, src.read())
+    elif D.is_x4(dst.dtype) or D.is_x4(src.dtype):
+        raise SimulationError(f"{op} between {D.dtype_name(src.dtype)} and {D.dtype_name(dst.dtype)}: packed MX "
+                              f"data cannot be converted; reinterpret one side with .view(...) so the dtypes match")
     else:
         C.write(dst, C.read_f32(src))
 
@@ -39,7 +42,7 @@ def dma_copy(dst, src, priority=None, oob_mode=OOB.error, dge_mode=DGE.unknown, 
         raise SimulationError(f"{op} with dge_mode=hwdge needs equal dtypes (src {D.dtype_name(src.dtype)}, dst "
                               f"{D.dtype_name(dst.dtype)}); reinterpret with .view() or use another DGE mode")
     if C.executing():
-        _copy_values(dst, src)
+        _copy_values(dst, src, op)
     side = dst if dst.on_chip else src
     parts = side.shape[0] if side.on_chip else 1
     nbytes = dst.size * max(D.itemsize(dst.dtype), D.itemsize(src.dtype))
@@ -70,7 +73,7 @@ def dma_transpose(dst, src, axes=None, priority=None, dge_mode=DGE.unknown, oob_
     C.pdim(dst, op, "dst")
     C.writable(dst, op)
     if C.executing():
-        dst.write(np.transpose(src.read(), axes))
+        C.store(dst, np.transpose(src.read(), axes))
     return C.emit("dma", op, src, dst, partitions=dst.shape[0], free_elems=C.free(dst),
                   dma_bytes=dst.size * D.itemsize(dst.dtype))
 
@@ -91,7 +94,7 @@ def tensor_copy(dst, src, engine=None, name=None):
         if eng == "scalar":
             C.write(dst, C.read_f32(src))  # ScalarE always goes through fp32
         else:
-            _copy_values(dst, src)
+            _copy_values(dst, src, op)
     return C.emit(eng, op, src, dst)
 
 
@@ -112,7 +115,7 @@ def memset(dst, value, engine=None, name=None):
                               f"integer type; pass an int")
     if C.executing():
         if D.is_x4(dst.dtype):
-            dst.write(np.zeros(dst.shape, dtype=dst.np_dtype))
+            C.store(dst, np.zeros(dst.shape, dtype=dst.np_dtype))
         else:
             C.write(dst, np.full(dst.shape, value, dtype=np.float64 if D.is_int(dst.dtype) else np.float32))
     return C.emit(eng, op, dst, dst)

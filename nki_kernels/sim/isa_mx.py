@@ -74,10 +74,10 @@ def quantize_mx(dst, src, dst_scale, name=None):
         raise SimulationError(f"{op} dst_scale must have {f // 4} elements per partition, got {sc.shape}")
     if C.executing():
         data, scale = _quantize(C.read_2d(x), _EMAX[D.dtype_name(dst.dtype)], dst.dtype)
-        dst.write(data)
+        C.store(dst, data)
         full = sc.read().reshape(sc.shape[0], -1).view(np.uint8).copy()
         full[rows] = scale
-        sc.write(full.view(sc.np_dtype))
+        C.store(sc, full.view(sc.np_dtype))
     return C.emit("vector", op, x, dst)
 
 

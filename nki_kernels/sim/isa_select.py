@@ -66,7 +66,7 @@ def range_select(dst, on_true_tile, comp_op0, comp_op1, bound0, bound1, reduce_c
         j = (np.float32(range_start) + np.arange(free, dtype=np.float32))[None, :]
         keep = (c0.binary(j, b0) != 0) & (c1.binary(j, b1) != 0)
         vals = np.where(keep, C.read_2d(src), np.float32(D.FP32_MIN))
-        R.update(ctx.vec_acc, parts, cmd, vals, "maximum")
+        R.update(ctx.vec_acc, parts, cmd, vals, "maximum", clobber_on_idle=True)
         C.write(dst, vals)
     R.readout(ctx.vec_acc, parts, reduce_res, iname)
     return C.emit("vector", iname, src, dst)
@@ -89,7 +89,7 @@ def select_reduce(dst, predicate, on_true, on_false, reduce_res=None, reduce_cmd
     if ctx.execute:
         mask = (pred.read().reshape(parts, -1) != 0) ^ bool(reverse_pred)
         vals = np.where(mask, C.read_2d(src), off)
-        R.update(ctx.vec_acc, parts, cmd, vals, "maximum")
+        R.update(ctx.vec_acc, parts, cmd, vals, "maximum", clobber_on_idle=True)
         C.write(dst, vals)
     R.readout(ctx.vec_acc, parts, reduce_res, iname)
     return C.emit("vector", iname, src, dst)

@@ -58,8 +58,7 @@ def accumulate_into(dst, result: np.ndarray, accumulate, op: str) -> None:
                      f"(undefined on hardware); use accumulate=(k > 0) or None")
     add = np.ones_like(seen) if accumulate is True else (np.zeros_like(seen) if accumulate is False else seen)
     old = C.read_2d(dst)
-    C.write(dst, np.where(add, old + result, result))
-    bits[idx] = True
+    C.store(dst, C.cast_for(dst, np.where(add, old + result, result)), by_matmul=True)
 
 
 def _tiling(tile_position, tile_size, gen, op):
@@ -146,11 +145,8 @@ def _transpose_mode(dst, st, mv, ctx, op):
         raise SimulationError(f"{op} is_transpose=True writes the stationary dtype {D.dtype_name(st.dtype)} "
                               f"or fp32; dst is {D.dtype_name(dst.dtype)}")
     if ctx.execute:
-        if dst.dtype == st.dtype:
-            dst.write(st.read().reshape(k, m).T)
-        else:
-            C.write(dst, C.read_2d(st).T)
-        dst.storage.matmul_bits()[dst.index().reshape(-1)] = True
+        vals = st.read().reshape(k, m).T if dst.dtype == st.dtype else C.cast_for(dst, C.read_2d(st).T)
+        C.store(dst, vals, by_matmul=True)
     return C.emit("tensor", op, mv, dst, partitions=k, free_elems=k, matmul_kmn=(k, m, k))
 
 
@@ -176,7 +172,5 @@ def nc_transpose(dst, data, engine=None, name=None):
         raise SimulationError(f"{op} dst must be [{f}, {p}] for data {x.shape}, got {dst.shape}")
     C.writable(dst, op)
     if C.executing():
-        dst.write(x.read().reshape(p, f).T)
-        if dst.kind == "psum" and dst.storage.written is not None:
-            dst.storage.written[dst.index().reshape(-1)] = eng == "tensor"
+        C.store(dst, x.read().reshape(p, f).T, by_matmul=eng == "tensor")
     return C.emit(eng, op, x, dst, **({"matmul_kmn": (p, f, p)} if eng == "tensor" else {}))

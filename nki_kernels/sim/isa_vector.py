@@ -194,7 +194,7 @@ def tensor_scalar_reduce(dst, data, op0, operand0, reduce_op, reduce_res=None, r
     ctx = runtime.current()
     if ctx.execute:
         vals = _scalar_stage(o0, C.read_2d(x), s0, reverse0)
-        R.update(ctx.vec_acc, parts, cmd, vals, red, init)
+        R.update(ctx.vec_acc, parts, cmd, vals, red, init, clobber_on_idle=True)
         C.write(dst, vals)
     R.readout(ctx.vec_acc, parts, reduce_res, iname, negate=reduce_res_negate)
     return C.emit("vector", iname, x, dst)
@@ -216,7 +216,7 @@ def exponential(dst, src, max_value=0.0, reduce_res=None, reduce_cmd=RC.idle, re
     ctx = runtime.current()
     if ctx.execute:
         vals = alu.OPS["exp"].unary(C.read_2d(x) - mx)
-        R.update(ctx.vec_acc, parts, cmd, vals, "add", init)
+        R.update(ctx.vec_acc, parts, cmd, vals, "add", init, clobber_on_idle=True)
         C.write(dst, vals)
     R.readout(ctx.vec_acc, parts, reduce_res, iname)
     return C.emit("vector", iname, x, dst)

@@ -20,12 +20,13 @@ from . import runtime
 from .errors import SimulationError
 from .tensor import NkiTensor, _row_major
 
-_SIM_DIR = os.path.dirname(os.path.abspath(__file__))
+_SIM_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
 def _call_site() -> str:
+    """``file.py:line`` of the kernel code that called into the simulator (names unnamed allocations)."""
     frame = sys._getframe(1)
-    while frame is not None and os.path.dirname(os.path.abspath(frame.f_code.co_filename)) == _SIM_DIR:
+    while frame is not None and frame.f_code.co_filename.startswith(_SIM_DIR):
         frame = frame.f_back
     return "" if frame is None else f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
 

@@ -17,11 +17,18 @@ def reducer(op, what: str, allowed: tuple[str, ...]):
     return o.name
 
 
-def update(acc: np.ndarray, parts: int, cmd, values, op_name: str, init=None) -> None:
-    """Apply ``cmd`` to the first ``parts`` lanes of ``acc`` given this instruction's (P, F) fp32 values."""
+def update(acc: np.ndarray, parts: int, cmd, values, op_name: str, init=None, clobber_on_idle=False) -> None:
+    """Apply ``cmd`` to the first ``parts`` lanes of ``acc`` given this instruction's (P, F) fp32 values.
+
+    ``clobber_on_idle``: VectorE accumulator instructions may overwrite the registers even with ``idle`` (§5.3
+    "always use reset_reduce after idle ops"); the simulator poisons them with NaN so a kernel relying on them
+    shows NaN instead of silently working.
+    """
     fn, ident = alu.REDUCERS[op_name]
     lanes = acc[:parts]
     if cmd == RC.idle:
+        if clobber_on_idle:
+            lanes[...] = np.nan
         return
     if cmd == RC.reset:
         lanes[...] = ident

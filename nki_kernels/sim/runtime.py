@@ -47,8 +47,9 @@ class RunContext:
         t = self.target
         self.sbuf = Allocator("sbuf", t.sbuf_bytes_per_partition)
         self.psum = Allocator("psum", t.psum_bytes_per_partition, unit=t.psum_bank_bytes)
-        self.act_acc = np.zeros(t.pmax, dtype=np.float32)
-        self.vec_acc = np.zeros(t.pmax, dtype=np.float32)
+        # register contents are undefined at kernel start: poison them so a kernel that reads before a reset sees NaN
+        self.act_acc = np.full(t.pmax, np.nan, dtype=np.float32)
+        self.vec_acc = np.full(t.pmax, np.nan, dtype=np.float32)
 
     @property
     def gen(self) -> int:

@@ -20,16 +20,16 @@ def _is_tensor_like(x) -> bool:
 class NkiTensor:
     """A view of an NKI tensor. Attributes mirror the real ``NkiTensor``: shape, strides, offset, dtype, buffer."""
 
-    __slots__ = ("storage", "dtype", "offset", "dims", "_idx")
+    __slots__ = ("storage", "dtype", "offset", "dims", "shape", "_idx")
 
     def __init__(self, storage, dtype, offset: int, dims):
         self.storage, self.dtype, self.offset = storage, dtype, int(offset)
         self.dims = tuple((int(s), int(c)) for s, c in dims)
+        self.shape = tuple(c for _, c in self.dims)
         self._idx = None
         self._check_bounds()
 
     # ---- attributes -------------------------------------------------------------------------------------
-    shape = property(lambda self: tuple(c for _, c in self.dims))
     strides = property(lambda self: tuple(s for s, _ in self.dims))
     ndim = property(lambda self: len(self.dims))
     size = property(lambda self: math.prod(self.shape))
@@ -143,6 +143,7 @@ class NkiTensor:
         dt = D.as_dtype(dtype) if dtype is not None else self.dtype
         base = NkiTensor.__new__(NkiTensor)
         base.storage, base.dtype, base.offset, base.dims, base._idx = self.storage, dt, 0, ((1, 1),), None
+        base.shape = (1,)
         pattern = [tuple(int(v) for v in pair) for pair in pattern]
         if any(len(pair) != 2 for pair in pattern):
             raise SimulationError(f"ap pattern must be a list of [stride, count] pairs, got {pattern}")

@@ -161,3 +161,12 @@ def test_iota_rules():
         run(psum_dst)
     with pytest.raises(SimulationError, match="covers 5 elements per partition but dst has 4"):
         run(bad_count)
+
+
+def test_dma_between_words_and_packed_mx_needs_a_view():
+    def kernel(w_hbm):
+        q = nl.ndarray((32, 4), nl.float8_e4m3fn_x4, buffer=nl.sbuf)
+        nisa.dma_copy(dst=q, src=w_hbm)
+
+    with pytest.raises(SimulationError, match="reinterpret one side with .view"):
+        run(kernel, np.zeros((32, 4), np.uint32))

@@ -281,3 +281,22 @@ def test_reciprocal_and_exponential(rng):
     np.testing.assert_allclose(s[:, 0], np.exp(x.astype(np.float64) - mx).sum(axis=1), rtol=1e-5)
     with pytest.raises(SimulationError, match="exponential requires NeuronCore gen4"):
         run(kernel, x, mx, target="trn2")
+
+
+def test_vector_accumulator_is_poisoned_at_start_and_after_idle_ops(rng):
+    x = rng.standard_normal((4, 8)).astype(F)
+
+    def kernel(x_hbm, first_cmd):
+        t = sbuf_in(x_hbm)
+        d = nl.ndarray(t.shape, nl.float32, buffer=nl.sbuf)
+        res = nl.ndarray((4, 1), nl.float32, buffer=nl.sbuf)
+        if first_cmd == "idle_exp":
+            nisa.tensor_scalar_reduce(dst=d, data=t, op0=nl.add, operand0=0.0, reduce_op=nl.add,
+                                      reduce_cmd=nisa.reduce_cmd.reset_reduce)
+            nisa.exponential(dst=d, src=t)              # reduce_cmd=idle may clobber the VectorE registers
+        nisa.tensor_scalar_reduce(dst=d, data=t, op0=nl.add, operand0=0.0, reduce_op=nl.add, reduce_res=res,
+                                  reduce_cmd=nisa.reduce_cmd.reduce)
+        return hbm_out(res)
+
+    assert np.isnan(run(kernel, x, "fresh")).all()
+    assert np.isnan(run(kernel, x, "idle_exp")).all()

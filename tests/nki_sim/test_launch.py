@@ -212,3 +212,23 @@ def test_collectives_are_not_implemented():
 def test_nki_calls_outside_a_kernel_raise():
     with pytest.raises(SimulationError, match="outside a running kernel"):
         nl.ndarray((4, 4), nl.float32)
+
+
+def test_nested_tuple_and_dict_arguments_are_converted(rng):
+    a, b = rng.standard_normal((2, 4, 4)).astype(np.float32)
+
+    def kernel(pair, named):
+        x, y = sbuf_in(pair[0]), sbuf_in(named["w"])
+        z = nl.ndarray(x.shape, nl.float32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=z, data1=x, data2=y, op=nl.add)
+        return hbm_out(z)
+
+    np.testing.assert_array_equal(run(kernel, (a, 3), {"w": b}), a + b)
+    with pytest.raises(SimulationError, match="is a list; NKI kernels take tuples"):
+        run(kernel, [a], {"w": b})
+
+
+def test_nki_simulator_env_keeps_jit_on_the_simulator(monkeypatch, rng):
+    monkeypatch.setenv("NKI_SIMULATOR", "1")
+    x = rng.standard_normal((4, 4)).astype(np.float32)
+    np.testing.assert_array_equal(nki.jit(lambda t: hbm_out(sbuf_in(t)))(x), x)

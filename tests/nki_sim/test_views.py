@@ -176,3 +176,12 @@ def test_buffer_must_be_an_object_and_on_chip_at_least_2d():
         run(lambda: nl.ndarray((4, 4), nl.float32, buffer="sbuf"))
     with pytest.raises(SimulationError, match=">= 2 dims"):
         run(lambda: nl.ndarray((128,), nl.float32, buffer=nl.sbuf))
+
+
+def test_partition_step_access_raises():
+    def kernel():
+        t = nl.ndarray((8, 4), nl.float32, buffer=nl.sbuf)
+        nisa.memset(dst=t[0:8:2, :], value=0.0)
+
+    with pytest.raises(SimulationError, match="contiguous range of partitions"):
+        run(kernel)
