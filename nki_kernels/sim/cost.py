@@ -17,6 +17,8 @@ two published Trn1 GEMM measurements do: tests/nki_sim/test_cost_calibration.py)
 
 Usage::
 
+    print(cost_kernel(kernel, (ShapeSpec((4096, 8192), nl.bfloat16), ...), generation="trn1"))  # cost-only run
+    # or attach a model to any run:
     model = CostModel("trn1")
     with nki_kernels.sim.recording(model):     # or simulate_kernel(..., recorder=model)
         kernel(a, b)
@@ -246,4 +248,18 @@ def estimate(events, generation: str = "gen2") -> CostReport:
     model = CostModel(generation)
     for ev in events:
         model.record(ev)
+    return model.report()
+
+
+def cost_kernel(kernel, args, kwargs=None, generation: str = "trn3", lnc: int | None = None) -> CostReport:
+    """Cost report of one kernel launch in the simulator's cost-only mode (validation + events, no NumPy math).
+
+    ``args`` may be arrays or ``nki.simulator.ShapeSpec(shape, dtype)`` placeholders (nothing is allocated), so
+    realistic per-core shapes cost seconds, not minutes. The run targets ``generation``.
+    """
+    from .launch import simulate_kernel
+
+    model = CostModel(generation)
+    simulate_kernel(kernel, tuple(args), dict(kwargs or {}), lnc=lnc, recorder=model, execute=False,
+                    target=generation)
     return model.report()

@@ -16,7 +16,8 @@ from nki_kernels.examples.gemm_blocked import gemm_blocked
 from nki_kernels.examples.gemm_naive import gemm_naive
 from nki_kernels.examples.mx_matmul import mx_matmul_kernel
 from nki_kernels.examples.tensor_add import tensor_add_kernel
-from nki_kernels.sim.cost import CostModel, estimate
+from nki_kernels.sim import cost_constants as C
+from nki_kernels.sim.cost import CostModel, cost_kernel, estimate
 from nki_kernels.sim.events import ListRecorder
 
 from .test_cost_calibration import (PUBLISHED_BLOCKED, PUBLISHED_NAIVE, blocked_gemm_events,
@@ -78,11 +79,10 @@ def test_calibration_shape_on_real_kernels(kernel, published):
 
 def test_large_elementwise_example_is_dma_bound():
     # the simulator's canonical tensor-add example on a 8192 x 8192 bf16 pair, every generation
+    spec = ShapeSpec((8192, 8192), BF16)
     for gen in ("trn1", "trn2", "trn3"):
-        model = CostModel(None)
-        spec = ShapeSpec((8192, 8192), BF16)
-        simulate_kernel(tensor_add_kernel, (spec, spec), {}, recorder=model, execute=False, target=gen)
-        rep = model.report()
+        rep = cost_kernel(tensor_add_kernel, (spec, spec), generation=gen)
+        assert rep.generation == C.resolve_generation(gen)
         assert rep.bound_engine == "dma", str(rep)
         assert rep.hbm_bytes == 3 * 8192 * 8192 * 2          # a, b read once, out written once
         assert rep.engine_instructions["vector"] == 8192 // 128
