@@ -1,0 +1,146 @@
+"""`kernels="nki"`: the Llama op table backed by the NKI kernels in nki_kernels/ (attention, MLP; MX linear helper).
+
+Each op converts torch tensors to the kernel layout, calls the `nki.jit` kernel and converts back. On this machine
+`import nki_kernels` registers the NumPy simulator as `nki`, so a call runs the kernel on the CPU simulator
+(slow: for tiny models and CI). With a genuine Neuron `nki` installed the same calls run inside the traced graph
+(not yet run on hardware). RMSNorm stays the PyTorch reference (it is fused into the MLP kernel only when called
+through `rmsnorm_mlp_kernel` directly).
+
+attention(q, k, v, q_to_kv, positions):
+    prefill kernel when every row's positions are 0..T-1 (keys sliced to the first T slots), otherwise the decode
+    kernel with per-row position bounds (chunks of query tokens so one KV-head group fits 128 partitions).
+    Non-uniform q_to_kv (tensor-parallel padding / replication) is passed to the kernels as a static tuple.
+    On an XLA device the positions cannot be inspected: T == S selects prefill (the context-encoding contract:
+    prompt from position 0), anything else decode.
+mlp(x, gate, up, down):
+    the fused kernel when the three projections are bias-free `nn.Linear` (fp32/bf16 weights) or bias-free
+    `FP8Linear` modules; any other module (INT8, MX, biases, ...) falls back to `ops.mlp_ref`.
+    Packed (tiled) weights are cached per module and refreshed when the weight tensor changes.
+"""
+from __future__ import annotations
+
+import weakref
+
+import ml_dtypes
+import numpy as np
+import torch
+from torch import nn
+
+import nki_kernels  # noqa: F401  (resolves `import nki` to Neuron or the simulator)
+from neuron_infer.model.ops import Ops, mlp_ref
+from neuron_infer.quant.fp8 import FP8Linear
+from neuron_infer.tiling import tile_weight
+from nki_kernels.attention_decode.kernel import attention_decode
+from nki_kernels.attention_prefill.kernel import flash_attention_prefill
+from nki_kernels.mlp.kernel import mlp_fp8_kernel, mlp_kernel
+from nki_kernels.mlp.reference import pack_scales
+
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+PARTITIONS = 128
+
+
+def _kernel_dtype(t: torch.Tensor) -> torch.dtype:
+    return t.dtype if t.dtype in _KERNEL_DTYPES else torch.float32
+
+
+def _is_prefill(positions: torch.Tensor, t: int, s: int) -> bool:
+    if t > s:
+        return False
+    if positions.device.type != "cpu":
+        return t == s
+    return bool((positions == torch.arange(t, device=positions.device)).all())
+
+
+def attention(q, k, v, q_to_kv, positions):
+    """Causal GQA attention [B, Hq, T, D] (see the module docstring for the kernel choice)."""
+    dt = _kernel_dtype(q)
+    q, k, v = q.to(dt), k.to(dt), v.to(dt)
+    b, hq, t, d = q.shape
+    mapping = tuple(int(i) for i in q_to_kv.tolist())
+    scale = 1.0 / float(d) ** 0.5
+    if _is_prefill(positions, t, k.shape[2]):
+        qT = q.transpose(2, 3).contiguous()                          # [B, Hq, D, T]
+        kT = k[:, :, :t].transpose(2, 3).contiguous()                # [B, Hkv, D, T]
+        out = flash_attention_prefill(qT, kT, v[:, :, :t].contiguous(), mapping, scale)
+        return out.to(q.dtype)
+    return _decode(q, k, v, mapping, positions, scale)
+
+
+def _decode(q, k, v, mapping, positions, scale):
+    group = max(mapping.count(h) for h in set(mapping))
+    chunk = max(1, PARTITIONS // group)                              # query tokens per call: group*chunk <= 128
+    kT = k.transpose(2, 3).contiguous()                              # [B, Hkv, D, S]
+    vc = v.contiguous()
+    outs = []
+    for t0 in range(0, q.shape[2], chunk):
+        qT = q[:, :, t0:t0 + chunk].transpose(2, 3).contiguous()     # [B, Hq, D, Tc]
+        pos = positions[:, t0:t0 + chunk].to(torch.float32).contiguous()   # [B, Tc], exact below 2**24
+        outs.append(attention_decode(qT, kT, vc, pos, mapping, scale))
+    return torch.cat(outs, dim=2)                                    # [B, Hq, T, D]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# MLP
+
+_PACKED: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictionary()
+
+
+def _weight_key(m: nn.Module) -> tuple:
+    w = m.weight
+    return (w.data_ptr(), w._version, tuple(w.shape), w.dtype)
+
+
+def _pack_float(m: nn.Linear, dtype: torch.dtype) -> np.ndarray:
+    w = m.weight.detach().to(dtype).T.contiguous()                   # [out, in] -> W [K=in, N=out]
+    if dtype == torch.bfloat16:
+        arr = w.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    else:
+        arr = w.numpy()
+    return tile_weight(arr)                                          # [128, N/128, K/128, 128]
+
+
+def _pack_fp8(m: FP8Linear) -> tuple[np.ndarray, np.ndarray]:
+    codes = m.weight.detach().view(torch.uint8).T.contiguous().numpy()   # [out, in] -> [K, N] E4M3 bytes
+    tiled = tile_weight(codes).view(ml_dtypes.float8_e4m3)          # |v| <= 240: e4m3fn bytes == Neuron e4m3
+    return tiled, pack_scales(m.weight_scale.detach().float().numpy())
+
+
+def _packed(m: nn.Module, dtype: torch.dtype):
+    key = (_weight_key(m), dtype)
+    hit = _PACKED.get(m)
+    if hit is None or hit[0] != key:
+        value = _pack_fp8(m) if isinstance(m, FP8Linear) else (_pack_float(m, dtype),)
+        _PACKED[m] = hit = (key, value)
+    return hit[1]
+
+
+def _kernel_kind(mods) -> str | None:
+    if any(getattr(m, "bias", None) is not None for m in mods):
+        return None
+    if all(type(m) is nn.Linear and m.weight.dtype in _KERNEL_DTYPES for m in mods):
+        return "float"
+    if all(isinstance(m, FP8Linear) for m in mods):
+        return "fp8"
+    return None
+
+
+def mlp(x, gate, up, down):
+    """down(silu(gate(x)) * up(x)) [B, T, H] through the fused kernel, or `mlp_ref` for unsupported modules."""
+    mods = (gate, up, down)
+    kind = _kernel_kind(mods)
+    if kind is None:
+        return mlp_ref(x, gate, up, down)
+    lead = x.shape[:-1]
+    dt = _kernel_dtype(x) if kind == "float" else torch.bfloat16
+    x2 = x.reshape(-1, x.shape[-1]).to(dt).contiguous()             # [B*T, H]
+    packed = [_packed(m, dt) for m in mods]
+    if kind == "float":
+        out = mlp_kernel(x2, *(p[0] for p in packed))
+    else:
+        out = mlp_fp8_kernel(x2, *(p[0] for p in packed), *(p[1] for p in packed))
+    return out.to(x.dtype).reshape(*lead, -1)                       # [B, T, H]
+
+
+def build_ops() -> Ops:
+    """The `kernels="nki"` op table (rms_norm stays the PyTorch reference)."""
+    return Ops(name="nki", attention=attention, mlp=mlp)
