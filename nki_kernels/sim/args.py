@@ -29,7 +29,7 @@ class ArgConverter:
 
     def wrap(self, args, kwargs, shared, spec_cls):
         self.torch_mode = any(_is_torch(a) for a in _leaves(list(args) + list(kwargs.values())))
-        conv = lambda a, n: self._one(a, n, shared, spec_cls)  # noqa: E731
+        conv = lambda a, n: self._one(a, n, shared, spec_cls)
         return (tuple(conv(a, f"arg{i}") for i, a in enumerate(args)),
                 {k: conv(v, k) for k, v in kwargs.items()})
 
@@ -123,7 +123,7 @@ def _numpy_to_torch(arr: np.ndarray):
     if name in _TORCH_TO_ML and hasattr(torch, name):
         width = {1: np.uint8, 2: np.int16}[arr.dtype.itemsize]
         return torch.from_numpy(np.ascontiguousarray(arr).view(width)).view(getattr(torch, name))
-    if name.startswith("float8") or name.startswith("float4"):
+    if name.startswith(("float8", "float4")):
         # torch has no such dtype (e.g. IEEE-like float8_e4m3, max 240): return the raw bytes as uint8
         return torch.from_numpy(np.ascontiguousarray(arr).view(np.uint8))
     return torch.from_numpy(np.ascontiguousarray(arr))

@@ -18,7 +18,7 @@ class NkiInstruction:
     def __init__(self, op: str):
         self.op = op
 
-    def depends_on(self, *producers) -> "NkiInstruction":
+    def depends_on(self, *producers) -> NkiInstruction:
         return self
 
 

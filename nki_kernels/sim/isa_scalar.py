@@ -3,10 +3,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import alu
+from . import alu, runtime
 from . import checks as C
 from . import registers as R
-from . import runtime
 from .enums import reduce_cmd as RC
 from .errors import SimulationError
 from .tensor import NkiTensor

@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import alu
+from . import alu, runtime
 from . import checks as C
 from . import dtypes as D
 from . import registers as R
-from . import runtime
 from .enums import reduce_cmd as RC
 from .errors import SimulationError
 
@@ -103,9 +102,8 @@ def tensor_scalar(dst, data, op0, operand0, reverse0=False, op1=None, operand1=N
 
 def _engine_rules(eng, o0, o1, iname, tensors) -> None:
     ops = {o.name for o in (o0, o1) if o is not None}
-    if eng == "gpsimd":
-        if ops != {"rsqrt"} or any(t.kind == "psum" for t in tensors):
-            raise SimulationError(f"{iname} on GpSimd supports only nl.rsqrt on SBUF operands")
+    if eng == "gpsimd" and (ops != {"rsqrt"} or any(t.kind == "psum" for t in tensors)):
+        raise SimulationError(f"{iname} on GpSimd supports only nl.rsqrt on SBUF operands")
     if eng == "scalar":
         C.gen_at_least(3, iname, "on the scalar engine")
         if runtime.current().gen == 3 and not ops <= {"multiply", "add"}:

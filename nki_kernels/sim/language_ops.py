@@ -11,12 +11,10 @@ import sys
 
 import numpy as np
 
-from . import alu
+from . import alu, isa_data, isa_scalar, isa_tensor, isa_vector, runtime
 from . import checks as C
 from . import dtypes as D
-from . import isa_data, isa_scalar, isa_tensor, isa_vector
 from . import memory as M
-from . import runtime
 from .errors import SimulationError
 from .tensor import NkiTensor, _row_major
 
@@ -244,15 +242,15 @@ def _reduce(op_name, x, axis, dtype, keepdims, name):
     return out
 
 
-def sum(x, axis, dtype=None, keepdims=False):  # noqa: A001 (NKI name)
+def sum(x, axis, dtype=None, keepdims=False):
     return _reduce("add", x, axis, dtype, keepdims, "sum")
 
 
-def max(x, axis, dtype=None, keepdims=False):  # noqa: A001
+def max(x, axis, dtype=None, keepdims=False):
     return _reduce("maximum", x, axis, dtype, keepdims, "max")
 
 
-def min(x, axis, dtype=None, keepdims=False):  # noqa: A001
+def min(x, axis, dtype=None, keepdims=False):
     return _reduce("minimum", x, axis, dtype, keepdims, "min")
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from . import dtypes as D
 from . import runtime
 from .args import ArgConverter
 from .errors import SimulationError
@@ -35,7 +34,7 @@ class Kernel:
         self.__doc__ = getattr(fn, "__doc__", None)
         self.__wrapped__ = fn
 
-    def __getitem__(self, lnc) -> "Kernel":
+    def __getitem__(self, lnc) -> Kernel:
         if isinstance(lnc, tuple):
             raise SimulationError("kernel[d0, d1, ...] SPMD grids are legacy NKI; the new API takes kernel[lnc] "
                                   "with lnc 1 or 2 (loop over batch/heads inside the kernel)")

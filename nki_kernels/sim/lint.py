@@ -40,10 +40,9 @@ def check_source(source: str, filename: str = "<kernel>") -> list[str]:
         elif isinstance(node, ast.Import):
             problems.extend(f"line {node.lineno}: import {a.name} (kernel files may import only nki, nki.language, "
                             f"nki.isa)" for a in node.names if a.name not in ALLOWED_IMPORTS)
-        elif isinstance(node, ast.ImportFrom):
-            if node.level or node.module not in ALLOWED_IMPORTS:
-                problems.append(f"line {node.lineno}: from {'.' * node.level}{node.module or ''} import ... (kernel "
-                                f"files may import only nki, nki.language, nki.isa)")
+        elif isinstance(node, ast.ImportFrom) and (node.level or node.module not in ALLOWED_IMPORTS):
+            problems.append(f"line {node.lineno}: from {'.' * node.level}{node.module or ''} import ... (kernel "
+                            f"files may import only nki, nki.language, nki.isa)")
     return [f"{filename}: {p}" for p in problems]
 
 

@@ -45,7 +45,7 @@ class Storage:
     (``backing`` is then float32).
     """
 
-    __slots__ = ("name", "buffer", "shape", "dtype", "backing", "raw", "written", "__weakref__")
+    __slots__ = ("__weakref__", "backing", "buffer", "dtype", "name", "raw", "shape", "written")
 
     def __init__(self, name, buffer, shape, dtype, backing, raw):
         self.name, self.buffer, self.shape, self.dtype = name, buffer, tuple(shape), dtype

@@ -93,7 +93,7 @@ def emit(ev: InstrEvent) -> None:
     ctx = current()
     if ctx.recorder is not None:
         ctx.recorder.record(ev)
-    for rec in list(_global_recorders):
+    for rec in _global_recorders:
         if rec is not ctx.recorder:
             rec.record(ev)
 

@@ -20,7 +20,7 @@ def _is_tensor_like(x) -> bool:
 class NkiTensor:
     """A view of an NKI tensor. Attributes mirror the real ``NkiTensor``: shape, strides, offset, dtype, buffer."""
 
-    __slots__ = ("storage", "dtype", "offset", "dims", "shape", "_idx")
+    __slots__ = ("_idx", "dims", "dtype", "offset", "shape", "storage")
 
     def __init__(self, storage, dtype, offset: int, dims):
         self.storage, self.dtype, self.offset = storage, dtype, int(offset)
@@ -99,7 +99,7 @@ class NkiTensor:
         self.storage.typed(self.np_dtype)[self.index()] = values.reshape(self.shape)
 
     # ---- indexing -------------------------------------------------------------------------------------------
-    def __getitem__(self, key) -> "NkiTensor":
+    def __getitem__(self, key) -> NkiTensor:
         key = _normalise_key(key, self.ndim)
         offset, dims, kept, int_dims = self.offset, [], [], []
         for k, (item, (s, c)) in enumerate(zip(key, self.dims)):
@@ -154,7 +154,7 @@ class NkiTensor:
         start = int(offset) + _scalar_offset(scalar_offset, self.storage.shape, indirect_dim)
         return NkiTensor(self.storage, dt, start, pattern)
 
-    def view(self, dtype) -> "NkiTensor":
+    def view(self, dtype) -> NkiTensor:
         """Bit reinterpretation; the last dim (contiguous) is rescaled by the itemsize ratio (§3.1)."""
         dt = D.as_dtype(dtype)
         old, new = self.np_dtype.itemsize, D.itemsize(dt)
@@ -174,7 +174,7 @@ class NkiTensor:
 
     reinterpret_cast = view
 
-    def reshape(self, shape) -> "NkiTensor":
+    def reshape(self, shape) -> NkiTensor:
         shape = _resolve_shape(tuple(shape), self.size)
         if not self.is_contiguous():
             raise SimulationError(f"reshape of non-contiguous view {self.get_pattern()} of {self.name!r}")
@@ -184,7 +184,7 @@ class NkiTensor:
             return NkiTensor(self.storage, self.dtype, self.offset, [(self.dims[0][0], shape[0])] + _row_major(shape[1:]))
         return NkiTensor(self.storage, self.dtype, self.offset, _row_major(shape))
 
-    def broadcast(self, dim: int, size: int) -> "NkiTensor":
+    def broadcast(self, dim: int, size: int) -> NkiTensor:
         dim = _axis(dim, self.ndim)
         if self.dims[dim][1] != 1 or (self.on_chip and dim == 0):
             raise SimulationError(f"broadcast(dim={dim}) needs a size-1 free dim (shape {self.shape})")
@@ -192,28 +192,28 @@ class NkiTensor:
         dims[dim] = (0, int(size))
         return NkiTensor(self.storage, self.dtype, self.offset, dims)
 
-    def expand_dim(self, dim: int) -> "NkiTensor":
+    def expand_dim(self, dim: int) -> NkiTensor:
         dims = list(self.dims)
         dims.insert(_axis(dim, self.ndim + 1), (0, 1))
         return NkiTensor(self.storage, self.dtype, self.offset, dims)
 
-    def squeeze_dim(self, dim: int) -> "NkiTensor":
+    def squeeze_dim(self, dim: int) -> NkiTensor:
         dim = _axis(dim, self.ndim)
         if self.dims[dim][1] != 1:
             raise SimulationError(f"squeeze_dim({dim}) on a dim of size {self.dims[dim][1]}")
         return NkiTensor(self.storage, self.dtype, self.offset, self.dims[:dim] + self.dims[dim + 1:])
 
-    def slice(self, dim: int, start: int, end: int, step: int = 1) -> "NkiTensor":
+    def slice(self, dim: int, start: int, end: int, step: int = 1) -> NkiTensor:
         key = [slice(None)] * self.ndim
         key[_axis(dim, self.ndim)] = slice(start, end, step)
         return self[tuple(key)]
 
-    def select(self, dim: int, index: int) -> "NkiTensor":
+    def select(self, dim: int, index: int) -> NkiTensor:
         key = [slice(None)] * self.ndim
         key[_axis(dim, self.ndim)] = index
         return self[tuple(key)]
 
-    def permute(self, dims) -> "NkiTensor":
+    def permute(self, dims) -> NkiTensor:
         dims = [_axis(d, self.ndim) for d in dims]
         if sorted(dims) != list(range(self.ndim)) or (self.on_chip and dims[0] != 0):
             raise SimulationError(f"permute({dims}) must be a permutation (keeping dim 0 first on-chip)")

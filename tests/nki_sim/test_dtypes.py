@@ -2,11 +2,10 @@
 from __future__ import annotations
 
 import ml_dtypes
-import numpy as np
-import pytest
-
 import nki.isa as nisa
 import nki.language as nl
+import numpy as np
+import pytest
 
 from .conftest import hbm_out, run, sbuf_in
 

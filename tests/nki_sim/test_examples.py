@@ -5,13 +5,13 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from neuron_infer.quant import mx_golden
 from nki_kernels.examples.causal_mask import causal_mask_kernel
 from nki_kernels.examples.gemm import gemm_kernel
 from nki_kernels.examples.mx_matmul import mx_matmul_kernel
 from nki_kernels.examples.rmsnorm import rmsnorm_kernel
 from nki_kernels.examples.softmax import softmax_kernel
 from nki_kernels.examples.tensor_add import tensor_add_kernel
-from neuron_infer.quant import mx_golden
 
 from .conftest import run
 
@@ -85,7 +85,7 @@ def test_mx_matmul_matches_golden(rng, p, m, n):
     w_stat = (rng.standard_normal((k, m)) * rng.uniform(0.01, 50, size=(1, m))).astype(BF16)   # [K, M]
     w_mov = rng.standard_normal((k, n)).astype(BF16)                                           # [K, N]
     # quad layout: [K, F] -> [4, P, F] -> [P, F, 4] -> [P, F*4]; element [p, f*4+q] = w[q*P + p, f]
-    quad = lambda w: np.ascontiguousarray(w.reshape(4, p, -1).transpose(1, 2, 0).reshape(p, -1))  # noqa: E731
+    quad = lambda w: np.ascontiguousarray(w.reshape(4, p, -1).transpose(1, 2, 0).reshape(p, -1))
     out = run(mx_matmul_kernel, quad(w_stat), quad(w_mov))
     sq_, ss_ = mx_golden.quantize_for_matmul(w_stat, "e4m3fn", rule="nki", partitions=p)
     vq_, vs_ = mx_golden.quantize_for_matmul(w_mov, "e4m3fn", rule="nki", partitions=p)

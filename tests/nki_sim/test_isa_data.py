@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 import ml_dtypes
+import nki.isa as nisa
+import nki.language as nl
 import numpy as np
 import pytest
 
-import nki.isa as nisa
-import nki.language as nl
 from nki_kernels.sim import SimulationError
 
 from .conftest import hbm_out, run, run_events, sbuf_in

@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 import ml_dtypes
+import nki.isa as nisa
+import nki.language as nl
 import numpy as np
 import pytest
 
-import nki.isa as nisa
-import nki.language as nl
 from neuron_infer.quant import mx_golden
 from nki_kernels.sim import SimulationError
 
@@ -81,7 +81,7 @@ def test_nc_matmul_mx_matches_golden(rng, p, sfmt, vfmt):
     sq, ss = mx_golden.quantize_for_matmul(ws, sfmt, rule="ocp", partitions=p)
     vq, vs = mx_golden.quantize_for_matmul(wv, vfmt, rule="ocp", partitions=p)
     dt = {"e4m3fn": nl.float8_e4m3fn_x4, "e5m2": nl.float8_e5m2_x4, "e2m1": nl.float4_e2m1fn_x4}
-    scat = lambda s: mx_golden.scatter_scales_sbuf(s, partitions=p)  # noqa: E731
+    scat = lambda s: mx_golden.scatter_scales_sbuf(s, partitions=p)
     out = run(_mx_mm_kernel(dt[sfmt], dt[vfmt]), sq, vq, scat(ss), scat(vs))
     ref = mx_golden.matmul_mx_golden(sq, vq, ss, vs, sfmt, vfmt, partitions=p)
     # same decoded operands; fp32 (simulator) vs fp64 (golden) accumulation order only

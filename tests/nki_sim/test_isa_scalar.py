@@ -3,17 +3,17 @@ from __future__ import annotations
 
 import math
 
+import nki.isa as nisa
+import nki.language as nl
 import numpy as np
 import pytest
 
-import nki.isa as nisa
-import nki.language as nl
 from nki_kernels.sim import SimulationError
 
 from .conftest import hbm_out, run, sbuf_in
 
 _erf = np.vectorize(math.erf)   # test-side oracle only (slow Python per element is fine for 4 KiB of data)
-_sig = lambda x: 1 / (1 + np.exp(-x))  # noqa: E731
+_sig = lambda x: 1 / (1 + np.exp(-x))
 A7 = {   # reference formulas of nki-reference.md A.7, evaluated in float64
     "copy": lambda x: x, "square": lambda x: x * x, "sigmoid": _sig, "relu": lambda x: np.maximum(x, 0),
     "gelu": lambda x: 0.5 * x * (1 + _erf(x / np.sqrt(2))),

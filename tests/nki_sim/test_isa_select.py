@@ -1,11 +1,11 @@
 """affine_select, range_select, select_reduce (nki-reference.md §5.3, A.5)."""
 from __future__ import annotations
 
+import nki.isa as nisa
+import nki.language as nl
 import numpy as np
 import pytest
 
-import nki.isa as nisa
-import nki.language as nl
 from nki_kernels.sim import SimulationError
 
 from .conftest import hbm_out, run, sbuf_in

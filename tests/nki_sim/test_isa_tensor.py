@@ -4,11 +4,11 @@ from __future__ import annotations
 import warnings
 
 import ml_dtypes
+import nki.isa as nisa
+import nki.language as nl
 import numpy as np
 import pytest
 
-import nki.isa as nisa
-import nki.language as nl
 from nki_kernels.sim import SimulationError, SimulatorWarning
 
 from .conftest import hbm_out, run, run_events, sbuf_in
@@ -31,7 +31,7 @@ def test_matmul_bf16_inputs_fp32_accumulation(rng):
     m = rng.standard_normal((96, 300)).astype(BF16)
     out, events = run_events(_mm_kernel([False]), s, m)
     np.testing.assert_allclose(out, s.astype(np.float64).T @ m.astype(np.float64), rtol=1e-5, atol=1e-5)
-    mm = [e for e in events if e.op == "nc_matmul"][0]
+    mm = next(e for e in events if e.op == "nc_matmul")
     assert (mm.engine, mm.matmul_kmn, mm.free_elems, mm.in_dtype) == ("tensor", (96, 40, 300), 300, "bfloat16")
 
 
@@ -167,7 +167,7 @@ def test_double_row_fp8_matmul(rng):
     out, events = run_events(_mm_kernel([False], perf_mode=nisa.matmul_perf_mode.double_row), s, m, target="trn2")
     ref = np.einsum("pjm,pjn->mn", s.astype(np.float64), m.astype(np.float64))
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-4)
-    mm = [e for e in events if e.op == "nc_matmul"][0]
+    mm = next(e for e in events if e.op == "nc_matmul")
     assert mm.perf_mode == "double_row" and mm.matmul_kmn == (256, 16, 64)
 
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 import time
 
 import ml_dtypes
-import numpy as np
-import pytest
-
 import nki
 import nki.isa as nisa
 import nki.language as nl
+import numpy as np
+import pytest
 from nki.simulator import simulate_kernel
+
 from nki_kernels.examples.gemm import gemm_kernel
 from nki_kernels.sim import ListRecorder, ShapeSpec, SimulationError, recording
 

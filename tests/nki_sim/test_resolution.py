@@ -35,7 +35,7 @@ def _probe(extra_path: Path | None) -> list[str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(extra_path) if extra_path else "", str(REPO)) if p)
     res = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, cwd=REPO,
-                         timeout=60)
+                         timeout=60, check=False)
     assert res.returncode == 0, res.stderr
     return res.stdout.split(maxsplit=3)
 

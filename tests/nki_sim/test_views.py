@@ -1,11 +1,11 @@
 """Storage + view model: indexing rules on-chip vs HBM, nl.ds, .ap (incl. stride-0), .view, reshape, fill values."""
 from __future__ import annotations
 
+import nki.isa as nisa
+import nki.language as nl
 import numpy as np
 import pytest
 
-import nki.isa as nisa
-import nki.language as nl
 from nki_kernels.sim import SimulationError
 
 from .conftest import hbm_out, run, sbuf_in
@@ -17,7 +17,6 @@ def test_on_chip_integer_indexing_keeps_partition_and_two_dims():
     def kernel():
         t = nl.ndarray((64, 64, 64), nl.float32, buffer=nl.sbuf)
         shapes.update(a=t[0, 0, 10].shape, b=t[:, 0].shape, c=t[:, 0, 10].shape, d=t[3].shape, e=t[..., 5].shape)
-        return None
 
     run(kernel)
     assert shapes == {"a": (1, 1), "b": (64, 64), "c": (64, 1), "d": (1, 64, 64), "e": (64, 64)}
@@ -28,7 +27,6 @@ def test_hbm_integer_indexing_drops_dims_like_numpy():
 
     def kernel(x):
         shapes.update(a=x[0].shape, b=x[1, 2].shape, c=x[:, 0].shape, d=x[nl.ds(1, 3), :, 1:5:2].shape)
-        return None
 
     run(kernel, np.zeros((4, 5, 6), np.float32))
     assert shapes == {"a": (5, 6), "b": (6,), "c": (4, 6), "d": (3, 5, 2)}

@@ -5,10 +5,20 @@ Registered as ``sys.modules["nki"]`` by ``import nki_kernels`` when no genuine N
 from __future__ import annotations
 
 from ..launch import Kernel, ShapeSpec, jit, simulate
-from . import collectives, compiler, isa, language, simulator, typing  # noqa: F401
+from . import collectives, compiler, isa, language, simulator, typing
 
 __version__ = "0.6.0+numpy-sim"
 IS_NKI_KERNELS_SIMULATOR = True
 
-__all__ = ["jit", "simulate", "Kernel", "ShapeSpec", "language", "isa", "simulator", "typing", "compiler",
-           "collectives"]
+__all__ = [
+           "Kernel",
+           "ShapeSpec",
+           "collectives",
+           "compiler",
+           "isa",
+           "jit",
+           "language",
+           "simulate",
+           "simulator",
+           "typing",
+]

@@ -1,13 +1,57 @@
 """``nki.language`` for the simulator: dtypes, buffers, operators, allocation and convenience wrappers (§4)."""
 from ...sim import alu as _alu
 from ...sim import runtime as _runtime
-from ..dtypes import (FP32_MIN, bfloat16, bool_, float4_e2m1fn_x4, float8_e4m3, float8_e4m3fn,  # noqa: F401
-                      float8_e4m3fn_x4, float8_e5m2, float8_e5m2_x4, float8_e8m0fnu, float16, float32, int8, int16,
-                      int32, tfloat32, uint8, uint16, uint32)
-from ..language_ops import (NKIObject, affine_range, copy, device_print, ds, empty_like, fori_loop,  # noqa: F401
-                            full, load, matmul, max, mean, min, ndarray, no_reorder, num_programs, ones,
-                            program_id, program_ndim, sequential_range, shared_constant, shared_identity_matrix,
-                            static_range, store, sum, transpose, zeros, zeros_like)
+from ..dtypes import (  # noqa: F401
+    FP32_MIN,
+    bfloat16,
+    bool_,
+    float4_e2m1fn_x4,
+    float8_e4m3,
+    float8_e4m3fn,
+    float8_e4m3fn_x4,
+    float8_e5m2,
+    float8_e5m2_x4,
+    float8_e8m0fnu,
+    float16,
+    float32,
+    int8,
+    int16,
+    int32,
+    tfloat32,
+    uint8,
+    uint16,
+    uint32,
+)
+from ..language_ops import (  # noqa: F401
+    NKIObject,
+    affine_range,
+    copy,
+    device_print,
+    ds,
+    empty_like,
+    fori_loop,
+    full,
+    load,
+    matmul,
+    max,
+    mean,
+    min,
+    ndarray,
+    no_reorder,
+    num_programs,
+    ones,
+    program_id,
+    program_ndim,
+    sequential_range,
+    shared_constant,
+    shared_identity_matrix,
+    static_range,
+    store,
+    sum,
+    transpose,
+    zeros,
+    zeros_like,
+)
 from ..memory import Buffer, hbm, private_hbm, psum, sbuf, shared_hbm  # noqa: F401
 from ..tensor import NkiTensor  # noqa: F401
 
