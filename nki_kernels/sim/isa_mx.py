@@ -12,7 +12,7 @@ from . import checks as C
 from . import dtypes as D
 from . import runtime
 from .errors import SimulationError
-from .isa_tensor import accumulate_into
+from .isa_tensor import accumulate_into, check_accumulate
 
 _EMAX = {"float8_e4m3fn_x4": 8, "float8_e5m2_x4": 15}
 _SCALE_TYPES = (D.float8_e8m0fnu, D.uint8)
@@ -123,6 +123,7 @@ def nc_matmul_mx(dst, stationary, moving, stationary_scale, moving_scale, tile_p
                                   f"float4_e2m1fn_x4), got {D.dtype_name(t.dtype)}")
     C.buffers(dst, ("psum",), op, "dst")
     C.writable(dst, op)
+    accumulate = check_accumulate(accumulate, op)
     p = C.same_partitions(op, stationary=st, moving=mv)
     m, n = C.free(st), C.free(mv)
     if p not in (32, 64, 96, 128):

@@ -48,6 +48,13 @@ def check_bank(dst, op: str) -> None:
                               f"crosses a {bank} B bank boundary; on gen{ctx.gen} one matmul writes one bank (N <= 512 fp32)")
 
 
+def check_accumulate(accumulate, op: str):
+    """``accumulate`` must be None, True or False (NumPy bools from ``k > 0`` are accepted)."""
+    if accumulate is not None and not isinstance(accumulate, (bool, np.bool_)):
+        raise SimulationError(f"{op} accumulate must be None, True or False, got {accumulate!r}")
+    return None if accumulate is None else bool(accumulate)
+
+
 def accumulate_into(dst, result: np.ndarray, accumulate, op: str) -> None:
     """PSUM write with the accumulate flag: None = overwrite unwritten elements, add to matmul-written ones."""
     bits = dst.storage.matmul_bits()
@@ -85,8 +92,7 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
     C.buffers(mv, ("sbuf",), op, "moving")
     C.buffers(dst, ("psum",), op, "dst")
     C.writable(dst, op)
-    if accumulate not in (None, True, False):
-        raise SimulationError(f"{op} accumulate must be None, True or False, got {accumulate!r}")
+    accumulate = check_accumulate(accumulate, op)
     if is_transpose:
         return _transpose_mode(dst, st, mv, ctx, op)
     double = perf_mode == PM.double_row

@@ -6,6 +6,7 @@ to the same indices. Views never copy.
 from __future__ import annotations
 
 import math
+import operator
 
 import numpy as np
 
@@ -271,11 +272,15 @@ def _normalise_key(key, ndim):
     return key + (slice(None),) * (ndim - len(key))
 
 
-def _int_index(item, count, k, shape) -> int:
+def _as_int(value, k) -> int:
     try:
-        i = int(item)
+        return operator.index(value)
     except TypeError as exc:
-        raise SimulationError(f"unsupported index {item!r} on dim {k}; use ints, slices or nl.ds") from exc
+        raise SimulationError(f"unsupported index {value!r} on dim {k}; use ints, slices or nl.ds") from exc
+
+
+def _int_index(item, count, k, shape) -> int:
+    i = _as_int(item, k)
     if i < 0:
         i += count
     if not 0 <= i < count:
@@ -284,11 +289,11 @@ def _int_index(item, count, k, shape) -> int:
 
 
 def _slice_range(sl: slice, count, k, shape):
-    step = 1 if sl.step is None else int(sl.step)
+    step = 1 if sl.step is None else _as_int(sl.step, k)
     if step <= 0:
         raise SimulationError(f"slice step must be positive, got {step}")
-    start = 0 if sl.start is None else int(sl.start)
-    stop = count if sl.stop is None else int(sl.stop)
+    start = 0 if sl.start is None else _as_int(sl.start, k)
+    stop = count if sl.stop is None else _as_int(sl.stop, k)
     start = start + count if start < 0 else start
     stop = stop + count if stop < 0 else stop
     if not (0 <= start < stop <= count):
