@@ -4,11 +4,11 @@ Each case is a tiny kernel body that breaks exactly one rule; the test checks th
 """
 from __future__ import annotations
 
+import nki.isa as nisa
+import nki.language as nl
 import numpy as np
 import pytest
 
-import nki.isa as nisa
-import nki.language as nl
 from nki_kernels.sim import SimulationError
 
 from .conftest import run
