@@ -218,8 +218,8 @@ def render_capacity_text(p: CapacityPlan) -> str:
     """The human-readable `neuron-infer plan` output."""
     dtypes = ", ".join(f"{k} {_gib(v)}" for k, v in p.weight_bytes_by_dtype)
     lines = [
-        f"{p.model} on {p.instance}: tp {p.tp}, LNC {p.lnc} ({p.logical_cores} logical cores), quant {p.quant}, "
-        f"{p.dtype}, batch {p.batch_size}, max length {p.max_length}",
+        (f"{p.model} on {p.instance}: tp {p.tp}, LNC {p.lnc} ({p.logical_cores} logical cores), quant {p.quant}, "
+         f"{p.dtype}, batch {p.batch_size}, max length {p.max_length}"),
         f"  shard plan        {p.shard_plan}",
         f"  HBM per core      {_gib(p.hbm_bytes_per_core)} (reserve {_gib(p.reserve_bytes)})",
         f"  weights / rank    {_gib(p.weight_bytes_per_rank)}  ({dtypes})",

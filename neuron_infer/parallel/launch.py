@@ -12,7 +12,8 @@ Rank 0 talks to the parent: its return value is the result of `run_ranks`, and `
 to the parent's `on_emit` callback (e.g. tokens as they are sampled). Other ranks' return values are dropped.
 
 Failure handling (spawn mode): the parent watches a result queue and the processes. A rank that raises (its
-traceback is sent back), dies (e.g. SIGKILL; seen through its exit code) or hangs (no progress until `timeout_s`)
+traceback is sent back), dies (e.g. SIGKILL; seen through its exit code), hangs (no result `timeout_s` after all
+ranks joined the group) or never joins (`start_timeout_s`)
 makes `run_ranks` raise `RankFailure` naming that rank; every rank process is then killed and reaped, so no
 orphans remain. Ranks that only failed because a peer vanished under them (a collective saw the connection
 close) are reported as secondary. To name a hung rank, each rank counts the collectives it has entered in
@@ -28,9 +29,10 @@ import signal
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -139,7 +141,7 @@ def check_cpu_ranks(tp: int, weight_bytes_per_rank: int = 0, cpu_count: int | No
             f"--tp-degree <= {MAX_RANKS_PER_CPU * cpus} (tensor parallelism on CPU shares the same cores)"
         )
     if available_bytes is None:
-        import psutil  # noqa: PLC0415 - only needed here
+        import psutil
 
         available_bytes = psutil.virtual_memory().available
     need = tp * (RANK_PROCESS_OVERHEAD_BYTES + weight_bytes_per_rank)
@@ -161,11 +163,13 @@ def torchrun_env_present() -> bool:
 
 
 def run_ranks(worker_fn: Callable[..., Any], tp: int, args: tuple = (), *, timeout_s: float = 600.0,
-              on_emit: Callable[[Any], None] | None = None, weight_bytes_per_rank: int = 0) -> Any:
+              on_emit: Callable[[Any], None] | None = None, weight_bytes_per_rank: int = 0,
+              start_timeout_s: float = 180.0) -> Any:
     """Run `worker_fn(ctx, *args)` on `tp` ranks; return rank 0's return value (see the module docstring).
 
     `worker_fn` must be a module-level function and `args` picklable (spawned processes import them).
-    `timeout_s` bounds the whole run; a rank that exceeds it is reported as hung.
+    `start_timeout_s` bounds process start-up and the rendezvous (importing torch takes seconds per process on a
+    loaded machine); `timeout_s` then bounds `worker_fn` itself: a rank without a result by then is hung.
     Raises ConfigError (bad degree, before any process starts) or RankFailure (a rank failed; all stopped).
     """
     if torchrun_env_present():
@@ -174,19 +178,20 @@ def run_ranks(worker_fn: Callable[..., Any], tp: int, args: tuple = (), *, timeo
     if tp == 1:  # nothing to coordinate: run in this process, collectives are identity
         return worker_fn(RankContext(0, 1, on_emit), *args)
     store = dist.TCPStore("127.0.0.1", 0, tp + 1, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=timeout_s))
+                          timeout=timedelta(seconds=start_timeout_s + timeout_s))
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     progress = ctx.Array("q", tp, lock=False)
     procs = [
         ctx.Process(target=_rank_entry, name=f"neuron-infer-rank{r}", daemon=True,
-                    args=(r, tp, store.port, worker_fn, args, results, progress, timeout_s, os.getpid()))
+                    args=(r, tp, store.port, worker_fn, args, results, progress, start_timeout_s + timeout_s,
+                          os.getpid()))
         for r in range(tp)
     ]
     try:
         for p in procs:
             p.start()
-        return _Monitor(procs, results, progress, timeout_s, on_emit).wait()
+        return _Monitor(procs, results, progress, timeout_s, start_timeout_s, on_emit).wait()
     finally:
         _stop(procs)
         results.cancel_join_thread()
@@ -207,6 +212,7 @@ def _rank_entry(rank: int, tp: int, port: int, worker_fn: Callable[..., Any], ar
         store = dist.TCPStore("127.0.0.1", port, tp + 1, is_master=False, timeout=timedelta(seconds=timeout_s + 60))
         dist.init_process_group("gloo", store=store, rank=rank, world_size=tp,
                                 timeout=timedelta(seconds=timeout_s + 60))
+        results.put(("ready", rank, None))
         emit = (lambda obj: results.put(("emit", 0, _pack(obj)))) if rank == 0 else None
         value = worker_fn(RankContext(rank, tp, emit), *args)
         results.put(("result", rank, _pack(value if rank == 0 else None)))
@@ -251,17 +257,19 @@ def _stop(procs: list[Any]) -> None:
 class _Monitor:
     """Parent side: collect results, notice errors, deaths and hangs, and describe them."""
 
-    def __init__(self, procs: list[Any], results: Any, progress: Any, timeout_s: float,
+    def __init__(self, procs: list[Any], results: Any, progress: Any, timeout_s: float, start_timeout_s: float,
                  on_emit: Callable[[Any], None] | None):
         self.procs, self.results, self.progress, self.on_emit = procs, results, progress, on_emit
-        self.timeout_s = timeout_s
+        self.timeout_s, self.start_timeout_s = timeout_s, start_timeout_s
+        self.ready: set[int] = set()
         self.finished: set[int] = set()
         self.errors: dict[int, str] = {}
         self.deaths: dict[int, int] = {}
         self.value: Any = None
 
     def wait(self) -> Any:
-        deadline = time.monotonic() + self.timeout_s
+        deadline = time.monotonic() + self.start_timeout_s  # until every rank has joined the group
+        running = False
         first_failure: float | None = None
         while True:
             self._drain(0.05)
@@ -269,6 +277,8 @@ class _Monitor:
             if len(self.finished) == len(self.procs):
                 return self.value
             now = time.monotonic()
+            if not running and len(self.ready) == len(self.procs):
+                running, deadline = True, now + self.timeout_s
             if (self.errors or self.deaths) and first_failure is None:
                 first_failure = now
             if first_failure is not None and now - first_failure > _GRACE_S:
@@ -286,6 +296,8 @@ class _Monitor:
             if kind == "emit":
                 if self.on_emit is not None:
                     self.on_emit(pickle.loads(payload))
+            elif kind == "ready":
+                self.ready.add(rank)
             elif kind == "result":
                 self.finished.add(rank)
                 self.value = pickle.loads(payload) if rank == 0 else self.value
@@ -315,7 +327,11 @@ class _Monitor:
                 lines.append(f"rank {r} died: {_exit_text(self.deaths[r])} (no Python error was reported)")
             else:
                 lines.append(f"rank {r} raised {self.errors[r].strip()}")
-        if timed_out and silent:
+        unjoined = [r for r in silent if r not in self.ready]
+        if timed_out and unjoined:
+            lines.append(f"rank(s) {_ranks(unjoined)} did not join the process group within start_timeout_s="
+                         f"{self.start_timeout_s:g} s (slow start-up or a blocked port?)")
+        elif timed_out and silent:
             entered = {r: int(self.progress[r]) for r in silent}
             behind = [r for r in silent if entered[r] == min(entered.values())]
             waiting = [r for r in silent if r not in behind]

@@ -31,8 +31,9 @@ to a multiple of tp and split in contiguous ranges; padding rows are zero and th
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from neuron_infer.config import ModelConfig
 from neuron_infer.errors import ConfigError
@@ -130,7 +131,7 @@ class ShardPlan:
 
     # ---- construction -------------------------------------------------------------------------------------------
     @classmethod
-    def build(cls, cfg: ModelConfig, tp: int) -> "ShardPlan":
+    def build(cls, cfg: ModelConfig, tp: int) -> ShardPlan:
         """The plan for `cfg` at degree `tp`; raises ConfigError (with the fix) for degrees it cannot express."""
         _validate_degree(cfg, tp)
         strategy, heads = choose_heads(cfg.num_heads, cfg.num_kv_heads, tp)
@@ -153,7 +154,7 @@ class ShardPlan:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "ShardPlan":
+    def from_dict(cls, d: Mapping[str, Any]) -> ShardPlan:
         names = {f.name for f in dataclasses.fields(cls)}
         if set(d) != names:
             raise ConfigError(f"shard plan keys {sorted(d)} differ from {sorted(names)}; recompile the artifact")

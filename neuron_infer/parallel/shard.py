@@ -18,8 +18,8 @@ loudly instead of gathering into a plausible-looking tensor.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping, Sequence
 
 import torch
 

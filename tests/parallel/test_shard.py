@@ -8,7 +8,13 @@ import torch.nn.functional as F
 from neuron_infer.errors import ConfigError
 from neuron_infer.parallel.plan import ShardPlan
 from neuron_infer.parallel.shard import (
-    gather, gather_state_dicts, layout_kind, plan_layout, rank_param_counts, rank_weight_bytes, shard,
+    gather,
+    gather_state_dicts,
+    layout_kind,
+    plan_layout,
+    rank_param_counts,
+    rank_weight_bytes,
+    shard,
     shard_state_dict,
 )
 from tests.parallel.test_plan import make_cfg

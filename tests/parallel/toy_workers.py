@@ -2,13 +2,15 @@
 from __future__ import annotations
 
 import os
-import signal
 import time
 
 import torch
 
 from neuron_infer.parallel.launch import (
-    all_gather_last_dim, all_reduce_sum, broadcast_from_rank0, broadcast_object_from_rank0,
+    all_gather_last_dim,
+    all_reduce_sum,
+    broadcast_from_rank0,
+    broadcast_object_from_rank0,
 )
 
 
@@ -47,13 +49,6 @@ def report_pids_then_loop(ctx, steps: int) -> int:
         all_reduce_sum(torch.ones(4))
         time.sleep(0.05)
     return steps
-
-
-def sigkill_self_on(ctx, bad_rank: int) -> None:
-    all_reduce_sum(torch.ones(2))
-    if ctx.rank == bad_rank:
-        os.kill(os.getpid(), signal.SIGKILL)
-    all_reduce_sum(torch.ones(2))
 
 
 def tp_greedy(ctx, cfg_dict: dict, full_sd: dict, ids: torch.Tensor, steps: int) -> dict:
