@@ -221,7 +221,9 @@ def apply_elementwise(op, *args, dtype=None):
 
 
 def _unary(out, x, op):
-    if op.name in alu.ACTIVATIONS and op.name != "prelu":
+    if op.name == "copy":     # nl.copy: VectorE tensor_copy since 0.6 (bit-exact for equal dtypes), §4.1
+        isa_data.tensor_copy(out, x)
+    elif op.name in alu.ACTIVATIONS and op.name != "prelu":
         isa_scalar.activation(out, op, x)
     elif op.name in alu.ALU_UNARY or op.name == "invert":
         isa_vector.tensor_scalar(out, x, op, None)

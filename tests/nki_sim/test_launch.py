@@ -232,3 +232,49 @@ def test_nki_simulator_env_keeps_jit_on_the_simulator(monkeypatch, rng):
     monkeypatch.setenv("NKI_SIMULATOR", "1")
     x = rng.standard_normal((4, 4)).astype(np.float32)
     np.testing.assert_array_equal(nki.jit(lambda t: hbm_out(sbuf_in(t)))(x), x)
+
+
+def test_language_allocation_helpers(rng):
+    c = rng.standard_normal((4, 3)).astype(np.float32)
+
+    def kernel():
+        z = nl.zeros((4, 3), nl.float32)
+        o = nl.ones((4, 3), nl.int32)
+        f = nl.full((4, 3), 2.5, nl.bfloat16, buffer=nl.shared_hbm)
+        zl = nl.zeros_like(z, dtype=nl.float16)
+        el = nl.empty_like(z)
+        const = nl.shared_constant(c)
+        flags = (nl.is_sbuf(z.buffer), nl.is_psum(z.buffer), nl.is_hbm(f.buffer), nl.is_on_chip(nl.psum))
+        assert flags == (True, False, True, True) and el.shape == (4, 3) and el.buffer is nl.sbuf
+        return hbm_out(z), hbm_out(o), f, hbm_out(zl), const
+
+    z, o, f, zl, const = run(kernel)
+    assert (z == 0).all() and (o == 1).all() and (f.astype(np.float32) == 2.5).all() and (zl == 0).all()
+    assert zl.dtype == np.float16
+    np.testing.assert_array_equal(const, c)
+
+
+def test_documented_but_unsimulated_api_raises_not_implemented():
+    with pytest.raises(NotImplementedError, match="nisa.dma_compute is documented"):
+        nisa.dma_compute  # noqa: B018
+    with pytest.raises(NotImplementedError, match="nl.while_loop is documented"):
+        nl.while_loop  # noqa: B018
+    with pytest.raises(AttributeError):
+        nisa.no_such_instruction  # noqa: B018
+
+
+def test_nl_copy_is_a_vector_tensor_copy_and_an_activation_op(rng):
+    x = rng.standard_normal((4, 8)).astype(np.float32)
+
+    def kernel(x_hbm):
+        t = sbuf_in(x_hbm)
+        c = nl.copy(t, dtype=nl.bfloat16)
+        a = nl.ndarray(t.shape, nl.float32, buffer=nl.sbuf)
+        nisa.activation(dst=a, op=nl.copy, data=t)
+        return hbm_out(c), hbm_out(a)
+
+    rec = ListRecorder()
+    c, a = run(kernel, x, recorder=rec)
+    assert [e.engine for e in rec.events if e.op in ("tensor_copy", "activation")] == ["vector", "scalar"]
+    np.testing.assert_array_equal(c.view(np.uint16), x.astype(ml_dtypes.bfloat16).view(np.uint16))
+    np.testing.assert_array_equal(a, x)

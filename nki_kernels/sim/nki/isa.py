@@ -28,3 +28,19 @@ def get_nc_version():
         return nc_version(ctx.gen)
     from ..target import target_from_env
     return nc_version(target_from_env().gen)
+
+
+_DOCUMENTED_NOT_SIMULATED = frozenset({
+    "register_alloc", "register_move", "register_load", "register_store", "scalar_load", "scalar_store",
+    "dma_compute", "tensor_copy_predicated", "tensor_tensor_scan", "tensor_scalar_cumulative", "tensor_partition_reduce",
+    "bn_stats", "bn_aggr", "max8", "nc_find_index8", "nc_match_replace8", "nc_stream_shuffle", "nc_n_gather",
+    "local_gather", "activate2", "rng", "rand2", "rand_set_state", "rand_get_state", "set_rng_seed", "dropout",
+    "sequence_bounds", "nonzero_with_count", "topk", "sendrecv", "core_barrier",
+})
+
+
+def __getattr__(name):
+    if name in _DOCUMENTED_NOT_SIMULATED:
+        raise NotImplementedError(f"nisa.{name} is documented (nki-reference.md §5) but not implemented by the "
+                                  f"neuron-infer NKI simulator; see nki_kernels/sim/FIDELITY.md §10")
+    raise AttributeError(f"module 'nki.isa' has no attribute {name!r}")

@@ -107,3 +107,17 @@ class _TileSize:
 
 tile_size = _TileSize()
 fp32 = float32
+
+
+_DOCUMENTED_NOT_SIMULATED = frozenset({
+    "while_loop", "dynamic_range", "alloc_tiles", "alloc_blocks", "tiles", "blocks", "broadcast_to", "softmax",
+    "rms_norm", "gather_flattened", "random_seed", "rand", "dropout", "load_transpose2d", "where", "var", "prod",
+    "all", "expand_dims",
+})
+
+
+def __getattr__(name):
+    if name in _DOCUMENTED_NOT_SIMULATED:
+        raise NotImplementedError(f"nl.{name} is documented (nki-reference.md §3-§4) but not implemented by the "
+                                  f"neuron-infer NKI simulator; see nki_kernels/sim/FIDELITY.md §10")
+    raise AttributeError(f"module 'nki.language' has no attribute {name!r}")
