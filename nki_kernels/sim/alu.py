@@ -121,6 +121,9 @@ REDUCERS = {
     "bitwise_xor": (np.bitwise_xor, 0),
 }
 GEN4_ONLY = {"abs_max", "abs_min"}
+# GpSimd computes these natively on 32-bit integers (int32 tensor_tensor defaults to GpSimd, §5 intro)
+_INT_NATIVE = {"add": np.add, "subtract": np.subtract, "multiply": np.multiply, "maximum": np.maximum,
+               "minimum": np.minimum}
 
 
 class NkiOp:
@@ -141,10 +144,13 @@ class NkiOp:
     def is_unary(self) -> bool:
         return self.name in UNARY or self.name == "invert"
 
-    def binary(self, x, y):
-        """Apply as a binary ALU op: fp32 in, fp32 out (bit-vector ops: integer in, integer out)."""
+    def binary(self, x, y, integer: bool = False):
+        """Apply as a binary ALU op: fp32 in, fp32 out (bit-vector ops, or ``integer=True`` for GpSimd int32
+        arithmetic: integer in, integer out, wrapping)."""
         if self.is_bitvec:
             return BITVEC[self.name](x, y)
+        if integer and self.name in _INT_NATIVE:
+            return np.asarray(_INT_NATIVE[self.name](np.asarray(x, np.int64), np.asarray(y, np.int64)))
         if self.name not in BINARY:
             if self.name in ALU_UNARY:
                 return self.unary(x)

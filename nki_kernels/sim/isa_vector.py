@@ -52,8 +52,10 @@ def tensor_tensor(dst, data1, data2, op, engine=None, name=None):
     C.writable(dst, iname)
     if o.is_bitvec:
         _bitvec_ints(iname, dst, a, b)
+    native_int = eng == "gpsimd" and ints and D.is_int(dst.dtype)
     if C.executing():
-        C.write(dst, o.binary(_read(a, o.is_bitvec), _read(b, o.is_bitvec)))
+        raw = o.is_bitvec or native_int
+        C.write(dst, o.binary(_read(a, raw), _read(b, raw), integer=native_int))
     return C.emit(eng, iname, a, dst)
 
 

@@ -43,6 +43,8 @@ class Kernel:
         return Kernel(self.fn, lnc, self.options)
 
     def __call__(self, *args, **kwargs):
+        if runtime.active() is not None:   # called from inside a running kernel: a sub-kernel is inlined (§1.3)
+            return self.fn(*args, **kwargs)
         return simulate_kernel(self.fn, args, kwargs, lnc=self.lnc)
 
     def __repr__(self) -> str:

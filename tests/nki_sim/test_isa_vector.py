@@ -300,3 +300,11 @@ def test_vector_accumulator_is_poisoned_at_start_and_after_idle_ops(rng):
 
     assert np.isnan(run(kernel, x, "fresh")).all()
     assert np.isnan(run(kernel, x, "idle_exp")).all()
+
+
+def test_int32_arithmetic_on_gpsimd_is_exact_integer_math():
+    a = np.array([[2 ** 30 + 1, -7, 2 ** 31 - 1]], np.int32)
+    b = np.array([[3, 5, 1]], np.int32)
+    out = run(_tt_kernel(nl.add, nl.int32), a, b)
+    # exact (fp32 would lose the +1 on 2**30 + 1); int32 overflow wraps like native integer math
+    np.testing.assert_array_equal(out, np.array([[2 ** 30 + 4, -2, -(2 ** 31)]], np.int32))

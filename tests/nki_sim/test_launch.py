@@ -278,3 +278,17 @@ def test_nl_copy_is_a_vector_tensor_copy_and_an_activation_op(rng):
     assert [e.engine for e in rec.events if e.op in ("tensor_copy", "activation")] == ["vector", "scalar"]
     np.testing.assert_array_equal(c.view(np.uint16), x.astype(ml_dtypes.bfloat16).view(np.uint16))
     np.testing.assert_array_equal(a, x)
+
+
+def test_jit_function_called_inside_a_kernel_is_inlined(rng):
+    x = rng.standard_normal((4, 8)).astype(np.float32)
+
+    @nki.jit
+    def double(t):
+        nisa.tensor_scalar(dst=t, data=t, op0=nl.multiply, operand0=2.0)
+        return t
+
+    def kernel(x_hbm):
+        return hbm_out(double(sbuf_in(x_hbm)))
+
+    np.testing.assert_array_equal(run(kernel, x), 2 * x)
