@@ -179,4 +179,6 @@ def nc_transpose(dst, data, engine=None, name=None):
     C.writable(dst, op)
     if C.executing():
         C.store(dst, x.read().reshape(p, f).T, by_matmul=eng == "tensor")
+    # free_elems = F of the input (cost §9.2: max(P, min(64, F))); as a PE op it is a matmul with an identity
+    # moving tile: K = p, M = f, N = p
     return C.emit(eng, op, x, dst, **({"matmul_kmn": (p, f, p)} if eng == "tensor" else {}))
