@@ -5,6 +5,7 @@ import numpy as np
 
 from . import alu, runtime
 from . import checks as C
+from . import dtypes as D
 from . import registers as R
 from .enums import reduce_cmd as RC
 from .errors import SimulationError
@@ -26,6 +27,8 @@ def _bias(bias, parts, iname):
         if C.free(bias) != 1:
             raise SimulationError(f"{iname} bias free dimension must be 1 (a ({parts}, 1) tile), got {bias.shape}")
         C.buffers(bias, ("sbuf", "psum"), iname, "bias")
+        if bias.dtype == D.tfloat32:
+            raise SimulationError(f"{iname} bias dtype may be anything except tfloat32")
     else:
         C.gen_at_least(3, iname, "with a scalar bias (pass a (P, 1) tile on gen2)")
     return C.scalar_operand(bias, parts, iname, "bias")

@@ -138,6 +138,9 @@ sequential_range = static_range = affine_range
 
 
 def fori_loop(lower, upper, body_fn, step=1):
+    """Runtime counted loop (0.6+, §3.3); simulated as a Python loop. Not allowed inside ``nl.no_reorder()``."""
+    if runtime.current().no_reorder_depth:
+        raise SimulationError("nl.fori_loop is not allowed inside a nl.no_reorder() block")
     for i in range(lower, upper, step):
         body_fn(i)
 
@@ -149,7 +152,13 @@ def device_print(prefix, tensor):
 
 @contextlib.contextmanager
 def no_reorder():
-    yield
+    """Forbids compiler reordering inside the block (no effect on the in-order simulator)."""
+    ctx = runtime.current()
+    ctx.no_reorder_depth += 1
+    try:
+        yield
+    finally:
+        ctx.no_reorder_depth -= 1
 
 
 class NKIObject:

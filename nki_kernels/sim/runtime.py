@@ -42,6 +42,7 @@ class RunContext:
     psum: Allocator = None
     act_acc: np.ndarray = None   # ScalarE accumulator registers, 128 fp32 lanes (A.4)
     vec_acc: np.ndarray = None   # VectorE accumulator registers, 128 fp32 lanes (A.4)
+    no_reorder_depth: int = 0    # nesting of ``with nl.no_reorder():`` blocks
 
     def __post_init__(self):
         t = self.target

@@ -166,6 +166,8 @@ CASES = {
     "nl.load of 1-D": (lambda: nl.load(nl.ndarray((8,), nl.float32, buffer=nl.hbm)), "needs a >= 2-D HBM view"),
     "nl op arity": (lambda: nl.add(sb(), sb(), sb()), "takes one or two operands"),
     "nl op without tensor": (lambda: nl.add(1.0, 2.0), "needs at least one tensor argument"),
+    "activation tf32 bias": (lambda: nisa.activation(dst=sb(), op=nl.exp, data=sb(), bias=sb((4, 1), nl.tfloat32)),
+                             "except tfloat32"),
 }
 
 
@@ -206,3 +208,16 @@ def test_simulate_rejects_non_callables():
 
     with pytest.raises(SimulationError, match="expected a kernel function"):
         nki.simulate(42)
+
+
+def test_fori_loop_runs_in_order_but_not_inside_no_reorder():
+    seen = []
+
+    def kernel():
+        nl.fori_loop(2, 8, seen.append, step=3)
+        with nl.no_reorder():
+            nl.fori_loop(0, 1, seen.append)
+
+    with pytest.raises(SimulationError, match="not allowed inside a nl.no_reorder"):
+        run(kernel)
+    assert seen == [2, 5]
