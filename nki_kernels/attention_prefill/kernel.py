@@ -19,9 +19,13 @@ Notes:
     Envelope: D <= 128; K^T and V of one (batch, KV head) stay resident in SBUF (2*S*D*itemsize bytes over 128
     partitions: S = 8192 bf16 takes 32 KiB per partition). Precision: QK^T and PV accumulate in fp32 PSUM; the
     row max m, row sum l and output accumulator are fp32; probabilities are stored in the input dtype (bf16 for
-    bf16 inputs) before the PV matmul. Tiles entirely above the diagonal are skipped; only diagonal tiles are
-    masked (GpSimd affine_select, FP32_MIN). P is transposed on TensorE (nc_transpose) for fp32 or gen2, and by
-    an SBUF->SBUF dma_transpose for bf16 on gen3+ (keeps TensorE for matmuls).
+    bf16 inputs) before the PV matmul. Key tiles entirely above the diagonal are skipped; only the <= 128-key
+    band that crosses the diagonal is masked (GpSimd affine_select, FP32_MIN, on an SBUF copy of that band).
+    Engine balance (the softmax, not TensorE, is the usual bottleneck): the 2048-key tiles amortise the
+    per-tile [128, 1] statistics; VectorE does the row max and the o + pv add, ScalarE the exp (with its row
+    sum) and the small exps, GpSimd the running max, l and the o * alpha rescale. P is transposed by SBUF->SBUF
+    dma_transpose for bf16 on gen3+ (on gen3 every 4th 128-key chunk goes to TensorE instead, to balance DMA
+    and TensorE time), on TensorE (nc_transpose) for fp32 and on gen2.
 
 Pseudocode:
     for b, kv: K^T, V -> SBUF
@@ -37,9 +41,10 @@ import nki
 import nki.isa as nisa
 import nki.language as nl
 
-Q_TILE = 128     # queries per tile (partitions of the score tile)
-K_TILE = 512     # keys per score tile (one PSUM bank of fp32)
-PV_CHUNK = 128   # keys per PV matmul (contraction on partitions)
+Q_TILE = 128       # queries per tile (partitions of the score tile)
+K_TILE = 2048      # keys per score tile (4 fp32 PSUM banks)
+MM_N = 512         # keys per QK^T matmul (one PSUM bank)
+PV_CHUNK = 128     # keys per PV matmul (contraction on partitions)
 
 
 def _load_kv(kT_hbm, v_hbm, b, kvh, seq, dim):
@@ -60,25 +65,28 @@ def _load_kv(kT_hbm, v_hbm, b, kvh, seq, dim):
 
 
 def _scores(qT_sbuf, kT_sbuf, q0, q1, k0, k1):
-    """s[q, k] = q . k for one [rows, cols] tile; masked (affine_select) only when it crosses the diagonal."""
+    """s[q, k] = q . k for one [rows, <= 2048] tile in PSUM; the band crossing the diagonal is masked."""
     rows, cols = q1 - q0, k1 - k0
     s_psum = nl.ndarray((rows, cols), dtype=nl.float32, buffer=nl.psum, name="s_psum")
-    nisa.nc_matmul(dst=s_psum, stationary=qT_sbuf, moving=kT_sbuf[:, k0:k1])
-    if k1 - 1 <= q0:
-        return s_psum
-    s_sbuf = nl.ndarray((rows, cols), dtype=nl.float32, buffer=nl.sbuf, name="s_masked")
-    nisa.tensor_copy(dst=s_sbuf, src=s_psum)
-    # keep (q0 + p) - (k0 + f) >= 0
-    nisa.affine_select(dst=s_sbuf, pattern=[[-1, cols]], channel_multiplier=1, on_true_tile=s_sbuf,
-                       on_false_value=nl.FP32_MIN, cmp_op=nl.greater_equal, offset=q0 - k0)
-    return s_sbuf
+    for j in range(0, cols, MM_N):
+        j1 = min(cols, j + MM_N)
+        nisa.nc_matmul(dst=s_psum[:, j:j1], stationary=qT_sbuf, moving=kT_sbuf[:, k0 + j:k0 + j1])
+    if k1 - 1 > q0:   # keys [max(q0, k0), k1) may lie above the diagonal for some rows
+        b0 = max(q0, k0) - k0
+        band = nl.ndarray((rows, cols - b0), dtype=nl.float32, buffer=nl.sbuf, name="diag_band")
+        nisa.tensor_copy(dst=band, src=s_psum[:, b0:cols])
+        # keep (q0 + p) - (k0 + b0 + f) >= 0
+        nisa.affine_select(dst=band, pattern=[[-1, cols - b0]], channel_multiplier=1, on_true_tile=band,
+                           on_false_value=nl.FP32_MIN, cmp_op=nl.greater_equal, offset=q0 - k0 - b0)
+        nisa.tensor_copy(dst=s_psum[:, b0:cols], src=band)
+    return s_psum
 
 
-def _transpose_p(p_sbuf, c0, c1, rows, use_dma):
+def _transpose_p(p_sbuf, c0, c1, on_dma):
     """P[:, c0:c1] [rows, ck] -> pT [ck, rows] in SBUF (keys on partitions for the PV contraction)."""
-    ck = c1 - c0
+    rows, ck = p_sbuf.shape[0], c1 - c0
     pT_sbuf = nl.ndarray((ck, rows), dtype=p_sbuf.dtype, buffer=nl.sbuf, name="pT_sbuf")
-    if use_dma:
+    if on_dma:
         nisa.dma_transpose(dst=pT_sbuf, src=p_sbuf[:, c0:c1])
     else:
         pT_psum = nl.ndarray((ck, rows), dtype=p_sbuf.dtype, buffer=nl.psum, name="pT_psum")
@@ -87,74 +95,94 @@ def _transpose_p(p_sbuf, c0, c1, rows, use_dma):
     return pT_sbuf
 
 
-def _online_update(s_tile, stats, k0, k1, scale, p_dtype):
-    """Online-softmax step on one score tile: updates m, l in place; returns (p, alpha) (alpha None at first)."""
-    m_sbuf, l_sbuf, first = stats
-    rows, cols = s_tile.shape[0], k1 - k0
+def _online_update(s_psum, stats, scale, p_dtype):
+    """One online-softmax step over a score tile; stats = (m, l), or () before the first tile.
+
+    Returns (p, m', l', alpha); alpha is m' (unused) on the first tile.
+    """
+    rows, cols = s_psum.shape
+    first = len(stats) == 0
     tile_max = nl.ndarray((rows, 1), dtype=nl.float32, buffer=nl.sbuf, name="tile_max")
-    nisa.tensor_reduce(dst=tile_max, op=nl.maximum, data=s_tile, axis=1)
-    m_new = nl.ndarray((rows, 1), dtype=nl.float32, buffer=nl.sbuf, name="m_new")
-    if first:
-        nisa.tensor_copy(dst=m_new, src=tile_max)
-    else:
-        nisa.tensor_tensor(dst=m_new, data1=m_sbuf, data2=tile_max, op=nl.maximum)
+    nisa.tensor_reduce(dst=tile_max, op=nl.maximum, data=s_psum, axis=1)
+    m_new = tile_max
+    if not first:
+        m_old, l_old = stats
+        m_new = nl.ndarray((rows, 1), dtype=nl.float32, buffer=nl.sbuf, name="m_new")
+        nisa.tensor_tensor(dst=m_new, data1=m_old, data2=tile_max, op=nl.maximum, engine=nisa.engine.gpsimd)
     neg_bias = nl.ndarray((rows, 1), dtype=nl.float32, buffer=nl.sbuf, name="neg_bias")
-    nisa.tensor_scalar(dst=neg_bias, data=m_new, op0=nl.multiply, operand0=-scale)
+    nisa.activation(dst=neg_bias, op=nl.copy, data=m_new, scale=-scale)
     p_sbuf = nl.ndarray((rows, cols), dtype=p_dtype, buffer=nl.sbuf, name="p_sbuf")
     row_sum = nl.ndarray((rows, 1), dtype=nl.float32, buffer=nl.sbuf, name="row_sum")
-    nisa.activation(dst=p_sbuf, op=nl.exp, data=s_tile, bias=neg_bias, scale=scale, reduce_op=nl.add,
+    nisa.activation(dst=p_sbuf, op=nl.exp, data=s_psum, bias=neg_bias, scale=scale, reduce_op=nl.add,
                     reduce_res=row_sum, reduce_cmd=nisa.reduce_cmd.reset_reduce)
-    alpha = m_new  # placeholder for the first tile (not used)
     if first:
-        nisa.tensor_copy(dst=l_sbuf, src=row_sum)
-    else:
-        alpha = nl.ndarray((rows, 1), dtype=nl.float32, buffer=nl.sbuf, name="alpha")
-        nisa.activation(dst=alpha, op=nl.exp, data=m_sbuf, bias=neg_bias, scale=scale)
-        # l = l * alpha + row_sum
-        nisa.scalar_tensor_tensor(dst=l_sbuf, data=l_sbuf, op0=nl.multiply, operand0=alpha, op1=nl.add,
-                                  operand1=row_sum)
-    nisa.tensor_copy(dst=m_sbuf, src=m_new)
-    return p_sbuf, alpha
+        return p_sbuf, m_new, row_sum, m_new
+    alpha = nl.ndarray((rows, 1), dtype=nl.float32, buffer=nl.sbuf, name="alpha")
+    nisa.activation(dst=alpha, op=nl.exp, data=m_old, bias=neg_bias, scale=scale)
+    l_scaled = nl.ndarray((rows, 1), dtype=nl.float32, buffer=nl.sbuf, name="l_scaled")
+    nisa.tensor_tensor(dst=l_scaled, data1=l_old, data2=alpha, op=nl.multiply, engine=nisa.engine.gpsimd)
+    l_new = nl.ndarray((rows, 1), dtype=nl.float32, buffer=nl.sbuf, name="l_new")
+    nisa.tensor_tensor(dst=l_new, data1=l_scaled, data2=row_sum, op=nl.add, engine=nisa.engine.gpsimd)
+    return p_sbuf, m_new, l_new, alpha
 
 
-def _pv(p_sbuf, v_sbuf, k0, k1, rows, dim, use_dma):
-    """pv [rows, D] (PSUM) = P[:, k0:k1] @ V[k0:k1] accumulated over 128-key chunks."""
+def _pv(p_sbuf, v_sbuf, k0, dim, dma_period):
+    """pv [rows, D] (PSUM) = P @ V[k0:k0+cols] accumulated over 128-key chunks."""
+    rows, cols = p_sbuf.shape
     pv_psum = nl.ndarray((rows, dim), dtype=nl.float32, buffer=nl.psum, name="pv_psum")
-    n_chunks = (k1 - k0 + PV_CHUNK - 1) // PV_CHUNK
+    n_chunks = (cols + PV_CHUNK - 1) // PV_CHUNK
     for c in range(n_chunks):
-        c0, c1 = c * PV_CHUNK, min(k1 - k0, (c + 1) * PV_CHUNK)
-        pT_sbuf = _transpose_p(p_sbuf, c0, c1, rows, use_dma)
+        c0, c1 = c * PV_CHUNK, min(cols, (c + 1) * PV_CHUNK)
+        pT_sbuf = _transpose_p(p_sbuf, c0, c1, dma_period > 0 and c % dma_period != dma_period - 1)
         chunk = (k0 + c0) // PV_CHUNK
         nisa.nc_matmul(dst=pv_psum, stationary=pT_sbuf, moving=v_sbuf[0:c1 - c0, chunk, :], accumulate=(c > 0))
     return pv_psum
 
 
-def _q_tile(qT_hbm, kT_sbuf, v_sbuf, out_hbm, b, h, q0, q1, scale, use_dma):
+def _rescale_add(o_sbuf, alpha, pv_psum):
+    """o * alpha + pv: the rescale on GpSimd (alpha broadcast along the free dim), the add on VectorE."""
+    rows, dim = o_sbuf.shape
+    o_scaled = nl.ndarray((rows, dim), dtype=nl.float32, buffer=nl.sbuf, name="o_scaled")
+    alpha_b = alpha.ap(pattern=[[1, rows], [0, dim]], offset=0)   # [rows, 1] -> [rows, D] (stride 0)
+    nisa.tensor_tensor(dst=o_scaled, data1=o_sbuf, data2=alpha_b, op=nl.multiply, engine=nisa.engine.gpsimd)
+    o_new = nl.ndarray((rows, dim), dtype=nl.float32, buffer=nl.sbuf, name="o_acc")
+    nisa.tensor_tensor(dst=o_new, data1=pv_psum, data2=o_scaled, op=nl.add)
+    return o_new
+
+
+def _q_tile(qT_hbm, kv_sbuf, out_hbm, b, h, q0, q1, scale, dma_period):
     """All causal key tiles of one query tile, then o / l -> out[b, h, q0:q1, :]."""
-    dim = qT_hbm.shape[2]
-    rows = q1 - q0
+    kT_sbuf, v_sbuf = kv_sbuf
+    dim, rows = qT_hbm.shape[2], q1 - q0
     qT_sbuf = nl.ndarray((dim, rows), dtype=qT_hbm.dtype, buffer=nl.sbuf, name="qT_sbuf")
     nisa.dma_copy(dst=qT_sbuf, src=qT_hbm[b, h, :, q0:q1])
-    m_sbuf = nl.ndarray((rows, 1), dtype=nl.float32, buffer=nl.sbuf, name="m_run")
-    l_sbuf = nl.ndarray((rows, 1), dtype=nl.float32, buffer=nl.sbuf, name="l_run")
-    o_sbuf = nl.ndarray((rows, dim), dtype=nl.float32, buffer=nl.sbuf, name="o_acc")
-    n_k = (q1 + K_TILE - 1) // K_TILE   # causal: key tiles starting at or before the last query of the tile
-    for kt in range(n_k):
-        k0, k1 = kt * K_TILE, min(q1, (kt + 1) * K_TILE)
-        s_tile = _scores(qT_sbuf, kT_sbuf, q0, q1, k0, k1)
-        p_sbuf, alpha = _online_update(s_tile, (m_sbuf, l_sbuf, kt == 0), k0, k1, scale, qT_hbm.dtype)
-        pv_psum = _pv(p_sbuf, v_sbuf, k0, k1, rows, dim, use_dma)
-        if kt == 0:
+    stats, o_sbuf = (), qT_sbuf
+    for k0 in range(0, q1, K_TILE):   # causal: key tiles starting at or before the last query of the tile
+        k1 = min(q1, k0 + K_TILE)
+        s_psum = _scores(qT_sbuf, kT_sbuf, q0, q1, k0, k1)
+        p_sbuf, m_sbuf, l_sbuf, alpha = _online_update(s_psum, stats, scale, qT_hbm.dtype)
+        stats = (m_sbuf, l_sbuf)
+        pv_psum = _pv(p_sbuf, v_sbuf, k0, dim, dma_period)
+        if k0 == 0:
+            o_sbuf = nl.ndarray((rows, dim), dtype=nl.float32, buffer=nl.sbuf, name="o_acc")
             nisa.tensor_copy(dst=o_sbuf, src=pv_psum)
         else:
-            # o = o * alpha + pv
-            nisa.scalar_tensor_tensor(dst=o_sbuf, data=o_sbuf, op0=nl.multiply, operand0=alpha, op1=nl.add,
-                                      operand1=pv_psum)
+            o_sbuf = _rescale_add(o_sbuf, alpha, pv_psum)
     inv_l = nl.ndarray((rows, 1), dtype=nl.float32, buffer=nl.sbuf, name="inv_l")
-    nisa.reciprocal(dst=inv_l, data=l_sbuf)
+    nisa.reciprocal(dst=inv_l, data=stats[1])
     res_sbuf = nl.ndarray((rows, dim), dtype=qT_hbm.dtype, buffer=nl.sbuf, name="res_sbuf")
     nisa.tensor_scalar(dst=res_sbuf, data=o_sbuf, op0=nl.multiply, operand0=inv_l)
     nisa.dma_copy(dst=out_hbm[b, h, q0:q1, :], src=res_sbuf)
+
+
+def _dma_period(dtype):
+    """P-transpose policy: 0 = all on TensorE; n = every n-th chunk on TensorE, the others by dma_transpose."""
+    version = nisa.get_nc_version()
+    if dtype != nl.bfloat16 or version == nisa.nc_version.gen2:
+        return 0
+    if version == nisa.nc_version.gen3:
+        return 4
+    return 1 << 20
 
 
 @nki.jit
@@ -163,14 +191,12 @@ def flash_attention_prefill(qT_hbm, kT_hbm, v_hbm, q_to_kv, scale):
     batch, n_q, dim, seq = qT_hbm.shape
     n_kv = kT_hbm.shape[1]
     out_hbm = nl.ndarray((batch, n_q, seq, dim), dtype=qT_hbm.dtype, buffer=nl.shared_hbm, name="attn_out")
-    use_dma = qT_hbm.dtype == nl.bfloat16 and nisa.get_nc_version() != nisa.nc_version.gen2
-    n_qt = (seq + Q_TILE - 1) // Q_TILE
+    dma_period = _dma_period(qT_hbm.dtype)
     for b in range(batch):
         for kvh in range(n_kv):
-            kT_sbuf, v_sbuf = _load_kv(kT_hbm, v_hbm, b, kvh, seq, dim)
+            kv_sbuf = _load_kv(kT_hbm, v_hbm, b, kvh, seq, dim)
             for h in range(n_q):
                 if q_to_kv[h] == kvh:
-                    for qt in range(n_qt):
-                        q0, q1 = qt * Q_TILE, min(seq, (qt + 1) * Q_TILE)
-                        _q_tile(qT_hbm, kT_sbuf, v_sbuf, out_hbm, b, h, q0, q1, scale, use_dma)
+                    for q0 in range(0, seq, Q_TILE):
+                        _q_tile(qT_hbm, kv_sbuf, out_hbm, b, h, q0, min(seq, q0 + Q_TILE), scale, dma_period)
     return out_hbm
