@@ -6,12 +6,15 @@ Importing ``nki_kernels`` makes ``import nki``, ``import nki.language as nl`` an
 * otherwise (absent, or the empty PyPI placeholder "nki" distribution) the NumPy simulator in
   ``nki_kernels/sim`` is registered as ``nki``, ``nki.language``, ``nki.isa``, ``nki.simulator``, ``nki.typing``,
   ``nki.compiler`` and ``nki.collectives``.
-``nki_kernels.NKI_BACKEND`` says which one is in use ("neuron" or "simulator"). torch is never imported here.
+``nki_kernels.NKI_BACKEND`` says which one is in use ("neuron" or "simulator"). Set
+``NKI_KERNELS_FORCE_SIMULATOR=1`` to use the simulator even where the Neuron SDK is installed (e.g. to run
+tests/nki_sim on a Trn instance). torch is never imported here.
 """
 from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 import sys
 
 _SUBMODULES = ("language", "isa", "simulator", "typing", "compiler", "collectives")
@@ -59,7 +62,7 @@ def _install_simulator() -> None:
         sys.modules[f"nki.{sub}"] = getattr(sim_nki, sub)
 
 
-if genuine_nki_available():
+if os.environ.get("NKI_KERNELS_FORCE_SIMULATOR", "0") != "1" and genuine_nki_available():
     NKI_BACKEND = "neuron"
 else:
     _install_simulator()

@@ -31,8 +31,8 @@ def _fake_dist(root: Path, version: str, summary: str, init: str, submodules=())
     (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: nki\nVersion: {version}\nSummary: {summary}\n")
 
 
-def _probe(extra_path: Path | None) -> list[str]:
-    env = dict(os.environ)
+def _probe(extra_path: Path | None, **env_vars) -> list[str]:
+    env = dict(os.environ, **env_vars)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(extra_path) if extra_path else "", str(REPO)) if p)
     res = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, cwd=REPO,
                          timeout=60, check=False)
@@ -64,3 +64,10 @@ def test_genuine_nki_is_left_alone(tmp_path):
     backend, is_sim, _, modules = _probe(tmp_path)
     assert (backend, is_sim) == ("neuron", "False")
     assert "'nki.simulator'" not in modules
+
+
+def test_force_simulator_env_overrides_a_genuine_nki(tmp_path):
+    _fake_dist(tmp_path, "0.6.0", "Neuron Kernel Interface", "def jit(fn=None, **kw):\n    return fn\n",
+               submodules=("language", "isa"))
+    backend, is_sim, _, _ = _probe(tmp_path, NKI_KERNELS_FORCE_SIMULATOR="1")
+    assert (backend, is_sim) == ("simulator", "True")
