@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import nki_kernels  # noqa: F401  (resolution: nki -> simulator)
+import nki_kernels
 from nki_kernels.sim import ListRecorder, simulate_kernel
 
 
