@@ -37,10 +37,11 @@ class RecordingNeuronSDK(types.ModuleType):
 
     def replace_weights(self, graph, weights):
         self.calls.append(("replace_weights", {"keys": sorted(weights)}))
-        missing = set(graph.state_dict()) - set(weights)
+        params = dict(graph.named_parameters())  # constants (rope tables, head maps) stay in the graph
+        missing = set(params) - set(weights)
         assert not missing, f"weights missing for {sorted(missing)[:5]}"
         with torch.no_grad():
-            for name, t in graph.state_dict().items():
+            for name, t in params.items():
                 t.copy_(weights[name])
 
 
