@@ -21,11 +21,11 @@ Notes:
     row max m, row sum l and output accumulator are fp32; probabilities are stored in the input dtype (bf16 for
     bf16 inputs) before the PV matmul. Key tiles entirely above the diagonal are skipped; only the <= 128-key
     band that crosses the diagonal is masked (GpSimd affine_select, FP32_MIN, on an SBUF copy of that band).
-    Engine balance (the softmax, not TensorE, is the usual bottleneck): the 2048-key tiles amortise the
+    Engine balance (the softmax, not TensorE, is the usual bottleneck): the 1536-key tiles amortise the
     per-tile [128, 1] statistics; VectorE does the row max and the o + pv add, ScalarE the exp (with its row
-    sum) and the small exps, GpSimd the running max, l and the o * alpha rescale. P is transposed by SBUF->SBUF
-    dma_transpose for bf16 on gen3+ (on gen3 every 4th 128-key chunk goes to TensorE instead, to balance DMA
-    and TensorE time), on TensorE (nc_transpose) for fp32 and on gen2.
+    sum) and the small exps, GpSimd the running max, l and the o * alpha rescale. P is transposed by one
+    3-D SBUF->SBUF dma_transpose per score tile for bf16 on gen3+ (on gen3 the last quarter of the chunks goes
+    to TensorE instead, to balance DMA and TensorE time), on TensorE (nc_transpose) for fp32 and on gen2.
 
 Pseudocode:
     for b, kv: K^T, V -> SBUF
@@ -42,7 +42,7 @@ import nki.isa as nisa
 import nki.language as nl
 
 Q_TILE = 128       # queries per tile (partitions of the score tile)
-K_TILE = 2048      # keys per score tile (4 fp32 PSUM banks)
+K_TILE = 1536      # keys per score tile: 3 fp32 PSUM banks (x2 buffers + pv + transpose = 8)
 MM_N = 512         # keys per QK^T matmul (one PSUM bank)
 PV_CHUNK = 128     # keys per PV matmul (contraction on partitions)
 
@@ -65,7 +65,7 @@ def _load_kv(kT_hbm, v_hbm, b, kvh, seq, dim):
 
 
 def _scores(qT_sbuf, kT_sbuf, q0, q1, k0, k1):
-    """s[q, k] = q . k for one [rows, <= 2048] tile in PSUM; the band crossing the diagonal is masked."""
+    """s[q, k] = q . k for one [rows, <= 1536] tile in PSUM; the band crossing the diagonal is masked."""
     rows, cols = q1 - q0, k1 - k0
     s_psum = nl.ndarray((rows, cols), dtype=nl.float32, buffer=nl.psum, name="s_psum")
     for j in range(0, cols, MM_N):
@@ -82,16 +82,25 @@ def _scores(qT_sbuf, kT_sbuf, q0, q1, k0, k1):
     return s_psum
 
 
-def _transpose_p(p_sbuf, c0, c1, on_dma):
-    """P[:, c0:c1] [rows, ck] -> pT [ck, rows] in SBUF (keys on partitions for the PV contraction)."""
+def _transpose_p_pe(p_sbuf, c0, c1, evac_scalar):
+    """P[:, c0:c1] [rows, ck] -> pT [ck, rows] in SBUF through a TensorE transpose (PSUM) and an eviction."""
     rows, ck = p_sbuf.shape[0], c1 - c0
+    pT_psum = nl.ndarray((ck, rows), dtype=p_sbuf.dtype, buffer=nl.psum, name="pT_psum")
+    nisa.nc_transpose(dst=pT_psum, data=p_sbuf[:, c0:c1])
     pT_sbuf = nl.ndarray((ck, rows), dtype=p_sbuf.dtype, buffer=nl.sbuf, name="pT_sbuf")
-    if on_dma:
-        nisa.dma_transpose(dst=pT_sbuf, src=p_sbuf[:, c0:c1])
+    if evac_scalar:
+        nisa.activation(dst=pT_sbuf, op=nl.copy, data=pT_psum)
     else:
-        pT_psum = nl.ndarray((ck, rows), dtype=p_sbuf.dtype, buffer=nl.psum, name="pT_psum")
-        nisa.nc_transpose(dst=pT_psum, data=p_sbuf[:, c0:c1])
         nisa.tensor_copy(dst=pT_sbuf, src=pT_psum)
+    return pT_sbuf
+
+
+def _transpose_p_dma(p_sbuf, n_ch):
+    """P[:, 0:n_ch*128] [rows, n_ch, 128] -> pT [128, n_ch, rows] with one SBUF->SBUF dma_transpose."""
+    rows = p_sbuf.shape[0]
+    pT_sbuf = nl.ndarray((PV_CHUNK, n_ch, rows), dtype=p_sbuf.dtype, buffer=nl.sbuf, name="pT_block")
+    src = p_sbuf[:, 0:n_ch * PV_CHUNK].reshape((rows, n_ch, PV_CHUNK))   # [rows, n_ch*128] -> [rows, n_ch, 128]
+    nisa.dma_transpose(dst=pT_sbuf, src=src, axes=(2, 1, 0))
     return pT_sbuf
 
 
@@ -126,16 +135,30 @@ def _online_update(s_psum, stats, scale, p_dtype):
     return p_sbuf, m_new, l_new, alpha
 
 
-def _pv(p_sbuf, v_sbuf, k0, dim, dma_period):
-    """pv [rows, D] (PSUM) = P @ V[k0:k0+cols] accumulated over 128-key chunks."""
+def _pv(p_sbuf, v_sbuf, k0, dim, pe_share):
+    """pv [rows, D] (PSUM) = P @ V[k0:k0+cols] accumulated over 128-key chunks.
+
+    pe_share: 1 = every chunk transposed on TensorE; n > 1 = the last 1/n of the full chunks (and a partial
+    chunk) on TensorE, the others by one dma_transpose; 0 = all full chunks by dma_transpose.
+    """
     rows, cols = p_sbuf.shape
-    pv_psum = nl.ndarray((rows, dim), dtype=nl.float32, buffer=nl.psum, name="pv_psum")
     n_chunks = (cols + PV_CHUNK - 1) // PV_CHUNK
+    n_full = cols // PV_CHUNK
+    n_dma = 0
+    if pe_share != 1:
+        n_dma = n_full - (n_full // pe_share if pe_share > 1 else 0)
+    pT_block = p_sbuf
+    if n_dma > 0:
+        pT_block = _transpose_p_dma(p_sbuf, n_dma)
+    pv_psum = nl.ndarray((rows, dim), dtype=nl.float32, buffer=nl.psum, name="pv_psum")
     for c in range(n_chunks):
         c0, c1 = c * PV_CHUNK, min(cols, (c + 1) * PV_CHUNK)
-        pT_sbuf = _transpose_p(p_sbuf, c0, c1, dma_period > 0 and c % dma_period != dma_period - 1)
+        if c < n_dma:
+            pT = pT_block[:, c, :]
+        else:
+            pT = _transpose_p_pe(p_sbuf, c0, c1, pe_share != 1 or c % 2 == 1)
         chunk = (k0 + c0) // PV_CHUNK
-        nisa.nc_matmul(dst=pv_psum, stationary=pT_sbuf, moving=v_sbuf[0:c1 - c0, chunk, :], accumulate=(c > 0))
+        nisa.nc_matmul(dst=pv_psum, stationary=pT, moving=v_sbuf[0:c1 - c0, chunk, :], accumulate=(c > 0))
     return pv_psum
 
 
@@ -150,7 +173,7 @@ def _rescale_add(o_sbuf, alpha, pv_psum):
     return o_new
 
 
-def _q_tile(qT_hbm, kv_sbuf, out_hbm, b, h, q0, q1, scale, dma_period):
+def _q_tile(qT_hbm, kv_sbuf, out_hbm, b, h, q0, q1, scale, pe_share):
     """All causal key tiles of one query tile, then o / l -> out[b, h, q0:q1, :]."""
     kT_sbuf, v_sbuf = kv_sbuf
     dim, rows = qT_hbm.shape[2], q1 - q0
@@ -162,7 +185,7 @@ def _q_tile(qT_hbm, kv_sbuf, out_hbm, b, h, q0, q1, scale, dma_period):
         s_psum = _scores(qT_sbuf, kT_sbuf, q0, q1, k0, k1)
         p_sbuf, m_sbuf, l_sbuf, alpha = _online_update(s_psum, stats, scale, qT_hbm.dtype)
         stats = (m_sbuf, l_sbuf)
-        pv_psum = _pv(p_sbuf, v_sbuf, k0, dim, dma_period)
+        pv_psum = _pv(p_sbuf, v_sbuf, k0, dim, pe_share)
         if k0 == 0:
             o_sbuf = nl.ndarray((rows, dim), dtype=nl.float32, buffer=nl.sbuf, name="o_acc")
             nisa.tensor_copy(dst=o_sbuf, src=pv_psum)
@@ -175,14 +198,15 @@ def _q_tile(qT_hbm, kv_sbuf, out_hbm, b, h, q0, q1, scale, dma_period):
     nisa.dma_copy(dst=out_hbm[b, h, q0:q1, :], src=res_sbuf)
 
 
-def _dma_period(dtype):
-    """P-transpose policy: 0 = all on TensorE; n = every n-th chunk on TensorE, the others by dma_transpose."""
+def _pe_share(dtype):
+    """P-transpose policy (see _pv): fp32 or gen2 -> all TensorE (evictions alternate VectorE / ScalarE);
+    gen3 bf16 -> 1/4 on TensorE (its SBUF->SBUF DMA transpose is slower); gen4 bf16 -> all dma_transpose."""
     version = nisa.get_nc_version()
     if dtype != nl.bfloat16 or version == nisa.nc_version.gen2:
-        return 0
+        return 1
     if version == nisa.nc_version.gen3:
         return 4
-    return 1 << 20
+    return 0
 
 
 @nki.jit
@@ -191,12 +215,12 @@ def flash_attention_prefill(qT_hbm, kT_hbm, v_hbm, q_to_kv, scale):
     batch, n_q, dim, seq = qT_hbm.shape
     n_kv = kT_hbm.shape[1]
     out_hbm = nl.ndarray((batch, n_q, seq, dim), dtype=qT_hbm.dtype, buffer=nl.shared_hbm, name="attn_out")
-    dma_period = _dma_period(qT_hbm.dtype)
+    pe_share = _pe_share(qT_hbm.dtype)
     for b in range(batch):
         for kvh in range(n_kv):
             kv_sbuf = _load_kv(kT_hbm, v_hbm, b, kvh, seq, dim)
             for h in range(n_q):
                 if q_to_kv[h] == kvh:
                     for q0 in range(0, seq, Q_TILE):
-                        _q_tile(qT_hbm, kv_sbuf, out_hbm, b, h, q0, min(seq, q0 + Q_TILE), scale, dma_period)
+                        _q_tile(qT_hbm, kv_sbuf, out_hbm, b, h, q0, min(seq, q0 + Q_TILE), scale, pe_share)
     return out_hbm

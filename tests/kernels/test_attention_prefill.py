@@ -30,14 +30,14 @@ def test_prefill_matches_reference(rng, batch, seq, dim, q_to_kv, n_kv, dtype, t
     _case(rng, batch, seq, dim, q_to_kv, n_kv, dtype, target)
 
 
-def test_prefill_crosses_a_2048_key_tile(rng):
-    """S = 2100: the second key tile exercises the online rescale (o * alpha + pv, l * alpha + rowsum)."""
+def test_prefill_crosses_a_key_tile(rng):
+    """S = 2100: the second 1536-key tile exercises the online rescale (o * alpha + pv, l * alpha + rowsum)."""
     _case(rng, 1, 2100, 16, (0,), 1, np.float32, "trn2")
 
 
 @pytest.mark.slow
 def test_prefill_long_head_dim_128(rng):
-    _case(rng, 1, 2600, 128, (0, 0), 1, BF16, "trn3")       # several 2048-key tiles, D = 128
+    _case(rng, 1, 2600, 128, (0, 0), 1, BF16, "trn3")       # several 1536-key tiles, D = 128
 
 
 def test_prefill_large_scores_are_stable(rng):
