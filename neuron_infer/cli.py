@@ -183,17 +183,24 @@ def info_cmd(artifacts) -> None:
                            "graphs": sorted(m.graphs), "extra": m.extra}, indent=2))
 
 
-def _register_optional_commands() -> None:
-    """Commands contributed by feature packages (plan, quantize, ...) when present."""
-    try:
-        from neuron_infer.cli_plan import plan_cmd  # noqa: PLC0415
+@cli.command("plan")
+@click.argument("model")
+@click.option("--instance", required=True, help="trn1.2xlarge, trn1.32xlarge, inf2.xlarge..inf2.48xlarge, trn2.48xlarge, trn3")
+@click.option("--tp-degree", type=int, required=True)
+@click.option("--quant", type=click.Choice(["none", "int8", "fp8", "mxfp8", "mxfp4", "w8a8"]), default="none")
+@click.option("--max-length", type=int, default=4096, show_default=True)
+@click.option("--batch-size", type=int, default=1, show_default=True)
+@click.option("--lnc", type=click.Choice(["1", "2"]), default=None, help="logical NeuronCore size (trn2/trn3)")
+@click.option("--json", "as_json", is_flag=True)
+def plan_cmd(model, instance, tp_degree, quant, max_length, batch_size, lnc, as_json) -> None:
+    """Capacity plan for MODEL (a preset such as llama-3.1-405b, or a checkpoint dir) on an instance."""
+    from neuron_infer.parallel.capacity import plan_capacity, render_capacity_text  # noqa: PLC0415
+    from neuron_infer.parallel.presets import resolve_model  # noqa: PLC0415
 
-        cli.add_command(plan_cmd)
-    except ImportError:
-        pass
-
-
-_register_optional_commands()
+    name, cfg = resolve_model(model)
+    p = plan_capacity(cfg, instance, tp_degree, quant, max_length, batch_size, int(lnc) if lnc else None,
+                      model_name=name)
+    click.echo(json.dumps(p.to_dict(), indent=2) if as_json else render_capacity_text(p))
 
 
 def main(argv: list[str] | None = None) -> None:
