@@ -255,8 +255,8 @@ def test_language_allocation_helpers(rng):
 
 
 def test_documented_but_unsimulated_api_raises_not_implemented():
-    with pytest.raises(NotImplementedError, match="nisa.dma_compute is documented"):
-        nisa.dma_compute  # noqa: B018
+    with pytest.raises(NotImplementedError, match="nisa.tensor_tensor_scan is documented"):
+        nisa.tensor_tensor_scan  # noqa: B018
     with pytest.raises(NotImplementedError, match="nl.while_loop is documented"):
         nl.while_loop  # noqa: B018
     with pytest.raises(AttributeError):

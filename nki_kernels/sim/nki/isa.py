@@ -3,6 +3,17 @@ from ...sim import runtime as _runtime
 from ..checks import NkiInstruction  # noqa: F401
 from ..enums import dge_mode, dma_engine, engine, matmul_perf_mode, nc_version, oob_mode, reduce_cmd  # noqa: F401
 from ..isa_data import dma_copy, dma_transpose, iota, memset, tensor_copy  # noqa: F401
+from ..isa_extra import (  # noqa: F401
+    bn_aggr,
+    bn_stats,
+    dma_compute,
+    max8,
+    nc_find_index8,
+    nc_match_replace8,
+    nc_stream_shuffle,
+    tensor_copy_predicated,
+    tensor_partition_reduce,
+)
 from ..isa_mx import nc_matmul_mx, quantize_mx  # noqa: F401
 from ..isa_scalar import activation, activation_reduce  # noqa: F401
 from ..isa_select import affine_select, range_select, select_reduce  # noqa: F401
@@ -32,9 +43,7 @@ def get_nc_version():
 
 _DOCUMENTED_NOT_SIMULATED = frozenset({
     "register_alloc", "register_move", "register_load", "register_store", "scalar_load", "scalar_store",
-    "dma_compute", "tensor_copy_predicated", "tensor_tensor_scan", "tensor_scalar_cumulative", "tensor_partition_reduce",
-    "bn_stats", "bn_aggr", "max8", "nc_find_index8", "nc_match_replace8", "nc_stream_shuffle", "nc_n_gather",
-    "local_gather", "activate2", "rng", "rand2", "rand_set_state", "rand_get_state", "set_rng_seed", "dropout",
+    "tensor_tensor_scan", "tensor_scalar_cumulative", "nc_n_gather", "local_gather", "activate2", "rng", "rand2", "rand_set_state", "rand_get_state", "set_rng_seed", "dropout",
     "sequence_bounds", "nonzero_with_count", "topk", "sendrecv", "core_barrier",
 })
 
