@@ -120,18 +120,22 @@ def _broadcast_rows(col, ones_row):
     return bc
 
 
-def _softmax_T(sT, m_old, ones_row, scale, p_dtype):
-    """Online-softmax step: returns (pT [128, n_ch, R] = exp(scale (sT - m')), m' [R, 1], alpha [R, 1])."""
+def _softmax_T(sT, stats, ones_row, scale, p_dtype):
+    """Online-softmax step; stats = (m,) or () before the first block.
+
+    Returns (pT [128, n_ch, R] = exp(scale (sT - m')), m' [R, 1], alpha [R, 1]; alpha is m' on the first block).
+    """
     n_ch, rows = sT.shape[1], sT.shape[2]
     bmax = _block_max(sT, rows)
     m_new = bmax
-    if m_old.shape[0] == rows:
+    if len(stats) > 0:
+        m_old = stats[0]
         m_new = nl.ndarray((rows, 1), dtype=nl.float32, buffer=nl.sbuf, name="m_new")
         nisa.tensor_tensor(dst=m_new, data1=m_old, data2=bmax, op=nl.maximum)
     neg_bias = nl.ndarray((rows, 1), dtype=nl.float32, buffer=nl.sbuf, name="neg_bias")
     nisa.tensor_scalar(dst=neg_bias, data=m_new, op0=nl.multiply, operand0=-scale)
     alpha = m_new
-    if m_old.shape[0] == rows:
+    if len(stats) > 0:
         alpha = nl.ndarray((rows, 1), dtype=nl.float32, buffer=nl.sbuf, name="alpha")
         nisa.activation(dst=alpha, op=nl.exp, data=m_old, bias=neg_bias, scale=scale)
     nb = _broadcast_rows(neg_bias, ones_row)
@@ -162,13 +166,13 @@ def _group(qT_hbm, kT_hbm, v_hbm, pos_hbm, out_hbm, b, kvh, heads, scale):
     ones_row = nl.ndarray((1, P), dtype=nl.float32, buffer=nl.sbuf, name="ones_row")
     nisa.memset(dst=ones_row, value=1.0)
     o_sbuf = nl.ndarray((rows, dim + 1), dtype=nl.float32, buffer=nl.sbuf, name="o_acc")
-    m_sbuf = ones_row   # placeholder: no running max before the first block
+    stats = ()   # no running max before the first block
     for s0 in range(0, seq, n_ch * P):
         s1 = min(seq, s0 + n_ch * P)
         blk_ch = (s1 - s0 + P - 1) // P   # the last block may be shorter
         kT_sbuf, v_sbuf = _load_block(kT_hbm, v_hbm, b, kvh, s0, s1, blk_ch)
         sT = _masked_scores_T(qT_sbuf, kT_sbuf, bound, s0, blk_ch)
-        pT, m_new, alpha = _softmax_T(sT, m_sbuf, ones_row, scale, qT_hbm.dtype)
+        pT, m_new, alpha = _softmax_T(sT, stats, ones_row, scale, qT_hbm.dtype)
         pv = _pv(pT, v_sbuf)
         if s0 == 0:
             nisa.tensor_copy(dst=o_sbuf, src=pv)
@@ -176,7 +180,7 @@ def _group(qT_hbm, kT_hbm, v_hbm, pos_hbm, out_hbm, b, kvh, heads, scale):
             # o = o * alpha + pv
             nisa.scalar_tensor_tensor(dst=o_sbuf, data=o_sbuf, op0=nl.multiply, operand0=alpha, op1=nl.add,
                                       operand1=pv)
-        m_sbuf = m_new
+        stats = (m_new,)
     inv_l = nl.ndarray((rows, 1), dtype=nl.float32, buffer=nl.sbuf, name="inv_l")
     nisa.reciprocal(dst=inv_l, data=o_sbuf[:, dim:dim + 1])
     res_sbuf = nl.ndarray((rows, dim), dtype=qT_hbm.dtype, buffer=nl.sbuf, name="res_sbuf")
