@@ -37,10 +37,13 @@ _POW2_120 = 2.0 ** 120  # e4m3 exponent bias 7 vs float32 bias 127
 def fp8_to_float(w8: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Exact float8_e4m3fn -> `dtype` for finite codes (|v| <= 448), via float32 bit placement.
 
-    The 7 magnitude bits eeee.mmm go to float32 bits 26..20, giving 2**(e-127) * 1.mmm (or the float32 subnormal
-    0.mmm * 2**-126 when e == 0); times 2**120 that is exactly the e4m3 value. The NaN code maps to 480 (never
-    stored: our weights are finite by construction).
+    On CPU: the 7 magnitude bits eeee.mmm go to float32 bits 26..20, giving 2**(e-127) * 1.mmm (or the float32
+    subnormal 0.mmm * 2**-126 when e == 0); times 2**120 that is exactly the e4m3 value (~8x faster than torch's
+    fp8 `.to()` there). The NaN code maps to 480 (never stored: our weights are finite by construction).
+    Other devices (XLA/Neuron) use the native cast, which their compilers lower directly.
     """
+    if w8.device.type != "cpu":
+        return w8.to(dtype)
     codes = w8.view(torch.uint8).to(torch.int32)  # [...]
     mag = ((codes & 0x7F) << 20).view(torch.float32) * _POW2_120  # [...] |value|, exact
     return torch.where(codes >= 0x80, -mag, mag).to(dtype)
