@@ -113,12 +113,27 @@ BITVEC = {
     "left_shift": np.left_shift, "right_shift": lambda x, y: _logical_rshift(x, y),
     "invert": lambda x, y=None: np.invert(x),
 }
+class _AbsPick:
+    """abs_max / abs_min as a reducer: keeps the signed value of larger / smaller magnitude (ties -> later)."""
+
+    def __init__(self, larger: bool):
+        self.larger = larger
+
+    def __call__(self, x, y):
+        return _abs_pick(x, y, self.larger)
+
+    def reduce(self, values, axis):
+        mag = np.abs(values)
+        pick = np.argmax(mag, axis=axis) if self.larger else np.argmin(mag, axis=axis)
+        return np.take_along_axis(values, np.expand_dims(pick, axis), axis=axis).squeeze(axis)
+
+
 # Reducible operators (§5.3): name -> (NumPy reduction, identity for register reset).
 REDUCERS = {
     "add": (np.add, 0.0), "multiply": (np.multiply, 1.0), "maximum": (np.maximum, -np.inf),
     "minimum": (np.minimum, np.inf), "logical_and": (np.logical_and, 1.0), "logical_or": (np.logical_or, 0.0),
     "logical_xor": (np.logical_xor, 0.0), "bitwise_and": (np.bitwise_and, -1), "bitwise_or": (np.bitwise_or, 0),
-    "bitwise_xor": (np.bitwise_xor, 0),
+    "bitwise_xor": (np.bitwise_xor, 0), "abs_max": (_AbsPick(True), 0.0), "abs_min": (_AbsPick(False), np.inf),
 }
 GEN4_ONLY = {"abs_max", "abs_min"}
 # GpSimd computes these natively on 32-bit integers (int32 tensor_tensor defaults to GpSimd, §5 intro)

@@ -95,7 +95,8 @@ def tensor_scalar(dst, data, op0, operand0, reverse0=False, op1=None, operand1=N
     if bitvec:
         _bitvec_ints(iname, dst, x)
     s0 = None if o0.name in alu.ALU_UNARY and operand0 is None else C.scalar_operand(operand0, parts, iname, "operand0", bitvec)
-    s1 = C.scalar_operand(operand1, parts, iname, "operand1", bitvec) if o1 is not None and operand1 is not None else None
+    unary1 = o1 is None or (o1.name in alu.ALU_UNARY and operand1 is None)
+    s1 = None if unary1 else C.scalar_operand(operand1, parts, iname, "operand1", bitvec)
     if C.executing():
         t = _scalar_stage(o0, _read(x, bitvec), s0, reverse0)
         C.write(dst, _scalar_stage(o1, t, s1, reverse1))

@@ -127,3 +127,31 @@ def test_activation_validation(case, match, target):
 
     with pytest.raises(SimulationError, match=match):
         run(kernel, target=target)
+
+
+def test_activate2_two_stage_immediates_and_abs_max_reduce(rng):
+    x = rng.standard_normal((16, 12)).astype(np.float32)
+
+    def kernel(x_hbm):
+        t = sbuf_in(x_hbm)
+        y = nl.ndarray(t.shape, nl.float32, buffer=nl.sbuf)
+        r = nl.ndarray((16, 1), nl.float32, buffer=nl.sbuf)
+        nisa.activate2(dst=y, op=nl.tanh, data=t, imm0=1.5, imm1=0.25, op0=nl.multiply, op1=nl.subtract,
+                       reverse1=True, reduce_op=nl.abs_max, reduce_res=r, reduce_cmd=nisa.reduce_cmd.reset_reduce)
+        return hbm_out(y), hbm_out(r)
+
+    y, r = run(kernel, x)
+    ref = np.tanh(0.25 - 1.5 * x.astype(np.float64))
+    np.testing.assert_allclose(y, ref, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(r[:, 0], ref[np.arange(16), np.abs(ref).argmax(axis=1)], rtol=1e-6)
+
+
+def test_activate2_rules():
+    def kernel(op0, op1):
+        t = nl.ndarray((4, 8), nl.float32, buffer=nl.sbuf)
+        nisa.activate2(dst=t, op=nl.exp, data=t, imm0=1.0, imm1=0.0, op0=op0, op1=op1)
+
+    with pytest.raises(SimulationError, match="is not one of"):
+        run(lambda: kernel(nl.add, nl.add))
+    with pytest.raises(SimulationError, match="activate2 requires NeuronCore gen4"):
+        run(lambda: kernel(nl.multiply, nl.add), target="trn2")

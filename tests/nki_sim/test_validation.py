@@ -221,3 +221,11 @@ def test_fori_loop_runs_in_order_but_not_inside_no_reorder():
     with pytest.raises(SimulationError, match="not allowed inside a nl.no_reorder"):
         run(kernel)
     assert seen == [2, 5]
+
+
+def test_tensor_scalar_binary_op1_needs_operand1():
+    def kernel():
+        nisa.tensor_scalar(dst=sb(), data=sb(), op0=nl.add, operand0=1.0, op1=nl.multiply)
+
+    with pytest.raises(SimulationError, match="operand1 must be a number"):
+        run(kernel)

@@ -15,7 +15,7 @@ from ..isa_extra import (  # noqa: F401
     tensor_partition_reduce,
 )
 from ..isa_mx import nc_matmul_mx, quantize_mx  # noqa: F401
-from ..isa_scalar import activation, activation_reduce  # noqa: F401
+from ..isa_scalar import activate2, activation, activation_reduce  # noqa: F401
 from ..isa_select import affine_select, range_select, select_reduce  # noqa: F401
 from ..isa_tensor import nc_matmul, nc_transpose  # noqa: F401
 from ..isa_vector import (  # noqa: F401
@@ -43,7 +43,7 @@ def get_nc_version():
 
 _DOCUMENTED_NOT_SIMULATED = frozenset({
     "register_alloc", "register_move", "register_load", "register_store", "scalar_load", "scalar_store",
-    "tensor_tensor_scan", "tensor_scalar_cumulative", "nc_n_gather", "local_gather", "activate2", "rng", "rand2", "rand_set_state", "rand_get_state", "set_rng_seed", "dropout",
+    "tensor_tensor_scan", "tensor_scalar_cumulative", "nc_n_gather", "local_gather", "rng", "rand2", "rand_set_state", "rand_get_state", "set_rng_seed", "dropout",
     "sequence_bounds", "nonzero_with_count", "topk", "sendrecv", "core_barrier",
 })
 
