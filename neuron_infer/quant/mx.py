@@ -14,9 +14,13 @@ MXFP8 uses "nki" (2x the OCP scale, never clips: 7.0e-4 vs 8.6e-4 .. 1.0e-3 for 
 {0.5 .. 6} the extra headroom costs more than the clipping of the block maximum).
 
 The CPU forward dequantizes with torch ops that mirror `mx_golden.dequantize` bit for bit (tested), then runs
-F.linear in the activation dtype (MX values are exact in bf16). Blocks are contiguous runs of 32 (OCP). A kernel
-that needs the `nc_matmul_mx` quad grouping re-quantizes with `mx_golden.quantize_for_matmul` from the float
-checkpoint (the grouping changes which values share a scale).
+F.linear in the activation dtype (MX values are exact in bf16).
+
+Block grouping: MXFP8Linear / MXFP4Linear use OCP blocks (32 contiguous inputs). `nc_matmul_mx` groups 8
+partitions x 4 slots instead (mx_golden "quad order"), and which values share a scale changes the numbers, so
+MXFP8QuadLinear / MXFP4QuadLinear (partitions = 128) quantize in quad order (in padded to a multiple of 512) and
+`kernel_operands()` hands the kernel its packed x4 words and scales unchanged: CPU forward and kernel then
+compute with identical values.
 """
 from __future__ import annotations
 
@@ -56,18 +60,23 @@ def pack_fp4_codes(codes: np.ndarray) -> np.ndarray:
 
 
 class MXLinear(QuantizedLinear):
-    """Base of MXFP8Linear / MXFP4Linear; subclasses fix `fmt` and `rule`."""
+    """Base of the MX linears; subclasses fix `fmt`, `rule` and `partitions` (None = OCP contiguous blocks)."""
 
     fmt: ClassVar[str] = ""
     rule: ClassVar[str] = "ocp"
+    partitions: ClassVar[int | None] = None
 
     def __init__(self, in_features: int, out_features: int, bias: bool, act_dtype: torch.dtype) -> None:
         super().__init__(in_features, out_features, act_dtype)
-        self.in_padded = -(-in_features // mg.BLOCK) * mg.BLOCK
+        multiple = mg.BLOCK if self.partitions is None else 4 * self.partitions
+        self.in_padded = -(-in_features // multiple) * multiple
         per_byte = 2 if mg.get_format(self.fmt).bits == 4 else 1
         self.register_buffer("weight", torch.zeros(out_features, self.in_padded // per_byte, dtype=torch.uint8))
         self.register_buffer("weight_scale", torch.zeros(out_features, self.in_padded // mg.BLOCK, dtype=torch.uint8))
         self._init_bias(bias)
+        if self.partitions is not None:  # quad position -> logical column (derived, so not in the state dict)
+            inv = np.argsort(mg.quad_permutation(self.in_padded, self.partitions))
+            self.register_buffer("col_from_quad", torch.from_numpy(inv), persistent=False)
 
     @classmethod
     def empty(cls, in_features: int, out_features: int, bias: bool, act_dtype: torch.dtype) -> "MXLinear":
@@ -78,7 +87,9 @@ class MXLinear(QuantizedLinear):
         check_float_linear(cls.scheme, linear)
         m = cls(linear.in_features, linear.out_features, linear.bias is not None, linear.weight.dtype)
         w = linear.weight.detach().float().cpu().numpy()  # [out, in]
-        w = mg.pad_axis(w, mg.BLOCK, axis=1)  # [out, in_pad]
+        w = mg.pad_axis(w, m.in_padded, axis=1)  # [out, in_pad]
+        if cls.partitions is not None:
+            w = mg.to_quad_order(w, axis=1, partitions=cls.partitions)  # columns in quad order
         elems, scales = mg.quantize(w, cls.fmt, cls.rule, axis=1)  # [out, in_pad], [out, in_pad/32]
         codes = mg.element_codes(elems)
         if mg.get_format(cls.fmt).bits == 4:
@@ -98,7 +109,10 @@ class MXLinear(QuantizedLinear):
     def dequantized_weight(self) -> torch.Tensor:
         vals = self._element_values().reshape(self.out_features, -1, mg.BLOCK)  # [out, in_pad/32, 32]
         w = vals * e8m0_to_float(self.weight_scale)[..., None]  # exact power-of-two scaling
-        return w.reshape(self.out_features, self.in_padded)[:, : self.in_features]  # [out, in]
+        w = w.reshape(self.out_features, self.in_padded)  # [out, in_pad] (quad order for quad variants)
+        if self.partitions is not None:
+            w = w[:, self.col_from_quad]  # back to logical column order
+        return w[:, : self.in_features]  # [out, in]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.dequantized_weight().to(x.dtype))  # [..., out]
@@ -114,6 +128,14 @@ class MXLinear(QuantizedLinear):
         return mg.elements_from_codes(codes, self.fmt), self.weight_scale.cpu().numpy()
 
 
+    def kernel_operands(self) -> tuple[np.ndarray, np.ndarray]:
+        """Quad variants only: (x4 words [in_pad/4, out], scales [in_pad/32, out]) = W^T as nc_matmul_mx operands."""
+        if self.partitions is None:
+            raise ValueError(f"{type(self).__name__} uses OCP contiguous blocks; use the Quad variant for kernels")
+        el, sc = self.golden_arrays()  # [out, in_pad] quad order, [out, in_pad/32]
+        return mg.pack_x4(el.T, axis=0), np.ascontiguousarray(sc.T)
+
+
 class MXFP8Linear(MXLinear):
     scheme = "mxfp8"
     fmt = "e4m3fn"
@@ -124,3 +146,11 @@ class MXFP4Linear(MXLinear):
     scheme = "mxfp4"
     fmt = "e2m1"
     rule = "ocp"
+
+
+class MXFP8QuadLinear(MXFP8Linear):
+    partitions = 128
+
+
+class MXFP4QuadLinear(MXFP4Linear):
+    partitions = 128

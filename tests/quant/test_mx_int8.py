@@ -78,3 +78,30 @@ def test_int8_packed_path_matches_fallback_path():
     fallback = (torch.nn.functional.linear(x.float(), m.weight.float()) * m.weight_scale.float()).bfloat16()
     # both round the output to bf16 once after an fp32-accurate dot product: within 2 bf16 ulps of each other
     assert torch.allclose(packed.float(), fallback.float(), rtol=2 ** -7, atol=1e-3)
+
+
+@pytest.mark.parametrize("cls,fmt", [("MXFP8QuadLinear", "e4m3fn"), ("MXFP4QuadLinear", "e2m1")])
+def test_quad_variant_matches_kernel_golden(cls, fmt):
+    import neuron_infer.quant.mx as mx
+
+    lin = _lin(200, 24, seed=4)  # in 200 -> padded to 512 (one nc_matmul_mx tile of 128 partitions x 4)
+    m = getattr(mx, cls).from_linear(lin)
+    assert m.in_padded == 512 and m.weight_scale.shape == (24, 16)
+    words, scales = m.kernel_operands()
+    assert words.shape == (128, 24) and scales.shape == (16, 24)
+    # the kernel operands are exactly what mx_golden.quantize_for_matmul makes from the padded W^T
+    wt = mg.pad_axis(lin.weight.detach().numpy().T, 512, axis=0)  # [K_pad, N]
+    gw, gs = mg.quantize_for_matmul(wt, fmt, m.rule, partitions=128)
+    assert np.array_equal(words, gw) and np.array_equal(scales, gs)
+    # and the CPU forward uses the same values: x @ deq^T == nc_matmul_mx golden with an exactly-representable x
+    x = np.zeros((512, 2), np.float32)
+    x[:200] = np.round(np.random.default_rng(0).standard_normal((200, 2)) * 4) / 4  # fp8-exact values
+    xw, xs = mg.quantize_for_matmul(x, "e4m3fn", "nki", partitions=128)
+    x_back = mg.from_quad_order(mg.dequantize(mg.unpack_x4(xw, "e4m3fn"), xs, axis=0), axis=0)
+    assert np.array_equal(x_back, x)  # quarter steps up to |x| < 4 are MXFP8-exact, so only W is quantized
+    gold = mg.matmul_mx_golden(words, xw, scales, xs, fmt, "e4m3fn")  # [N, 2]
+    y = (m.dequantized_weight().double() @ torch.from_numpy(x[:200]).double()).float()  # [N, 2]
+    assert torch.allclose(y, torch.from_numpy(gold), rtol=1e-6, atol=1e-6)
+    b = getattr(mx, cls).empty(200, 24, False, torch.float32)
+    b.load_state_dict(m.state_dict(), strict=True)
+    assert torch.equal(b.dequantized_weight(), m.dequantized_weight())
