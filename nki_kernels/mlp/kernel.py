@@ -20,7 +20,8 @@ Returns:
 
 Notes:
     Orientation: weights are the *stationary* operand (one [128 K, 128 out] tile per matmul, loaded as one
-    contiguous [128, Hp/128 or Ip/128, 128] slab per output chunk) and the normalised activations, transposed to
+    contiguous [128, Hp/128 or Ip/128, 128] slab per output chunk, several chunks per DMA so each moves
+    >= 8 KiB per partition) and the normalised activations, transposed to
     [K on partitions, tokens], are the *moving* operand. The matmul results are gate^T / up^T [I chunk, tokens],
     which is exactly the layout the down projection contracts over, so the intermediate is never transposed;
     only x (in) and the output (out) pass through 128x128 TensorE transposes. Decode (few tokens) streams each
@@ -89,15 +90,31 @@ def _load_xT(x_hbm, gamma_hbm, eps, with_norm, t0, t1, act_dtype):
     return xT_sbuf
 
 
-def _project(w_hbm, nt, act_T, k_valid, m_valid, n_tok):
-    """out^T [m_valid, n_tok] (PSUM) = sum_kt W[kt, nt]^T act_T[kt]; one contiguous weight slab DMA."""
-    n_kt = w_hbm.shape[2]
-    w_sbuf = nl.ndarray((P, n_kt, P), dtype=w_hbm.dtype, buffer=nl.sbuf, name="w_slab")
-    nisa.dma_copy(dst=w_sbuf, src=w_hbm[:, nt, :, :])
+def _slab_group(w_hbm):
+    """Output chunks per weight DMA: enough for >= 8 KiB per partition (the DMA guide's efficient size)."""
+    itemsize = 2
+    if w_hbm.dtype == nl.float8_e4m3:
+        itemsize = 1
+    if w_hbm.dtype == nl.float32:
+        itemsize = 4
+    per_chunk = w_hbm.shape[2] * P * itemsize
+    return max(1, min(w_hbm.shape[1], (8192 + per_chunk - 1) // per_chunk))
+
+
+def _load_slabs(w_hbm, nt0, nt1):
+    """Weight slabs of output chunks [nt0, nt1): [128, nt1-nt0, K/128, 128], one contiguous DMA per partition."""
+    w_sbuf = nl.ndarray((P, nt1 - nt0, w_hbm.shape[2], P), dtype=w_hbm.dtype, buffer=nl.sbuf, name="w_slabs")
+    nisa.dma_copy(dst=w_sbuf, src=w_hbm[:, nt0:nt1, :, :])
+    return w_sbuf
+
+
+def _project(w_sbuf, j, act_T, k_valid, m_valid, n_tok):
+    """out^T [m_valid, n_tok] (PSUM) = sum_kt W[kt, chunk j]^T act_T[kt]."""
+    n_kt = w_sbuf.shape[2]
     acc = nl.ndarray((m_valid, n_tok), dtype=nl.float32, buffer=nl.psum, name="proj_psum")
     for kt in range(n_kt):
         kc = min(P, k_valid - kt * P)
-        nisa.nc_matmul(dst=acc, stationary=w_sbuf[0:kc, kt, 0:m_valid], moving=act_T[0:kc, kt, :],
+        nisa.nc_matmul(dst=acc, stationary=w_sbuf[0:kc, j, kt, 0:m_valid], moving=act_T[0:kc, kt, :],
                        accumulate=(kt > 0))
     return acc
 
@@ -105,41 +122,57 @@ def _project(w_hbm, nt, act_T, k_valid, m_valid, n_tok):
 def _swiglu(wg_hbm, wu_hbm, scales, xT_sbuf, hidden, n_tok, act_dtype):
     """hT [128, Ip/128, n_tok] = silu(sg * gate^T) * (su * up^T), one 128-channel chunk at a time."""
     n_it = wg_hbm.shape[1]
+    group = _slab_group(wg_hbm)
     hT_sbuf = nl.ndarray((P, n_it, n_tok), dtype=act_dtype, buffer=nl.sbuf, name="hT")
-    for it in range(n_it):
-        g_psum = _project(wg_hbm, it, xT_sbuf, hidden, P, n_tok)
-        u_psum = _project(wu_hbm, it, xT_sbuf, hidden, P, n_tok)
-        g_act = nl.ndarray((P, n_tok), dtype=nl.float32, buffer=nl.sbuf, name="silu_gate")
-        if len(scales) > 0:
-            nisa.activation(dst=g_act, op=nl.silu, data=g_psum, scale=scales[0][:, it:it + 1])
-            # h = (up * su) * silu(sg * gate)
-            nisa.scalar_tensor_tensor(dst=hT_sbuf[:, it, :], data=u_psum, op0=nl.multiply,
-                                      operand0=scales[1][:, it:it + 1], op1=nl.multiply, operand1=g_act)
-        else:
-            nisa.activation(dst=g_act, op=nl.silu, data=g_psum)
-            nisa.tensor_tensor(dst=hT_sbuf[:, it, :], data1=u_psum, data2=g_act, op=nl.multiply)
+    for it0 in range(0, n_it, group):
+        it1 = min(n_it, it0 + group)
+        wg_sbuf = _load_slabs(wg_hbm, it0, it1)
+        wu_sbuf = _load_slabs(wu_hbm, it0, it1)
+        for it in range(it0, it1):
+            g_psum = _project(wg_sbuf, it - it0, xT_sbuf, hidden, P, n_tok)
+            u_psum = _project(wu_sbuf, it - it0, xT_sbuf, hidden, P, n_tok)
+            g_act = nl.ndarray((P, n_tok), dtype=nl.float32, buffer=nl.sbuf, name="silu_gate")
+            if len(scales) > 0:
+                nisa.activation(dst=g_act, op=nl.silu, data=g_psum, scale=scales[0][:, it:it + 1])
+                # h = (up * su) * silu(sg * gate)
+                nisa.scalar_tensor_tensor(dst=hT_sbuf[:, it, :], data=u_psum, op0=nl.multiply,
+                                          operand0=scales[1][:, it:it + 1], op1=nl.multiply, operand1=g_act)
+            else:
+                nisa.activation(dst=g_act, op=nl.silu, data=g_psum)
+                nisa.tensor_tensor(dst=hT_sbuf[:, it, :], data1=u_psum, data2=g_act, op=nl.multiply)
     return hT_sbuf
+
+
+def _store_out(oT_sbuf, out_hbm, t0, h0):
+    """oT [hc, n_tok] -> out[t0:t0+n_tok, h0:h0+hc] through 128x128 TensorE transposes."""
+    hc, n_tok = oT_sbuf.shape
+    for s0 in range(0, n_tok, P):
+        s1 = min(n_tok, s0 + P)
+        o_t = nl.ndarray((s1 - s0, hc), dtype=out_hbm.dtype, buffer=nl.psum, name="o_psum_t")
+        nisa.nc_transpose(dst=o_t, data=oT_sbuf[:, s0:s1])
+        o_sbuf = nl.ndarray((s1 - s0, hc), dtype=out_hbm.dtype, buffer=nl.sbuf, name="o_rows")
+        nisa.tensor_copy(dst=o_sbuf, src=o_t)
+        nisa.dma_copy(dst=out_hbm[t0 + s0:t0 + s1, h0:h0 + hc], src=o_sbuf)
 
 
 def _down(wd_hbm, sd_sbuf, hT_sbuf, out_hbm, t0, t1, n_inter):
     """out[t0:t1, :] = transpose(sd * Wd^T hT), one 128-feature chunk of H at a time."""
     hidden, out_dtype = out_hbm.shape[1], out_hbm.dtype
-    n_tok = t1 - t0
-    for ht in range(wd_hbm.shape[1]):
-        h0, h1 = ht * P, min(hidden, (ht + 1) * P)
-        o_psum = _project(wd_hbm, ht, hT_sbuf, n_inter, h1 - h0, n_tok)
-        oT_sbuf = nl.ndarray((h1 - h0, n_tok), dtype=out_dtype, buffer=nl.sbuf, name="oT")
-        if len(sd_sbuf) > 0:
-            nisa.tensor_scalar(dst=oT_sbuf, data=o_psum, op0=nl.multiply, operand0=sd_sbuf[0][0:h1 - h0, ht:ht + 1])
-        else:
-            nisa.tensor_copy(dst=oT_sbuf, src=o_psum)
-        for s0 in range(0, n_tok, P):
-            s1 = min(n_tok, s0 + P)
-            o_t = nl.ndarray((s1 - s0, h1 - h0), dtype=out_dtype, buffer=nl.psum, name="o_psum_t")
-            nisa.nc_transpose(dst=o_t, data=oT_sbuf[:, s0:s1])
-            o_sbuf = nl.ndarray((s1 - s0, h1 - h0), dtype=out_dtype, buffer=nl.sbuf, name="o_rows")
-            nisa.tensor_copy(dst=o_sbuf, src=o_t)
-            nisa.dma_copy(dst=out_hbm[t0 + s0:t0 + s1, h0:h1], src=o_sbuf)
+    n_tok, n_ht = t1 - t0, wd_hbm.shape[1]
+    group = _slab_group(wd_hbm)
+    for ht0 in range(0, n_ht, group):
+        ht1 = min(n_ht, ht0 + group)
+        wd_sbuf = _load_slabs(wd_hbm, ht0, ht1)
+        for ht in range(ht0, ht1):
+            h0, h1 = ht * P, min(hidden, (ht + 1) * P)
+            o_psum = _project(wd_sbuf, ht - ht0, hT_sbuf, n_inter, h1 - h0, n_tok)
+            oT_sbuf = nl.ndarray((h1 - h0, n_tok), dtype=out_dtype, buffer=nl.sbuf, name="oT")
+            if len(sd_sbuf) > 0:
+                nisa.tensor_scalar(dst=oT_sbuf, data=o_psum, op0=nl.multiply,
+                                   operand0=sd_sbuf[0][0:h1 - h0, ht:ht + 1])
+            else:
+                nisa.tensor_copy(dst=oT_sbuf, src=o_psum)
+            _store_out(oT_sbuf, out_hbm, t0, h0)
 
 
 def _load_scales(s_hbm):

@@ -18,8 +18,9 @@ Returns:
 Notes:
     Envelope: gen4 only (quantize_mx, nc_matmul_mx, dma_transpose). Activations are the stationary operand
     ([128 partitions, <= 128 tokens] x4), weights the moving one ([128, 512 outputs] x4), so PSUM already holds
-    y[tokens, outputs] (no output transpose). x reaches the quad layout by HBM->SBUF dma_transpose of
-    [tokens, 128 k] blocks written with a stride of 4 (slot q of word f holds k = t*512 + q*128 + p).
+    y[tokens, outputs] (no output transpose). x reaches the quad layout (slot q of word f holds
+    k = t*512 + q*128 + p) by one 4-D HBM->SBUF dma_transpose per 128 tokens ([n, T, 4, 128] -> [128, T, 4, n]
+    written into the [128, T, n, 4] tile through a permuted view).
     The scales of one 512-output weight tile for all T contraction tiles come in with 4 DMAs (one per
     32-partition quadrant: logical scale row g lives at partition 32*(g//4) + g%4). Every weight tile is reused
     by all token tiles of a 512-token block. Precision: quantize_mx uses the NKI >= 0.5 scale rule (no clipping);
@@ -44,23 +45,21 @@ F_TILE = 512      # outputs per moving tile (one fp32 PSUM bank)
 
 def _quantize_block(x_hbm, n0, n1):
     """xq [128, T, tb] float8_e4m3fn_x4 and xs [128, T, tb] scales for tokens [n0, n1) (tb even)."""
-    k_total = x_hbm.shape[1]
-    n_t = k_total // (P * QUAD)
+    n_t = x_hbm.shape[1] // (P * QUAD)
     rows = n1 - n0
     tb = rows + rows % 2   # nc_matmul_mx needs an even stationary free size
+    quad = nl.ndarray((P, n_t, tb, QUAD), dtype=x_hbm.dtype, buffer=nl.sbuf, name="x_quad")
+    if tb > rows:
+        nisa.memset(dst=quad[:, :, rows:tb, :], value=0.0)
+    for s0 in range(0, rows, TOK_TILE):
+        s1 = min(rows, s0 + TOK_TILE)
+        # x[tokens, (t, q, p)] -> quad[p, t, token, q]: one 4-D DMA transpose per 128 tokens
+        src = x_hbm[n0 + s0:n0 + s1, :].reshape((s1 - s0, n_t, QUAD, P))           # [n, T, 4, 128]
+        nisa.dma_transpose(dst=quad[:, :, s0:s1, :].permute((0, 1, 3, 2)), src=src, axes=(3, 1, 2, 0))
     xq = nl.ndarray((P, n_t, tb), dtype=nl.float8_e4m3fn_x4, buffer=nl.sbuf, name="xq")
     xs = nl.ndarray((P, n_t, tb), dtype=nl.float8_e8m0fnu, buffer=nl.sbuf, name="xs")
     for t in range(n_t):
-        quad = nl.ndarray((P, tb, QUAD), dtype=x_hbm.dtype, buffer=nl.sbuf, name="x_quad")
-        if tb > rows:
-            nisa.memset(dst=quad[:, rows:tb, :], value=0.0)
-        for q in range(QUAD):
-            k0 = t * P * QUAD + q * P
-            for s0 in range(0, rows, TOK_TILE):
-                s1 = min(rows, s0 + TOK_TILE)
-                # [tokens, 128 k] -> [128 k, tokens] written to slot q (free stride 4)
-                nisa.dma_transpose(dst=quad[:, s0:s1, q], src=x_hbm[n0 + s0:n0 + s1, k0:k0 + P])
-        nisa.quantize_mx(dst=xq[:, t, :], src=quad, dst_scale=xs[:, t, :])
+        nisa.quantize_mx(dst=xq[:, t, :], src=quad[:, t, :, :], dst_scale=xs[:, t, :])
     return xq, xs
 
 

@@ -27,6 +27,7 @@ def _inputs(rng, n_tok, hidden, inter, dtype):
     (130, 256, 128, BF16, True),          # prefill with a partial 128-token tile
     (600, 64, 96, np.float32, False),     # two 512-token blocks
     (3, 160, 256, BF16, False),
+    (3, 1024, 384, np.float32, False),    # several weight-slab DMA groups (gate/up: 2 + 1 chunks, down: 6 + 2)
 ])
 def test_float_mlp_matches_reference(rng, n_tok, hidden, inter, dtype, norm):
     x, gamma, w = _inputs(rng, n_tok, hidden, inter, dtype)
