@@ -1,17 +1,17 @@
 """Decode (token generation) attention: a few query tokens per sequence against a KV cache, flash-decoding
-style over cache tiles, GQA, batch > 1 — see design.md.
+style over cache blocks, GQA, batch > 1 — see design.md.
 
 Dimensions:
     B: batch.  Hq / Hkv: query / KV heads (query head h reads KV head q_to_kv[h]).  T: active query tokens per
     sequence (1..k, k = speculation length + 1).  S: cache length in the kernel call (the longest valid length
-    of the batch, any value >= 1).  D: head dim <= 128.  G*T <= 128, G = query heads of one KV head.
+    of the batch, any value >= 1).  D: head dim <= 128.  R = G*T <= 128, G = query heads of one KV head.
 
 Args:
     qT_hbm: [B, Hq, D, T] queries, head dim first, bf16 or fp32, HBM.
     kT_hbm: [B, Hkv, D, S] key cache, head dim first, same dtype, HBM.
     v_hbm:  [B, Hkv, S, D] value cache, same dtype, HBM.
     pos_hbm: [B, T] fp32 absolute position of every query token; key j is visible iff j <= pos (so the valid
-        length of sequence b is pos[b, -1] + 1; entries beyond it are never read into the result), HBM.
+        length of sequence b is pos[b, -1] + 1; entries beyond it never reach the result), HBM.
     q_to_kv: tuple of Hq ints (static).
     scale: Python float softmax scale.
 
@@ -19,23 +19,25 @@ Returns:
     out_hbm: [B, Hq, T, D], dtype of the inputs, shared HBM.
 
 Notes:
-    Envelope: D <= 128; R = G*T <= 128; pos[b, t] < S. Keys-on-partitions orientation: scores are computed
-    transposed, s^T[128 keys, R rows] per 128-key chunk, so the few query rows sit in the free dim and every
-    Vector/Scalar instruction covers a whole cache block (NCH chunks x R rows) at once; P^T comes out of the exp
-    already in the layout the PV matmul contracts over (no P transposes). Row sums come from the PV matmul
-    itself through a ones column appended to V ([128, D+1]). The cache streams in blocks of NCH*128 keys
-    (NCH = min(16, 512 // R); 4 KiB per partition per K^T DMA for bf16), each K/V byte read once per step.
-    Masking is dynamic (key index > pos -> -1e30 before the max). The block max over keys (partitions) is a
-    free-dim reduce, a 128 x R TensorE transpose and a reduce; the running max is broadcast back to the 128 key
-    partitions with a ones matmul. fp32 statistics and PSUM accumulation; P^T is stored in the input dtype.
+    Envelope: D <= 128; R <= 128; pos[b, t] < S. Keys-on-partitions orientation: scores are computed transposed,
+    s^T [128 keys, R rows] per 128-key chunk, so the few query rows sit in the free dim and every Vector/Scalar
+    instruction covers a whole cache block (NCH chunks x R rows) at once, and P^T comes out of the exp already
+    in the layout the PV matmul contracts over (no P transposes). PV runs with V as the stationary operand
+    (o^T [D, R] += V_c^T P^T_c, moving free size R), row sums with a ones column as stationary. The cache
+    streams in blocks of NCH*128 keys (NCH = min(16, 512 // R): 4 KiB per partition per K^T DMA for bf16),
+    each K/V byte read once per step. Masking is dynamic (key index > pos -> -1e30 before the max). The block
+    max over keys (partitions) is a free-dim reduce, a 128 x R TensorE transpose and a reduce; per-row values
+    (-scale*m', alpha, 1/l) reach all partitions through a K=1 ones matmul (fp32). fp32 statistics and PSUM
+    accumulation; P^T is stored in the input dtype. Query, bound and output DMAs are one per KV-head group
+    when the group's query heads are contiguous.
 
 Pseudocode:
     for b, kv: rows r = (h in heads(kv), t); qT[D, R]; bound[:, r] = pos[b, t] (all partitions)
-      for block of NCH*128 keys: K^T [D, keys], V|1 [128, NCH, D+1] -> SBUF
+      for block of NCH*128 keys: K^T [D, keys], V [128, NCH, D] -> SBUF
         sT[:, c, r] = k_c^T q_r; sT -= 1e30 * (key > bound); bm[r] = max over keys of sT
         m' = max(m, bm); a = exp(scale (m - m')); pT = exp(scale sT - scale m')
-        o[r, 0:D+1] = o a + sum_c pT[:, c]^T V|1[:, c]; m = m'
-      out[b, h, t] = o[:, 0:D] / o[:, D]
+        oT[:, r] = oT a + sum_c V_c^T pT[:, c];  l = l a + sum_keys pT;  m = m'
+      out[b, h, t] = transpose(oT / l)
 """
 import nki
 import nki.isa as nisa
@@ -46,37 +48,43 @@ MAX_CHUNKS = 16       # chunks per cache block (2048 keys)
 NEG = -1.0e30         # added to masked scores (finite: exp underflows to exactly 0)
 
 
+def _contiguous(heads):
+    return heads[len(heads) - 1] - heads[0] == len(heads) - 1
+
+
 def _load_queries(qT_hbm, pos_hbm, b, heads, n_tok):
     """qT [D, R] and the per-row bound broadcast to all partitions [128, R] (fp32), R = len(heads) * T."""
-    dim = qT_hbm.shape[2]
-    rows = len(heads) * n_tok
-    qT_sbuf = nl.ndarray((dim, rows), dtype=qT_hbm.dtype, buffer=nl.sbuf, name="qT_sbuf")
-    bound = nl.ndarray((P, rows), dtype=nl.float32, buffer=nl.sbuf, name="bound_bcast")
-    for g in range(len(heads)):
-        nisa.dma_copy(dst=qT_sbuf[:, g * n_tok:(g + 1) * n_tok], src=qT_hbm[b, heads[g], :, :])
-        # pos[b, 0:T] read by every partition (stride-0 partition pattern)
-        nisa.dma_copy(dst=bound[:, g * n_tok:(g + 1) * n_tok],
-                      src=pos_hbm.ap(pattern=[[0, P], [1, n_tok]], offset=b * n_tok))
+    dim, n_g = qT_hbm.shape[2], len(heads)
+    qT_sbuf = nl.ndarray((dim, n_g * n_tok), dtype=qT_hbm.dtype, buffer=nl.sbuf, name="qT_sbuf")
+    if _contiguous(heads):
+        # [G, D, T] -> [D, G, T]
+        src = qT_hbm[b, heads[0]:heads[0] + n_g, :, :].permute((1, 0, 2))
+        nisa.dma_copy(dst=qT_sbuf.reshape((dim, n_g, n_tok)), src=src)
+    else:
+        for g in range(n_g):
+            nisa.dma_copy(dst=qT_sbuf[:, g * n_tok:(g + 1) * n_tok], src=qT_hbm[b, heads[g], :, :])
+    bound = nl.ndarray((P, n_g * n_tok), dtype=nl.float32, buffer=nl.sbuf, name="bound_bcast")
+    # pos[b, 0:T] read by every partition and every head of the group (stride-0 patterns)
+    nisa.dma_copy(dst=bound, src=pos_hbm.ap(pattern=[[0, P], [0, n_g], [1, n_tok]], offset=b * n_tok))
     return qT_sbuf, bound
 
 
 def _load_block(kT_hbm, v_hbm, b, kvh, s0, s1, n_ch):
-    """K^T [D, n_ch*128] and V|1 [128, n_ch, D+1] for keys [s0, s1); keys past s1 are zero (masked anyway)."""
+    """K^T [D, n_ch*128] and V [128, n_ch, D] for keys [s0, s1); keys past s1 are zero (and masked)."""
     dim, n = kT_hbm.shape[2], s1 - s0
     kT_sbuf = nl.ndarray((dim, n_ch * P), dtype=kT_hbm.dtype, buffer=nl.sbuf, name="kT_block")
     if n < n_ch * P:
         nisa.memset(dst=kT_sbuf[:, n:n_ch * P], value=0.0)
     nisa.dma_copy(dst=kT_sbuf[:, 0:n], src=kT_hbm[b, kvh, :, s0:s1])
-    v_sbuf = nl.ndarray((P, n_ch, dim + 1), dtype=v_hbm.dtype, buffer=nl.sbuf, name="v_block")
+    v_sbuf = nl.ndarray((P, n_ch, dim), dtype=v_hbm.dtype, buffer=nl.sbuf, name="v_block")
     full = n // P
     if full < n_ch:
         nisa.memset(dst=v_sbuf[:, full, :], value=0.0)
-        nisa.dma_copy(dst=v_sbuf[0:n - full * P, full, 0:dim], src=v_hbm[b, kvh, s0 + full * P:s1, :])
+        nisa.dma_copy(dst=v_sbuf[0:n - full * P, full, :], src=v_hbm[b, kvh, s0 + full * P:s1, :])
     if full > 0:
         # [full*128, D] -> [full, 128, D] -> [128, full, D]
         view = v_hbm[b, kvh, s0:s0 + full * P, :].reshape((full, P, dim)).permute((1, 0, 2))
-        nisa.dma_copy(dst=v_sbuf[:, 0:full, 0:dim], src=view)
-    nisa.memset(dst=v_sbuf[:, :, dim:dim + 1], value=1.0)   # ones column: PV also yields the row sums
+        nisa.dma_copy(dst=v_sbuf[:, 0:full, :], src=view)
     return kT_sbuf, v_sbuf
 
 
@@ -108,14 +116,15 @@ def _block_max(sT, rows):
     return bmax
 
 
-def _broadcast_rows(col, ones_row):
-    """[R, 1] per-row values -> [128, R] (PSUM) with every partition holding the row vector."""
-    rows = col.shape[0]
-    row_psum = nl.ndarray((1, rows), dtype=nl.float32, buffer=nl.psum, name="row_T")
-    nisa.nc_transpose(dst=row_psum, data=col)
-    row = nl.ndarray((1, rows), dtype=nl.float32, buffer=nl.sbuf, name="row")
+def _broadcast_cols(cols, ones_row):
+    """Per-row columns [R, 1] each -> [128, n*R] (PSUM): every partition holds the rows side by side."""
+    rows, n = cols[0].shape[0], len(cols)
+    row_psum = nl.ndarray((1, n * rows), dtype=nl.float32, buffer=nl.psum, name="rows_T")
+    for i in range(n):
+        nisa.nc_transpose(dst=row_psum[:, i * rows:(i + 1) * rows], data=cols[i])
+    row = nl.ndarray((1, n * rows), dtype=nl.float32, buffer=nl.sbuf, name="rows")
     nisa.tensor_copy(dst=row, src=row_psum)
-    bc = nl.ndarray((P, rows), dtype=nl.float32, buffer=nl.psum, name="row_bcast")
+    bc = nl.ndarray((P, n * rows), dtype=nl.float32, buffer=nl.psum, name="rows_bcast")
     nisa.nc_matmul(dst=bc, stationary=ones_row, moving=row)
     return bc
 
@@ -123,70 +132,107 @@ def _broadcast_rows(col, ones_row):
 def _softmax_T(sT, stats, ones_row, scale, p_dtype):
     """Online-softmax step; stats = (m,) or () before the first block.
 
-    Returns (pT [128, n_ch, R] = exp(scale (sT - m')), m' [R, 1], alpha [R, 1]; alpha is m' on the first block).
+    Returns (pT [128, n_ch, R] = exp(scale (sT - m')), m' [R, 1], bc): bc [128, R] holds -scale*m' broadcast,
+    and after the first block bc[:, R:2R] holds alpha = exp(scale (m - m')) broadcast.
     """
     n_ch, rows = sT.shape[1], sT.shape[2]
     bmax = _block_max(sT, rows)
     m_new = bmax
     if len(stats) > 0:
-        m_old = stats[0]
         m_new = nl.ndarray((rows, 1), dtype=nl.float32, buffer=nl.sbuf, name="m_new")
-        nisa.tensor_tensor(dst=m_new, data1=m_old, data2=bmax, op=nl.maximum)
+        nisa.tensor_tensor(dst=m_new, data1=stats[0], data2=bmax, op=nl.maximum)
     neg_bias = nl.ndarray((rows, 1), dtype=nl.float32, buffer=nl.sbuf, name="neg_bias")
     nisa.tensor_scalar(dst=neg_bias, data=m_new, op0=nl.multiply, operand0=-scale)
-    alpha = m_new
+    cols = (neg_bias,)
     if len(stats) > 0:
         alpha = nl.ndarray((rows, 1), dtype=nl.float32, buffer=nl.sbuf, name="alpha")
-        nisa.activation(dst=alpha, op=nl.exp, data=m_old, bias=neg_bias, scale=scale)
-    nb = _broadcast_rows(neg_bias, ones_row)
+        nisa.activation(dst=alpha, op=nl.exp, data=stats[0], bias=neg_bias, scale=scale)
+        cols = (neg_bias, alpha)
+    bc = _broadcast_cols(cols, ones_row)
     z = nl.ndarray((P, n_ch, rows), dtype=nl.float32, buffer=nl.sbuf, name="z")
-    nb_v = nb.ap(pattern=[[rows, P], [0, n_ch], [1, rows]], offset=0)       # [128, R] -> [128, n_ch, R]
+    nb_v = bc.ap(pattern=[[len(cols) * rows, P], [0, n_ch], [1, rows]], offset=0)   # [128, R] -> [128, n_ch, R]
     # z = sT * scale - scale * m'
     nisa.scalar_tensor_tensor(dst=z, data=sT, op0=nl.multiply, operand0=scale, op1=nl.add, operand1=nb_v)
     pT = nl.ndarray((P, n_ch, rows), dtype=p_dtype, buffer=nl.sbuf, name="pT")
     nisa.activation(dst=pT, op=nl.exp, data=z)
-    return pT, m_new, alpha
+    return pT, m_new, bc
 
 
-def _pv(pT, v_sbuf):
-    """[R, D+1] (PSUM) = sum_c pT[:, c]^T V|1[:, c]: weighted values and, in the last column, the row sums."""
+def _pv_T(pT, v_sbuf, ones_col):
+    """(oT [D, R] PSUM = sum_c V_c^T pT_c, row sums [1, R] SBUF = sum over keys of pT)."""
     n_ch, rows = pT.shape[1], pT.shape[2]
-    pv = nl.ndarray((rows, v_sbuf.shape[2]), dtype=nl.float32, buffer=nl.psum, name="pv_psum")
+    oT = nl.ndarray((v_sbuf.shape[2], rows), dtype=nl.float32, buffer=nl.psum, name="oT_psum")
     for c in range(n_ch):
-        nisa.nc_matmul(dst=pv, stationary=pT[:, c, :], moving=v_sbuf[:, c, :], accumulate=(c > 0))
-    return pv
+        nisa.nc_matmul(dst=oT, stationary=v_sbuf[:, c, :], moving=pT[:, c, :], accumulate=(c > 0))
+    rs_psum = nl.ndarray((1, n_ch * rows), dtype=nl.float32, buffer=nl.psum, name="rowsum_psum")
+    nisa.nc_matmul(dst=rs_psum, stationary=ones_col, moving=pT)
+    rs = nl.ndarray((1, rows), dtype=nl.float32, buffer=nl.sbuf, name="rowsum")
+    nisa.tensor_reduce(dst=rs, op=nl.add, data=rs_psum.reshape((1, n_ch, rows)).permute((0, 2, 1)), axis=2)
+    return oT, rs
+
+
+def _accumulate(acc, oT_psum, rs, bc):
+    """(oT, l) <- (oT * alpha + oT_blk, l * alpha + rs) with alpha broadcast in bc[:, R:2R]; copy at first."""
+    dim, rows = oT_psum.shape
+    oT_new = nl.ndarray((dim, rows), dtype=nl.float32, buffer=nl.sbuf, name="oT_acc")
+    l_new = nl.ndarray((1, rows), dtype=nl.float32, buffer=nl.sbuf, name="l_acc")
+    if len(acc) == 0:
+        nisa.tensor_copy(dst=oT_new, src=oT_psum)
+        nisa.tensor_copy(dst=l_new, src=rs)
+        return (oT_new, l_new)
+    oT_old, l_old = acc
+    scaled = nl.ndarray((dim, rows), dtype=nl.float32, buffer=nl.sbuf, name="oT_scaled")
+    nisa.tensor_tensor(dst=scaled, data1=oT_old, data2=bc[0:dim, rows:2 * rows], op=nl.multiply)
+    nisa.tensor_tensor(dst=oT_new, data1=oT_psum, data2=scaled, op=nl.add)
+    l_scaled = nl.ndarray((1, rows), dtype=nl.float32, buffer=nl.sbuf, name="l_scaled")
+    nisa.tensor_tensor(dst=l_scaled, data1=l_old, data2=bc[0:1, rows:2 * rows], op=nl.multiply)
+    nisa.tensor_tensor(dst=l_new, data1=l_scaled, data2=rs, op=nl.add)
+    return (oT_new, l_new)
+
+
+def _store(acc, ones_row, out_hbm, b, heads, n_tok):
+    """out rows = transpose(oT * (1 / l)) -> out[b, h, :, :] (one DMA for contiguous heads)."""
+    oT, l_row = acc
+    dim, rows = oT.shape
+    inv = nl.ndarray((1, rows), dtype=nl.float32, buffer=nl.sbuf, name="inv_l")
+    nisa.reciprocal(dst=inv, data=l_row)
+    inv_bc = nl.ndarray((dim, rows), dtype=nl.float32, buffer=nl.psum, name="inv_bcast")
+    nisa.nc_matmul(dst=inv_bc, stationary=ones_row[:, 0:dim], moving=inv)
+    resT = nl.ndarray((dim, rows), dtype=nl.float32, buffer=nl.sbuf, name="resT")
+    nisa.tensor_tensor(dst=resT, data1=inv_bc, data2=oT, op=nl.multiply)
+    res_psum = nl.ndarray((rows, dim), dtype=nl.float32, buffer=nl.psum, name="res_psum")
+    nisa.nc_transpose(dst=res_psum, data=resT)
+    res = nl.ndarray((rows, dim), dtype=out_hbm.dtype, buffer=nl.sbuf, name="res")
+    nisa.tensor_copy(dst=res, src=res_psum)
+    if _contiguous(heads):
+        # [G, T, D] -> [G*T, D]
+        nisa.dma_copy(dst=out_hbm[b, heads[0]:heads[0] + len(heads), :, :].reshape((rows, dim)), src=res)
+    else:
+        for g in range(len(heads)):
+            nisa.dma_copy(dst=out_hbm[b, heads[g], :, :], src=res[g * n_tok:(g + 1) * n_tok, :])
 
 
 def _group(qT_hbm, kT_hbm, v_hbm, pos_hbm, out_hbm, b, kvh, heads, scale):
     """Attention of all query rows of one (batch, KV head) over the whole cache."""
-    dim, n_tok, seq = qT_hbm.shape[2], qT_hbm.shape[3], kT_hbm.shape[3]
+    n_tok, seq = qT_hbm.shape[3], kT_hbm.shape[3]
     qT_sbuf, bound = _load_queries(qT_hbm, pos_hbm, b, heads, n_tok)
     rows = qT_sbuf.shape[1]
     n_ch = min(MAX_CHUNKS, max(1, 512 // rows), (seq + P - 1) // P)   # s^T block fits one PSUM bank
     ones_row = nl.ndarray((1, P), dtype=nl.float32, buffer=nl.sbuf, name="ones_row")
     nisa.memset(dst=ones_row, value=1.0)
-    o_sbuf = nl.ndarray((rows, dim + 1), dtype=nl.float32, buffer=nl.sbuf, name="o_acc")
-    stats = ()   # no running max before the first block
+    ones_col = nl.ndarray((P, 1), dtype=qT_hbm.dtype, buffer=nl.sbuf, name="ones_col")
+    nisa.memset(dst=ones_col, value=1.0)
+    stats, acc = (), ()   # running max; (oT, l) accumulators — empty before the first block
     for s0 in range(0, seq, n_ch * P):
         s1 = min(seq, s0 + n_ch * P)
         blk_ch = (s1 - s0 + P - 1) // P   # the last block may be shorter
         kT_sbuf, v_sbuf = _load_block(kT_hbm, v_hbm, b, kvh, s0, s1, blk_ch)
         sT = _masked_scores_T(qT_sbuf, kT_sbuf, bound, s0, blk_ch)
-        pT, m_new, alpha = _softmax_T(sT, stats, ones_row, scale, qT_hbm.dtype)
-        pv = _pv(pT, v_sbuf)
-        if s0 == 0:
-            nisa.tensor_copy(dst=o_sbuf, src=pv)
-        else:
-            # o = o * alpha + pv
-            nisa.scalar_tensor_tensor(dst=o_sbuf, data=o_sbuf, op0=nl.multiply, operand0=alpha, op1=nl.add,
-                                      operand1=pv)
+        pT, m_new, bc = _softmax_T(sT, stats, ones_row, scale, qT_hbm.dtype)
+        oT_psum, rs = _pv_T(pT, v_sbuf, ones_col)
+        acc = _accumulate(acc, oT_psum, rs, bc)
         stats = (m_new,)
-    inv_l = nl.ndarray((rows, 1), dtype=nl.float32, buffer=nl.sbuf, name="inv_l")
-    nisa.reciprocal(dst=inv_l, data=o_sbuf[:, dim:dim + 1])
-    res_sbuf = nl.ndarray((rows, dim), dtype=qT_hbm.dtype, buffer=nl.sbuf, name="res_sbuf")
-    nisa.tensor_scalar(dst=res_sbuf, data=o_sbuf[:, 0:dim], op0=nl.multiply, operand0=inv_l)
-    for g in range(len(heads)):
-        nisa.dma_copy(dst=out_hbm[b, heads[g], :, :], src=res_sbuf[g * n_tok:(g + 1) * n_tok, :])
+    _store(acc, ones_row, out_hbm, b, heads, n_tok)
 
 
 @nki.jit
