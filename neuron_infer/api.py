@@ -92,8 +92,10 @@ class CompiledModel:
         manifest = read_manifest(root, verify_files=verify_files)
         if expect_checkpoint is not None:
             check_checkpoint(manifest, root, Path(expect_checkpoint))
-        if manifest.build.tp_degree != 1:
-            raise NeuronInferError("this artifact is tensor-parallel; load it with neuron_infer.parallel")
+        if manifest.build.tp_degree != 1:  # shards live in rank processes (neuron_infer.parallel.runtime)
+            from neuron_infer.parallel.runtime import TPCompiledModel  # noqa: PLC0415
+
+            return TPCompiledModel.from_manifest(root, manifest)
         model = empty_model(manifest.model, manifest.build)
         _apply_quant_structure(model, manifest)
         load_rank_weights(model, root / "weights" / "rank0.safetensors")
