@@ -188,3 +188,38 @@ def kv_to_fp8(x: torch.Tensor) -> torch.Tensor:
 def kv_from_fp8(x8: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Inverse of `kv_to_fp8` (exact): stored fp8 -> compute dtype."""
     return fp8_to_float(x8, dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# whole checkpoints (for `neuron-infer quantize --rescale`)
+
+
+def fp8_weight_names(state: dict[str, torch.Tensor]) -> list[str]:
+    """Names of the float8_e4m3fn tensors of a state dict; each must have a `<name>_scale` sibling."""
+    names = [k for k, v in state.items() if v.dtype == FP8_DTYPE]
+    missing = [k for k in names if f"{k}_scale" not in state]
+    if missing:
+        raise CheckpointError(
+            f"FP8 tensor(s) {missing[:3]}{' ...' if len(missing) > 3 else ''} have no '<name>_scale' tensor; "
+            "neuron-infer reads per-tensor or per-channel scaled FP8 checkpoints (weight + weight_scale)"
+        )
+    return names
+
+
+def rescale_fp8_state_dict(state: dict[str, torch.Tensor], rescale: bool, method: str = "pow2"
+                           ) -> dict[str, torch.Tensor]:
+    """Bring every FP8 weight of a checkpoint into the Neuron range.
+
+    rescale=False: only check (CheckpointError naming the first out-of-range tensor and suggesting --rescale).
+    rescale=True: `rescale_ocp_fp8` (with verification) on every FP8 weight; scales become float32 [out].
+    Returns a new dict; the input is not modified.
+    """
+    out = dict(state)
+    for name in fp8_weight_names(state):
+        if not rescale:
+            check_neuron_range(state[name], name)
+            continue
+        if state[name].dim() != 2:
+            raise CheckpointError(f"{name}: FP8 rescaling handles 2-D linear weights, got shape {tuple(state[name].shape)}")
+        out[name], out[f"{name}_scale"] = rescale_ocp_fp8(state[name], state[f"{name}_scale"], method)
+    return out

@@ -132,3 +132,21 @@ def _with_weight(w):
     with torch.no_grad():
         lin.weight.copy_(w)
     return lin
+
+
+def test_checkpoint_rescale_flow():
+    from neuron_infer.quant.fp8 import rescale_fp8_state_dict
+
+    q, s, _ = _ocp_checkpoint()
+    state = {"model.layers.0.mlp.up_proj.weight": q, "model.layers.0.mlp.up_proj.weight_scale": s[:, None],
+             "model.norm.weight": torch.ones(4)}
+    with pytest.raises(CheckpointError, match=r"up_proj\.weight.*--rescale"):
+        rescale_fp8_state_dict(state, rescale=False)
+    new = rescale_fp8_state_dict(state, rescale=True)
+    assert new["model.norm.weight"] is state["model.norm.weight"] and state["model.layers.0.mlp.up_proj.weight"] is q
+    rescale_fp8_state_dict(new, rescale=False)  # now in range: no error
+    m = FP8Linear.from_fp8(new["model.layers.0.mlp.up_proj.weight"], new["model.layers.0.mlp.up_proj.weight_scale"],
+                           None, torch.float32)
+    assert torch.equal(m.dequantized_weight(), fp8_to_float(new["model.layers.0.mlp.up_proj.weight"]) * (s * 2)[:, None])
+    with pytest.raises(CheckpointError, match="no '<name>_scale'"):
+        rescale_fp8_state_dict({"w": q}, rescale=True)
