@@ -98,25 +98,23 @@ def processed_probs_dynamic(logits: torch.Tensor, params: torch.Tensor) -> torch
     """The processed distribution with sampling parameters as a tensor (for compiled graphs).
 
     logits [..., V]; params [3] fp32 = (temperature > 0, top_k (0 = off), top_p in (0, 1]). Same definition as
-    `runtime.sampling.processed_probs` (temperature, then top-k by the k-th largest value, then nucleus keeping every
-    token whose preceding mass is < top_p); tests/speculation compares the two. Greedy (temperature 0) is handled by
-    the greedy rule, not here.
+    `runtime.sampling.processed_probs` (temperature; top-k keeps every logit >= the k-th largest; nucleus keeps every
+    token whose preceding mass is < top_p, then renormalizes), computed with one sort in descending order instead of
+    two. Equal to processed_probs up to float rounding of the softmax sum (tests/speculation/test_rules.py).
+    Greedy (temperature 0) is handled by the greedy rule, not here.
     """
     v = logits.shape[-1]
     z = logits.float() / params[0]
-    ordered = torch.sort(z, dim=-1, descending=True).values  # [..., V]
+    ordered, order = torch.sort(z, dim=-1, descending=True)  # [..., V] each
     k_eff = torch.where(params[1] > 0, torch.clamp(params[1], max=float(v)), torch.full_like(params[1], float(v)))
-    kth_idx = (k_eff.to(torch.int64) - 1).expand(*z.shape[:-1], 1)  # [..., 1]
-    kth = torch.gather(ordered, -1, kth_idx)  # [..., 1]
-    z = z.masked_fill(z < kth, float("-inf"))
-    probs = torch.softmax(z, dim=-1)
-    sorted_p, order = torch.sort(probs, dim=-1, descending=True)  # [..., V]
+    kth = torch.gather(ordered, -1, (k_eff.to(torch.int64) - 1).expand(*z.shape[:-1], 1))  # [..., 1]
+    ordered = ordered.masked_fill(ordered < kth, float("-inf"))  # top-k (ties with the k-th kept)
+    sorted_p = torch.softmax(ordered, dim=-1)  # [..., V] probabilities in descending order
     before = torch.cumsum(sorted_p, dim=-1) - sorted_p  # mass strictly before each token
-    keep_sorted = before < params[2]  # always keeps the top token
-    keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
-    kept = probs * keep
-    nucleus = kept / kept.sum(-1, keepdim=True)
-    return torch.where(params[2] >= 1.0, probs, nucleus)  # top_p = 1: no renormalization, as processed_probs
+    keep = (before < params[2]) | (params[2] >= 1.0)  # always keeps the top token
+    kept = sorted_p * keep
+    sorted_p = kept / kept.sum(-1, keepdim=True)
+    return torch.zeros_like(sorted_p).scatter(-1, order, sorted_p)  # back to vocabulary order
 
 
 def params_tensor(temperature: float, top_k: int, top_p: float) -> torch.Tensor:
