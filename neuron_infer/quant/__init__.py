@@ -22,15 +22,16 @@ from __future__ import annotations
 import fnmatch
 import importlib
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING
 
 from neuron_infer.errors import ConfigError
 
 if TYPE_CHECKING:  # torch is imported lazily so `neuron_infer.quant.mx_golden` stays NumPy-only
     import torch
-    from torch import nn
+    from torch import nn  # lazy: importing neuron_infer.quant stays torch-free (mx_golden is NumPy-only)
 
 SCHEMES = {
     "int8": ("neuron_infer.quant.int8", "Int8Linear"),
@@ -154,22 +155,22 @@ def check_combination(qcfg, model_dtype: str = "bf16") -> None:
 # the transform
 
 
-def _set_submodule(model: "nn.Module", name: str, module: "nn.Module") -> None:
+def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
     parent_name, _, child = name.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
     setattr(parent, child, module)
 
 
-def apply_quantization(model: "nn.Module", qcfg, *, structure_only: bool = False,
-                       act_dtype: "torch.dtype | None" = None) -> QuantReport:
+def apply_quantization(model: nn.Module, qcfg, *, structure_only: bool = False,
+                       act_dtype: torch.dtype | None = None) -> QuantReport:
     """Swap model's nn.Linear modules for `qcfg.scheme`'s module in place; return a QuantReport.
 
     `qcfg` is a config.QuantConfig. structure_only: build empty modules (no weights read; the float linears may be
     on the meta device) in `act_dtype` (default: each linear's weight dtype).
     """
-    from torch import nn  # noqa: PLC0415 (keeps `import neuron_infer.quant` torch-free)
+    from torch import nn  # lazy: importing neuron_infer.quant stays torch-free (mx_golden is NumPy-only)
 
-    from neuron_infer.quant.base import linear_weight_bytes  # noqa: PLC0415
+    from neuron_infer.quant.base import linear_weight_bytes
 
     check_combination(qcfg)
     linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}

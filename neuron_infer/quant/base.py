@@ -65,12 +65,12 @@ class QuantizedLinear(nn.Module, ABC):
     # ---- construction -----------------------------------------------------------------------------------------
     @classmethod
     @abstractmethod
-    def empty(cls, in_features: int, out_features: int, bias: bool, act_dtype: torch.dtype) -> "QuantizedLinear":
+    def empty(cls, in_features: int, out_features: int, bias: bool, act_dtype: torch.dtype) -> QuantizedLinear:
         """Module with uninitialised storage of the right shapes/dtypes (for load_state_dict(strict=True))."""
 
     @classmethod
     @abstractmethod
-    def from_linear(cls, linear: nn.Linear) -> "QuantizedLinear":
+    def from_linear(cls, linear: nn.Linear) -> QuantizedLinear:
         """Quantize a float nn.Linear (weight [out, in])."""
 
     def _init_bias(self, bias: bool) -> None:

@@ -71,11 +71,11 @@ class FP8Linear(QuantizedLinear):
         self._init_bias(bias)
 
     @classmethod
-    def empty(cls, in_features: int, out_features: int, bias: bool, act_dtype: torch.dtype) -> "FP8Linear":
+    def empty(cls, in_features: int, out_features: int, bias: bool, act_dtype: torch.dtype) -> FP8Linear:
         return cls(in_features, out_features, bias, act_dtype)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear) -> "FP8Linear":
+    def from_linear(cls, linear: nn.Linear) -> FP8Linear:
         check_float_linear(cls.scheme, linear)
         m = cls(linear.in_features, linear.out_features, linear.bias is not None, linear.weight.dtype)
         q, s = quantize_fp8(linear.weight)
@@ -86,7 +86,7 @@ class FP8Linear(QuantizedLinear):
 
     @classmethod
     def from_fp8(cls, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
-                 act_dtype: torch.dtype) -> "FP8Linear":
+                 act_dtype: torch.dtype) -> FP8Linear:
         """Wrap an already-quantized Neuron-range FP8 weight (e.g. from `rescale_ocp_fp8`)."""
         check_neuron_range(weight, "weight")
         out_f, in_f = weight.shape

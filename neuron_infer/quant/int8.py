@@ -61,11 +61,11 @@ class Int8Linear(QuantizedLinear):
         self._init_bias(bias)
 
     @classmethod
-    def empty(cls, in_features: int, out_features: int, bias: bool, act_dtype: torch.dtype) -> "Int8Linear":
+    def empty(cls, in_features: int, out_features: int, bias: bool, act_dtype: torch.dtype) -> Int8Linear:
         return cls(in_features, out_features, bias, act_dtype)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear) -> "Int8Linear":
+    def from_linear(cls, linear: nn.Linear) -> Int8Linear:
         check_float_linear(cls.scheme, linear)
         m = cls(linear.in_features, linear.out_features, linear.bias is not None, linear.weight.dtype)
         q, s = quantize_int8(linear.weight)

@@ -79,11 +79,11 @@ class MXLinear(QuantizedLinear):
             self.register_buffer("col_from_quad", torch.from_numpy(inv), persistent=False)
 
     @classmethod
-    def empty(cls, in_features: int, out_features: int, bias: bool, act_dtype: torch.dtype) -> "MXLinear":
+    def empty(cls, in_features: int, out_features: int, bias: bool, act_dtype: torch.dtype) -> MXLinear:
         return cls(in_features, out_features, bias, act_dtype)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear) -> "MXLinear":
+    def from_linear(cls, linear: nn.Linear) -> MXLinear:
         check_float_linear(cls.scheme, linear)
         m = cls(linear.in_features, linear.out_features, linear.bias is not None, linear.weight.dtype)
         w = linear.weight.detach().float().cpu().numpy()  # [out, in]

@@ -17,7 +17,7 @@ Pipeline (Xiao et al., SmoothQuant; our own implementation):
 from __future__ import annotations
 
 import re
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -53,11 +53,11 @@ class W8A8Linear(QuantizedLinear):
         self._init_bias(bias)
 
     @classmethod
-    def empty(cls, in_features: int, out_features: int, bias: bool, act_dtype: torch.dtype) -> "W8A8Linear":
+    def empty(cls, in_features: int, out_features: int, bias: bool, act_dtype: torch.dtype) -> W8A8Linear:
         return cls(in_features, out_features, bias, act_dtype)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear) -> "W8A8Linear":
+    def from_linear(cls, linear: nn.Linear) -> W8A8Linear:
         check_float_linear(cls.scheme, linear)
         m = cls(linear.in_features, linear.out_features, linear.bias is not None, linear.weight.dtype)
         q, s = quantize_int8_fp32_scale(linear.weight)
@@ -182,8 +182,8 @@ def smooth_model(model: nn.Module, act_absmax: dict[str, torch.Tensor], alpha: f
 def smoothquant(model: nn.Module, run_calibration: Callable[[], object], alpha: float = 0.5,
                 modules_to_not_convert: tuple[str, ...] = (), smooth_down: bool = True):
     """Calibrate, smooth and convert to W8A8 in place; returns the QuantReport."""
-    from neuron_infer.config import QuantConfig  # noqa: PLC0415
-    from neuron_infer.quant import apply_quantization  # noqa: PLC0415
+    from neuron_infer.config import QuantConfig
+    from neuron_infer.quant import apply_quantization
 
     absmax = collect_act_absmax(model, run_calibration)
     smooth_model(model, absmax, alpha, smooth_down)

@@ -6,8 +6,13 @@ import torch
 
 from neuron_infer.config import QuantConfig
 from neuron_infer.errors import ConfigError
-from neuron_infer.quant import (apply_quantization, default_fp8_not_convert, entry_matches, get_scheme,
-                                parse_modules_to_not_convert)
+from neuron_infer.quant import (
+    apply_quantization,
+    default_fp8_not_convert,
+    entry_matches,
+    get_scheme,
+    parse_modules_to_not_convert,
+)
 from neuron_infer.quant.base import QuantizedLinear
 from tests.quant.fake_llama import FakeLlama, linear_names
 

@@ -6,8 +6,16 @@ import torch
 from torch import nn
 
 from neuron_infer.errors import CheckpointError
-from neuron_infer.quant.fp8 import (FP8Linear, check_neuron_range, fp8_saturating_cast, fp8_to_float, kv_from_fp8,
-                                    kv_to_fp8, quantize_fp8, rescale_ocp_fp8)
+from neuron_infer.quant.fp8 import (
+    FP8Linear,
+    check_neuron_range,
+    fp8_saturating_cast,
+    fp8_to_float,
+    kv_from_fp8,
+    kv_to_fp8,
+    quantize_fp8,
+    rescale_ocp_fp8,
+)
 
 ALL = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
 
@@ -84,7 +92,7 @@ def test_ocp_checkpoint_rejected_without_rescale():
 
 @pytest.mark.parametrize("method", ("pow2", "nxdi"))
 def test_rescale_ocp_into_neuron_range(method):
-    q, s, w = _ocp_checkpoint()
+    q, s, _ = _ocp_checkpoint()
     nq, ns = rescale_ocp_fp8(q, s, method=method)
     check_neuron_range(nq, "rescaled")  # no raise
     old = q.float() * s[:, None]
@@ -114,7 +122,7 @@ def test_rescale_verification_catches_corrupt_input():
 
 def test_per_tensor_scale_accepted():
     q, _, _ = _ocp_checkpoint()
-    nq, ns = rescale_ocp_fp8(q, torch.tensor(0.01))
+    _, ns = rescale_ocp_fp8(q, torch.tensor(0.01))
     assert ns.shape == (16,) and torch.allclose(ns, torch.full((16,), 0.02))
 
 

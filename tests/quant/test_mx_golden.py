@@ -1,5 +1,4 @@
 """Golden MX module: bounds, exactness on representable data, quad layout and x4 pack/unpack round trips."""
-import ml_dtypes
 import numpy as np
 import pytest
 
@@ -157,5 +156,5 @@ def test_no_torch_import():
     import subprocess
     import sys
     code = "import sys, neuron_infer.quant.mx_golden; print('torch' in sys.modules)"
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=__file__.rsplit("/tests", 1)[0])
+    r = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, cwd=__file__.rsplit("/tests", 1)[0])
     assert r.stdout.strip() == "False", r.stderr

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from neuron_infer.quant import mx_golden as mg
-from neuron_infer.quant.int8 import Int8Linear, PACK_MAX_ROWS, quantize_int8, round_up_bf16
+from neuron_infer.quant.int8 import PACK_MAX_ROWS, Int8Linear, quantize_int8, round_up_bf16
 from neuron_infer.quant.mx import MXFP4Linear, MXFP8Linear, e8m0_to_float, pack_fp4_codes, unpack_fp4_bytes
 
 
@@ -82,7 +82,7 @@ def test_int8_packed_path_matches_fallback_path():
 
 @pytest.mark.parametrize("cls,fmt", [("MXFP8QuadLinear", "e4m3fn"), ("MXFP4QuadLinear", "e2m1")])
 def test_quad_variant_matches_kernel_golden(cls, fmt):
-    import neuron_infer.quant.mx as mx
+    from neuron_infer.quant import mx
 
     lin = _lin(200, 24, seed=4)  # in 200 -> padded to 512 (one nc_matmul_mx tile of 128 partitions x 4)
     m = getattr(mx, cls).from_linear(lin)

@@ -3,8 +3,14 @@ import pytest
 import torch
 
 from neuron_infer.errors import ConfigError
-from neuron_infer.quant.smoothquant import (collect_act_absmax, fold_into_producer, fold_smoothing, smooth_model,
-                                            smoothing_factors, smoothquant)
+from neuron_infer.quant.smoothquant import (
+    collect_act_absmax,
+    fold_into_producer,
+    fold_smoothing,
+    smooth_model,
+    smoothing_factors,
+    smoothquant,
+)
 from tests.quant.fake_llama import FakeLlama, linear_names
 
 CALIB = torch.randint(0, 96, (4, 16), generator=torch.Generator().manual_seed(0))
