@@ -31,7 +31,7 @@ from neuron_infer.errors import ConfigError
 
 if TYPE_CHECKING:  # torch is imported lazily so `neuron_infer.quant.mx_golden` stays NumPy-only
     import torch
-    from torch import nn  # lazy: importing neuron_infer.quant stays torch-free (mx_golden is NumPy-only)
+    from torch import nn
 
 SCHEMES = {
     "int8": ("neuron_infer.quant.int8", "Int8Linear"),
