@@ -1,0 +1,77 @@
+"""vLLM request parameters -> neuron-infer sampling; unsupported features are rejected with a clear message.
+
+Pure functions over duck-typed `SamplingParams` (attribute access only), so they are unit-tested without vLLM.
+Stop strings, stop token ids, EOS, ignore_eos, max_tokens and `n` are handled by vLLM's scheduler and detokenizer
+and work unchanged; everything that would need this runner to change or report logits is refused up front.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from neuron_infer.config import SamplingConfig
+
+GREEDY_EPS = 1e-5  # vLLM treats temperature below this as greedy
+
+# attribute -> (value that means "off", what to tell the user)
+_UNSUPPORTED: dict[str, tuple[Any, str]] = {
+    "logprobs": (None, "logprobs"),
+    "prompt_logprobs": (None, "prompt_logprobs"),
+    "logprob_token_ids": (None, "logprob_token_ids"),
+    "prompt_logprob_token_ids": (None, "prompt_logprob_token_ids"),
+    "logit_bias": (None, "logit_bias"),
+    "allowed_token_ids": (None, "allowed_token_ids"),
+    "bad_words": (None, "bad_words"),
+    "structured_outputs": (None, "structured output (guided decoding / response_format json)"),
+    "min_p": (0.0, "min_p"),
+    "min_tokens": (0, "min_tokens"),
+    "presence_penalty": (0.0, "presence_penalty"),
+    "frequency_penalty": (0.0, "frequency_penalty"),
+    "repetition_penalty": (1.0, "repetition_penalty"),
+    "thinking_token_budget": (None, "thinking_token_budget"),
+    "repetition_detection": (None, "repetition_detection"),
+    "trace_decode_token_ids": (None, "trace_decode_token_ids"),
+    "watermarking": (None, "watermarking"),
+}
+
+
+class UnsupportedRequestError(ValueError):
+    """A request feature the neuron-infer runner does not implement (vLLM answers it with HTTP 400)."""
+
+
+def unsupported_features(params: Any) -> list[str]:
+    """Names of the features `params` asks for that the neuron-infer runner does not implement."""
+    found = []
+    for attr, (off, name) in _UNSUPPORTED.items():
+        value = getattr(params, attr, off)
+        if value is not None and value is not False and value != off and not (isinstance(value, (list, dict)) and not value):
+            found.append(f"{name}={value!r}")
+    if getattr(params, "extra_args", None):
+        found.append(f"extra_args={params.extra_args!r}")
+    return found
+
+
+def check_request(params: Any, prompt_len: int | None = None, max_prompt_len: int | None = None) -> None:
+    """Raise UnsupportedRequestError naming every unsupported feature of one request (None for pooling)."""
+    if params is None or not hasattr(params, "temperature"):
+        raise UnsupportedRequestError("the neuron-infer vLLM plugin serves text generation only (no pooling/embed)")
+    found = unsupported_features(params)
+    if found:
+        raise UnsupportedRequestError(
+            f"the neuron-infer vLLM plugin does not support {', '.join(found)}; remove "
+            f"{'it' if len(found) == 1 else 'them'} from the request (supported: temperature, top_k, top_p, seed, "
+            "max_tokens, stop, stop_token_ids, ignore_eos, n), or serve this model without NEURON_INFER_VLLM=1"
+        )
+    if prompt_len is not None and max_prompt_len is not None and prompt_len > max_prompt_len:
+        raise UnsupportedRequestError(
+            f"the prompt has {prompt_len} tokens but the neuron-infer artifact encodes at most {max_prompt_len} "
+            "(its max_context_length); shorten the prompt or recompile with a larger max_context_length"
+        )
+
+
+def to_sampling_config(params: Any) -> SamplingConfig:
+    """vLLM SamplingParams -> SamplingConfig (top_k <= 0 and top_p 1.0 mean off in both)."""
+    temperature = float(params.temperature)
+    if temperature < GREEDY_EPS:
+        return SamplingConfig(temperature=0.0, seed=params.seed)
+    top_k = int(params.top_k or 0)
+    return SamplingConfig(temperature=temperature, top_k=max(top_k, 0), top_p=float(params.top_p), seed=params.seed)

