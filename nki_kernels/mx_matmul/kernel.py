@@ -1,7 +1,8 @@
 """MX (microscaling) matmul for NeuronCore-v4 (trn3): y = x @ W with MXFP8 / MXFP4 weights — see design.md.
 
 Dimensions:
-    N: tokens (any; blocks of up to 512 tokens, 128-token stationary tiles; an odd tile is padded to even).
+    N: tokens (any; blocks of up to 2048 tokens whose MXFP8 activations stay in SBUF, 128-token stationary
+    tiles; an odd tile is padded to even).
     K: contraction, a multiple of 512 (= 128 partitions x 4 quad slots; zero-pad K on the host).
     F: output features (any; moving tiles of 512 = one fp32 PSUM bank).  T = K / 512 contraction tiles.
 
@@ -23,12 +24,12 @@ Notes:
     written into the [128, T, n, 4] tile through a permuted view).
     The scales of one 512-output weight tile for all T contraction tiles come in with 4 DMAs (one per
     32-partition quadrant: logical scale row g lives at partition 32*(g//4) + g%4). Every weight tile is reused
-    by all token tiles of a 512-token block. Precision: quantize_mx uses the NKI >= 0.5 scale rule (no clipping);
+    by all token tiles of a token block (up to 2048 tokens, 96 KiB per partition of MXFP8 activations). Precision: quantize_mx uses the NKI >= 0.5 scale rule (no clipping);
     fp32 PSUM accumulation over the T tiles; one bf16 rounding on the way out.
 
 Pseudocode:
-    for token block nb (<= 512 tokens):
-      for t: xq[t], xs[t] = quantize_mx(quad(x[nb, t*512:(t+1)*512]^T))
+    for token block nb (<= 2048 tokens):
+      for 128 tokens, t: xq[t], xs[t] = quantize_mx(quad(x[tokens, t*512:(t+1)*512]^T))
       for f tile: W[:, t, f], Ws[:, t, f] -> SBUF (all t)
         for token tile m: y[m, f] = sum_t nc_matmul_mx(xq[t][:, m], W[:, t, f], xs[t][:, m], Ws[:, t, f])
 """
@@ -38,7 +39,8 @@ import nki.language as nl
 
 P = 128           # partitions of a contraction tile
 QUAD = 4          # slots per x4 word: contraction tile = 512
-TOK_BLOCK = 512   # tokens per block (weight reuse)
+MAX_TOK_BLOCK = 2048   # tokens per block: every weight tile is loaded once per block
+XQ_BUDGET = 96 * 1024  # SBUF bytes per partition for the block's quantized activations and scales
 TOK_TILE = 128    # tokens per stationary tile
 F_TILE = 512      # outputs per moving tile (one fp32 PSUM bank)
 
@@ -48,19 +50,26 @@ def _quantize_block(x_hbm, n0, n1):
     n_t = x_hbm.shape[1] // (P * QUAD)
     rows = n1 - n0
     tb = rows + rows % 2   # nc_matmul_mx needs an even stationary free size
-    quad = nl.ndarray((P, n_t, tb, QUAD), dtype=x_hbm.dtype, buffer=nl.sbuf, name="x_quad")
-    if tb > rows:
-        nisa.memset(dst=quad[:, :, rows:tb, :], value=0.0)
-    for s0 in range(0, rows, TOK_TILE):
-        s1 = min(rows, s0 + TOK_TILE)
-        # x[tokens, (t, q, p)] -> quad[p, t, token, q]: one 4-D DMA transpose per 128 tokens
-        src = x_hbm[n0 + s0:n0 + s1, :].reshape((s1 - s0, n_t, QUAD, P))           # [n, T, 4, 128]
-        nisa.dma_transpose(dst=quad[:, :, s0:s1, :].permute((0, 1, 3, 2)), src=src, axes=(3, 1, 2, 0))
     xq = nl.ndarray((P, n_t, tb), dtype=nl.float8_e4m3fn_x4, buffer=nl.sbuf, name="xq")
     xs = nl.ndarray((P, n_t, tb), dtype=nl.float8_e8m0fnu, buffer=nl.sbuf, name="xs")
-    for t in range(n_t):
-        nisa.quantize_mx(dst=xq[:, t, :], src=quad[:, t, :, :], dst_scale=xs[:, t, :])
+    for s0 in range(0, rows, TOK_TILE):
+        s1 = min(rows, s0 + TOK_TILE)
+        sp = s1 - s0 + (s1 - s0) % 2
+        quad = nl.ndarray((P, n_t, sp, QUAD), dtype=x_hbm.dtype, buffer=nl.sbuf, name="x_quad")
+        if sp > s1 - s0:
+            nisa.memset(dst=quad[:, :, s1 - s0:sp, :], value=0.0)
+        # x[tokens, (t, q, p)] -> quad[p, t, token, q]: one 4-D DMA transpose per 128 tokens
+        src = x_hbm[n0 + s0:n0 + s1, :].reshape((s1 - s0, n_t, QUAD, P))           # [n, T, 4, 128]
+        nisa.dma_transpose(dst=quad[:, :, 0:s1 - s0, :].permute((0, 1, 3, 2)), src=src, axes=(3, 1, 2, 0))
+        for t in range(n_t):
+            nisa.quantize_mx(dst=xq[:, t, s0:s0 + sp], src=quad[:, t, :, :], dst_scale=xs[:, t, s0:s0 + sp])
     return xq, xs
+
+
+def _token_block(n_t):
+    """Tokens whose quantized activations stay resident (<= 96 KiB per partition: 5 B per token per K tile)."""
+    fit = (XQ_BUDGET // (n_t * 5)) // TOK_TILE * TOK_TILE
+    return max(TOK_TILE, min(MAX_TOK_BLOCK, fit))
 
 
 def _load_weight_tile(w_hbm, ws_hbm, f0, f1, w_dtype):
@@ -91,8 +100,9 @@ def mx_matmul_kernel(x_hbm, w_hbm, ws_hbm):
     if w_hbm.dtype == nl.uint16:
         w_dtype = nl.float4_e2m1fn_x4
     y_hbm = nl.ndarray((n_tok, f_total), dtype=x_hbm.dtype, buffer=nl.shared_hbm, name="mx_out")
-    for n0 in range(0, n_tok, TOK_BLOCK):
-        n1 = min(n_tok, n0 + TOK_BLOCK)
+    tok_block = _token_block(n_t)
+    for n0 in range(0, n_tok, tok_block):
+        n1 = min(n_tok, n0 + tok_block)
         xq, xs = _quantize_block(x_hbm, n0, n1)
         for f0 in range(0, f_total, F_TILE):
             f1 = min(f_total, f0 + F_TILE)
