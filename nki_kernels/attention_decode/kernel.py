@@ -24,8 +24,8 @@ Notes:
     instruction covers a whole cache block (NCH chunks x R rows) at once, and P^T comes out of the exp already
     in the layout the PV matmul contracts over (no P transposes). PV runs with V as the stationary operand
     (o^T [D, R] += V_c^T P^T_c, moving free size R), row sums with a ones column as stationary. The cache
-    streams in blocks of NCH*128 keys (NCH = min(16, 512 // R): 4 KiB per partition per K^T DMA for bf16),
-    each K/V byte read once per step. Masking is dynamic (key index > pos -> -1e30 before the max). The block
+    streams in DMA blocks of up to 4096 keys (8 KiB per partition per K^T DMA for bf16) consumed in compute
+    blocks of NCH*128 keys (NCH = min(16, 512 // R)); each K/V byte is read once per step. Masking is dynamic (key index > pos -> -1e30 before the max). The block
     max over keys (partitions) is a free-dim reduce, a 128 x R TensorE transpose and a reduce; per-row values
     (-scale*m', alpha, 1/l) reach all partitions through a K=1 ones matmul (fp32). fp32 statistics and PSUM
     accumulation; P^T is stored in the input dtype. Query, bound and output DMAs are one per KV-head group
@@ -33,7 +33,8 @@ Notes:
 
 Pseudocode:
     for b, kv: rows r = (h in heads(kv), t); qT[D, R]; bound[:, r] = pos[b, t] (all partitions)
-      for block of NCH*128 keys: K^T [D, keys], V [128, NCH, D] -> SBUF
+      for DMA block of <= 4096 keys: K^T [D, keys], V [128, keys/128, D] -> SBUF
+       for compute block of NCH*128 keys:
         sT[:, c, r] = k_c^T q_r; sT -= 1e30 * (key > bound); bm[r] = max over keys of sT
         m' = max(m, bm); a = exp(scale (m - m')); pT = exp(scale sT - scale m')
         oT[:, r] = oT a + sum_c V_c^T pT[:, c];  l = l a + sum_keys pT;  m = m'
@@ -44,7 +45,8 @@ import nki.isa as nisa
 import nki.language as nl
 
 P = 128               # keys per chunk (partitions)
-MAX_CHUNKS = 16       # chunks per cache block (2048 keys)
+MAX_CHUNKS = 16       # chunks per compute block (2048 keys; s^T of the block fits one PSUM bank)
+DMA_KEYS = 4096       # keys per K/V DMA block (8 KiB per partition for bf16 K^T)
 NEG = -1.0e30         # added to masked scores (finite: exp underflows to exactly 0)
 
 
@@ -222,16 +224,19 @@ def _group(qT_hbm, kT_hbm, v_hbm, pos_hbm, out_hbm, b, kvh, heads, scale):
     nisa.memset(dst=ones_row, value=1.0)
     ones_col = nl.ndarray((P, 1), dtype=qT_hbm.dtype, buffer=nl.sbuf, name="ones_col")
     nisa.memset(dst=ones_col, value=1.0)
+    dma_keys = max(1, DMA_KEYS // (n_ch * P)) * n_ch * P   # whole compute blocks per DMA block
     stats, acc = (), ()   # running max; (oT, l) accumulators — empty before the first block
-    for s0 in range(0, seq, n_ch * P):
-        s1 = min(seq, s0 + n_ch * P)
-        blk_ch = (s1 - s0 + P - 1) // P   # the last block may be shorter
-        kT_sbuf, v_sbuf = _load_block(kT_hbm, v_hbm, b, kvh, s0, s1, blk_ch)
-        sT = _masked_scores_T(qT_sbuf, kT_sbuf, bound, s0, blk_ch)
-        pT, m_new, bc = _softmax_T(sT, stats, ones_row, scale, qT_hbm.dtype)
-        oT_psum, rs = _pv_T(pT, v_sbuf, ones_col)
-        acc = _accumulate(acc, oT_psum, rs, bc)
-        stats = (m_new,)
+    for d0 in range(0, seq, dma_keys):
+        d1 = min(seq, d0 + dma_keys)
+        kT_sbuf, v_sbuf = _load_block(kT_hbm, v_hbm, b, kvh, d0, d1, (d1 - d0 + P - 1) // P)
+        for s0 in range(d0, d1, n_ch * P):
+            s1 = min(d1, s0 + n_ch * P)
+            c0, blk_ch = (s0 - d0) // P, (s1 - s0 + P - 1) // P   # the last block may be shorter
+            sT = _masked_scores_T(qT_sbuf, kT_sbuf[:, c0 * P:(c0 + blk_ch) * P], bound, s0, blk_ch)
+            pT, m_new, bc = _softmax_T(sT, stats, ones_row, scale, qT_hbm.dtype)
+            oT_psum, rs = _pv_T(pT, v_sbuf[:, c0:c0 + blk_ch, :], ones_col)
+            acc = _accumulate(acc, oT_psum, rs, bc)
+            stats = (m_new,)
     _store(acc, ones_row, out_hbm, b, heads, n_tok)
 
 

@@ -28,6 +28,7 @@ def _case(rng, seq, n_tok, q_to_kv, n_kv, dim, dtype, last_pos, target="trn3"):
     (300, 3, (0, 0, 1), 2, 32, BF16, (299, 2)),                # non-uniform grouping; a 3-key sequence
     (2100, 1, (0,), 1, 16, np.float32, (2099, 2050)),          # one row per group over two cache blocks
     (200, 2, (0, 1, 0, 1), 2, 16, BF16, (199, 150)),            # interleaved heads: per-head DMAs
+    (4200, 16, (0,) * 8, 1, 16, np.float32, (4199, 100)),      # R = 128 rows, two 4096-key DMA blocks
 ])
 def test_decode_matches_reference(rng, seq, n_tok, q_to_kv, n_kv, dim, dtype, last_pos):
     _case(rng, seq, n_tok, q_to_kv, n_kv, dim, dtype, last_pos)
