@@ -20,12 +20,14 @@ Notes:
     partitions: S = 8192 bf16 takes 32 KiB per partition). Precision: QK^T and PV accumulate in fp32 PSUM; the
     row max m, row sum l and output accumulator are fp32; probabilities are stored in the input dtype (bf16 for
     bf16 inputs) before the PV matmul. Key tiles entirely above the diagonal are skipped; only the <= 128-key
-    band that crosses the diagonal is masked (GpSimd affine_select, FP32_MIN, on an SBUF copy of that band).
+    band that crosses the diagonal is masked to FP32_MIN: in place in PSUM by VectorE range_select on gen3+,
+    by GpSimd affine_select on an SBUF copy of the band on gen2.
     Engine balance (the softmax, not TensorE, is the usual bottleneck): the 1536-key tiles amortise the
     per-tile [128, 1] statistics; VectorE does the row max and the o + pv add, ScalarE the exp (with its row
-    sum) and the small exps, GpSimd the running max, l and the o * alpha rescale. P is transposed by one
-    3-D SBUF->SBUF dma_transpose per score tile for bf16 on gen3+ (on gen3 the last quarter of the chunks goes
-    to TensorE instead, to balance DMA and TensorE time), on TensorE (nc_transpose) for fp32 and on gen2.
+    sum), the small exps and the final o / l, GpSimd the running max, l and the o * alpha rescale. P is
+    transposed by one 3-D SBUF->SBUF dma_transpose per score tile for bf16 on gen3+ (on gen3 the last quarter
+    of the chunks goes to TensorE instead, to balance DMA and TensorE time), on TensorE (nc_transpose) for
+    fp32 and on gen2.
 
 Pseudocode:
     for b, kv: K^T, V -> SBUF
@@ -64,7 +66,29 @@ def _load_kv(kT_hbm, v_hbm, b, kvh, seq, dim):
     return kT_sbuf, v_sbuf
 
 
-def _scores(qT_sbuf, kT_sbuf, q0, q1, k0, k1):
+def _mask_band(s_psum, q0, k0, b0, use_range_select):
+    """Causal mask of the score columns [b0, cols) (keys k0+b0.. , at most 128 of them): key <= query."""
+    rows, cols = s_psum.shape
+    band_psum = s_psum[:, b0:cols]
+    if use_range_select:
+        # gen3+: VectorE in place on PSUM; keep key index j = k0 + b0 + f <= query q0 + p (and j >= 0)
+        q_pos = nl.ndarray((rows, 1), dtype=nl.float32, buffer=nl.sbuf, name="q_pos")
+        nisa.iota(dst=q_pos, pattern=[[0, 1]], offset=q0, channel_multiplier=1)
+        low = nl.ndarray((rows, 1), dtype=nl.float32, buffer=nl.sbuf, name="key_low")
+        nisa.memset(dst=low, value=0.0)
+        nisa.range_select(dst=band_psum, on_true_tile=band_psum, comp_op0=nl.greater_equal,
+                          comp_op1=nl.less_equal, bound0=low, bound1=q_pos, range_start=k0 + b0,
+                          on_false_value=nl.FP32_MIN)
+        return
+    band = nl.ndarray((rows, cols - b0), dtype=nl.float32, buffer=nl.sbuf, name="diag_band")
+    nisa.tensor_copy(dst=band, src=band_psum)
+    # keep (q0 + p) - (k0 + b0 + f) >= 0
+    nisa.affine_select(dst=band, pattern=[[-1, cols - b0]], channel_multiplier=1, on_true_tile=band,
+                       on_false_value=nl.FP32_MIN, cmp_op=nl.greater_equal, offset=q0 - k0 - b0)
+    nisa.tensor_copy(dst=band_psum, src=band)
+
+
+def _scores(qT_sbuf, kT_sbuf, q0, q1, k0, k1, use_range_select):
     """s[q, k] = q . k for one [rows, <= 1536] tile in PSUM; the band crossing the diagonal is masked."""
     rows, cols = q1 - q0, k1 - k0
     s_psum = nl.ndarray((rows, cols), dtype=nl.float32, buffer=nl.psum, name="s_psum")
@@ -72,13 +96,7 @@ def _scores(qT_sbuf, kT_sbuf, q0, q1, k0, k1):
         j1 = min(cols, j + MM_N)
         nisa.nc_matmul(dst=s_psum[:, j:j1], stationary=qT_sbuf, moving=kT_sbuf[:, k0 + j:k0 + j1])
     if k1 - 1 > q0:   # keys [max(q0, k0), k1) may lie above the diagonal for some rows
-        b0 = max(q0, k0) - k0
-        band = nl.ndarray((rows, cols - b0), dtype=nl.float32, buffer=nl.sbuf, name="diag_band")
-        nisa.tensor_copy(dst=band, src=s_psum[:, b0:cols])
-        # keep (q0 + p) - (k0 + b0 + f) >= 0
-        nisa.affine_select(dst=band, pattern=[[-1, cols - b0]], channel_multiplier=1, on_true_tile=band,
-                           on_false_value=nl.FP32_MIN, cmp_op=nl.greater_equal, offset=q0 - k0 - b0)
-        nisa.tensor_copy(dst=s_psum[:, b0:cols], src=band)
+        _mask_band(s_psum, q0, k0, max(q0, k0) - k0, use_range_select)
     return s_psum
 
 
@@ -173,16 +191,20 @@ def _rescale_add(o_sbuf, alpha, pv_psum):
     return o_new
 
 
-def _q_tile(qT_hbm, kv_sbuf, out_hbm, b, h, q0, q1, scale, pe_share):
-    """All causal key tiles of one query tile, then o / l -> out[b, h, q0:q1, :]."""
+def _q_tile(qT_hbm, kv_sbuf, out_hbm, b, h, q0, q1, opts):
+    """All causal key tiles of one query tile, then o / l -> out[b, h, q0:q1, :].
+
+    opts = (scale, pe_share (see _pv), range_sel: mask the diagonal band with range_select (gen3+)).
+    """
     kT_sbuf, v_sbuf = kv_sbuf
+    scale, pe_share, range_sel = opts
     dim, rows = qT_hbm.shape[2], q1 - q0
     qT_sbuf = nl.ndarray((dim, rows), dtype=qT_hbm.dtype, buffer=nl.sbuf, name="qT_sbuf")
     nisa.dma_copy(dst=qT_sbuf, src=qT_hbm[b, h, :, q0:q1])
     stats, o_sbuf = (), qT_sbuf
     for k0 in range(0, q1, K_TILE):   # causal: key tiles starting at or before the last query of the tile
         k1 = min(q1, k0 + K_TILE)
-        s_psum = _scores(qT_sbuf, kT_sbuf, q0, q1, k0, k1)
+        s_psum = _scores(qT_sbuf, kT_sbuf, q0, q1, k0, k1, range_sel)
         p_sbuf, m_sbuf, l_sbuf, alpha = _online_update(s_psum, stats, scale, qT_hbm.dtype)
         stats = (m_sbuf, l_sbuf)
         pv_psum = _pv(p_sbuf, v_sbuf, k0, dim, pe_share)
@@ -194,7 +216,7 @@ def _q_tile(qT_hbm, kv_sbuf, out_hbm, b, h, q0, q1, scale, pe_share):
     inv_l = nl.ndarray((rows, 1), dtype=nl.float32, buffer=nl.sbuf, name="inv_l")
     nisa.reciprocal(dst=inv_l, data=stats[1])
     res_sbuf = nl.ndarray((rows, dim), dtype=qT_hbm.dtype, buffer=nl.sbuf, name="res_sbuf")
-    nisa.tensor_scalar(dst=res_sbuf, data=o_sbuf, op0=nl.multiply, operand0=inv_l)
+    nisa.activation(dst=res_sbuf, op=nl.copy, data=o_sbuf, scale=inv_l)   # o / l on ScalarE
     nisa.dma_copy(dst=out_hbm[b, h, q0:q1, :], src=res_sbuf)
 
 
@@ -215,12 +237,12 @@ def flash_attention_prefill(qT_hbm, kT_hbm, v_hbm, q_to_kv, scale):
     batch, n_q, dim, seq = qT_hbm.shape
     n_kv = kT_hbm.shape[1]
     out_hbm = nl.ndarray((batch, n_q, seq, dim), dtype=qT_hbm.dtype, buffer=nl.shared_hbm, name="attn_out")
-    pe_share = _pe_share(qT_hbm.dtype)
+    opts = (scale, _pe_share(qT_hbm.dtype), nisa.get_nc_version() != nisa.nc_version.gen2)
     for b in range(batch):
         for kvh in range(n_kv):
             kv_sbuf = _load_kv(kT_hbm, v_hbm, b, kvh, seq, dim)
             for h in range(n_q):
                 if q_to_kv[h] == kvh:
                     for q0 in range(0, seq, Q_TILE):
-                        _q_tile(qT_hbm, kv_sbuf, out_hbm, b, h, q0, min(seq, q0 + Q_TILE), scale, pe_share)
+                        _q_tile(qT_hbm, kv_sbuf, out_hbm, b, h, q0, min(seq, q0 + Q_TILE), opts)
     return out_hbm
