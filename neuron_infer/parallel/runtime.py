@@ -43,6 +43,7 @@ from neuron_infer.parallel.launch import (
 from neuron_infer.parallel.plan import ShardPlan
 from neuron_infer.runtime.engine import Engine, planned_graphs
 
+GREEDY = SamplingConfig()  # temperature 0
 DEFAULT_TIMEOUT_S = 600.0  # a rank without a result this long after all ranks joined is reported as hung
 
 
@@ -122,7 +123,7 @@ class TPCompiledModel(CompiledModel):
         return cls(root, manifest, plan=plan, tokenizer=load_tokenizer(root / "tokenizer"))
 
     def generate_ids(self, prompts: list[list[int]], max_new_tokens: int = 64,
-                     sampling: SamplingConfig = SamplingConfig(), ignore_eos: bool = False,
+                     sampling: SamplingConfig = GREEDY, ignore_eos: bool = False,
                      on_tokens: Callable[[list[list[int]]], None] | None = None,
                      collect_logits: bool = False) -> GenerationOutput:
         """Run the ranks once for all prompts (static batches of batch_size). Under torchrun, ranks other than 0

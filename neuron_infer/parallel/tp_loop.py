@@ -18,12 +18,14 @@ from neuron_infer.runtime.engine import Engine
 from neuron_infer.runtime.generate import Metrics, OnTokens, SequenceResult, _accept, _check_prompts
 from neuron_infer.runtime.sampling import make_generator, sample
 
+GREEDY = SamplingConfig()  # temperature 0
+
 
 def tp_generate_ids(
     engine: Engine,
     prompts: list[list[int]],
     max_new_tokens: int,
-    sampling: SamplingConfig = SamplingConfig(),
+    sampling: SamplingConfig = GREEDY,
     eos_ids: tuple[int, ...] = (),
     ignore_eos: bool = False,
     on_tokens: OnTokens | None = None,

@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 from neuron_infer.api import CompiledModel
 from neuron_infer.compile.artifact import read_manifest
 from neuron_infer.compile.builder import compile_model
-from neuron_infer.config import BuildConfig, ModelConfig, QuantConfig
+from neuron_infer.config import ModelConfig, QuantConfig
 from neuron_infer.errors import ConfigError
 from neuron_infer.parallel import launch
 from neuron_infer.parallel.plan import ShardPlan
