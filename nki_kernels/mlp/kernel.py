@@ -143,16 +143,22 @@ def _swiglu(wg_hbm, wu_hbm, scales, xT_sbuf, hidden, n_tok, act_dtype):
     return hT_sbuf
 
 
-def _store_out(oT_sbuf, out_hbm, t0, h0):
-    """oT [hc, n_tok] -> out[t0:t0+n_tok, h0:h0+hc] through 128x128 TensorE transposes."""
+def _store_out(oT_sbuf, out_hbm, t0, h0, rows_sbuf):
+    """oT [hc, n_tok] -> out[t0:t0+n_tok, h0:h0+hc] through 128x128 TensorE transposes.
+
+    rows_sbuf: a [n_tok, H] SBUF row buffer (decode: one output DMA at the end) or () (one DMA per piece).
+    """
     hc, n_tok = oT_sbuf.shape
     for s0 in range(0, n_tok, P):
         s1 = min(n_tok, s0 + P)
         o_t = nl.ndarray((s1 - s0, hc), dtype=out_hbm.dtype, buffer=nl.psum, name="o_psum_t")
         nisa.nc_transpose(dst=o_t, data=oT_sbuf[:, s0:s1])
-        o_sbuf = nl.ndarray((s1 - s0, hc), dtype=out_hbm.dtype, buffer=nl.sbuf, name="o_rows")
-        nisa.tensor_copy(dst=o_sbuf, src=o_t)
-        nisa.dma_copy(dst=out_hbm[t0 + s0:t0 + s1, h0:h0 + hc], src=o_sbuf)
+        if len(rows_sbuf) > 0:
+            nisa.tensor_copy(dst=rows_sbuf[0][:, h0:h0 + hc], src=o_t)
+        else:
+            o_sbuf = nl.ndarray((s1 - s0, hc), dtype=out_hbm.dtype, buffer=nl.sbuf, name="o_rows")
+            nisa.tensor_copy(dst=o_sbuf, src=o_t)
+            nisa.dma_copy(dst=out_hbm[t0 + s0:t0 + s1, h0:h0 + hc], src=o_sbuf)
 
 
 def _down(wd_hbm, sd_sbuf, hT_sbuf, out_hbm, t0, t1, n_inter):
@@ -160,6 +166,9 @@ def _down(wd_hbm, sd_sbuf, hT_sbuf, out_hbm, t0, t1, n_inter):
     hidden, out_dtype = out_hbm.shape[1], out_hbm.dtype
     n_tok, n_ht = t1 - t0, wd_hbm.shape[1]
     group = _slab_group(wd_hbm)
+    rows_sbuf = ()
+    if n_tok <= P:   # few tokens: gather the whole output rows and store them with one DMA
+        rows_sbuf = (nl.ndarray((n_tok, hidden), dtype=out_dtype, buffer=nl.sbuf, name="out_rows"),)
     for ht0 in range(0, n_ht, group):
         ht1 = min(n_ht, ht0 + group)
         wd_sbuf = _load_slabs(wd_hbm, ht0, ht1)
@@ -172,7 +181,9 @@ def _down(wd_hbm, sd_sbuf, hT_sbuf, out_hbm, t0, t1, n_inter):
                                    operand0=sd_sbuf[0][0:h1 - h0, ht:ht + 1])
             else:
                 nisa.tensor_copy(dst=oT_sbuf, src=o_psum)
-            _store_out(oT_sbuf, out_hbm, t0, h0)
+            _store_out(oT_sbuf, out_hbm, t0, h0, rows_sbuf)
+    if n_tok <= P:
+        nisa.dma_copy(dst=out_hbm[t0:t1, :], src=rows_sbuf[0])
 
 
 def _load_scales(s_hbm):
