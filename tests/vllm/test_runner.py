@@ -1,0 +1,81 @@
+"""SlotRunner (continuous batching over cache rows) against the runtime's own `generate_ids`, request by request.
+
+No vLLM needed. The reference for every request is `generate_ids` on that request ALONE (batch-1 artifact); the
+runner serves the same requests interleaved in a batch-4 artifact with joins and leaves at different steps and row
+reuse. fp32 + the tiny checkpoints (spread-out logits): greedy tokens must be identical; seeded sampling draws the
+same numbers (one generator per request, one [1, V] multinomial per token in both paths), so it is identical too.
+"""
+from __future__ import annotations
+
+import pytest
+
+from neuron_infer.api import CompiledModel, compile_model
+from neuron_infer.config import BuildConfig, SamplingConfig
+from neuron_infer.errors import NeuronInferError
+from neuron_infer.runtime.generate import generate_ids
+from neuron_infer.vllm_plugin.runner import SlotRunner
+
+BUILD = BuildConfig(dtype="fp32", batch_size=4, max_context_length=64, max_length=128, context_buckets=(32, 64),
+                    tokengen_buckets=(64, 128))
+
+
+@pytest.fixture(scope="module")
+def models(tiny_dirs, tmp_path_factory):
+    out = {}
+    for bs in (1, 4):
+        d = tmp_path_factory.mktemp(f"b{bs}") / "a"
+        compile_model(tiny_dirs("gqa"), d, BUILD.replace(batch_size=bs), backend="cpu-eager", say=lambda m: None)
+        out[bs] = CompiledModel.load(d)
+    return out
+
+
+def alone(model, prompt, n, sampling):
+    res, _ = generate_ids(model.engine, [prompt], n, sampling, ignore_eos=True)
+    return res[0].token_ids
+
+
+# (join step, prompt, tokens to generate, sampling)
+SCHEDULE = [
+    (0, list(range(7, 27)), 12, SamplingConfig()),
+    (0, [3, 99, 150, 4], 5, SamplingConfig(temperature=0.8, top_k=50, seed=11)),
+    (2, list(range(40, 80)), 9, SamplingConfig()),
+    (3, [200] * 33, 7, SamplingConfig(temperature=1.2, top_p=0.9, seed=5)),
+    (4, [12, 13], 10, SamplingConfig()),  # joins once a row is free
+    (6, list(range(100, 164)), 6, SamplingConfig(temperature=0.7, seed=2)),  # 64 tokens: largest context bucket
+]
+
+
+def test_interleaved_requests_equal_each_request_alone(models):
+    runner = SlotRunner(models[4].engine)
+    got: dict[int, list[int]] = {}
+    want = {i: alone(models[1], p, n, s) for i, (_, p, n, s) in enumerate(SCHEDULE)}
+    waiting, step, rows_used = list(enumerate(SCHEDULE)), 0, set()
+    while waiting or runner.active:
+        running = [str(i) for i in got if str(i) in runner.slots]
+        for rid, tok in runner.decode(running).items():  # decode first, then admit (see runner docstring)
+            got[int(rid)].append(tok)
+        for i, (join, prompt, n, s) in list(waiting):
+            if join <= step and runner.active < runner.batch:
+                got[i] = [runner.admit(str(i), prompt, s)]
+                rows_used.add(runner.slots[str(i)].row)
+                waiting.remove((i, (join, prompt, n, s)))
+        for i in list(got):
+            if str(i) in runner.slots and len(got[i]) >= SCHEDULE[i][2]:
+                runner.release(str(i))
+        step += 1
+    assert got == want
+    assert rows_used == {0, 1, 2, 3}
+
+
+def test_runner_errors_name_the_fix(models):
+    runner = SlotRunner(models[1].engine)
+    with pytest.raises(NeuronInferError, match="larger max_context_length"):
+        runner.admit("a", list(range(65)), SamplingConfig())
+    first = runner.admit("a", [5, 6], SamplingConfig())
+    with pytest.raises(NeuronInferError, match="already in the batch"):
+        runner.admit("a", [5], SamplingConfig())
+    with pytest.raises(NeuronInferError, match="--max-num-seqs <= 1"):
+        runner.admit("b", [5], SamplingConfig())
+    assert runner.release("a") == [5, 6, first] and runner.active == 0
+    runner.admit("b", [5], SamplingConfig())  # the freed row is reused
+    assert runner.release("unknown") is None

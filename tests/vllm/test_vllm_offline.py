@@ -1,0 +1,120 @@
+"""Offline `vllm.LLM.generate` through the plugin vs neuron-infer's own generate and Hugging Face (greedy).
+
+vLLM runs in a fresh interpreter (its engine core and worker are spawned processes and a platform is chosen once
+per process); the script prints its results as JSON and the tests compare them here. The plugin compiles the
+artifact on first use from vLLM's arguments (cache dir under tmp), so this module covers that path; the server
+tests cover explicitly given artifacts.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tests.vllm.vllm_helpers import TINY_VLLM, require_vllm, run_script
+
+require_vllm()
+
+from transformers import LlamaForCausalLM  # noqa: E402
+
+from neuron_infer.api import CompiledModel, compile_model  # noqa: E402
+from neuron_infer.config import BuildConfig, SamplingConfig  # noqa: E402
+from tests.tiny_checkpoint import write_tiny_checkpoint  # noqa: E402
+
+PROMPTS = [list(range(7, 27)), [5, 9, 33], list(range(100, 160))]
+N = 24
+SEEDED = SamplingConfig(temperature=0.9, top_k=40, top_p=0.95, seed=1234)
+
+SCRIPT = r"""
+import json, sys
+from vllm import LLM, SamplingParams
+from vllm.platforms import current_platform
+
+if __name__ == "__main__":
+    model, cache, prompts, n = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), int(sys.argv[4])
+    llm = LLM(model=model, dtype="float32", max_model_len=128, max_num_seqs=4, gpu_memory_utilization=0.3,
+              enforce_eager=True, seed=0,
+              additional_config={"neuron_infer_backend": "cpu-eager", "neuron_infer_cache_dir": cache})
+    res = {"platform": type(current_platform).__name__}
+    greedy = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy)
+    res["greedy"] = [o.outputs[0].token_ids for o in outs]
+    text = llm.generate(["The capital of France is"], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    res["text_prompt_ids"] = text[0].prompt_token_ids
+    res["text"] = {"ids": text[0].outputs[0].token_ids, "text": text[0].outputs[0].text,
+                   "finish": text[0].outputs[0].finish_reason}
+    stop = text[0].outputs[0].text[4:7]
+    st = llm.generate(["The capital of France is"], SamplingParams(temperature=0.0, max_tokens=12, stop=[stop]))
+    res["stop"] = {"stop": stop, "text": st[0].outputs[0].text, "finish": st[0].outputs[0].finish_reason}
+    seeded = SamplingParams(temperature=0.9, top_k=40, top_p=0.95, seed=1234, max_tokens=n, ignore_eos=True)
+    res["seeded"] = [llm.generate([{"prompt_token_ids": prompts[0]}], seeded)[0].outputs[0].token_ids
+                     for _ in range(2)]
+    try:
+        llm.generate(["hi"], SamplingParams(max_tokens=2, logprobs=2))
+        res["logprobs_error"] = None
+    except Exception as e:
+        res["logprobs_error"] = f"{type(e).__name__}: {e}"
+    print("RESULT:" + json.dumps(res), flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("m") / "tiny", **TINY_VLLM)
+
+
+@pytest.fixture(scope="module")
+def vllm_result(tiny, tmp_path_factory):
+    cache = tmp_path_factory.mktemp("cache")
+    return run_script(SCRIPT, [str(tiny), str(cache), json.dumps(PROMPTS), str(N)], timeout=420)
+
+
+@pytest.fixture(scope="module")
+def ours(tiny, tmp_path_factory):
+    out = tmp_path_factory.mktemp("ref") / "a"
+    build = BuildConfig(dtype="fp32", batch_size=1, max_context_length=128, max_length=128)
+    compile_model(tiny, out, build, backend="cpu-eager", say=lambda m: None)
+    return CompiledModel.load(out)
+
+
+def hf_greedy(model_dir, prompt, n):
+    hf = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                      eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def test_plugin_platform_is_selected(vllm_result):
+    assert vllm_result["platform"] == "NeuronInferPlatform"
+
+
+def test_greedy_equals_neuron_infer_and_hf(vllm_result, ours, tiny):
+    for prompt, got in zip(PROMPTS, vllm_result["greedy"]):
+        assert len(got) == N
+        assert got == ours.generate_ids([prompt], N, ignore_eos=True).outputs[0].token_ids
+        assert got == hf_greedy(tiny, prompt, N)
+
+
+def test_text_prompt_and_max_tokens(vllm_result, ours):
+    r = vllm_result["text"]
+    assert r["finish"] == "length" and len(r["ids"]) == 12
+    assert vllm_result["text_prompt_ids"] == ours.encode("The capital of France is")
+    assert r["ids"] == ours.generate(["The capital of France is"], 12, ignore_eos=True).outputs[0].token_ids
+
+
+def test_stop_string_truncates(vllm_result):
+    full, r = vllm_result["text"]["text"], vllm_result["stop"]
+    assert r["stop"] and r["finish"] == "stop"
+    assert r["text"] == full[: full.index(r["stop"])]
+
+
+def test_seeded_sampling_is_reproducible_and_matches_neuron_infer(vllm_result, ours):
+    a, b = vllm_result["seeded"]
+    assert a == b and len(a) == N
+    assert a == ours.generate_ids([PROMPTS[0]], N, SEEDED, ignore_eos=True).outputs[0].token_ids
+    assert a != vllm_result["greedy"][0]  # really sampled (temperature 0.9 on spread-out logits)
+
+
+def test_unsupported_feature_is_rejected_with_reason(vllm_result):
+    assert "does not support logprobs=2" in (vllm_result["logprobs_error"] or "")
