@@ -17,15 +17,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import nki_kernels  # noqa: E402,F401  (registers the simulator as `nki`)
-import nki.language as nl  # noqa: E402
-from nki_kernels.attention_decode.kernel import attention_decode  # noqa: E402
-from nki_kernels.attention_prefill.kernel import flash_attention_prefill  # noqa: E402
-from nki_kernels.mlp.kernel import mlp_fp8_kernel, mlp_kernel  # noqa: E402
-from nki_kernels.mx_matmul.kernel import mx_matmul_kernel  # noqa: E402
-from nki_kernels.sim import ShapeSpec, simulate_kernel  # noqa: E402
-from nki_kernels.sim.cost import CostModel  # noqa: E402
-from nki_kernels.sim.cost_constants import GEN, resolve_generation  # noqa: E402
+import ml_dtypes
+import numpy as np
+
+import nki_kernels  # noqa: F401  (registers the simulator as `nki`)
+from nki_kernels.attention_decode.kernel import attention_decode
+from nki_kernels.attention_prefill.kernel import flash_attention_prefill
+from nki_kernels.mlp.kernel import mlp_fp8_kernel, mlp_kernel
+from nki_kernels.mx_matmul.kernel import mx_matmul_kernel
+from nki_kernels.sim import ShapeSpec, simulate_kernel
+from nki_kernels.sim.cost import CostModel
+from nki_kernels.sim.cost_constants import GEN, resolve_generation
 
 
 @dataclass(frozen=True)
@@ -49,7 +51,7 @@ MODELS = (
     per_core("Llama-3.1-8B", 4096, 32, 8, 14336, 32),
     per_core("Llama-3.1-70B", 8192, 64, 8, 28672, 32),
 )
-BF16, FP32, FP8 = nl.bfloat16, nl.float32, nl.float8_e4m3
+BF16, FP32, FP8 = ml_dtypes.bfloat16, np.float32, ml_dtypes.float8_e4m3   # = nl.bfloat16, nl.float32, nl.float8_e4m3
 GOALS = {"prefill attention": ("TE", 0.70), "decode attention": ("HBM", 0.80), "prefill MLP": ("TE", 0.70),
          "decode MLP": ("HBM", 0.80), "MX matmul prefill": ("MX", 0.70), "MX matmul decode": ("HBM", 0.80)}
 
@@ -98,7 +100,7 @@ def cases():
             out.append(("decode MLP", m, f"fp8 N={n}", ("trn2", "trn3"), mlp_fp8_kernel,
                         (spec(n, m.hidden), *w8, *sc), mlp_flops * n))
         k, f = m.hidden, 2 * m.inter   # fused gate+up projection
-        mx_w = (spec(k // 4, f, dt=nl.uint32), spec(k // 32, f, dt=nl.uint8))
+        mx_w = (spec(k // 4, f, dt=np.uint32), spec(k // 32, f, dt=np.uint8))
         out.append(("MX matmul prefill", m, f"MXFP8 gate+up N=2048 K={k} F={f}", ("trn3",), mx_matmul_kernel,
                     (spec(2048, k), *mx_w), 2.0 * 2048 * k * f))
         out.append(("MX matmul decode", m, f"MXFP8 gate+up N=8 K={k} F={f}", ("trn3",), mx_matmul_kernel,

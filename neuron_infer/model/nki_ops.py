@@ -55,7 +55,7 @@ def attention(q, k, v, q_to_kv, positions):
     """Causal GQA attention [B, Hq, T, D] (see the module docstring for the kernel choice)."""
     dt = _kernel_dtype(q)
     q, k, v = q.to(dt), k.to(dt), v.to(dt)
-    b, hq, t, d = q.shape
+    t, d = q.shape[2], q.shape[3]
     mapping = tuple(int(i) for i in q_to_kv.tolist())
     scale = 1.0 / float(d) ** 0.5
     if _is_prefill(positions, t, k.shape[2]):
@@ -82,7 +82,7 @@ def _decode(q, k, v, mapping, positions, scale):
 # ---------------------------------------------------------------------------------------------------------------
 # MLP
 
-_PACKED: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictionary()
+_PACKED: weakref.WeakKeyDictionary[nn.Module, tuple] = weakref.WeakKeyDictionary()
 
 
 def _weight_key(m: nn.Module) -> tuple:

@@ -1,11 +1,10 @@
 """The poison that `check` relies on: outputs the kernel does not write stay NaN."""
 from __future__ import annotations
 
-import numpy as np
-
 import nki
 import nki.isa as nisa
 import nki.language as nl
+import numpy as np
 
 from .conftest import run
 

@@ -5,12 +5,12 @@ Each test states the expected behaviour; known open issues are `xfail(strict=Tru
 """
 from __future__ import annotations
 
-import numpy as np
-import pytest
-
 import nki
 import nki.isa as nisa
 import nki.language as nl
+import numpy as np
+import pytest
+
 from nki_kernels.sim import simulate_kernel
 from nki_kernels.sim.cost import CostModel
 
