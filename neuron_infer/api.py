@@ -15,6 +15,7 @@ from typing import Callable
 
 from neuron_infer.compile.artifact import Manifest, read_manifest
 from neuron_infer.compile.builder import cache_shape, compile_model  # noqa: F401  (re-exported)
+from neuron_infer.compile.quantize_step import quant_structure
 from neuron_infer.compile.weights import empty_model, load_rank_weights
 from neuron_infer.config import SamplingConfig
 from neuron_infer.errors import ArtifactError, NeuronInferError
@@ -97,7 +98,7 @@ class CompiledModel:
 
             return TPCompiledModel.from_manifest(root, manifest)
         model = empty_model(manifest.model, manifest.build)
-        _apply_quant_structure(model, manifest)
+        quant_structure(model, manifest.build)
         load_rank_weights(model, root / "weights" / "rank0.safetensors")
         engine = Engine(_load_graphs(root, manifest, model), manifest.build, cache_shape(model, manifest.build),
                         manifest.model.vocab_size)
@@ -144,11 +145,3 @@ def check_checkpoint(manifest: Manifest, root: Path, model_dir: Path) -> None:
             f"{root / 'manifest.json'}: checkpoint_fingerprint {manifest.checkpoint_fingerprint[:12]}... does not match "
             f"{model_dir} ({found[:12]}...): the artifact was compiled from another checkpoint; recompile it"
         )
-
-
-def _apply_quant_structure(model, manifest: Manifest) -> None:
-    if manifest.build.quant.scheme == "none":
-        return
-    from neuron_infer.quant import apply_quantization  # noqa: PLC0415
-
-    apply_quantization(model, manifest.build.quant, structure_only=True)

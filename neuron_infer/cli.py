@@ -52,9 +52,9 @@ def build_options(f):
 def _build_overrides(kw: dict) -> dict:
     mods = kw.pop("modules_to_not_convert", None)
     if mods is not None:
-        p = Path(mods)
-        names = p.read_text().split() if p.is_file() else [m for m in mods.split(",") if m]
-        mods = names
+        from neuron_infer.quant import parse_modules_to_not_convert  # noqa: PLC0415
+
+        mods = list(parse_modules_to_not_convert(mods))
     return {
         "target": kw.pop("target"), "dtype": kw.pop("dtype"), "batch_size": kw.pop("batch_size"),
         "max_context_length": kw.pop("max_context_length"), "max_length": kw.pop("max_length"),

@@ -239,17 +239,23 @@ class QuantConfig:
     """Compile-time weight quantization (see neuron_infer/quant)."""
 
     scheme: str = "none"
-    modules_to_not_convert: tuple[str, ...] = ()
+    modules_to_not_convert: tuple[str, ...] | None = None  # None: the scheme's default (fp8: the AWS recipe)
     weight_tiling: bool = False
     kv_cache_dtype: str = "auto"
+    smoothquant_alpha: float = 0.5  # w8a8 migration strength
 
     def __post_init__(self) -> None:
         if self.scheme not in QUANT_SCHEMES:
             raise ConfigError(f"quant scheme {self.scheme!r} is unknown; choose one of {', '.join(QUANT_SCHEMES)}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError(f"kv_cache_dtype {self.kv_cache_dtype!r} is unknown; choose auto or fp8")
-        if self.modules_to_not_convert and self.scheme == "none":
+        if self.modules_to_not_convert is not None and self.scheme == "none":
             raise ConfigError("modules_to_not_convert only makes sense with --quant; add --quant or drop the list")
+        if not 0.0 <= self.smoothquant_alpha <= 1.0:
+            raise ConfigError(f"smoothquant_alpha={self.smoothquant_alpha} must be in [0, 1]")
+        if self.scheme in ("mxfp8", "mxfp4") and self.weight_tiling:
+            raise ConfigError(f"--weight-tiling does not apply to --quant {self.scheme} (MX weights use the quad "
+                              "x4 layout); drop --weight-tiling")
 
 
 @dataclass(frozen=True)
@@ -331,7 +337,8 @@ class BuildConfig:
             kw[k] = _tuple(kw.get(k))
         if isinstance(kw.get("quant"), Mapping):
             q = _strict_kwargs(QuantConfig, kw["quant"], "build config 'quant'")
-            q["modules_to_not_convert"] = tuple(q.get("modules_to_not_convert", ()))
+            if q.get("modules_to_not_convert") is not None:
+                q["modules_to_not_convert"] = tuple(q["modules_to_not_convert"])
             kw["quant"] = QuantConfig(**q)
         if isinstance(kw.get("speculation"), Mapping):
             kw["speculation"] = SpeculationConfig(**_strict_kwargs(SpeculationConfig, kw["speculation"], "speculation"))

@@ -12,6 +12,7 @@ import torch
 from neuron_infer.checkpoint import checkpoint_fingerprint, load_checkpoint
 from neuron_infer.compile.artifact import FORMAT_VERSION, Manifest, atomic_directory, hash_tree, package_versions
 from neuron_infer.compile.artifact import write_manifest
+from neuron_infer.compile.quantize_step import quantize_model
 from neuron_infer.compile.weights import build_float_model, save_rank_weights
 from neuron_infer.config import BuildConfig, ModelConfig
 from neuron_infer.errors import ConfigError
@@ -100,7 +101,7 @@ def compile_model(model_dir: str | Path, out_dir: str | Path, build: BuildConfig
     with atomic_directory(Path(out_dir), overwrite) as tmp:
         model = build_float_model(cfg, build, state)
         del state
-        extra = {"quant": _quantize(model, build)}
+        extra = {"quant": quantize_model(model, build, model_dir)}
         save_rank_weights(model, tmp / "weights" / "rank0.safetensors")
         graphs = compile_graphs(model, build, be, tmp / "graphs", say)
         copy_tokenizer(model_dir, tmp / "tokenizer")
@@ -110,12 +111,3 @@ def compile_model(model_dir: str | Path, out_dir: str | Path, build: BuildConfig
         write_manifest(tmp, manifest)
     say(f"compiled {len(graphs)} graphs into {out_dir} in {extra['compile_seconds']:.1f} s")
     return manifest
-
-
-def _quantize(model: LlamaModel, build: BuildConfig) -> dict:
-    if build.quant.scheme == "none":
-        return {"scheme": "none"}
-    from neuron_infer.quant import apply_quantization  # noqa: PLC0415
-
-    report = apply_quantization(model, build.quant)
-    return report if isinstance(report, dict) else {"scheme": build.quant.scheme, "report": str(report)}

@@ -69,6 +69,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
+def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Cast K/V for the cache; an fp8 cache saturates at the Neuron E4M3 range +-240 (quant.fp8.kv_to_fp8)."""
+    if dtype == torch.float8_e4m3fn:
+        return x.clamp(-240.0, 240.0).to(dtype)
+    return x.to(dtype)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, ops: Ops):
         super().__init__()
@@ -101,8 +108,8 @@ class Attention(nn.Module):
         rows = torch.arange(b, device=x.device) if seq_ids is None else seq_ids  # [B]
         hi = torch.arange(self.hkv, device=x.device).view(1, self.hkv, 1)  # [1, Hkv, 1]
         idx = (rows.view(b, 1, 1), hi, positions.unsqueeze(1))  # cache[row[b], h, pos[b, t]] <- k[b, h, t]
-        k_cache.index_put_(idx, k.to(k_cache.dtype))
-        v_cache.index_put_(idx, v.to(v_cache.dtype))
+        k_cache.index_put_(idx, to_cache_dtype(k, k_cache.dtype))
+        v_cache.index_put_(idx, to_cache_dtype(v, v_cache.dtype))
         if seq_ids is None:
             ks, vs = k_cache[:, :, :attend_len], v_cache[:, :, :attend_len]  # [B, Hkv, S', D] views
         else:

@@ -178,7 +178,7 @@ def apply_quantization(model: nn.Module, qcfg, *, structure_only: bool = False,
         b = sum(linear_weight_bytes(m) for m in linears.values())
         return QuantReport("none", (), tuple(linears), b, b)
     cls = get_scheme(qcfg.scheme)
-    convert, keep = split_not_convert(linears, qcfg.modules_to_not_convert)
+    convert, keep = split_not_convert(linears, qcfg.modules_to_not_convert or ())  # None: caller resolved defaults
     before = after = sum(linear_weight_bytes(linears[n]) for n in keep)
     new_modules = {}  # build everything first, swap after: a failure leaves the model untouched
     for name in convert:

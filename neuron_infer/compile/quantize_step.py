@@ -1,0 +1,78 @@
+"""The compile-time quantization step: resolve the scheme's defaults, calibrate when needed, apply, report."""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import torch
+
+from neuron_infer.config import BuildConfig, QuantConfig
+from neuron_infer.model.llama import LlamaModel
+
+CALIBRATION_WINDOWS = 4
+CALIBRATION_TOKENS = 256
+
+
+def resolve_quant(qcfg: QuantConfig, num_layers: int) -> QuantConfig:
+    """Fill the scheme's default modules_to_not_convert (fp8: attention, first and last MLP, lm_head)."""
+    if qcfg.modules_to_not_convert is not None:
+        return qcfg
+    from neuron_infer.quant import default_fp8_not_convert  # noqa: PLC0415
+
+    default = default_fp8_not_convert(num_layers) if qcfg.scheme == "fp8" else ()
+    return dataclasses.replace(qcfg, modules_to_not_convert=default)
+
+
+def calibration_text() -> str:
+    """English text every CPython has: the pydoc topic help (used for SmoothQuant calibration)."""
+    from pydoc_data.topics import topics  # noqa: PLC0415
+
+    return "\n\n".join(topics[k] for k in sorted(topics))
+
+
+def calibration_runner(model: LlamaModel, model_dir: Path):
+    """A callable running the float model over a few fixed windows of calibration text."""
+    from neuron_infer.checkpoint import load_tokenizer  # noqa: PLC0415
+
+    chars = CALIBRATION_WINDOWS * CALIBRATION_TOKENS * 8  # ample for the windows, cheap to tokenize
+    ids = load_tokenizer(model_dir)(calibration_text()[:chars])["input_ids"]
+    t = CALIBRATION_TOKENS
+    windows = [ids[i * t:(i + 1) * t] for i in range(CALIBRATION_WINDOWS) if len(ids) >= (i + 1) * t]
+    cfg, lay = model.cfg, model.layout
+    dtype = next(model.parameters()).dtype
+
+    def run() -> None:
+        for w in windows:
+            k = torch.zeros(cfg.num_layers, 1, lay.num_kv_heads, t, cfg.head_dim, dtype=dtype)
+            pos = torch.arange(t).view(1, t)
+            model(torch.tensor([w]), pos, k, torch.zeros_like(k), pos[:, -1:], attend_len=t)
+
+    return run
+
+
+def quantize_model(model: LlamaModel, build: BuildConfig, model_dir: Path) -> dict:
+    """Quantize `model` in place per build.quant; return the manifest record."""
+    if build.quant.scheme == "none":
+        return {"scheme": "none"}
+    from neuron_infer.quant import apply_quantization  # noqa: PLC0415
+
+    qcfg = resolve_quant(build.quant, model.cfg.num_layers)
+    if qcfg.scheme == "w8a8":
+        from neuron_infer.quant.smoothquant import smoothquant  # noqa: PLC0415
+
+        with torch.no_grad():
+            report = smoothquant(model, calibration_runner(model, model_dir), qcfg.smoothquant_alpha,
+                                 qcfg.modules_to_not_convert)
+    else:
+        report = apply_quantization(model, qcfg)
+    return {**report.to_dict(), "modules_to_not_convert": list(qcfg.modules_to_not_convert)}
+
+
+def quant_structure(model: LlamaModel, build: BuildConfig) -> None:
+    """Give a meta-device skeleton the quantized module structure recorded in the build (before loading weights)."""
+    if build.quant.scheme == "none":
+        return
+    from neuron_infer.quant import apply_quantization  # noqa: PLC0415
+
+    qcfg = resolve_quant(build.quant, model.cfg.num_layers)
+    apply_quantization(model, dataclasses.replace(qcfg, scheme=qcfg.scheme), structure_only=True)
