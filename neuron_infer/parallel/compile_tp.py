@@ -11,7 +11,7 @@ graph would hide them. (A probe showed AOTInductor can compile torch's *function
 38 s for a one-matmul graph per rank on this 2-core host — so compiled CPU rank graphs are possible future work;
 they would also have to be compiled inside a live process group.)
 
-Quantization per rank: `apply_quantization` runs on each rank's float shard. Column-parallel layers (q/k/v, gate/up,
+Quantization per rank: the compile quantization step (apply_quantization) runs on each rank's float shard. Column-parallel layers (q/k/v, gate/up,
 lm_head) have per-output-channel scales identical to tp = 1 (each output row is whole on one rank). Row-parallel
 layers (o_proj, down_proj) hold a slice of every output row, so per-channel (int8/fp8/w8a8) scales are computed from
 that slice: the quantization is finer than at tp = 1, so quantized TP logits match quantized tp = 1 logits only
@@ -89,16 +89,14 @@ def full_sharded_bytes(cfg: ModelConfig, build: BuildConfig, state: dict[str, to
 
 
 def build_rank_model(cfg: ModelConfig, build: BuildConfig, plan: ShardPlan, rank: int,
-                     state: dict[str, torch.Tensor]) -> tuple[LlamaModel, dict]:
+                     state: dict[str, torch.Tensor], model_dir: Path) -> tuple[LlamaModel, dict]:
     """Rank `rank`'s float model from the full checkpoint state, quantized when the build asks; (model, quant)."""
+    from neuron_infer.compile.quantize_step import quantize_model
+
     mine = shard_state_dict(state, cfg, plan, rank)
     model = build_float_model(cfg, build, mine, rank_layout(plan.ranks[rank]), tp_ops(build.kernels))
     del mine
-    if build.quant.scheme == "none":
-        return model, {"scheme": "none"}
-    from neuron_infer.quant import apply_quantization
-
-    return model, apply_quantization(model, build.quant).to_dict()
+    return model, quantize_model(model, build, model_dir)
 
 
 def compile_tp_model(model_dir: str | Path, out_dir: str | Path, build: BuildConfig, *, backend: str | None = None,
@@ -112,6 +110,9 @@ def compile_tp_model(model_dir: str | Path, out_dir: str | Path, build: BuildCon
     cfg = ModelConfig.from_model_dir(model_dir)
     check_build_against_model(cfg, build)
     plan = ShardPlan.build(cfg, build.tp_degree)  # rejects degrees the plan cannot express, before any work
+    if build.quant.scheme == "w8a8":
+        raise ConfigError("--quant w8a8 calibrates SmoothQuant scales on full-model activations, which a single rank "
+                          "does not see; compile w8a8 at --tp-degree 1 (or use int8/fp8/mxfp8/mxfp4 with TP)")
     be_name = tp_backend_name(build, backend)
     if be_name == "neuron":
         raise ConfigError("--target neuron with --tp-degree > 1 compiles through neuronx-distributed: use "
@@ -124,7 +125,7 @@ def compile_tp_model(model_dir: str | Path, out_dir: str | Path, build: BuildCon
     with atomic_directory(Path(out_dir), overwrite) as tmp:
         records, quant, graphs = [], [], {}
         for r in range(plan.tp):
-            model, q = build_rank_model(cfg, build, plan, r, state)
+            model, q = build_rank_model(cfg, build, plan, r, state, model_dir)
             nbytes = save_rank_weights(model, tmp / "weights" / f"rank{r}.safetensors")
             records.append(rank_weight_record(model, r, nbytes))
             quant.append(q)

@@ -25,9 +25,10 @@ from typing import Any
 
 import torch
 
-from neuron_infer.api import CompiledModel, GenerationOutput, _apply_quant_structure
+from neuron_infer.api import CompiledModel, GenerationOutput
 from neuron_infer.compile.artifact import Manifest, read_manifest
 from neuron_infer.compile.builder import cache_shape
+from neuron_infer.compile.quantize_step import quant_structure
 from neuron_infer.compile.weights import empty_model, load_rank_weights
 from neuron_infer.config import SamplingConfig
 from neuron_infer.errors import ArtifactError, NeuronInferError
@@ -66,7 +67,7 @@ def load_rank_engine(root: Path, manifest: Manifest, plan: ShardPlan, rank: int)
 
     build = manifest.build
     model = empty_model(manifest.model, build, rank_layout(plan.ranks[rank]), tp_ops(build.kernels))
-    _apply_quant_structure(model, manifest)
+    quant_structure(model, build)
     load_rank_weights(model, root / "weights" / f"rank{rank}.safetensors")
     be = get_backend(manifest.backend)
     graphs = {spec.name: be.load_graph(root / "graphs" / f"rank{rank}", spec.name,

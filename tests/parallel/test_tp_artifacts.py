@@ -95,6 +95,9 @@ def test_degrees_the_plan_cannot_express_fail_before_any_file_is_written(ckpts, 
         compile_model(ckpts["gqa"], tmp_path / "x", BUILD.replace(tp_degree=5), **QUIET)  # 4 heads
     with pytest.raises(ConfigError, match="intermediate_size"):
         compile_model(ckpts["gqa"], tmp_path / "x", BUILD.replace(tp_degree=3), **QUIET)  # 200 % 3
+    with pytest.raises(ConfigError, match="w8a8 calibrates"):  # SmoothQuant needs full-model activations
+        compile_model(ckpts["gqa"], tmp_path / "x", BUILD.replace(tp_degree=2, quant=QuantConfig(scheme="w8a8")),
+                      **QUIET)
     with pytest.raises(ConfigError, match="tp_degree=0"):
         BUILD.replace(tp_degree=0)
     assert not (tmp_path / "x").exists() and not list(tmp_path.glob(".x.partial-*"))
