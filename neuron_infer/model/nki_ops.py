@@ -14,8 +14,16 @@ attention(q, k, v, q_to_kv, positions):
     prompt from position 0), anything else decode.
 mlp(x, gate, up, down):
     the fused kernel when the three projections are bias-free `nn.Linear` (fp32/bf16 weights) or bias-free
-    `FP8Linear` modules; any other module (INT8, MX, biases, ...) falls back to `ops.mlp_ref`.
-    Packed (tiled) weights are cached per module and refreshed when the weight tensor changes.
+    `FP8Linear` modules; MX modules (`MXFP8Linear` / `MXFP4Linear`) run each projection through the MX matmul
+    kernel (`mx_linear`, trn3 only) with SiLU(gate) * up in PyTorch; any other module (INT8, biased linears,
+    mixed schemes, ...) falls back to `ops.mlp_ref`. Packed weights are cached per module and refreshed when
+    the weight tensor changes.
+mx_linear(x, module):
+    y = x @ W^T (+ bias) through `nki_kernels/mx_matmul`. The kernel needs the hardware MX block grouping
+    (8 partitions x 4 quad slots), not the OCP contiguous blocks the module stores, so the module's dequantized
+    weight is re-quantized once with `mx_golden.quantize_for_matmul` (a second MX rounding: the result is
+    within MX error of the module's forward, not bit-identical; re-quantizing from the float checkpoint would
+    avoid it). Activations are quantized to MXFP8 on chip.
 """
 from __future__ import annotations
 
@@ -29,11 +37,14 @@ from torch import nn
 import nki_kernels  # noqa: F401  (resolves `import nki` to Neuron or the simulator)
 from neuron_infer.model.ops import Ops, mlp_ref
 from neuron_infer.quant.fp8 import FP8Linear
+from neuron_infer.quant.mx import MXLinear
 from neuron_infer.tiling import tile_weight
 from nki_kernels.attention_decode.kernel import attention_decode
 from nki_kernels.attention_prefill.kernel import flash_attention_prefill
 from nki_kernels.mlp.kernel import mlp_fp8_kernel, mlp_kernel
 from nki_kernels.mlp.reference import pack_scales
+from nki_kernels.mx_matmul.kernel import mx_matmul_kernel
+from nki_kernels.mx_matmul.reference import pack_mx_weight, pad_k
 
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 PARTITIONS = 128
@@ -105,16 +116,39 @@ def _pack_fp8(m: FP8Linear) -> tuple[np.ndarray, np.ndarray]:
     return tiled, pack_scales(m.weight_scale.detach().float().numpy())
 
 
+def _pack_mx(m: MXLinear) -> tuple[np.ndarray, np.ndarray]:
+    w = m.dequantized_weight().detach().float().T.contiguous().numpy()   # [out, in] -> W [K=in, N=out]
+    return pack_mx_weight(w, m.fmt, rule=m.rule)                         # (words [Kp/4, N], scales [Kp/32, N])
+
+
 def _packed(m: nn.Module, dtype: torch.dtype):
     key = (_weight_key(m), dtype)
     hit = _PACKED.get(m)
     if hit is None or hit[0] != key:
-        value = _pack_fp8(m) if isinstance(m, FP8Linear) else (_pack_float(m, dtype),)
+        if isinstance(m, MXLinear):
+            value = _pack_mx(m)
+        elif isinstance(m, FP8Linear):
+            value = _pack_fp8(m)
+        else:
+            value = (_pack_float(m, dtype),)
         _PACKED[m] = hit = (key, value)
     return hit[1]
 
 
+def mx_linear(x: torch.Tensor, m: MXLinear) -> torch.Tensor:
+    """x [..., in] @ W^T (+ bias) -> [..., out] with the MX matmul kernel (see the module docstring)."""
+    words, scales = _packed(m, torch.bfloat16)
+    x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)                   # [N, in]
+    xp = torch.from_numpy(pad_k(x2.view(torch.int16).numpy(), axis=1)).view(torch.bfloat16)   # [N, Kp] zero pad
+    y = mx_matmul_kernel(xp.contiguous(), words, scales)                # [N, out] bf16
+    if m.bias is not None:
+        y = y + m.bias.to(y.dtype)
+    return y.to(x.dtype).reshape(*x.shape[:-1], -1)
+
+
 def _kernel_kind(mods) -> str | None:
+    if all(isinstance(m, MXLinear) for m in mods):
+        return "mx"                                   # per projection: biases are added after the kernel
     if any(getattr(m, "bias", None) is not None for m in mods):
         return None
     if all(type(m) is nn.Linear and m.weight.dtype in _KERNEL_DTYPES for m in mods):
@@ -130,6 +164,9 @@ def mlp(x, gate, up, down):
     kind = _kernel_kind(mods)
     if kind is None:
         return mlp_ref(x, gate, up, down)
+    if kind == "mx":
+        h = torch.nn.functional.silu(mx_linear(x, gate)) * mx_linear(x, up)   # [B, T, I]
+        return mx_linear(h, down)                                           # [B, T, H]
     lead = x.shape[:-1]
     dt = _kernel_dtype(x) if kind == "float" else torch.bfloat16
     x2 = x.reshape(-1, x.shape[-1]).to(dt).contiguous()             # [B*T, H]
