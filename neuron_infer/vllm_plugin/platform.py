@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 import vllm
+from vllm.exceptions import VLLMValidationError
 from vllm.platforms.cpu import CpuPlatform
 
 from neuron_infer.vllm_plugin import check_vllm_version
@@ -72,8 +73,11 @@ class NeuronInferPlatform(CpuPlatform):
     def validate_request(cls, processed_inputs: Any, params: Any) -> None:
         kind = processed_inputs.get("type") if isinstance(processed_inputs, dict) else None
         if kind is not None and kind != "token":
-            raise UnsupportedRequestError(
+            raise VLLMValidationError(
                 f"the neuron-infer vLLM plugin takes text or token-id prompts only, not {kind!r} inputs"
             )
         ids = processed_inputs.get("prompt_token_ids") if isinstance(processed_inputs, dict) else None
-        check_request(params, len(ids) if ids is not None else None, cls.max_prompt_len)
+        try:
+            check_request(params, len(ids) if ids is not None else None, cls.max_prompt_len)
+        except UnsupportedRequestError as e:
+            raise VLLMValidationError(str(e)) from e  # vLLM's client-error type: HTTP 400 with this message

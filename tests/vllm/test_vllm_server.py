@@ -1,0 +1,115 @@
+"""vLLM's OpenAI server through the plugin, serving an explicitly given artifact (additional_config).
+
+One server per module (tiny fp32 model, batch 8, eager graphs), started on 127.0.0.1 in its own process group and
+always killed in the fixture's finally. The last test stops it with SIGTERM and checks that the whole process
+group (API server, engine core, worker) is gone.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.vllm.vllm_helpers import TINY_VLLM, Server, post, require_vllm
+
+require_vllm()
+
+from neuron_infer.api import CompiledModel, compile_model  # noqa: E402
+from neuron_infer.config import BuildConfig  # noqa: E402
+from tests.tiny_checkpoint import write_tiny_checkpoint  # noqa: E402
+from tests.vllm.test_bench_serving import bench  # noqa: E402  (scripts/bench_serving.py as a module)
+
+BATCH = 8
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("srv")
+    model = write_tiny_checkpoint(root / "tiny", **TINY_VLLM)
+    art = root / "art"
+    build = BuildConfig(dtype="fp32", batch_size=BATCH, max_context_length=128, max_length=128)
+    compile_model(model, art, build, backend="cpu-eager", say=lambda m: None)
+    server = Server(model, ["--dtype", "float32", "--max-model-len", "128", "--max-num-seqs", str(BATCH),
+                            "--gpu-memory-utilization", "0.3", "--enforce-eager", "--served-model-name", "tiny",
+                            "--additional-config", json.dumps({"neuron_infer_artifacts": str(art)})],
+                    root / "server.log")
+    try:
+        server.wait_ready()
+        yield server, CompiledModel.load(art)
+    finally:
+        server.kill()
+
+
+def complete(server, **body):
+    status, data = post(server.url + "/v1/completions", {"model": "tiny", "temperature": 0.0, **body})
+    assert status == 200, data
+    return data["choices"][0]
+
+
+def test_greedy_completion_equals_neuron_infer(setup):
+    server, ours = setup
+    for prompt in (list(range(7, 27)), [5, 9, 33]):
+        got = complete(server, prompt=prompt, max_tokens=20, ignore_eos=True, return_token_ids=True)
+        assert got["token_ids"] == ours.generate_ids([prompt], 20, ignore_eos=True).outputs[0].token_ids
+        assert got["finish_reason"] == "length"
+
+
+def test_streaming_equals_non_streaming(setup):
+    server, _ = setup
+    cfg = bench.BenchConfig(base_url=server.url, model="tiny", num_requests=2, concurrency=1, input_len=12,
+                            output_len=16, stream=True, timeout_s=120)
+    _, streamed = bench.run_benchmark(cfg)
+    for spec, rec in zip(bench.make_requests(cfg), streamed):
+        assert rec.error is None and rec.output_tokens == 16 and len(rec.chunk_times) > 1
+        whole = complete(server, prompt=spec.prompt, max_tokens=16, ignore_eos=True, return_token_ids=True)
+        assert rec.token_ids == whole["token_ids"] and rec.text == whole["text"]
+
+
+def test_stop_string_and_max_tokens(setup):
+    server, _ = setup
+    full = complete(server, prompt="The capital of France is", max_tokens=12, ignore_eos=True)
+    assert full["finish_reason"] == "length"
+    stop = full["text"][4:7]
+    cut = complete(server, prompt="The capital of France is", max_tokens=12, stop=[stop])
+    assert cut["finish_reason"] == "stop" and cut["text"] == full["text"][: full["text"].index(stop)]
+    short = complete(server, prompt="The capital of France is", max_tokens=3, ignore_eos=True, return_token_ids=True)
+    assert len(short["token_ids"]) == 3 and short["finish_reason"] == "length"
+
+
+def test_chat_completion(setup):
+    server, ours = setup
+    status, data = post(server.url + "/v1/chat/completions",
+                        {"model": "tiny", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 8,
+                         "temperature": 0.0, "ignore_eos": True, "return_token_ids": True})
+    assert status == 200, data
+    choice = data["choices"][0]
+    prompt_ids = ours.encode("Hello", chat=True)
+    assert choice["token_ids"] == ours.generate_ids([prompt_ids], 8, ignore_eos=True).outputs[0].token_ids
+
+
+def test_unsupported_request_gets_400_with_reason(setup):
+    server, _ = setup
+    status, data = post(server.url + "/v1/completions",
+                        {"model": "tiny", "prompt": "hi", "max_tokens": 2, "logprobs": 1})
+    assert status == 400 and "does not support logprobs" in json.dumps(data)
+    ok = complete(server, prompt="hi", max_tokens=2)  # the server keeps serving
+    assert ok["finish_reason"] in ("length", "stop")
+
+
+def test_load_32_mixed_requests_concurrency_8_equal_alone(setup):
+    server, _ = setup
+    cfg = bench.BenchConfig(base_url=server.url, model="tiny", num_requests=32, concurrency=8, input_len=3,
+                            input_len_max=90, output_len=4, output_len_max=30, seed=7, timeout_s=300)
+    summary, loaded = bench.run_benchmark(cfg)
+    assert summary["errors"] == 0 and summary["completed"] == 32
+    _, alone = bench.run_benchmark(bench.BenchConfig(**{**cfg.__dict__, "concurrency": 1}))
+    for spec, a, b in zip(bench.make_requests(cfg), loaded, alone):
+        assert a.output_tokens == spec.max_tokens
+        assert a.token_ids == b.token_ids, f"request {spec.index} differs under load"
+
+
+def test_clean_shutdown(setup):
+    server, _ = setup
+    rc, seconds, leftover = server.terminate(grace_s=60)
+    assert rc is not None, f"API server still running {seconds:.0f} s after SIGTERM"
+    assert not leftover, "engine core / worker processes outlived the API server"
