@@ -51,10 +51,21 @@ def calibration_runner(model: LlamaModel, model_dir: Path):
 
 
 def quantize_model(model: LlamaModel, build: BuildConfig, model_dir: Path) -> dict:
-    """Quantize `model` in place per build.quant; return the manifest record."""
+    """Quantize (then, with --weight-tiling, tile) `model` in place per build.quant; return the manifest record."""
+    record = _quantize(model, build, model_dir)
+    if build.quant.weight_tiling:
+        from neuron_infer.quant.tiled import tile_model  # noqa: PLC0415
+
+        record["weight_tiling"] = tile_model(model)  # after quantization (and, under TP, after sharding)
+    return record
+
+
+def _quantize(model: LlamaModel, build: BuildConfig, model_dir: Path) -> dict:
     if build.quant.scheme == "none":
         return {"scheme": "none"}
-    from neuron_infer.quant import apply_quantization  # noqa: PLC0415
+    from neuron_infer.quant import apply_quantization, check_combination  # noqa: PLC0415
+
+    check_combination(build.quant, build.dtype)  # before calibration: w8a8/MX + tiling fail fast
 
     qcfg = resolve_quant(build.quant, model.cfg.num_layers)
     if qcfg.scheme == "w8a8":
@@ -69,10 +80,12 @@ def quantize_model(model: LlamaModel, build: BuildConfig, model_dir: Path) -> di
 
 
 def quant_structure(model: LlamaModel, build: BuildConfig) -> None:
-    """Give a meta-device skeleton the quantized module structure recorded in the build (before loading weights)."""
-    if build.quant.scheme == "none":
-        return
-    from neuron_infer.quant import apply_quantization  # noqa: PLC0415
+    """Give a meta-device skeleton the quantized (and tiled) module structure of the build (before loading weights)."""
+    if build.quant.scheme != "none":
+        from neuron_infer.quant import apply_quantization  # noqa: PLC0415
 
-    qcfg = resolve_quant(build.quant, model.cfg.num_layers)
-    apply_quantization(model, dataclasses.replace(qcfg, scheme=qcfg.scheme), structure_only=True)
+        apply_quantization(model, resolve_quant(build.quant, model.cfg.num_layers), structure_only=True)
+    if build.quant.weight_tiling:
+        from neuron_infer.quant.tiled import tile_structure  # noqa: PLC0415
+
+        tile_structure(model)

@@ -145,6 +145,11 @@ def check_combination(qcfg, model_dtype: str = "bf16") -> None:
             f"--weight-tiling does not apply to --quant {qcfg.scheme}: MX weights use the nc_matmul_mx x4 quad "
             "layout (neuron_infer.quant.mx_golden); drop --weight-tiling"
         )
+    if qcfg.scheme == "w8a8" and qcfg.weight_tiling:
+        raise ConfigError(
+            "--weight-tiling does not apply to --quant w8a8 (its linears quantize activations per token; the tiled "
+            "module covers float, int8 and fp8 weights); drop --weight-tiling or use --quant int8/fp8"
+        )
     if model_dtype not in ("fp32", "bf16", "fp16"):
         raise ConfigError(f"--quant {qcfg.scheme} needs a float model dtype (fp32/bf16/fp16), got {model_dtype!r}")
     if qcfg.scheme != "none":
