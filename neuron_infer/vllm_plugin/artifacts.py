@@ -17,9 +17,10 @@ import fcntl
 import hashlib
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from neuron_infer.config import BuildConfig
 from neuron_infer.errors import ConfigError
@@ -98,10 +99,10 @@ def resolve_model_dir(model: str) -> Path:
     if Path(model).is_dir():
         return Path(model)
     try:
-        from huggingface_hub import snapshot_download  # noqa: PLC0415
+        from huggingface_hub import snapshot_download
 
         return Path(snapshot_download(model, local_files_only=True))
-    except Exception as e:  # noqa: BLE001  (any hub failure means the same fix)
+    except Exception as e:
         raise ConfigError(
             f"--model {model!r} is neither a directory nor a downloaded Hugging Face model; the neuron-infer plugin "
             "compiles from a local checkpoint: download it (huggingface-cli download ...) and pass its directory"
@@ -110,8 +111,8 @@ def resolve_model_dir(model: str) -> Path:
 
 def ensure_artifact(args: EngineArgs, options: Mapping[str, Any], say=print) -> Path:
     """The artifact directory for this engine: the explicit one, or the cached compile (compiling on a miss)."""
-    from neuron_infer.checkpoint import checkpoint_fingerprint  # noqa: PLC0415
-    from neuron_infer.compile.artifact import MANIFEST, package_versions, read_manifest  # noqa: PLC0415
+    from neuron_infer.checkpoint import checkpoint_fingerprint
+    from neuron_infer.compile.artifact import MANIFEST, package_versions, read_manifest
 
     if options.get("neuron_infer_artifacts"):
         root = Path(options["neuron_infer_artifacts"])
@@ -126,7 +127,7 @@ def ensure_artifact(args: EngineArgs, options: Mapping[str, Any], say=print) -> 
     with open(root.parent / f".{root.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # a second engine waits for the first compile, then loads it
         if not (root / MANIFEST).is_file():
-            from neuron_infer.compile.builder import compile_model  # noqa: PLC0415
+            from neuron_infer.compile.builder import compile_model
 
             say(f"neuron-infer: compiling {model_dir} into {root} (once; later starts load it)")
             compile_model(model_dir, root, build, backend=backend, overwrite=True, say=say)

@@ -60,7 +60,7 @@ class NeuronInferPlatform(CpuPlatform):
         args = engine_args(vllm_config)
         options = plugin_options(vllm_config.additional_config)
         if options.get("neuron_infer_artifacts"):
-            from neuron_infer.compile.artifact import read_manifest  # noqa: PLC0415
+            from neuron_infer.compile.artifact import read_manifest
 
             root = options["neuron_infer_artifacts"]
             build = read_manifest(root, verify_files=False).build

@@ -46,7 +46,7 @@ class NeuronInferWorker(WorkerBase):
         self._params: dict[str, Any] = {}  # SamplingParams of admitted requests (needed again on resume)
 
     def load_model(self, *, load_dummy_weights: bool = False) -> None:
-        from neuron_infer.api import CompiledModel  # noqa: PLC0415
+        from neuron_infer.api import CompiledModel
 
         if load_dummy_weights:
             raise ValueError("the neuron-infer plugin loads weights from its artifact; drop --load-format dummy")
@@ -74,7 +74,7 @@ class NeuronInferWorker(WorkerBase):
 
     def compile_or_warm_up_model(self) -> CompilationTimes:
         t0 = time.perf_counter()
-        from neuron_infer.config import SamplingConfig  # noqa: PLC0415
+        from neuron_infer.config import SamplingConfig
 
         self.runner.admit("__warmup__", [0], SamplingConfig())
         self.runner.decode(["__warmup__"])

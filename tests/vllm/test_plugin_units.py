@@ -13,17 +13,22 @@ import pytest
 from neuron_infer.config import BuildConfig, SamplingConfig
 from neuron_infer.errors import ConfigError
 from neuron_infer.vllm_plugin import PLATFORM_CLASS, register
-from neuron_infer.vllm_plugin.artifacts import (EngineArgs, cache_key, check_against_engine, default_build,
-                                                plugin_options)
+from neuron_infer.vllm_plugin.artifacts import (
+    EngineArgs,
+    cache_key,
+    check_against_engine,
+    default_build,
+    plugin_options,
+)
 from neuron_infer.vllm_plugin.params import UnsupportedRequestError, check_request, to_sampling_config
 
 
 def params(**kw):
     """A stand-in for vllm.SamplingParams with its defaults (attribute access is all the plugin uses)."""
-    base = dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=None, logprobs=None, prompt_logprobs=None,
-                logit_bias=None, allowed_token_ids=None, bad_words=None, structured_outputs=None, min_tokens=0,
-                presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0, watermarking=False,
-                extra_args=None, logprob_token_ids=None)
+    base = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "seed": None, "logprobs": None,
+            "prompt_logprobs": None, "logit_bias": None, "allowed_token_ids": None, "bad_words": None,
+            "structured_outputs": None, "min_tokens": 0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+            "repetition_penalty": 1.0, "watermarking": False, "extra_args": None, "logprob_token_ids": None}
     return SimpleNamespace(**{**base, **kw})
 
 

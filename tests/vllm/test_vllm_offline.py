@@ -16,11 +16,11 @@ from tests.vllm.vllm_helpers import TINY_VLLM, require_vllm, run_script
 
 require_vllm()
 
-from transformers import LlamaForCausalLM  # noqa: E402
+from transformers import LlamaForCausalLM
 
-from neuron_infer.api import CompiledModel, compile_model  # noqa: E402
-from neuron_infer.config import BuildConfig, SamplingConfig  # noqa: E402
-from tests.tiny_checkpoint import write_tiny_checkpoint  # noqa: E402
+from neuron_infer.api import CompiledModel, compile_model
+from neuron_infer.config import BuildConfig, SamplingConfig
+from tests.tiny_checkpoint import write_tiny_checkpoint
 
 PROMPTS = [list(range(7, 27)), [5, 9, 33], list(range(100, 160))]
 N = 24

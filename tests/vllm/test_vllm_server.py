@@ -14,10 +14,10 @@ from tests.vllm.vllm_helpers import TINY_VLLM, Server, post, require_vllm
 
 require_vllm()
 
-from neuron_infer.api import CompiledModel, compile_model  # noqa: E402
-from neuron_infer.config import BuildConfig  # noqa: E402
-from tests.tiny_checkpoint import write_tiny_checkpoint  # noqa: E402
-from tests.vllm.test_bench_serving import bench  # noqa: E402  (scripts/bench_serving.py as a module)
+from neuron_infer.api import CompiledModel, compile_model
+from neuron_infer.config import BuildConfig
+from tests.tiny_checkpoint import write_tiny_checkpoint
+from tests.vllm.test_bench_serving import bench
 
 BATCH = 8
 
