@@ -46,7 +46,7 @@ from neuron_infer.parallel.shard import shard_state_dict
 
 Progress = Callable[[str], None]
 
-# The backend CPU rank graphs use, and why (also written to the manifest as extra["tp_cpu_backend"]).
+# The backend CPU rank graphs use, and why (also written to the manifest as extra["tp_backend_note"]).
 CPU_TP_BACKEND = "cpu-eager"
 CPU_TP_NOTE = ("tensor-parallel CPU ranks run their step graphs eagerly (cpu-eager): the gloo collectives between "
                "layers are eager calls that the launcher monitors per rank; compiled CPU rank graphs are not built")
@@ -66,6 +66,8 @@ def tp_backend_name(build: BuildConfig, backend: str | None) -> str:
     name = backend or build.target
     if name in ("cpu", "cpu-eager"):
         return CPU_TP_BACKEND
+    if name != "neuron":
+        raise ConfigError(f"backend {name!r} cannot run tensor-parallel ranks; use --target cpu or --target neuron")
     return name
 
 
@@ -103,7 +105,7 @@ def compile_tp_model(model_dir: str | Path, out_dir: str | Path, build: BuildCon
                      overwrite: bool = False, say: Progress = print) -> Manifest:
     """Compile `model_dir` for `build.tp_degree` ranks into `out_dir` atomically; returns the manifest."""
     from neuron_infer.compile.backend import get_backend
-    from neuron_infer.compile.builder import check_build_against_model, compile_graphs, copy_tokenizer
+    from neuron_infer.compile.builder import check_build_against_model, copy_tokenizer
 
     t_start = time.perf_counter()
     model_dir = Path(model_dir)
@@ -114,39 +116,58 @@ def compile_tp_model(model_dir: str | Path, out_dir: str | Path, build: BuildCon
         raise ConfigError("--quant w8a8 calibrates SmoothQuant scales on full-model activations, which a single rank "
                           "does not see; compile w8a8 at --tp-degree 1 (or use int8/fp8/mxfp8/mxfp4 with TP)")
     be_name = tp_backend_name(build, backend)
-    if be_name == "neuron":
-        raise ConfigError("--target neuron with --tp-degree > 1 compiles through neuronx-distributed: use "
-                          "neuron_infer.parallel.neuron_tp.compile_neuron_tp (not yet run on hardware)")
-    be = get_backend(be_name)
-    if be_name == CPU_TP_BACKEND:
-        say(f"note: {CPU_TP_NOTE}")
+    be, note = _tp_graph_builder(be_name, get_backend)
+    say(f"note: {note}")
     say(f"tensor parallelism: {plan.summary()}")
     state = load_checkpoint(model_dir, cfg)
     with atomic_directory(Path(out_dir), overwrite) as tmp:
-        records, quant, graphs = [], [], {}
-        for r in range(plan.tp):
-            model, q = build_rank_model(cfg, build, plan, r, state, model_dir)
-            nbytes = save_rank_weights(model, tmp / "weights" / f"rank{r}.safetensors")
-            records.append(rank_weight_record(model, r, nbytes))
-            quant.append(q)
-            rank_graphs = compile_graphs(model, build, be, tmp / "graphs" / f"rank{r}", lambda m, r=r: say(f"rank {r}: {m}"))
-            graphs = _merge_graphs(graphs, rank_graphs)
-            del model
+        records, quant, graphs = _write_ranks(cfg, build, plan, state, model_dir, tmp, be, say)
+        if be_name == "neuron":
+            from neuron_infer.parallel.neuron_tp import compile_neuron_tp_graphs
+
+            graphs = compile_neuron_tp_graphs(tmp, cfg, build, plan, say)
         extra = {
-            "tp_plan": plan.to_dict(), "tp_rank_weights": records, "tp_cpu_backend": CPU_TP_NOTE,
+            "tp_plan": plan.to_dict(), "tp_rank_weights": records, "tp_backend_note": note,
             "tp_full_sharded_bytes": full_sharded_bytes(cfg, build, state),
             "quant": quant[0] if build.quant.scheme == "none" else {**quant[0], "per_rank": quant},
         }
         del state
         copy_tokenizer(model_dir, tmp / "tokenizer")
         extra["compile_seconds"] = round(time.perf_counter() - t_start, 3)
-        manifest = Manifest(FORMAT_VERSION, package_versions(), be.name, cfg, build,
+        manifest = Manifest(FORMAT_VERSION, package_versions(), be_name, cfg, build,
                             checkpoint_fingerprint(model_dir), graphs, hash_tree(tmp), extra)
         write_manifest(tmp, manifest)
     per_rank = max(rec["bytes"] for rec in records)
     say(f"compiled {len(graphs)} graphs x {plan.tp} ranks into {out_dir} ({per_rank / 2**20:.1f} MiB weights/rank) "
         f"in {extra['compile_seconds']:.1f} s")
     return manifest
+
+
+def _tp_graph_builder(be_name: str, get_backend) -> tuple[object | None, str]:
+    """(per-rank graph backend or None, note for the log and manifest)."""
+    if be_name == "neuron":
+        from neuron_infer.parallel.neuron_tp import NEURON_TP_NOTE, import_nxd
+
+        import_nxd()  # fail before any work when neuronx-distributed is absent
+        return None, NEURON_TP_NOTE
+    return get_backend(be_name), CPU_TP_NOTE
+
+
+def _write_ranks(cfg, build, plan, state, model_dir, tmp: Path, be, say: Progress) -> tuple[list, list, dict]:
+    """Every rank's weight file (and, with a per-rank backend, its graphs): (byte records, quant reports, graphs)."""
+    from neuron_infer.compile.builder import compile_graphs
+
+    records, quant, graphs = [], [], {}
+    for r in range(plan.tp):
+        model, q = build_rank_model(cfg, build, plan, r, state, model_dir)
+        nbytes = save_rank_weights(model, tmp / "weights" / f"rank{r}.safetensors")
+        records.append(rank_weight_record(model, r, nbytes))
+        quant.append(q)
+        if be is not None:
+            rank_say = (lambda m, r=r: say(f"rank {r}: {m}"))
+            graphs = _merge_graphs(graphs, compile_graphs(model, build, be, tmp / "graphs" / f"rank{r}", rank_say))
+        del model
+    return records, quant, graphs
 
 
 def _merge_graphs(graphs: dict, rank_graphs: dict) -> dict:

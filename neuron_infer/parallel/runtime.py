@@ -113,11 +113,17 @@ class TPCompiledModel(CompiledModel):
         self.last_run: dict[str, Any] = {}  # pids and (optionally) logits of the last call, for tests/debugging
 
     @classmethod
-    def from_manifest(cls, root: Path, manifest: Manifest) -> TPCompiledModel:
-        """Called by `CompiledModel.load` (after the manifest and files were verified)."""
+    def from_manifest(cls, root: Path, manifest: Manifest) -> CompiledModel:
+        """Called by `CompiledModel.load` (after the manifest and files were verified). CPU: a TPCompiledModel
+        (rank processes); Neuron: a CompiledModel whose engine runs neuronx-distributed's TP graphs."""
         from neuron_infer.checkpoint import load_tokenizer
 
         plan = manifest_plan(manifest, root)
+        if manifest.backend == "neuron":  # NxD runs the ranks on NeuronCores from this one process
+            from neuron_infer.parallel.neuron_tp import load_neuron_tp_engine
+
+            engine = load_neuron_tp_engine(root, manifest, plan)
+            return CompiledModel(root, manifest, engine, load_tokenizer(root / "tokenizer"))
         if not torchrun_env_present():  # under torchrun each host launched its own share; nothing to spawn here
             per_rank = max(r["bytes"] for r in manifest.extra.get("tp_rank_weights", [{"bytes": 0}]))
             check_cpu_ranks(plan.tp, per_rank)

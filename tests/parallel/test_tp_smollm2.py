@@ -7,7 +7,6 @@ The per-rank weight bytes are printed (run with -s) for the report.
 from __future__ import annotations
 
 import pytest
-import torch
 
 from neuron_infer.api import CompiledModel, compile_model
 from neuron_infer.config import BuildConfig
