@@ -66,18 +66,19 @@ def _load_kv(kT_hbm, v_hbm, b, kvh, seq, dim):
     return kT_sbuf, v_sbuf
 
 
-def _mask_band(s_psum, q0, k0, b0, use_range_select):
-    """Causal mask of the score columns [b0, cols) (keys k0+b0.. , at most 128 of them): key <= query."""
+def _mask_band(s_psum, q0, k0, b0, zeros):
+    """Causal mask of the score columns [b0, cols) (keys k0+b0.. , at most 128 of them): key <= query.
+
+    zeros: a [128, 1] fp32 zero tile -> gen3+ range_select in place on PSUM; () -> gen2 affine_select.
+    """
     rows, cols = s_psum.shape
     band_psum = s_psum[:, b0:cols]
-    if use_range_select:
-        # gen3+: VectorE in place on PSUM; keep key index j = k0 + b0 + f <= query q0 + p (and j >= 0)
+    if len(zeros) > 0:
+        # keep key index j = k0 + b0 + f <= query q0 + p (and j >= 0)
         q_pos = nl.ndarray((rows, 1), dtype=nl.float32, buffer=nl.sbuf, name="q_pos")
         nisa.iota(dst=q_pos, pattern=[[0, 1]], offset=q0, channel_multiplier=1)
-        low = nl.ndarray((rows, 1), dtype=nl.float32, buffer=nl.sbuf, name="key_low")
-        nisa.memset(dst=low, value=0.0)
         nisa.range_select(dst=band_psum, on_true_tile=band_psum, comp_op0=nl.greater_equal,
-                          comp_op1=nl.less_equal, bound0=low, bound1=q_pos, range_start=k0 + b0,
+                          comp_op1=nl.less_equal, bound0=zeros[0][0:rows, :], bound1=q_pos, range_start=k0 + b0,
                           on_false_value=nl.FP32_MIN)
         return
     band = nl.ndarray((rows, cols - b0), dtype=nl.float32, buffer=nl.sbuf, name="diag_band")
@@ -88,7 +89,7 @@ def _mask_band(s_psum, q0, k0, b0, use_range_select):
     nisa.tensor_copy(dst=band_psum, src=band)
 
 
-def _scores(qT_sbuf, kT_sbuf, q0, q1, k0, k1, use_range_select):
+def _scores(qT_sbuf, kT_sbuf, q0, q1, k0, k1, zeros):
     """s[q, k] = q . k for one [rows, <= 1536] tile in PSUM; the band crossing the diagonal is masked."""
     rows, cols = q1 - q0, k1 - k0
     s_psum = nl.ndarray((rows, cols), dtype=nl.float32, buffer=nl.psum, name="s_psum")
@@ -96,7 +97,7 @@ def _scores(qT_sbuf, kT_sbuf, q0, q1, k0, k1, use_range_select):
         j1 = min(cols, j + MM_N)
         nisa.nc_matmul(dst=s_psum[:, j:j1], stationary=qT_sbuf, moving=kT_sbuf[:, k0 + j:k0 + j1])
     if k1 - 1 > q0:   # keys [max(q0, k0), k1) may lie above the diagonal for some rows
-        _mask_band(s_psum, q0, k0, max(q0, k0) - k0, use_range_select)
+        _mask_band(s_psum, q0, k0, max(q0, k0) - k0, zeros)
     return s_psum
 
 
@@ -194,17 +195,17 @@ def _rescale_add(o_sbuf, alpha, pv_psum):
 def _q_tile(qT_hbm, kv_sbuf, out_hbm, b, h, q0, q1, opts):
     """All causal key tiles of one query tile, then o / l -> out[b, h, q0:q1, :].
 
-    opts = (scale, pe_share (see _pv), range_sel: mask the diagonal band with range_select (gen3+)).
+    opts = (scale, pe_share (see _pv), zeros (see _mask_band)).
     """
     kT_sbuf, v_sbuf = kv_sbuf
-    scale, pe_share, range_sel = opts
+    scale, pe_share, zeros = opts
     dim, rows = qT_hbm.shape[2], q1 - q0
     qT_sbuf = nl.ndarray((dim, rows), dtype=qT_hbm.dtype, buffer=nl.sbuf, name="qT_sbuf")
     nisa.dma_copy(dst=qT_sbuf, src=qT_hbm[b, h, :, q0:q1])
     stats, o_sbuf = (), qT_sbuf
     for k0 in range(0, q1, K_TILE):   # causal: key tiles starting at or before the last query of the tile
         k1 = min(q1, k0 + K_TILE)
-        s_psum = _scores(qT_sbuf, kT_sbuf, q0, q1, k0, k1, range_sel)
+        s_psum = _scores(qT_sbuf, kT_sbuf, q0, q1, k0, k1, zeros)
         p_sbuf, m_sbuf, l_sbuf, alpha = _online_update(s_psum, stats, scale, qT_hbm.dtype)
         stats = (m_sbuf, l_sbuf)
         pv_psum = _pv(p_sbuf, v_sbuf, k0, dim, pe_share)
@@ -237,7 +238,11 @@ def flash_attention_prefill(qT_hbm, kT_hbm, v_hbm, q_to_kv, scale):
     batch, n_q, dim, seq = qT_hbm.shape
     n_kv = kT_hbm.shape[1]
     out_hbm = nl.ndarray((batch, n_q, seq, dim), dtype=qT_hbm.dtype, buffer=nl.shared_hbm, name="attn_out")
-    opts = (scale, _pe_share(qT_hbm.dtype), nisa.get_nc_version() != nisa.nc_version.gen2)
+    zeros = ()
+    if nisa.get_nc_version() != nisa.nc_version.gen2:   # range_select bound tile, allocated once
+        zeros = (nl.ndarray((Q_TILE, 1), dtype=nl.float32, buffer=nl.sbuf, name="zeros"),)
+        nisa.memset(dst=zeros[0], value=0.0)
+    opts = (scale, _pe_share(qT_hbm.dtype), zeros)
     for b in range(batch):
         for kvh in range(n_kv):
             kv_sbuf = _load_kv(kT_hbm, v_hbm, b, kvh, seq, dim)
