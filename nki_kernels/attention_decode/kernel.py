@@ -28,11 +28,11 @@ Notes:
     blocks of NCH*128 keys (NCH = min(16, 512 // R)); each K/V byte is read once per step. Masking is dynamic (key index > pos -> -1e30 before the max). The block
     max over keys (partitions) is a free-dim reduce, a 128 x R TensorE transpose and a reduce; per-row values
     (-scale*m', alpha, 1/l) reach all partitions through a K=1 ones matmul (fp32). fp32 statistics and PSUM
-    accumulation; P^T is stored in the input dtype. Query, bound and output DMAs are one per KV-head group
-    when the group's query heads are contiguous.
+    accumulation; P^T is stored in the input dtype. When the query heads of a KV head are contiguous, the
+    queries, bounds and outputs of all batch rows move with one DMA each.
 
 Pseudocode:
-    for b, kv: rows r = (h in heads(kv), t); qT[D, R]; bound[:, r] = pos[b, t] (all partitions)
+    for kv, b: rows r = (h in heads(kv), t); qT[D, R]; bound[:, r] = pos[b, t] (all partitions)
       for DMA block of <= 4096 keys: K^T [D, keys], V [128, keys/128, D] -> SBUF
        for compute block of NCH*128 keys:
         sT[:, c, r] = k_c^T q_r; sT -= 1e30 * (key > bound); bm[r] = max over keys of sT
@@ -50,23 +50,27 @@ DMA_KEYS = 4096       # keys per K/V DMA block (8 KiB per partition for bf16 K^T
 NEG = -1.0e30         # added to masked scores (finite: exp underflows to exactly 0)
 
 
-def _contiguous(heads):
-    return heads[len(heads) - 1] - heads[0] == len(heads) - 1
+def _load_queries_all(qT_hbm, pos_hbm, heads):
+    """Contiguous heads: qT [D, B, R] and bounds [128, B, R] of every batch row with one DMA each."""
+    batch, _, dim, n_tok = qT_hbm.shape
+    n_g = len(heads)
+    qT_all = nl.ndarray((dim, batch, n_g * n_tok), dtype=qT_hbm.dtype, buffer=nl.sbuf, name="qT_all")
+    # [B, G, D, T] -> [D, B, G, T]
+    src = qT_hbm[:, heads[0]:heads[0] + n_g, :, :].permute((2, 0, 1, 3))
+    nisa.dma_copy(dst=qT_all.reshape((dim, batch, n_g, n_tok)), src=src)
+    bound = nl.ndarray((P, batch, n_g * n_tok), dtype=nl.float32, buffer=nl.sbuf, name="bound_all")
+    # pos[b, t] for every partition and head (stride-0 patterns)
+    nisa.dma_copy(dst=bound, src=pos_hbm.ap(pattern=[[0, P], [n_tok, batch], [0, n_g], [1, n_tok]], offset=0))
+    return qT_all, bound
 
 
-def _load_queries(qT_hbm, pos_hbm, b, heads, n_tok):
-    """qT [D, R] and the per-row bound broadcast to all partitions [128, R] (fp32), R = len(heads) * T."""
-    dim, n_g = qT_hbm.shape[2], len(heads)
+def _load_queries(qT_hbm, pos_hbm, b, heads):
+    """Any head set, one batch row: qT [D, R] (one DMA per head) and bounds [128, R]."""
+    dim, n_tok, n_g = qT_hbm.shape[2], qT_hbm.shape[3], len(heads)
     qT_sbuf = nl.ndarray((dim, n_g * n_tok), dtype=qT_hbm.dtype, buffer=nl.sbuf, name="qT_sbuf")
-    if _contiguous(heads):
-        # [G, D, T] -> [D, G, T]
-        src = qT_hbm[b, heads[0]:heads[0] + n_g, :, :].permute((1, 0, 2))
-        nisa.dma_copy(dst=qT_sbuf.reshape((dim, n_g, n_tok)), src=src)
-    else:
-        for g in range(n_g):
-            nisa.dma_copy(dst=qT_sbuf[:, g * n_tok:(g + 1) * n_tok], src=qT_hbm[b, heads[g], :, :])
+    for g in range(n_g):
+        nisa.dma_copy(dst=qT_sbuf[:, g * n_tok:(g + 1) * n_tok], src=qT_hbm[b, heads[g], :, :])
     bound = nl.ndarray((P, n_g * n_tok), dtype=nl.float32, buffer=nl.sbuf, name="bound_bcast")
-    # pos[b, 0:T] read by every partition and every head of the group (stride-0 patterns)
     nisa.dma_copy(dst=bound, src=pos_hbm.ap(pattern=[[0, P], [0, n_g], [1, n_tok]], offset=b * n_tok))
     return qT_sbuf, bound
 
@@ -99,7 +103,7 @@ def _masked_scores_T(qT_sbuf, kT_sbuf, bound, s0, n_ch):
     key = nl.ndarray((P, n_ch, rows), dtype=nl.float32, buffer=nl.sbuf, name="key_index")
     nisa.iota(dst=key, pattern=[[P, n_ch], [0, rows]], offset=s0, channel_multiplier=1)
     past = nl.ndarray((P, n_ch, rows), dtype=nl.float32, buffer=nl.sbuf, name="past_bound")
-    bound_v = bound.ap(pattern=[[rows, P], [0, n_ch], [1, rows]], offset=0)   # [128, R] -> [128, n_ch, R]
+    bound_v = bound.expand_dim(1).broadcast(1, n_ch)   # [128, R] -> [128, 1, R] -> [128, n_ch, R] (stride 0)
     nisa.tensor_tensor(dst=past, data1=key, data2=bound_v, op=nl.greater)
     sT = nl.ndarray((P, n_ch, rows), dtype=nl.float32, buffer=nl.sbuf, name="sT")
     # sT = past * NEG + s
@@ -152,7 +156,7 @@ def _softmax_T(sT, stats, ones_row, scale, p_dtype):
         cols = (neg_bias, alpha)
     bc = _broadcast_cols(cols, ones_row)
     z = nl.ndarray((P, n_ch, rows), dtype=nl.float32, buffer=nl.sbuf, name="z")
-    nb_v = bc.ap(pattern=[[len(cols) * rows, P], [0, n_ch], [1, rows]], offset=0)   # [128, R] -> [128, n_ch, R]
+    nb_v = bc[:, 0:rows].expand_dim(1).broadcast(1, n_ch)   # [128, R] -> [128, 1, R] -> [128, n_ch, R]
     # z = sT * scale - scale * m'
     nisa.scalar_tensor_tensor(dst=z, data=sT, op0=nl.multiply, operand0=scale, op1=nl.add, operand1=nb_v)
     pT = nl.ndarray((P, n_ch, rows), dtype=p_dtype, buffer=nl.sbuf, name="pT")
@@ -192,8 +196,8 @@ def _accumulate(acc, oT_psum, rs, bc):
     return (oT_new, l_new)
 
 
-def _store(acc, ones_row, out_hbm, b, heads, n_tok):
-    """out rows = transpose(oT * (1 / l)) -> out[b, h, :, :] (one DMA for contiguous heads)."""
+def _finish(acc, ones_row, res):
+    """res [R, D] (SBUF, output dtype) = transpose(oT * (1 / l))."""
     oT, l_row = acc
     dim, rows = oT.shape
     inv = nl.ndarray((1, rows), dtype=nl.float32, buffer=nl.sbuf, name="inv_l")
@@ -204,25 +208,20 @@ def _store(acc, ones_row, out_hbm, b, heads, n_tok):
     nisa.tensor_tensor(dst=resT, data1=inv_bc, data2=oT, op=nl.multiply)
     res_psum = nl.ndarray((rows, dim), dtype=nl.float32, buffer=nl.psum, name="res_psum")
     nisa.nc_transpose(dst=res_psum, data=resT)
-    res = nl.ndarray((rows, dim), dtype=out_hbm.dtype, buffer=nl.sbuf, name="res")
     nisa.tensor_copy(dst=res, src=res_psum)
-    if _contiguous(heads):
-        # [G, T, D] -> [G*T, D]
-        nisa.dma_copy(dst=out_hbm[b, heads[0]:heads[0] + len(heads), :, :].reshape((rows, dim)), src=res)
-    else:
-        for g in range(len(heads)):
-            nisa.dma_copy(dst=out_hbm[b, heads[g], :, :], src=res[g * n_tok:(g + 1) * n_tok, :])
 
 
-def _group(qT_hbm, kT_hbm, v_hbm, pos_hbm, out_hbm, b, kvh, heads, scale):
-    """Attention of all query rows of one (batch, KV head) over the whole cache."""
-    n_tok, seq = qT_hbm.shape[3], kT_hbm.shape[3]
-    qT_sbuf, bound = _load_queries(qT_hbm, pos_hbm, b, heads, n_tok)
-    rows = qT_sbuf.shape[1]
+def _group(qT_sbuf, bound, kv, scale, res):
+    """Attention of the R query rows of one (batch, KV head) over the whole cache -> res [R, D] (SBUF).
+
+    kv = (kT_hbm, v_hbm, b, kvh).
+    """
+    kT_hbm, v_hbm, b, kvh = kv
+    seq, rows = kT_hbm.shape[3], qT_sbuf.shape[1]
     n_ch = min(MAX_CHUNKS, max(1, 512 // rows), (seq + P - 1) // P)   # s^T block fits one PSUM bank
     ones_row = nl.ndarray((1, P), dtype=nl.float32, buffer=nl.sbuf, name="ones_row")
     nisa.memset(dst=ones_row, value=1.0)
-    ones_col = nl.ndarray((P, 1), dtype=qT_hbm.dtype, buffer=nl.sbuf, name="ones_col")
+    ones_col = nl.ndarray((P, 1), dtype=qT_sbuf.dtype, buffer=nl.sbuf, name="ones_col")
     nisa.memset(dst=ones_col, value=1.0)
     dma_keys = max(1, DMA_KEYS // (n_ch * P)) * n_ch * P   # whole compute blocks per DMA block
     stats, acc = (), ()   # running max; (oT, l) accumulators — empty before the first block
@@ -233,11 +232,32 @@ def _group(qT_hbm, kT_hbm, v_hbm, pos_hbm, out_hbm, b, kvh, heads, scale):
             s1 = min(d1, s0 + n_ch * P)
             c0, blk_ch = (s0 - d0) // P, (s1 - s0 + P - 1) // P   # the last block may be shorter
             sT = _masked_scores_T(qT_sbuf, kT_sbuf[:, c0 * P:(c0 + blk_ch) * P], bound, s0, blk_ch)
-            pT, m_new, bc = _softmax_T(sT, stats, ones_row, scale, qT_hbm.dtype)
+            pT, m_new, bc = _softmax_T(sT, stats, ones_row, scale, qT_sbuf.dtype)
             oT_psum, rs = _pv_T(pT, v_sbuf[:, c0:c0 + blk_ch, :], ones_col)
             acc = _accumulate(acc, oT_psum, rs, bc)
             stats = (m_new,)
-    _store(acc, ones_row, out_hbm, b, heads, n_tok)
+    _finish(acc, ones_row, res)
+
+
+def _kv_head(qT_hbm, kT_hbm, v_hbm, pos_hbm, out_hbm, kvh, heads, scale):
+    """All batch rows of one KV head: batched query/bound/output DMAs when the heads are contiguous."""
+    batch, _, dim, n_tok = qT_hbm.shape
+    rows = len(heads) * n_tok
+    if heads[len(heads) - 1] - heads[0] == len(heads) - 1:
+        qT_all, bound_all = _load_queries_all(qT_hbm, pos_hbm, heads)
+        res_all = nl.ndarray((rows, batch, dim), dtype=out_hbm.dtype, buffer=nl.sbuf, name="res_all")
+        for b in range(batch):
+            _group(qT_all[:, b, :], bound_all[:, b, :], (kT_hbm, v_hbm, b, kvh), scale, res_all[:, b, :])
+        # out[:, h0:h1] [B, G, T, D] viewed [G, T, B, D] == res_all [(G T), B, D] element for element
+        dst = out_hbm[:, heads[0]:heads[0] + len(heads), :, :].permute((1, 2, 0, 3))
+        nisa.dma_copy(dst=dst, src=res_all)
+    else:
+        for b in range(batch):
+            qT_sbuf, bound = _load_queries(qT_hbm, pos_hbm, b, heads)
+            res = nl.ndarray((rows, dim), dtype=out_hbm.dtype, buffer=nl.sbuf, name="res")
+            _group(qT_sbuf, bound, (kT_hbm, v_hbm, b, kvh), scale, res)
+            for g in range(len(heads)):
+                nisa.dma_copy(dst=out_hbm[b, heads[g], :, :], src=res[g * n_tok:(g + 1) * n_tok, :])
 
 
 @nki.jit
@@ -246,12 +266,11 @@ def attention_decode(qT_hbm, kT_hbm, v_hbm, pos_hbm, q_to_kv, scale):
     batch, n_q, dim, n_tok = qT_hbm.shape
     n_kv = kT_hbm.shape[1]
     out_hbm = nl.ndarray((batch, n_q, n_tok, dim), dtype=qT_hbm.dtype, buffer=nl.shared_hbm, name="attn_out")
-    for b in range(batch):
-        for kvh in range(n_kv):
-            heads = []
-            for h in range(n_q):
-                if q_to_kv[h] == kvh:
-                    heads.append(h)
-            if len(heads) > 0:
-                _group(qT_hbm, kT_hbm, v_hbm, pos_hbm, out_hbm, b, kvh, tuple(heads), scale)
+    for kvh in range(n_kv):
+        heads = []
+        for h in range(n_q):
+            if q_to_kv[h] == kvh:
+                heads.append(h)
+        if len(heads) > 0:
+            _kv_head(qT_hbm, kT_hbm, v_hbm, pos_hbm, out_hbm, kvh, tuple(heads), scale)
     return out_hbm
