@@ -1,0 +1,215 @@
+"""CPU backend: one AOTInductor package per (sub-model, bucket), weights shared by every graph.
+
+    compile: torch.export.export(step, example_args)                 static shapes, in-place KV-cache writes kept
+             -> run_decompositions(linear with one row -> GEMV)      see `gemv_linear` below
+             -> torch._inductor.aoti_compile_and_package(..., package_constants_in_so=False)
+             -> graphs/<name>.pt2 (generated C++ kernels + wrapper .so, no weights) and graphs/<name>.json
+    load:    torch._inductor.aoti_load_package(graphs/<name>.pt2)
+             -> load_constants({fqn: module tensor}, user_managed=True)   the graph reads the module's own tensors
+
+Why this design (measured with scripts/perf_cpu_backends.py, numbers in the report of issue 2):
+- A graph is compiled ahead of time into a shared library, so `generate` never traces or compiles; loading a
+  package takes a few hundredths of a second.
+- Weights are not inside the package (`package_constants_in_so=False`): each .pt2 holds only code (a few MB) and
+  all bucket graphs point at the one copy of the weights the runtime already loaded. `user_managed=True` stores
+  the tensor pointers, so the returned callable keeps those tensors alive.
+- Inductor freezing / max-autotune GEMM templates would prepack the weights into new constants that only exist
+  inside each package (one weight copy per bucket), so they are not used.
+- Batch-1 decode is bound by streaming the weights. oneDNN's bf16 GEMM at M=1 streams them at roughly a third of
+  the machine's bandwidth; written as multiply + sum in fp32, Inductor emits a vectorised, row-parallel C++
+  reduction that reads each weight once and fuses with its neighbours. Linear layers whose input has at most
+  `gemv_max_rows` rows are rewritten that way at export; larger inputs (prefill) keep the GEMM.
+- The KV caches are graph inputs mutated in place (index_put_); AOTInductor applies the mutation to the caller's
+  tensors, so no cache is returned or copied by the runtime.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from neuron_infer.errors import ArtifactError, ConfigError
+
+GRAPH_FORMAT = "aotinductor-pt2"
+PACKAGE_SUFFIX = ".pt2"
+SIDECAR_SUFFIX = ".json"
+
+
+@dataclass(frozen=True)
+class CpuCompileOptions:
+    """How the CPU backend compiles a graph.
+
+    gemv_max_rows: linear layers whose input has at most this many rows (product of the leading dims) become an
+        fp32 multiply-and-sum reduction (a GEMV Inductor generates); 0 keeps every linear a GEMM call.
+    """
+
+    gemv_max_rows: int = 1
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.gemv_max_rows, int) or self.gemv_max_rows < 0:
+            raise ConfigError(f"gemv_max_rows={self.gemv_max_rows!r} must be an int >= 0 (0 disables the GEMV path)")
+
+
+def gemv_linear(max_rows: int) -> Callable[..., torch.Tensor]:
+    """A decomposition of aten.linear: a GEMV reduction for inputs with <= max_rows rows, else x @ w.T (+ b)."""
+
+    def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1]
+        if rows <= max_rows:
+            # [..., 1, K] * [N, K] -> sum over K -> [..., N]; accumulate in fp32 like the GEMM does.
+            y = (x.float().unsqueeze(-2) * weight.float()).sum(-1).to(x.dtype)
+        else:
+            y = torch.matmul(x, weight.t())  # [..., K] @ [K, N] -> [..., N]
+        return y if bias is None else y + bias
+
+    return linear
+
+
+def module_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer of `module` by fully qualified name, tied tensors under each of their names."""
+    out = dict(module.named_parameters(remove_duplicate=False))
+    out.update(module.named_buffers(remove_duplicate=False))
+    return out
+
+
+def _export(module: torch.nn.Module, example_args: tuple, options: CpuCompileOptions) -> torch.export.ExportedProgram:
+    """Export `module` with static shapes; linear layers on few rows become GEMV reductions."""
+    from torch._decomp import core_aten_decompositions  # noqa: PLC0415
+
+    # Export records in-place cache writes only outside inference mode; inference tensors are cloned out of it.
+    with torch.inference_mode(False), torch.no_grad():
+        args = tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in example_args)
+        program = torch.export.export(module, args, strict=False)
+        table = core_aten_decompositions()
+        if options.gemv_max_rows > 0:
+            table[torch.ops.aten.linear.default] = gemv_linear(options.gemv_max_rows)
+        return program.run_decompositions(table)
+
+
+def _tensor_spec(t: torch.Tensor) -> list:
+    return [list(t.shape), str(t.dtype).removeprefix("torch.")]
+
+
+class CpuBackend:
+    """torch.export + AOTInductor packages; see the module docstring."""
+
+    name = "cpu"
+
+    def __init__(self, options: CpuCompileOptions | None = None):
+        self.options = options or CpuCompileOptions()
+
+    def compile_graph(self, module: torch.nn.Module, example_args: tuple, out_dir: Path, graph_name: str) -> dict:
+        """Write `<graph_name>.pt2` (code only) and `<graph_name>.json` (the weights it expects) into out_dir."""
+        out_dir = Path(out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        t0 = time.perf_counter()
+        program = _export(module, example_args, self.options)
+        t1 = time.perf_counter()
+        package = out_dir / f"{graph_name}{PACKAGE_SUFFIX}"
+        configs = {"aot_inductor.package_constants_in_so": False}
+        with torch.inference_mode(False), torch.no_grad():
+            torch._inductor.aoti_compile_and_package(program, package_path=str(package), inductor_configs=configs)
+        t2 = time.perf_counter()
+        tensors = module_tensors(module)
+        needed = torch._inductor.aoti_load_package(str(package)).get_constant_fqns()
+        foreign = [f for f in needed if f not in tensors]
+        if foreign:
+            raise ConfigError(
+                f"graph {graph_name}: the module uses tensors {foreign} that are neither parameters nor buffers, so "
+                "the compiled graph could not share them; register them with module.register_buffer(...)"
+            )
+        constants = {fqn: _tensor_spec(tensors[fqn]) for fqn in needed}
+        inputs = [_tensor_spec(a) if isinstance(a, torch.Tensor) else repr(a) for a in example_args]
+        sidecar = {"format": GRAPH_FORMAT, "torch": torch.__version__, "inputs": inputs, "constants": constants,
+                   "gemv_max_rows": self.options.gemv_max_rows, "package_sha256": _sha256(package)}
+        (out_dir / f"{graph_name}{SIDECAR_SUFFIX}").write_text(json.dumps(sidecar, indent=1, sort_keys=True))
+        return {"files": [package.name, f"{graph_name}{SIDECAR_SUFFIX}"], "format": GRAPH_FORMAT,
+                "export_seconds": round(t1 - t0, 3), "compile_seconds": round(t2 - t1, 3),
+                "package_bytes": package.stat().st_size, "gemv_max_rows": self.options.gemv_max_rows}
+
+    def load_graph(self, out_dir: Path, graph_name: str, module: torch.nn.Module) -> Callable[..., Any]:
+        """Load `<graph_name>.pt2` and point it at `module`'s tensors (checked against the sidecar first)."""
+        package = Path(out_dir) / f"{graph_name}{PACKAGE_SUFFIX}"
+        sidecar = _read_sidecar(Path(out_dir) / f"{graph_name}{SIDECAR_SUFFIX}")
+        tensors = module_tensors(module)
+        constants = {}
+        for fqn, (shape, dtype) in sidecar["constants"].items():
+            t = _lookup(tensors, fqn, package)
+            if _tensor_spec(t) != [shape, dtype]:
+                raise ArtifactError(
+                    f"{package}: the graph was compiled for {fqn} of shape {shape} {dtype}, but the loaded weights "
+                    f"have {_tensor_spec(t)}; the weights and graphs come from different compiles - recompile"
+                )
+            constants[fqn] = t.contiguous()
+        compiled = _load_package(package, sidecar["package_sha256"])
+        try:
+            compiled.load_constants(constants, check_full_update=True, user_managed=True)
+        except RuntimeError as e:
+            raise ArtifactError(f"{package}: cannot attach the weights to the graph ({e}); recompile") from e
+        return LoadedGraph(compiled, constants, graph_name)
+
+
+class LoadedGraph:
+    """A loaded AOTInductor graph; holds the weight tensors it points at so they outlive it."""
+
+    def __init__(self, compiled: Any, constants: dict[str, torch.Tensor], name: str):
+        self.compiled, self.constants, self.name = compiled, constants, name
+
+    def __call__(self, *args: Any) -> Any:
+        return self.compiled(*args)
+
+    def __repr__(self) -> str:
+        return f"LoadedGraph({self.name!r}, {len(self.constants)} weight tensors shared)"
+
+
+def _lookup(tensors: dict[str, torch.Tensor], fqn: str, package: Path) -> torch.Tensor:
+    if fqn not in tensors:
+        raise ArtifactError(
+            f"{package}: the graph needs weight {fqn!r}, which the loaded model does not have; "
+            "the model structure differs from the one compiled (other version or options) - recompile"
+        )
+    return tensors[fqn]
+
+
+def _read_sidecar(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError as e:
+        raise ArtifactError(f"compiled graph description {path} is missing; recompile the model") from e
+    except (OSError, ValueError) as e:
+        raise ArtifactError(f"compiled graph description {path} is unreadable ({e}); recompile the model") from e
+    if (not isinstance(data, dict) or data.get("format") != GRAPH_FORMAT or not isinstance(data.get("constants"), dict)
+            or not isinstance(data.get("package_sha256"), str)):
+        raise ArtifactError(f"{path} is not a {GRAPH_FORMAT} graph description; recompile the model")
+    if data.get("torch") != torch.__version__:
+        raise ArtifactError(
+            f"{path} was compiled with torch {data.get('torch')}, this is torch {torch.__version__}; compiled "
+            "graphs only load in the torch version that built them - recompile, or install that torch version"
+        )
+    return data
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _load_package(package: Path, sha256: str) -> Any:
+    """Load a package whose bytes match the recorded hash (a damaged library could load and then crash)."""
+    if not package.is_file():
+        raise ArtifactError(f"compiled graph {package} is missing; recompile the model")
+    if not zipfile.is_zipfile(package):
+        raise ArtifactError(f"compiled graph {package} is corrupt (not a .pt2 archive); recompile the model")
+    if _sha256(package) != sha256:
+        raise ArtifactError(f"compiled graph {package} is corrupt (its sha256 differs from the one recorded at "
+                            "compile time); recompile the model")
+    try:
+        return torch._inductor.aoti_load_package(str(package))
+    except Exception as e:  # noqa: BLE001 - the loader raises RuntimeError/OSError/zip errors for damaged files
+        raise ArtifactError(f"compiled graph {package} cannot be loaded ({type(e).__name__}: {e}); "
+                            "recompile the model") from e

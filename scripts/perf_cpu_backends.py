@@ -1,0 +1,130 @@
+"""Batch-1 decode step of a SmolLM2-135M-shaped model (random bf16 weights) through several CPU graph variants.
+
+Prints ms/token and tokens/s per variant and the speed-up over eager, all measured in the same run with the
+variants interleaved (the machine is shared; compare ratios, not absolute numbers across runs).
+
+    /tmp/v/bin/python scripts/perf_cpu_backends.py                       # all variants, 30 layers (~5-8 min)
+    /tmp/v/bin/python scripts/perf_cpu_backends.py --layers 4 --variants eager,aoti-gemv
+
+Variants
+    eager             the model's forward in eager PyTorch (bf16 F.linear -> oneDNN)
+    aoti-gemv         neuron_infer's CPU backend: torch.export + AOTInductor, one-row linears as GEMV reductions
+    aoti-gemm         the same without the GEMV rewrite (every linear an extern GEMM call)
+    inductor-freeze   torch.compile(fullgraph) with freezing=True (oneDNN weight prepacking) and cpp_wrapper
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from neuron_infer.compile.cpu import CpuBackend, CpuCompileOptions  # noqa: E402
+from neuron_infer.config import ModelConfig  # noqa: E402
+from neuron_infer.model.llama import BucketStep, LlamaModel  # noqa: E402
+
+VARIANTS = ("eager", "aoti-gemv", "aoti-gemm", "inductor-freeze")
+
+
+def smollm2_config(layers: int) -> ModelConfig:
+    return ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=layers, num_heads=9,
+                       num_kv_heads=3, head_dim=64, rope_theta=100000.0, tie_word_embeddings=True)
+
+
+def build(layers: int, attend: int) -> tuple[BucketStep, tuple]:
+    torch.manual_seed(0)
+    model = LlamaModel(smollm2_config(layers)).to(torch.bfloat16).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.02)
+    cfg = model.cfg
+    shape = (cfg.num_layers, 1, cfg.num_kv_heads, attend, cfg.head_dim)  # [L, B, Hkv, S, D]
+    k, v = torch.zeros(shape, dtype=torch.bfloat16), torch.zeros(shape, dtype=torch.bfloat16)
+    pos = attend // 2  # attend over half the bucket, as a decode in the middle of it does
+    args = (torch.tensor([[17]]), torch.tensor([[pos]]), k, v, torch.zeros(1, 1, dtype=torch.int64))
+    return BucketStep(model, attend), args
+
+
+def prepare(variant: str, step: BucketStep, args: tuple, workdir: Path):
+    """-> (callable, compile seconds, load seconds)."""
+    if variant == "eager":
+        return step, 0.0, 0.0
+    if variant.startswith("aoti"):
+        be = CpuBackend(CpuCompileOptions(gemv_max_rows=1 if variant == "aoti-gemv" else 0))
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            be.compile_graph(step, args, workdir, variant)
+        t1 = time.perf_counter()
+        fn = be.load_graph(workdir, variant, step)
+        return fn, t1 - t0, time.perf_counter() - t1
+    if variant == "inductor-freeze":
+        import torch._inductor.config as inductor_config  # noqa: PLC0415
+
+        torch._dynamo.reset()
+        t0 = time.perf_counter()
+        with inductor_config.patch(freezing=True, cpp_wrapper=True), torch.no_grad():
+            fn = torch.compile(step, fullgraph=True)
+            fn(*args)
+        return fn, time.perf_counter() - t0, 0.0
+    raise SystemExit(f"unknown variant {variant!r}; choose from {', '.join(VARIANTS)}")
+
+
+def measure(fns: dict, args: tuple, rounds: int, steps: int) -> dict[str, list[float]]:
+    """Interleaved timing: each round runs `steps` decode steps of every variant; returns ms/step per round."""
+    out = {name: [] for name in fns}
+    with torch.inference_mode():
+        for fn in fns.values():
+            for _ in range(3):
+                fn(*args)
+        for _ in range(rounds):
+            for name, fn in fns.items():
+                t0 = time.perf_counter()
+                for _ in range(steps):
+                    fn(*args)
+                out[name].append((time.perf_counter() - t0) / steps * 1e3)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--layers", type=int, default=30)
+    ap.add_argument("--attend", type=int, default=512, help="token-generation bucket (cache slots attended)")
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--threads", type=int, default=2)
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    step, args = build(a.layers, a.attend)
+    fns, info = {}, {}
+    with tempfile.TemporaryDirectory() as tmp:
+        with torch.inference_mode():
+            ref = step(*[x.clone() for x in args])
+        for name in a.variants.split(","):
+            fns[name], c, ld = prepare(name, step, args, Path(tmp))
+            with torch.inference_mode():
+                diff = (fns[name](*[x.clone() for x in args]).float() - ref.float()).abs().max().item()
+            info[name] = (c, ld, diff)
+            print(f"prepared {name}: compile {c:.1f} s, load {ld:.2f} s, max |logit diff| vs eager {diff:.3g}",
+                  flush=True)
+        res = measure(fns, args, a.rounds, a.steps)
+    base = statistics.median(res["eager"]) if "eager" in res else None
+    print(f"\nSmolLM2-135M shape, {a.layers} layers, bf16, batch 1, attend {a.attend}, {a.threads} threads, "
+          f"{a.rounds} interleaved rounds x {a.steps} steps")
+    print(f"{'variant':18s} {'median ms':>10s} {'min ms':>8s} {'tok/s':>7s} {'vs eager':>9s} {'compile s':>10s} "
+          f"{'load s':>7s}")
+    for name, ts in res.items():
+        md = statistics.median(ts)
+        ratio = f"x{base / md:.2f}" if base else "-"
+        c, ld, _ = info[name]
+        print(f"{name:18s} {md:10.2f} {min(ts):8.2f} {1e3 / md:7.1f} {ratio:>9s} {c:10.1f} {ld:7.2f}")
+
+
+if __name__ == "__main__":
+    main()
