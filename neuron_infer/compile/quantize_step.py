@@ -61,12 +61,12 @@ def quantize_model(model: LlamaModel, build: BuildConfig, model_dir: Path) -> di
 
 
 def _quantize(model: LlamaModel, build: BuildConfig, model_dir: Path) -> dict:
-    if build.quant.scheme == "none":
-        return {"scheme": "none"}
     from neuron_infer.quant import apply_quantization, check_combination  # noqa: PLC0415
 
-    check_combination(build.quant, build.dtype)  # before calibration: w8a8/MX + tiling fail fast
+    if build.quant.scheme == "none":  # nothing converted; the report still gives the float linear bytes
+        return apply_quantization(model, build.quant).to_dict()
 
+    check_combination(build.quant, build.dtype)  # before calibration: w8a8/MX + tiling fail fast
     qcfg = resolve_quant(build.quant, model.cfg.num_layers)
     if qcfg.scheme == "w8a8":
         from neuron_infer.quant.smoothquant import smoothquant  # noqa: PLC0415
