@@ -186,7 +186,8 @@ NOTES = """## Why goals are missed (structural, from the cost model's rules)
   transposes on DMA) reaches the goal at S = 8192.
 * **Memory-bound kernels on trn1 / trn3** are capped by the ceiling above (the practical DMA peak is below the
   per-core HBM share); on trn2 the same kernels reach 90%+. Decode attention with short (2k) caches pays the
-  fixed cost of 5 DMAs per (batch, KV head) against 1 MiB of cache.
+  fixed per-transfer cost of the K and V DMAs (and, at batch 1, of the query / bound / output DMAs) against
+  1 MiB of cache per (batch, KV head).
 * **FP8 decode MLP** is TensorE-bound: a 128x128 FP8 weight tile moves in 74 TensorE cycles of DMA time on trn3
   but its matmul costs the 124-cycle minimum (64 + 60 fixed). Halving the instruction count needs double_row
   (FP8 x FP8, i.e. quantized activations), which the issue's weight-only FP8 variant does not use.
