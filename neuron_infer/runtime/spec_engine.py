@@ -239,3 +239,16 @@ class SpecEngine:
         metrics.tail_steps += 1
         for r in rows.active():
             rows.add(r, [int(tokens[r])], *stop)
+
+
+def summarize(batches: list) -> dict | None:
+    """Speculation summary over the static batches of one request (None when none of them speculated), for
+    `generate --json`: acceptance rate and mean accepted tokens per step pooled over every batch."""
+    spec = [b for b in batches if isinstance(b, SpecMetrics)]
+    if not spec:
+        return None
+    drafted, accepted = sum(b.drafted for b in spec), sum(b.accepted for b in spec)
+    emitted = [e for b in spec for e in b.emitted_per_step]
+    return {"k": spec[0].k, "mode": spec[0].mode, "acceptance_rate": accepted / drafted if drafted else 0.0,
+            "mean_accepted_tokens_per_step": sum(emitted) / len(emitted) if emitted else 0.0,
+            "spec_steps": sum(b.spec_steps for b in spec), "tail_steps": sum(b.tail_steps for b in spec)}

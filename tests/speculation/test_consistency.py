@@ -68,3 +68,13 @@ def test_metrics_report_acceptance_and_throughput(spec_engine):
     assert d["speculation"]["acceptance_rate"] == 1.0 and d["speculation"]["mean_accepted_tokens_per_step"] == 4.0
     assert m.spec_steps == 5 and m.decode_tokens == 20 and d["tokens_per_s"] > 0
     assert d["tokens_per_s"] == pytest.approx(20 / sum(m.token_latencies_s))
+
+
+def test_summary_pools_batches(spec_engine):
+    from neuron_infer.runtime.spec_engine import summarize
+
+    se = spec_engine(draft="full", k=3)
+    ms = [se.generate_ids([PROMPT], n, ignore_eos=True)[1] for n in (9, 5)]  # 2 steps of 4, then 1 step of 4
+    s = summarize(ms)
+    assert s["acceptance_rate"] == 1.0 and s["spec_steps"] == 3 and s["mean_accepted_tokens_per_step"] == 4.0
+    assert summarize([]) is None
