@@ -13,8 +13,9 @@ attention(q, k, v, q_to_kv, positions):
     On an XLA device the positions cannot be inspected: T == S selects prefill (the context-encoding contract:
     prompt from position 0), anything else decode.
 mlp(x, gate, up, down):
-    the fused kernel when the three projections are bias-free `nn.Linear` (fp32/bf16 weights) or bias-free
-    `FP8Linear` modules; MX modules (`MXFP8Linear` / `MXFP4Linear`) run each projection through the MX matmul
+    the fused kernel when the three projections are bias-free `nn.Linear` (fp32/bf16 weights), bias-free
+    `FP8Linear` modules, or bias-free `TiledLinear` modules of kind float / fp8 (`--weight-tiling`: their
+    buffers already are the kernel's operands, `TiledLinear.kernel_operands()`); MX modules (`MXFP8Linear` / `MXFP4Linear`) run each projection through the MX matmul
     kernel (`mx_linear`, trn3 only) with SiLU(gate) * up in PyTorch; any other module (INT8, biased linears,
     mixed schemes, ...) falls back to `ops.mlp_ref`. Packed weights are cached per module and refreshed when
     the weight tensor changes.
@@ -38,6 +39,7 @@ import nki_kernels  # noqa: F401  (resolves `import nki` to Neuron or the simula
 from neuron_infer.model.ops import Ops, mlp_ref
 from neuron_infer.quant.fp8 import FP8Linear
 from neuron_infer.quant.mx import MXLinear
+from neuron_infer.quant.tiled import TiledLinear
 from neuron_infer.tiling import tile_weight
 from nki_kernels.attention_decode.kernel import attention_decode
 from nki_kernels.attention_prefill.kernel import flash_attention_prefill
@@ -155,6 +157,10 @@ def _kernel_kind(mods) -> str | None:
         return "float"
     if all(isinstance(m, FP8Linear) for m in mods):
         return "fp8"
+    if all(isinstance(m, TiledLinear) for m in mods):
+        kinds = {m.kind for m in mods} | {m.weight.dtype for m in mods if m.kind == "float"}
+        if kinds in ({"fp8"}, {"float", torch.float32}, {"float", torch.bfloat16}):
+            return "tiled"
     return None
 
 
@@ -168,13 +174,19 @@ def mlp(x, gate, up, down):
         h = torch.nn.functional.silu(mx_linear(x, gate)) * mx_linear(x, up)   # [B, T, I]
         return mx_linear(h, down)                                           # [B, T, H]
     lead = x.shape[:-1]
-    dt = _kernel_dtype(x) if kind == "float" else torch.bfloat16
-    x2 = x.reshape(-1, x.shape[-1]).to(dt).contiguous()             # [B*T, H]
-    packed = [_packed(m, dt) for m in mods]
-    if kind == "float":
-        out = mlp_kernel(x2, *(p[0] for p in packed))
+    if kind == "tiled":
+        ops = [m.kernel_operands() for m in mods]            # (tiled weight,) or (tiled codes, packed scales)
+        fp8 = mods[0].kind == "fp8"
+        dt = torch.bfloat16 if fp8 else mods[0].weight.dtype  # float: x in the weight dtype (fp32 pairs with fp32)
+        kind = "fp8" if fp8 else "float"
     else:
-        out = mlp_fp8_kernel(x2, *(p[0] for p in packed), *(p[1] for p in packed))
+        dt = _kernel_dtype(x) if kind == "float" else torch.bfloat16
+        ops = [_packed(m, dt) for m in mods]
+    x2 = x.reshape(-1, x.shape[-1]).to(dt).contiguous()             # [B*T, H]
+    if kind == "float":
+        out = mlp_kernel(x2, *(p[0] for p in ops))
+    else:
+        out = mlp_fp8_kernel(x2, *(p[0] for p in ops), *(p[1] for p in ops))
     return out.to(x.dtype).reshape(*lead, -1)                       # [B, T, H]
 
 

@@ -151,3 +151,23 @@ def test_mx_linear_and_mlp_ops_are_within_mx_error(scheme, mlp_tol):
     with torch.no_grad():
         assert _rel_rms(nki_ops.mx_linear(x, mods[0]).float(), mods[0](x).float()) < 0.05
         assert _rel_rms(nki_ops.mlp(x, *mods).float(), mlp_ref(x, *mods).float()) < mlp_tol
+
+
+@pytest.mark.parametrize("kind", ["float", "fp8"])
+def test_mlp_op_consumes_tiled_linears_without_repack(kind):
+    """`--weight-tiling` modules (quant.tiled.TiledLinear) feed their buffers to the kernel as they are."""
+    from neuron_infer.quant.tiled import TiledLinear
+
+    gen = torch.Generator().manual_seed(5)
+    mods = _linears(gen, 160, 200)
+    if kind == "fp8":
+        mods = tuple(FP8Linear.from_linear(m.to(torch.bfloat16)) for m in mods)
+    tiled = tuple(TiledLinear.from_module(m) for m in mods)
+    assert nki_ops._kernel_kind(tiled) == "tiled"                   # the kernel path, not the fallback
+    x = torch.randn(1, 4, 160, generator=gen).to(torch.bfloat16 if kind == "fp8" else torch.float32)
+    with torch.no_grad():
+        out, ref = nki_ops.mlp(x, *tiled), mlp_ref(x, *tiled)
+    if kind == "float":
+        torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)   # fp32 throughout (see module docstring)
+    else:
+        check(out.float().numpy(), ref.double().numpy(), "bf16")     # FP8 x bf16: conftest.TOL["bf16"]
