@@ -80,16 +80,14 @@ def module_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def _export(module: torch.nn.Module, example_args: tuple, options: CpuCompileOptions) -> torch.export.ExportedProgram:
     """Export `module` with static shapes; linear layers on few rows become GEMV reductions."""
-    from torch._decomp import core_aten_decompositions  # noqa: PLC0415
-
     # Export records in-place cache writes only outside inference mode; inference tensors are cloned out of it.
     with torch.inference_mode(False), torch.no_grad():
         args = tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in example_args)
         program = torch.export.export(module, args, strict=False)
-        table = core_aten_decompositions()
-        if options.gemv_max_rows > 0:
-            table[torch.ops.aten.linear.default] = gemv_linear(options.gemv_max_rows)
-        return program.run_decompositions(table)
+        if options.gemv_max_rows == 0:
+            return program  # Inductor applies its own decompositions when it compiles
+        # Only linear is rewritten here; every other op is left to Inductor's lowering choices.
+        return program.run_decompositions({torch.ops.aten.linear.default: gemv_linear(options.gemv_max_rows)})
 
 
 def _tensor_spec(t: torch.Tensor) -> list:
