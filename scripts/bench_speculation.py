@@ -25,15 +25,19 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from neuron_infer.checkpoint import load_checkpoint, load_tokenizer  # noqa: E402
-from neuron_infer.compile.builder import cache_shape  # noqa: E402
-from neuron_infer.compile.spec_builder import build_draft, compile_speculation, eager_spec_engine  # noqa: E402
-from neuron_infer.compile.spec_builder import load_speculation  # noqa: E402
-from neuron_infer.compile.weights import build_float_model  # noqa: E402
-from neuron_infer.config import BuildConfig, ModelConfig, SpeculationConfig  # noqa: E402
-from neuron_infer.model.llama import BucketStep  # noqa: E402
-from neuron_infer.runtime.engine import Engine, planned_graphs  # noqa: E402
-from neuron_infer.runtime.generate import generate_ids  # noqa: E402
+from neuron_infer.checkpoint import load_checkpoint, load_tokenizer
+from neuron_infer.compile.builder import cache_shape
+from neuron_infer.compile.spec_builder import (
+    build_draft,
+    compile_speculation,
+    eager_spec_engine,
+    load_speculation,
+)
+from neuron_infer.compile.weights import build_float_model
+from neuron_infer.config import BuildConfig, ModelConfig, SpeculationConfig
+from neuron_infer.model.llama import BucketStep
+from neuron_infer.runtime.engine import Engine, planned_graphs
+from neuron_infer.runtime.generate import generate_ids
 
 PROMPT = "I am at KDD conference in Barcelona. After the conference tutorial today I will"
 
@@ -42,13 +46,13 @@ def engine_for(target, draft, build: BuildConfig, backend: str, work: Path):
     """SpecEngine with graphs from `backend` (eager modules, or compiled into `work`)."""
     if backend == "cpu-eager":
         return eager_spec_engine(target, draft, build)
-    from neuron_infer.compile.backend import get_backend  # noqa: PLC0415
+    from neuron_infer.compile.backend import get_backend
 
     be, gdir = get_backend(backend), work / "graphs"
     core = {}
     for spec in planned_graphs(build):
         step = BucketStep(target, spec.attend, spec.select_rows)
-        from neuron_infer.compile.builder import example_args  # noqa: PLC0415
+        from neuron_infer.compile.builder import example_args
 
         be.compile_graph(step, example_args(cache_shape(target, build), spec), gdir, spec.name)
         core[spec.name] = be.load_graph(gdir, spec.name, step)
@@ -87,7 +91,8 @@ def run_k(k: int, args, cfg, target, prompt_ids) -> dict:
         base_tps, base = timed(lambda: generate_ids(se.target, [prompt_ids], n, ignore_eos=True), args.repeats)
         row = {"k": k, "baseline": base_tps}
         for mode in ("unfused", "fused"):
-            tps, (res, m) = timed(lambda: se.generate_ids([prompt_ids], n, ignore_eos=True, mode=mode), args.repeats)
+            run = lambda mode=mode: se.generate_ids([prompt_ids], n, ignore_eos=True, mode=mode)
+            tps, (res, m) = timed(run, args.repeats)
             row[mode], row[f"agree_{mode}"] = tps, agreement(res[0].token_ids, base[0][0].token_ids)
             if args.dtype == "fp32" and row[f"agree_{mode}"] < n:
                 raise SystemExit(f"K={k} {mode}: fp32 speculative greedy output differs from the target's")
@@ -108,7 +113,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    from neuron_infer.embedded import default_model_dir  # noqa: PLC0415
+    from neuron_infer.embedded import default_model_dir
 
     MODEL_DIR = default_model_dir(log=print)
     cfg = ModelConfig.from_model_dir(MODEL_DIR)

@@ -20,14 +20,14 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 from safetensors.torch import load_file, save_file
 
 from neuron_infer.checkpoint import load_checkpoint
-from neuron_infer.config import BuildConfig, ModelConfig, QuantConfig, QUANT_SCHEMES
+from neuron_infer.config import QUANT_SCHEMES, BuildConfig, ModelConfig, QuantConfig
 from neuron_infer.errors import ArtifactError, ConfigError
 from neuron_infer.model.llama import BucketStep, LlamaModel
 from neuron_infer.runtime.engine import CacheShape, Engine, GraphSpec, graph_name
@@ -54,8 +54,8 @@ def check_speculation(cfg: ModelConfig, build: BuildConfig) -> None:
 
 def check_same_vocab(target_dir: Path, draft_dir: Path, cfg: ModelConfig, dcfg: ModelConfig) -> None:
     """The draft must score the target's token ids: same vocab_size and, when both have a tokenizer, the same map."""
-    from neuron_infer.checkpoint import load_tokenizer  # noqa: PLC0415
-    from neuron_infer.errors import CheckpointError  # noqa: PLC0415
+    from neuron_infer.checkpoint import load_tokenizer
+    from neuron_infer.errors import CheckpointError
 
     if dcfg.vocab_size != cfg.vocab_size:
         raise ConfigError(
@@ -92,14 +92,14 @@ def draft_state(model_dir: Path, cfg: ModelConfig, build: BuildConfig) -> tuple[
 
 def build_draft(model_dir: Path, cfg: ModelConfig, build: BuildConfig) -> tuple[LlamaModel, dict]:
     """The draft model (float, then quantized with --draft-quant) and a description for the manifest."""
-    from neuron_infer.compile.weights import build_float_model  # noqa: PLC0415
+    from neuron_infer.compile.weights import build_float_model
 
     dcfg, state, source = draft_state(model_dir, cfg, build)
     draft = build_float_model(dcfg, build, state)
     del state
     info = {"source": source, "config": dcfg.to_dict(), "quant": {"scheme": "none"}}
     if build.speculation.draft_quant != "none":
-        from neuron_infer.quant import apply_quantization  # noqa: PLC0415
+        from neuron_infer.quant import apply_quantization
 
         info["quant"] = apply_quantization(draft, QuantConfig(scheme=build.speculation.draft_quant)).to_dict()
     return draft, info
@@ -143,14 +143,14 @@ def load_draft_weights(draft: LlamaModel, target: LlamaModel, path: Path, shared
 
 # ---- graphs ---------------------------------------------------------------------------------------------------
 def spec_cache_layout(target: LlamaModel, draft: LlamaModel, build: BuildConfig) -> SpecCacheLayout:
-    from neuron_infer.compile.builder import cache_shape  # noqa: PLC0415
+    from neuron_infer.compile.builder import cache_shape
 
     return SpecCacheLayout(cache_shape(target, build), cache_shape(draft, build))
 
 
 def _step_args(cache: CacheShape, t: int, rows: bool, idx_all: bool) -> tuple[torch.Tensor, ...]:
     """Example inputs of a BucketStep graph with T tokens (logits at every token when idx_all)."""
-    from neuron_infer.compile.builder import example_args  # noqa: PLC0415
+    from neuron_infer.compile.builder import example_args
 
     b = 1 if rows else cache.batch
     args = example_args(cache, GraphSpec("x", t, 1, b, rows))
@@ -163,12 +163,14 @@ def planned_spec_graphs(target: LlamaModel, draft: LlamaModel, build: BuildConfi
     """name -> (module, example_args) of every speculation graph a build compiles."""
     k, layout, out = build.speculation.length, spec_cache_layout(target, draft, build), {}
     for t in build.context_bucket_list:
-        out["draft_" + graph_name("context", t, t)] = (BucketStep(draft, t, True), _step_args(layout.draft, t, True, False))
+        step = BucketStep(draft, t, True)
+        out["draft_" + graph_name("context", t, t)] = (step, _step_args(layout.draft, t, True, False))
     for s in build.tokengen_bucket_list:
         if s < k + 2:
             continue  # a step at position >= 1 needs p + K + 1 <= s slots
         for t in (1, 2):
-            out["draft_" + graph_name("tokengen", t, s)] = (BucketStep(draft, s), _step_args(layout.draft, t, False, False))
+            step = BucketStep(draft, s)
+            out["draft_" + graph_name("tokengen", t, s)] = (step, _step_args(layout.draft, t, False, False))
         out[graph_name("verify", k + 1, s)] = (BucketStep(target, s), _step_args(layout.target, k + 1, False, True))
         if build.speculation.fused:
             for sample in (False, True):
@@ -199,15 +201,15 @@ def compile_speculation(model_dir: Path, cfg: ModelConfig, build: BuildConfig, t
 def load_speculation(root: Path, manifest, target: LlamaModel, target_engine: Engine, backend: str | None = None,
                      mode: str | None = None) -> SpecEngine:
     """The SpecEngine of a compiled artifact (mode: 'fused' if compiled with --fused-speculation, else 'unfused')."""
-    from neuron_infer.compile.backend import get_backend  # noqa: PLC0415
-    from neuron_infer.compile.weights import empty_model  # noqa: PLC0415
+    from neuron_infer.compile.backend import get_backend
+    from neuron_infer.compile.weights import empty_model
 
     build, info = manifest.build, manifest.extra.get("speculation")
     if build.speculation is None or info is None:
         raise ArtifactError(f"{root} was compiled without speculation; recompile with --draft-model")
     draft = empty_model(ModelConfig.from_dict(info["config"]), build)
     if info["quant"]["scheme"] != "none":
-        from neuron_infer.quant import apply_quantization  # noqa: PLC0415
+        from neuron_infer.quant import apply_quantization
 
         apply_quantization(draft, QuantConfig(scheme=info["quant"]["scheme"]), structure_only=True)
     load_draft_weights(draft, target, Path(root) / DRAFT_WEIGHTS, info["shared"])
@@ -219,7 +221,7 @@ def load_speculation(root: Path, manifest, target: LlamaModel, target_engine: En
 
 def assemble(target_engine: Engine, draft: LlamaModel, graphs: dict, build: BuildConfig, mode: str) -> SpecEngine:
     """SpecEngine from loaded graphs (draft_* graphs go to the draft engine under their core names)."""
-    from neuron_infer.compile.builder import cache_shape  # noqa: PLC0415
+    from neuron_infer.compile.builder import cache_shape
 
     dgraphs = {n[len("draft_"):]: g for n, g in graphs.items() if n.startswith("draft_")}
     sgraphs = {n: g for n, g in graphs.items() if not n.startswith("draft_")}
@@ -232,8 +234,8 @@ def assemble(target_engine: Engine, draft: LlamaModel, graphs: dict, build: Buil
 def eager_spec_engine(target: LlamaModel, draft: LlamaModel, build: BuildConfig, mode: str = "unfused"
                       ) -> SpecEngine:
     """A SpecEngine whose graphs are the modules themselves (no backend): for tests and debugging."""
-    from neuron_infer.compile.builder import cache_shape  # noqa: PLC0415
-    from neuron_infer.runtime.engine import planned_graphs  # noqa: PLC0415
+    from neuron_infer.compile.builder import cache_shape
+    from neuron_infer.runtime.engine import planned_graphs
 
     core = {s.name: BucketStep(target, s.attend, s.select_rows) for s in planned_graphs(build)}
     engine = Engine(core, build, cache_shape(target, build), target.cfg.vocab_size)

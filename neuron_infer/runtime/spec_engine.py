@@ -181,7 +181,8 @@ class SpecEngine:
         self.draft.prefill(prompts)
         return self.target.prefill(prompts)
 
-    def generate_ids(self, prompts: list[list[int]], max_new_tokens: int, sampling: SamplingConfig = SamplingConfig(),
+    def generate_ids(self, prompts: list[list[int]], max_new_tokens: int,
+                     sampling: SamplingConfig = SamplingConfig(),  # noqa: B008 (frozen, never mutated)
                      eos_ids: tuple[int, ...] = (), ignore_eos: bool = False, on_tokens: OnTokens | None = None,
                      mode: str | None = None) -> tuple[list[SequenceResult], SpecMetrics]:
         """Generate like runtime.generate.generate_ids, K+1 tokens at most per step and row."""
@@ -217,7 +218,8 @@ class SpecEngine:
     def _row_state(self, rows: _Rows) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """last [B], prev [B], pos [B] from the host lists; finished/idle rows parked at (prev 0, last 0, pos 1)."""
         b = self.build.batch_size
-        last, prev, pos = torch.zeros(b, dtype=torch.int64), torch.zeros(b, dtype=torch.int64), torch.ones(b, dtype=torch.int64)
+        last, prev = torch.zeros(b, dtype=torch.int64), torch.zeros(b, dtype=torch.int64)  # [B] each
+        pos = torch.ones(b, dtype=torch.int64)  # [B]
         for r in rows.active():
             seq = rows.prompts[r] + rows.out[r]
             last[r], prev[r], pos[r] = seq[-1], seq[-2], len(seq) - 1

@@ -23,15 +23,19 @@ step signature (ids, positions, k_cache, v_cache, ...) and compiles through any 
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from torch import nn
 
 from neuron_infer.runtime.engine import CacheShape
-from neuron_infer.runtime.speculation import greedy_verify, processed_probs_dynamic, sample_from_probs
-from neuron_infer.runtime.speculation import speculative_verify
+from neuron_infer.runtime.speculation import (
+    greedy_verify,
+    processed_probs_dynamic,
+    sample_from_probs,
+    speculative_verify,
+)
 
 RunFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # (ids, pos, logit_index) -> logits
 

@@ -79,7 +79,7 @@ def speculative_verify(
     u_sample: torch.Tensor,  # [B, K+1] uniforms in [0, 1) for the resample / bonus token
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Lossless speculative sampling -> (tokens [B, K+1] PAD-padded, counts [B])."""
-    b, k = draft.shape
+    k = draft.shape[1]
     idx = draft.unsqueeze(-1)  # [B, K, 1]
     p_d = torch.gather(p[:, :k], -1, idx).squeeze(-1)  # [B, K] target prob of each drafted token
     q_d = torch.gather(q, -1, idx).squeeze(-1)  # [B, K] draft prob of each drafted token

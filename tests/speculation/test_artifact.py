@@ -8,13 +8,18 @@ import sys
 import types
 
 import pytest
-import torch
 
 from neuron_infer.checkpoint import load_checkpoint
 from neuron_infer.compile.backend import get_backend
 from neuron_infer.compile.builder import cache_shape
-from neuron_infer.compile.spec_builder import DRAFT_WEIGHTS, build_draft, compile_speculation, eager_spec_engine
-from neuron_infer.compile.spec_builder import load_speculation, spec_cache_layout
+from neuron_infer.compile.spec_builder import (
+    DRAFT_WEIGHTS,
+    build_draft,
+    compile_speculation,
+    eager_spec_engine,
+    load_speculation,
+    spec_cache_layout,
+)
 from neuron_infer.compile.weights import build_float_model
 from neuron_infer.config import BuildConfig, ModelConfig, SpeculationConfig
 from neuron_infer.errors import ConfigError
@@ -65,7 +70,7 @@ def test_self_draft_artifact_round_trip(tiny_dirs, tmp_path, spec, stored):
     own = (tmp_path / DRAFT_WEIGHTS).stat().st_size > 1024
     assert own == stored
     names = set(meta)
-    assert {"verify_t%d_s32" % (spec.length + 1), "draft_context_t16_s16", "draft_tokengen_t1_s32",
+    assert {f"verify_t{spec.length + 1}_s32", "draft_context_t16_s16", "draft_tokengen_t1_s32",
             "draft_tokengen_t2_s32"} <= names
     assert any(n.startswith("fused_") for n in names) == spec.fused
     # the loaded draft shares the target's tensors (same storage), and generates like a freshly built engine

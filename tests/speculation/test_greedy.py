@@ -16,7 +16,8 @@ def reference(se, prompts, n, eos=(), ignore_eos=True):
     return res
 
 
-CASES = [(d, k) for d in ("layers1", "full") for k in range(1, 9)] + [(d, k) for d in ("int8", "other") for k in (2, 5, 8)]
+CASES = [(d, k) for d in ("layers1", "full") for k in range(1, 9)]
+CASES += [(d, k) for d in ("int8", "other") for k in (2, 5, 8)]
 
 
 @pytest.mark.parametrize("draft, k", CASES)

@@ -4,8 +4,15 @@ import torch
 
 from neuron_infer.config import SamplingConfig
 from neuron_infer.runtime.sampling import processed_probs
-from neuron_infer.runtime.speculation import PAD, greedy_verify, params_tensor, processed_probs_dynamic
-from neuron_infer.runtime.speculation import residual_probs, sample_from_probs, speculative_verify
+from neuron_infer.runtime.speculation import (
+    PAD,
+    greedy_verify,
+    params_tensor,
+    processed_probs_dynamic,
+    residual_probs,
+    sample_from_probs,
+    speculative_verify,
+)
 
 
 def one_hot_logits(ids: list[list[int]], v: int = 10) -> torch.Tensor:

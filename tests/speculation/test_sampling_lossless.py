@@ -23,7 +23,7 @@ from neuron_infer.runtime.spec_step import uniforms_width
 SAMPLING = SamplingConfig(temperature=0.8, top_k=6, top_p=0.9)
 PROMPT, LAST = [1, 40, 77, 123, 9, 250, 31, 64, 99, 180], 300
 B, REPS, K = 500, 8, 3
-SMALL = dict(max_context_length=16, max_length=32, context_buckets=(16,), tokengen_buckets=(32,))
+SMALL = {"max_context_length": 16, "max_length": 32, "context_buckets": (16,), "tokengen_buckets": (32,)}
 
 
 def broadcast_row0(se) -> None:
@@ -34,7 +34,7 @@ def broadcast_row0(se) -> None:
 def draw_pairs(se, seed: int) -> torch.Tensor:
     """[REPS * B, 2] (x1, x2) emitted by speculative steps from the shared context."""
     gen = torch.Generator().manual_seed(seed)
-    full = lambda v: torch.full((B,), v, dtype=torch.int64)  # noqa: E731
+    full = lambda v: torch.full((B,), v, dtype=torch.int64)
     p = len(PROMPT)
     out = []
     for _ in range(REPS):

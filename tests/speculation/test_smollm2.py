@@ -4,7 +4,6 @@ fp32 so that the K+1-token verify pass and the 1-token decode pass agree to ~1e-
 (in bf16 a near-tie can flip between the two paths; scripts/bench_speculation.py reports the agreement there).
 """
 import pytest
-import torch
 
 from neuron_infer.checkpoint import load_checkpoint, load_tokenizer
 from neuron_infer.compile.spec_builder import build_draft, eager_spec_engine
