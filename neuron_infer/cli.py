@@ -156,6 +156,8 @@ class _Streamer:
 
 
 def _print_result(out, as_json: bool, streamed: bool) -> None:
+    if not out.outputs:  # a torchrun rank other than 0: rank 0 prints the result
+        return
     d = out.to_dict()
     if as_json:
         click.echo(json.dumps(d, indent=2))
