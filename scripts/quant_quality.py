@@ -142,7 +142,7 @@ def main() -> None:
     res = {}
     for i, name in enumerate(names):
         res[name] = run_case(model_dir, tmp / f"a{i}", *CASES[name], windows, prompts, args.new_tokens)
-        print(f"{name}: {res[name]['seconds']:.0f} s", file=sys.stderr, flush=True)
+        print(f"{name}: {res[name]['seconds']:.0f} s\n{render(res, windows, args)}", file=sys.stderr, flush=True)
     table = render(res, windows, args)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
