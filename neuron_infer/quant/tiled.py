@@ -180,7 +180,7 @@ def _kind_of(mod: nn.Module) -> tuple[str, torch.dtype]:
 
 def _tileable(model: nn.Module) -> tuple[dict[str, nn.Module], list[str]]:
     """(name -> linear to tile, names kept) over the model's linears; rejects modules tiling cannot express."""
-    from neuron_infer.quant.base import QuantizedLinear  # noqa: PLC0415
+    from neuron_infer.quant.base import QuantizedLinear
 
     head_shared = getattr(getattr(model, "lm_head", None), "weight", None)
     embed = getattr(getattr(getattr(model, "model", None), "embed_tokens", None), "weight", None)

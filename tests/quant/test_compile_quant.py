@@ -70,7 +70,7 @@ def floats(ckpts, tmp_path_factory):
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("scheme", ["int8", "fp8"])
 def test_int8_fp8_agree_with_float(ckpts, floats, tmp_path, scheme, dtype):
-    man, logits, tokens = run(ckpts[dtype], tmp_path / "a", dtype, scheme=scheme, modules_to_not_convert=())
+    _, logits, tokens = run(ckpts[dtype], tmp_path / "a", dtype, scheme=scheme, modules_to_not_convert=())
     _, ref, ref_tokens = floats[dtype]
     err = (logits - ref).abs().max()
     assert err <= LOGIT_BOUND[scheme] * ref.abs().max()
@@ -98,7 +98,7 @@ def test_other_schemes_generate_within_bound(ckpts, floats, tmp_path, scheme):
 def _linear_bytes_in_file(path) -> int:
     n = 0
     with safe_open(str(path), "pt") as f:
-        for k in f.keys():
+        for k in f.keys():  # noqa: SIM118  (safe_open is not a dict)
             if any(p in k for p in ("_proj.", "lm_head.")):
                 t = f.get_tensor(k)
                 n += t.numel() * t.element_size()
@@ -130,7 +130,7 @@ def test_weight_tiling_same_tokens_and_tiled_files(ckpts, floats, tmp_path, sche
     rec = man.extra["quant"]["weight_tiling"]
     assert len(rec["tiled"]) == 15 and rec["kept"] == []
     with safe_open(str(tmp_path / "tiled" / "weights" / "rank0.safetensors"), "pt") as f:
-        shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+        shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118
     assert shapes["model.layers.0.mlp.down_proj.weight"] == tiled_shape(200, 96) == (128, 1, 2, 128)
     assert shapes["model.layers.1.self_attn.k_proj.weight"] == tiled_shape(96, 48)
     assert shapes["lm_head.weight"] == tiled_shape(96, 512)
