@@ -28,7 +28,6 @@ import shutil
 from pathlib import Path
 
 import click
-import torch
 
 from neuron_infer.errors import CheckpointError, ConfigError
 
@@ -67,6 +66,7 @@ def _check_out(out: Path, overwrite: bool) -> None:
 
 def quantize_float_checkpoint(model_dir: Path, out: Path, scheme: str, modules, dtype: str) -> dict:
     """Float HF checkpoint -> quantized safetensors + quantization_config.json; returns the written config."""
+    import torch
     from safetensors.torch import save_file
 
     from neuron_infer.checkpoint import load_checkpoint
@@ -97,7 +97,7 @@ def rescale_fp8_checkpoint(model_dir: Path, out: Path, rescale: bool, method: st
     from neuron_infer.quant.fp8 import fp8_weight_names, rescale_fp8_state_dict
 
     files, _ = safetensors_files(model_dir)
-    state: dict[str, torch.Tensor] = {}
+    state = {}
     for path in files:
         state.update(load_file(str(path)))
     fixed = rescale_fp8_state_dict(state, rescale, method)  # raises CheckpointError when out of range w/o rescale
@@ -114,6 +114,7 @@ def rescale_fp8_checkpoint(model_dir: Path, out: Path, rescale: bool, method: st
 
 def load_quantized_checkpoint(path: str | Path):
     """A float-conversion output of `neuron-infer quantize` -> the quantized LlamaModel (strict load)."""
+    import torch
     from safetensors.torch import load_file
 
     from neuron_infer.compile.quantize_step import quant_structure
