@@ -62,6 +62,11 @@ class NeuronInferWorker(WorkerBase):
         logger.info("neuron-infer: loaded %s in %.1f s (backend %s, %s, batch %d, max_length %d%s)", root,
                     time.perf_counter() - t0, self.compiled.manifest.backend, build.dtype, build.batch_size,
                     build.max_length, f", quant {build.quant.scheme}" if build.quant.scheme != "none" else "")
+        if build.speculation is not None:
+            logger.warning(
+                "neuron-infer: %s has speculation graphs (draft %s, k=%d) but this vLLM runner decodes one token per "
+                "request per step with the target graphs (same greedy output, no speculative speed-up)",
+                root, build.speculation.draft_model, build.speculation.length)
 
     def get_kv_cache_spec(self) -> dict:
         return {}
