@@ -25,9 +25,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from neuron_infer.compile.cpu import CpuBackend, CpuCompileOptions  # noqa: E402
-from neuron_infer.config import ModelConfig  # noqa: E402
-from neuron_infer.model.llama import BucketStep, LlamaModel  # noqa: E402
+from neuron_infer.compile.cpu import CpuBackend, CpuCompileOptions
+from neuron_infer.config import ModelConfig
+from neuron_infer.model.llama import BucketStep, LlamaModel
 
 VARIANTS = ("eager", "aoti-gemv", "aoti-gemm", "inductor-freeze")
 
@@ -64,7 +64,7 @@ def prepare(variant: str, step: BucketStep, args: tuple, workdir: Path):
         fn = be.load_graph(workdir, variant, step)
         return fn, t1 - t0, time.perf_counter() - t1
     if variant == "inductor-freeze":
-        import torch._inductor.config as inductor_config  # noqa: PLC0415
+        import torch._inductor.config as inductor_config
 
         torch._dynamo.reset()
         t0 = time.perf_counter()

@@ -28,9 +28,10 @@ import hashlib
 import json
 import time
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -208,6 +209,6 @@ def _load_package(package: Path, sha256: str) -> Any:
                             "compile time); recompile the model")
     try:
         return torch._inductor.aoti_load_package(str(package))
-    except Exception as e:  # noqa: BLE001 - the loader raises RuntimeError/OSError/zip errors for damaged files
+    except Exception as e:  # the loader raises RuntimeError, OSError or zip errors for damaged packages
         raise ArtifactError(f"compiled graph {package} cannot be loaded ({type(e).__name__}: {e}); "
                             "recompile the model") from e
