@@ -40,18 +40,25 @@ class GenerationOutput:
     metrics: list[Metrics]  # one per static batch that ran
 
     def to_dict(self) -> dict:
+        from neuron_infer.runtime.spec_engine import summarize  # noqa: PLC0415
+
         m = self.metrics
         steps = [x for b in m for x in b.token_latencies_s]
-        return {
+        spec = summarize(m)  # a speculative step emits several tokens: ms/token comes from each batch's count
+        ms = sum(b.ms_per_token for b in m) / len(m) if (spec and m) else None
+        out = {
             "outputs": [o.to_dict() for o in self.outputs],
             "metrics": {
                 "ttft_s": m[0].ttft_s if m else 0.0,
-                "ms_per_token": 1000.0 * sum(steps) / len(steps) if steps else 0.0,
+                "ms_per_token": ms if ms is not None else (1000.0 * sum(steps) / len(steps) if steps else 0.0),
                 "tokens_per_s": sum(b.tokens_per_s for b in m) / len(m) if m else 0.0,
                 "token_latencies_s": steps,
                 "batches": [b.to_dict() for b in m],
             },
         }
+        if spec is not None:
+            out["metrics"]["speculation"] = spec
+        return out
 
 
 def _load_graphs(root: Path, manifest: Manifest, model) -> dict:
@@ -79,8 +86,9 @@ def _eos_ids(manifest: Manifest, tokenizer, root: Path) -> tuple[int, ...]:
 class CompiledModel:
     """A loaded artifact: tokenizer + engine (weights and compiled graphs)."""
 
-    def __init__(self, root: Path, manifest: Manifest, engine: Engine, tokenizer):
+    def __init__(self, root: Path, manifest: Manifest, engine: Engine, tokenizer, spec=None):
         self.root, self.manifest, self.engine, self.tokenizer = root, manifest, engine, tokenizer
+        self.spec = spec  # runtime.spec_engine.SpecEngine when compiled with --draft-model, else None
         self.eos_ids = _eos_ids(manifest, tokenizer, root)
 
     @classmethod
@@ -102,7 +110,12 @@ class CompiledModel:
         load_rank_weights(model, root / "weights" / "rank0.safetensors")
         engine = Engine(_load_graphs(root, manifest, model), manifest.build, cache_shape(model, manifest.build),
                         manifest.model.vocab_size)
-        return cls(root, manifest, engine, load_tokenizer(root / "tokenizer"))
+        spec = None
+        if manifest.build.speculation is not None:
+            from neuron_infer.compile.spec_builder import load_speculation  # noqa: PLC0415
+
+            spec = load_speculation(root, manifest, model, engine)
+        return cls(root, manifest, engine, load_tokenizer(root / "tokenizer"), spec)
 
     def encode(self, prompt: str, chat: bool = False) -> list[int]:
         if chat:
@@ -126,8 +139,12 @@ class CompiledModel:
             raise NeuronInferError(f"max_new_tokens={max_new_tokens} must be >= 1")
         bs, outputs, metrics = self.manifest.build.batch_size, [], []
         for start in range(0, len(prompts), bs):
-            res, m = generate_ids(self.engine, prompts[start:start + bs], max_new_tokens, sampling, self.eos_ids,
-                                  ignore_eos, on_tokens)
+            chunk = prompts[start:start + bs]
+            if self.spec is not None:
+                res, m = self.spec.generate_ids(chunk, max_new_tokens, sampling, self.eos_ids, ignore_eos, on_tokens)
+            else:
+                res, m = generate_ids(self.engine, chunk, max_new_tokens, sampling, self.eos_ids, ignore_eos,
+                                      on_tokens)
             outputs += [self._text(r) for r in res]
             metrics.append(m)
         return GenerationOutput(outputs, metrics)

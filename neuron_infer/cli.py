@@ -43,6 +43,14 @@ def build_options(f):
         click.option("--modules-to-not-convert", default=None, help="comma list or a file with one name per line"),
         click.option("--weight-tiling/--no-weight-tiling", default=None),
         click.option("--kv-cache-dtype", type=click.Choice(["auto", "fp8"]), default=None),
+        click.option("--draft-model", default=None,
+                     help="speculative decoding: a draft checkpoint dir sharing the tokenizer, or 'self'"),
+        click.option("--speculation-length", type=int, default=None, help="K tokens drafted per step"),
+        click.option("--fused-speculation/--no-fused-speculation", default=None,
+                     help="also compile one graph per bucket holding draft, verify and acceptance"),
+        click.option("--draft-quant", type=click.Choice(["none", "int8", "fp8", "mxfp8", "mxfp4", "w8a8"]),
+                     default=None, help="self-draft: the target quantized with this scheme"),
+        click.option("--draft-layers", type=int, default=None, help="self-draft: the target's first N layers"),
     ]
     for opt in reversed(opts):
         f = opt(f)
@@ -62,7 +70,22 @@ def _build_overrides(kw: dict) -> dict:
         "kernels": kw.pop("kernels"), "tp_degree": kw.pop("tp_degree"), "quant.scheme": kw.pop("quant"),
         "quant.modules_to_not_convert": mods, "quant.weight_tiling": kw.pop("weight_tiling"),
         "quant.kv_cache_dtype": kw.pop("kv_cache_dtype"),
+        **_speculation_overrides(kw),
     }
+
+
+def _speculation_overrides(kw: dict) -> dict:
+    draft = kw.pop("draft_model")
+    if draft not in (None, "self"):
+        draft = str(Path(draft).resolve())  # the manifest must not depend on the working directory
+    spec = {"speculation.draft_model": draft, "speculation.length": kw.pop("speculation_length"),
+            "speculation.fused": kw.pop("fused_speculation"), "speculation.draft_quant": kw.pop("draft_quant"),
+            "speculation.draft_layers": kw.pop("draft_layers")}
+    given = [k for k, v in spec.items() if v is not None]
+    if given and (spec["speculation.draft_model"] is None or spec["speculation.length"] is None):
+        raise NeuronInferError("speculative decoding needs both --draft-model (a checkpoint dir or 'self') and "
+                               "--speculation-length K")
+    return spec
 
 
 def _preset(kw: dict):

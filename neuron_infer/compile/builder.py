@@ -35,6 +35,10 @@ def check_build_against_model(cfg: ModelConfig, build: BuildConfig) -> None:
         from neuron_infer.parallel.plan import ShardPlan  # noqa: PLC0415  (validates the degree)
 
         ShardPlan.build(cfg, build.tp_degree)
+    if build.speculation is not None:
+        from neuron_infer.compile.spec_builder import check_speculation  # noqa: PLC0415
+
+        check_speculation(cfg, build)
 
 
 def example_args(cache: CacheShape, spec: GraphSpec) -> tuple[torch.Tensor, ...]:
@@ -104,6 +108,12 @@ def compile_model(model_dir: str | Path, out_dir: str | Path, build: BuildConfig
         extra = {"quant": quantize_model(model, build, model_dir)}
         save_rank_weights(model, tmp / "weights" / "rank0.safetensors")
         graphs = compile_graphs(model, build, be, tmp / "graphs", say)
+        if build.speculation is not None:
+            from neuron_infer.compile.spec_builder import compile_speculation  # noqa: PLC0415
+
+            spec_graphs, spec_extra = compile_speculation(model_dir, cfg, build, model, be, tmp, say)
+            graphs.update(spec_graphs)
+            extra.update(spec_extra)
         copy_tokenizer(model_dir, tmp / "tokenizer")
         extra["compile_seconds"] = round(time.perf_counter() - t_start, 3)
         manifest = Manifest(FORMAT_VERSION, package_versions(), be.name, cfg, build,
