@@ -228,6 +228,11 @@ def plan_cmd(model, instance, tp_degree, quant, max_length, batch_size, lnc, as_
     click.echo(json.dumps(p.to_dict(), indent=2) if as_json else render_capacity_text(p))
 
 
+from neuron_infer.cli_quantize import quantize_cmd  # noqa: E402  (kept torch-free at import)
+
+cli.add_command(quantize_cmd)
+
+
 def main(argv: list[str] | None = None) -> None:
     try:
         cli.main(args=argv, prog_name="neuron-infer", standalone_mode=False)
