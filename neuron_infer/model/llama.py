@@ -97,8 +97,9 @@ class Attention(nn.Module):
         self.register_buffer("q_to_kv", torch.tensor(lay.q_to_kv, dtype=torch.int64), persistent=False)
         self.h, self.hkv, self.d, self.ops = lay.num_heads, lay.num_kv_heads, d, ops
 
-    def forward(self, x, cos, sin, positions, k_cache, v_cache, attend_len: int, seq_ids=None):
-        # x [B, T, H]; positions [B, T]; k_cache/v_cache [R, Hkv, S, D] this layer's cache, updated in place.
+    def forward(self, x, cos, sin, positions, k_cache, v_cache, layer: int, attend_len: int, seq_ids=None):
+        # x [B, T, H]; positions [B, T]; k_cache/v_cache [L, R, Hkv, S, D] whole caches, updated in place at
+        # `layer` (writing through the 5-D tensor, not a per-layer view, keeps compiled graphs free of cache copies).
         # seq_ids [B]: the cache row of each batch row (None: batch row b is cache row b, R == B).
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.h, self.d).transpose(1, 2)  # [B, Hq, T, D]
@@ -106,15 +107,17 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(b, t, self.hkv, self.d).transpose(1, 2)  # [B, Hkv, T, D]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         rows = torch.arange(b, device=x.device) if seq_ids is None else seq_ids  # [B]
+        li = torch.full((1, 1, 1), layer, dtype=torch.int64, device=x.device)  # [1, 1, 1]
         hi = torch.arange(self.hkv, device=x.device).view(1, self.hkv, 1)  # [1, Hkv, 1]
-        idx = (rows.view(b, 1, 1), hi, positions.unsqueeze(1))  # cache[row[b], h, pos[b, t]] <- k[b, h, t]
+        idx = (li, rows.view(b, 1, 1), hi, positions.unsqueeze(1))  # cache[layer, row[b], h, pos[b, t]] <- k[b, h, t]
         k_cache.index_put_(idx, to_cache_dtype(k, k_cache.dtype))
         v_cache.index_put_(idx, to_cache_dtype(v, v_cache.dtype))
+        k_layer, v_layer = k_cache[layer], v_cache[layer]  # [R, Hkv, S, D] read-only views
         if seq_ids is None:
-            ks, vs = k_cache[:, :, :attend_len], v_cache[:, :, :attend_len]  # [B, Hkv, S', D] views
+            ks, vs = k_layer[:, :, :attend_len], v_layer[:, :, :attend_len]  # [B, Hkv, S', D] views
         else:
-            ks = k_cache[:, :, :attend_len].index_select(0, seq_ids)  # [B, Hkv, S', D]
-            vs = v_cache[:, :, :attend_len].index_select(0, seq_ids)
+            ks = k_layer[:, :, :attend_len].index_select(0, seq_ids)  # [B, Hkv, S', D]
+            vs = v_layer[:, :, :attend_len].index_select(0, seq_ids)
         o = self.ops.attention(q, ks.to(q.dtype), vs.to(q.dtype), self.q_to_kv, positions)  # [B, Hq, T, D]
         o = o.transpose(1, 2).reshape(b, t, self.h * self.d)  # [B, T, Hq*D]
         return self.ops.all_reduce(self.o_proj(o))  # row-parallel: partial sums over ranks
@@ -140,8 +143,9 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.mlp = MLP(cfg, lay, ops)
 
-    def forward(self, x, cos, sin, positions, k_cache, v_cache, attend_len: int, seq_ids=None):
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, k_cache, v_cache, attend_len, seq_ids)
+    def forward(self, x, cos, sin, positions, k_cache, v_cache, layer: int, attend_len: int, seq_ids=None):
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, k_cache, v_cache, layer, attend_len,
+                               seq_ids)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -210,7 +214,7 @@ class LlamaModel(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)  # [B, 1, T, D]
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, positions, k_cache[i], v_cache[i], attend_len, seq_ids)
+            x = layer(x, cos, sin, positions, k_cache, v_cache, i, attend_len, seq_ids)
         x = self.model.norm(x)
         idx = logit_index.unsqueeze(-1).expand(-1, -1, x.shape[-1])  # [B, n, H]
         x = torch.gather(x, 1, idx)  # [B, n, H]
