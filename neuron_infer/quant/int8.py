@@ -25,7 +25,8 @@ from torch import nn
 from neuron_infer.quant.base import QuantizedLinear, check_float_linear, per_channel_absmax
 
 QMAX = 127
-PACK_MAX_ROWS = 8  # measured crossover vs bf16 GEMM at SmolLM2 shapes is ~4-12 rows
+PACK_MAX_ROWS = 1  # one row only: AOTInductor graphs calling it with 4 rows at SmolLM2 sizes crash (segfault, torch
+# 2.13; reproduced with a 2-layer SmolLM2-shaped int8 model, batch-4 decode); at 4+ rows it was no faster than bf16
 PACK_K_MULTIPLE = 32  # torch._weight_int8pack_mm is only correct for in_features % 32 == 0
 
 
