@@ -74,7 +74,7 @@ def test_killing_a_rank_mid_generation_fails_promptly_naming_it(arts):
 @pytest.mark.slow
 def test_torchrun_environment_ranks_generate_over_loopback(arts):
     """Two CLI processes join one gloo group through MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE (as torchrun sets
-    them, on one host or several); rank 0 prints the result, rank 1 prints no outputs."""
+    them, on one host or several); rank 0 prints the result, rank 1 prints nothing."""
     ref = CompiledModel.load(arts / "tp1").generate([PROMPT], max_new_tokens=6, ignore_eos=True)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -85,4 +85,4 @@ def test_torchrun_environment_ranks_generate_over_loopback(arts):
     outs = [p.communicate(timeout=300) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], [e for _, e in outs]
     assert json.loads(outs[0][0])["outputs"][0]["token_ids"] == ref.outputs[0].token_ids
-    assert json.loads(outs[1][0])["outputs"] == []
+    assert outs[1][0].strip() == ""  # only rank 0 prints
