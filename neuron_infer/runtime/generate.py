@@ -69,8 +69,14 @@ def generate_ids(
     eos_ids: tuple[int, ...] = (),
     ignore_eos: bool = False,
     on_tokens: OnTokens | None = None,
+    decide: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    on_logits: Callable[[torch.Tensor], None] | None = None,
 ) -> tuple[list[SequenceResult], Metrics]:
-    """Generate up to `max_new_tokens` per prompt (a static batch of <= batch_size prompts)."""
+    """Generate up to `max_new_tokens` per prompt (a static batch of <= batch_size prompts).
+
+    `decide` maps the sampled tokens [B] to the tokens actually used (tensor parallelism: rank 0's choice,
+    broadcast); `on_logits` sees each step's logits of the real rows [n, V].
+    """
     build = engine.build
     _check_prompts(prompts, build.batch_size, build.max_context_length)
     gen, n, metrics = make_generator(sampling.seed), len(prompts), Metrics()
@@ -80,7 +86,11 @@ def generate_ids(
     t0 = time.perf_counter()
     logits = engine.prefill(prompts)
     while True:
+        if on_logits:
+            on_logits(logits[:n])
         tokens = sample(logits, sampling, gen)  # [B]
+        if decide:
+            tokens = decide(tokens)
         now = time.perf_counter()
         if metrics.num_generated == 0:
             metrics.ttft_s = now - t0
