@@ -27,6 +27,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from neuron_infer.checkpoint import load_checkpoint
+from neuron_infer.compile.weights import assign_state
 from neuron_infer.config import QUANT_SCHEMES, BuildConfig, ModelConfig, QuantConfig
 from neuron_infer.errors import ArtifactError, ConfigError
 from neuron_infer.model.llama import BucketStep, LlamaModel
@@ -131,14 +132,7 @@ def load_draft_weights(draft: LlamaModel, target: LlamaModel, path: Path, shared
         raise ArtifactError(f"cannot read draft weights {path} ({e}); recompile the model") from e
     tstate = target.state_dict()
     state.update({n: tstate[n] for n in shared})
-    if draft.cfg.tie_word_embeddings and type(draft.lm_head) is torch.nn.Linear and "lm_head.weight" not in state:
-        state["lm_head.weight"] = state["model.embed_tokens.weight"]
-    try:
-        draft.load_state_dict(state, strict=True, assign=True)
-    except RuntimeError as e:
-        raise ArtifactError(f"draft weights {path} do not match the manifest's draft model: {e}") from e
-    draft.tie_weights()
-    draft.materialize_buffers()
+    assign_state(draft, state, f"draft weights {path} do not match the manifest's draft model")
 
 
 # ---- graphs ---------------------------------------------------------------------------------------------------

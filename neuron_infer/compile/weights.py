@@ -57,12 +57,17 @@ def load_rank_weights(model: LlamaModel, path: Path) -> None:
         state = load_file(str(path))
     except (OSError, SafetensorError) as e:
         raise ArtifactError(f"cannot read weights {path} ({e}); recompile the model") from e
+    assign_state(model, state, f"weights {path} do not match the model the manifest describes")
+
+
+def assign_state(model: LlamaModel, state: dict[str, torch.Tensor], mismatch: str) -> None:
+    """Fill a meta-device skeleton from `state` (strict); a tied plain head reuses the embedding tensor."""
     plain_head = type(model.lm_head) is torch.nn.Linear
     if model.cfg.tie_word_embeddings and plain_head and "lm_head.weight" not in state:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     try:
         model.load_state_dict(state, strict=True, assign=True)
     except RuntimeError as e:
-        raise ArtifactError(f"weights {path} do not match the model the manifest describes: {e}") from e
+        raise ArtifactError(f"{mismatch}: {e}") from e
     model.tie_weights()
     model.materialize_buffers()
