@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import importlib
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -79,10 +80,17 @@ class NeuronBackend:
         weights = {f"step.{k}": v for k, v in module.state_dict().items()}  # FunctionalStep prefixes "step."
         self.sdk.replace_weights(graph, weights)
 
-        def run(input_ids, positions, k_cache, v_cache, logit_index, *seq_ids):
-            logits, k, v = graph(input_ids, positions, k_cache, v_cache, logit_index, *seq_ids)
-            k_cache.copy_(k)
-            v_cache.copy_(v)
-            return logits
+        return copy_back(graph)
 
-        return run
+
+def copy_back(graph: Callable) -> Callable[..., torch.Tensor]:
+    """Wrap a functional graph (caches in, (logits, k, v) out) as an in-place step: the updated caches are copied
+    back into the engine's cache tensors and the logits returned (shared by the single-core and the TP backend)."""
+
+    def run(input_ids, positions, k_cache, v_cache, logit_index, *seq_ids):
+        logits, k, v = graph(input_ids, positions, k_cache, v_cache, logit_index, *seq_ids)
+        k_cache.copy_(k)
+        v_cache.copy_(v)
+        return logits
+
+    return run

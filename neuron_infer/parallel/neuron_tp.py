@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from neuron_infer.compile.neuron import COMPILER_ARGS
+from neuron_infer.compile.neuron import COMPILER_ARGS, copy_back
 from neuron_infer.config import BuildConfig, ModelConfig
 from neuron_infer.errors import ArtifactError, BackendUnavailableError
 from neuron_infer.parallel.plan import ShardPlan
@@ -172,16 +172,7 @@ def load_neuron_tp_engine(root: Path, manifest, plan: ShardPlan):
             traced = nxd.trace.parallel_model_load(str(root / "graphs" / spec.name))
         except (RuntimeError, OSError) as e:
             raise ArtifactError(f"cannot load Neuron TP graph {spec.name} from {root} ({e}); recompile") from e
-        graphs[spec.name] = _copy_back(traced)
+        graphs[spec.name] = copy_back(traced)
     return Engine(graphs, manifest.build, stacked_cache(manifest.model, manifest.build, plan),
                   manifest.model.vocab_size)
 
-
-def _copy_back(traced):
-    def run(input_ids, positions, k_all, v_all, logit_index, *seq_ids):
-        logits, k, v = traced(input_ids, positions, k_all, v_all, logit_index, *seq_ids)
-        k_all.copy_(k)
-        v_all.copy_(v)
-        return logits
-
-    return run
