@@ -108,10 +108,10 @@ def format_report(r: CostReport) -> str:
     lines += [
         f"lower bound (perfect overlap): {_fmt_s(r.lower_bound_s)}  — bound by {r.bound_engine}",
         f"upper bound (serialised):      {_fmt_s(r.upper_bound_s)}",
-        f"matmul FLOPs: {r.flops:.4g} ({r.matmul_mode}); Tensor Engine peak fraction: "
-        f"{r.tensor_peak_fraction:.1%} (serialised: {r.tensor_peak_fraction_serial:.1%})",
-        f"DMA: {r.dma_transfers} transfers, {r.dma_bytes / 2**20:.2f} MiB ({r.hbm_bytes / 2**20:.2f} MiB HBM side); "
-        f"HBM BW fraction {r.hbm_bw_fraction:.1%}, DMA BW fraction {r.dma_bw_fraction:.1%}",
+        (f"matmul FLOPs: {r.flops:.4g} ({r.matmul_mode}); Tensor Engine peak fraction: "
+         f"{r.tensor_peak_fraction:.1%} (serialised: {r.tensor_peak_fraction_serial:.1%})"),
+        (f"DMA: {r.dma_transfers} transfers, {r.dma_bytes / 2**20:.2f} MiB ({r.hbm_bytes / 2**20:.2f} MiB HBM side); "
+         f"HBM BW fraction {r.hbm_bw_fraction:.1%}, DMA BW fraction {r.dma_bw_fraction:.1%}"),
     ]
     generic = [f"{o.engine}.{o.op}" for o in r.ops if o.generic_rule]
     if generic:
@@ -183,8 +183,8 @@ class CostModel:
     def _cost(self, ev, g: C.GenerationConstants, core: int) -> tuple[float, bool]:
         if ev.engine == "tensor":
             cycles = R.tensor_cycles(ev)          # validates the event first
-            if ev.op in ("nc_matmul", "nc_matmul_mx"):
-                self._add_flops(ev, g)
+            if ev.op in ("nc_matmul", "nc_matmul_mx") and not ev.is_transpose:
+                self._add_flops(ev, g)          # a transpose-mode matmul moves data: no matmul FLOPs
             return cycles / g.tensor_hz, False
         if ev.engine == "vector":
             cycles, known = R.vector_like_cycles(ev, g)

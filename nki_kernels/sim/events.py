@@ -24,6 +24,7 @@ class InstrEvent:
     dma_bytes: int = 0                                # bytes moved (dma ops)
     src_buffer: str = ""                              # "hbm" | "sbuf" | "psum"
     dst_buffer: str = ""
+    is_transpose: bool = False                        # nc_matmul(is_transpose=True): data movement, no FLOPs
 
 
 class Recorder(Protocol):

@@ -153,7 +153,7 @@ def _transpose_mode(dst, st, mv, ctx, op):
     if ctx.execute:
         vals = st.read().reshape(k, m).T if dst.dtype == st.dtype else C.cast_for(dst, C.read_2d(st).T)
         C.store(dst, vals, by_matmul=True)
-    return C.emit("tensor", op, mv, dst, partitions=k, free_elems=k, matmul_kmn=(k, m, k))
+    return C.emit("tensor", op, mv, dst, partitions=k, free_elems=k, matmul_kmn=(k, m, k), is_transpose=True)
 
 
 def nc_transpose(dst, data, engine=None, name=None):

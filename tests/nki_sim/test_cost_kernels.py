@@ -9,9 +9,9 @@
 import ml_dtypes
 import numpy as np
 import pytest
+from nki.simulator import ShapeSpec, simulate_kernel
 
 import nki_kernels  # noqa: F401  (makes `nki` resolve to the simulator here)
-from nki.simulator import ShapeSpec, simulate_kernel
 from nki_kernels.examples.gemm_blocked import gemm_blocked
 from nki_kernels.examples.gemm_naive import gemm_naive
 from nki_kernels.examples.mx_matmul import mx_matmul_kernel
@@ -20,8 +20,7 @@ from nki_kernels.sim import cost_constants as C
 from nki_kernels.sim.cost import CostModel, cost_kernel, estimate
 from nki_kernels.sim.events import ListRecorder
 
-from .test_cost_calibration import (PUBLISHED_BLOCKED, PUBLISHED_NAIVE, blocked_gemm_events,
-                                   naive_gemm_events)
+from .test_cost_calibration import PUBLISHED_BLOCKED, PUBLISHED_NAIVE, blocked_gemm_events, naive_gemm_events
 
 BF16 = ml_dtypes.bfloat16
 
