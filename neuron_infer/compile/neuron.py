@@ -7,6 +7,9 @@ Written against the documented torch-neuronx API and exercised in CI through a r
                                  inline_weights_to_neff=False)   -> torch.jit.save(graphs/<name>.pt)
     load:    torch.jit.load(graphs/<name>.pt); torch_neuronx.replace_weights(graph, weights)
 
+With `--kernels nki` the step is traced under `nki_neuron.neuron_target()`, so the NKI kernels are launched through
+the SDK's `nki.jit` as custom calls inside the graph (model/nki_neuron.py).
+
 Weights stay outside the NEFFs (`inline_weights_to_neff=False`) so every bucket graph shares the one per-rank
 weight file of the artifact, as on CPU. Traced graphs cannot mutate their inputs, so the step is traced in
 functional form (caches in, updated caches out) and the loaded callable copies the result back into the engine's
@@ -24,6 +27,7 @@ from typing import Any
 import torch
 
 from neuron_infer.errors import ArtifactError, BackendUnavailableError
+from neuron_infer.model.nki_neuron import neuron_target
 
 INSTALL_HINT = (
     "the neuron target needs the AWS Neuron SDK (torch-neuronx and neuronx-cc) installed from the Neuron pip "
@@ -53,7 +57,8 @@ class FunctionalStep(torch.nn.Module):
 
     def forward(self, input_ids, positions, k_cache, v_cache, logit_index, *seq_ids):
         k, v = k_cache.clone(), v_cache.clone()  # [L, R, Hkv, S, D] each
-        logits = self.step(input_ids, positions, k, v, logit_index, *seq_ids)  # [B, n, V]
+        with neuron_target():  # kernels="nki": launch the kernels through the SDK's nki.jit (model/nki_neuron.py)
+            logits = self.step(input_ids, positions, k, v, logit_index, *seq_ids)  # [B, n, V]
         return logits, k, v
 
 

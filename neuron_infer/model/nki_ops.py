@@ -1,10 +1,12 @@
 """`kernels="nki"`: the Llama op table backed by the NKI kernels in nki_kernels/ (attention, MLP; MX linear helper).
 
-Each op converts torch tensors to the kernel layout, calls the `nki.jit` kernel and converts back. On this machine
+Each op converts torch tensors to the kernel layout, calls the `nki.jit` kernel and converts back. On CPU
 `import nki_kernels` registers the NumPy simulator as `nki`, so a call runs the kernel on the CPU simulator
-(slow: for tiny models and CI). With a genuine Neuron `nki` installed the same calls run inside the traced graph
-(not yet run on hardware). RMSNorm stays the PyTorch reference (it is fused into the MLP kernel only when called
-through `rmsnorm_mlp_kernel` directly).
+(slow: for tiny models and CI); weights are packed on the host (NumPy) and cached per module. While a graph is
+traced for the neuron target (`nki_neuron.neuron_target()`, entered by compile/neuron.py and
+parallel/neuron_tp.py) the same ops route to `model/nki_neuron.py`, which launches the kernels through the
+SDK's `nki.jit` with torch tensors of the graph only (not yet run on hardware). RMSNorm stays the PyTorch
+reference (it is fused into the MLP kernel only when called through `rmsnorm_mlp_kernel` directly).
 
 attention(q, k, v, q_to_kv, positions):
     prefill kernel when every row's positions are 0..T-1 (keys sliced to the first T slots), otherwise the decode
@@ -36,6 +38,7 @@ import torch
 from torch import nn
 
 import nki_kernels  # noqa: F401  (resolves `import nki` to Neuron or the simulator)
+from neuron_infer.model import nki_neuron
 from neuron_infer.model.ops import Ops, mlp_ref
 from neuron_infer.quant.fp8 import FP8Linear
 from neuron_infer.quant.mx import MXLinear
@@ -66,6 +69,9 @@ def _is_prefill(positions: torch.Tensor, t: int, s: int) -> bool:
 
 def attention(q, k, v, q_to_kv, positions):
     """Causal GQA attention [B, Hq, T, D] (see the module docstring for the kernel choice)."""
+    launcher = nki_neuron.active()
+    if launcher is not None:                                         # tracing for the neuron target
+        return nki_neuron.attention(launcher, q, k, v, q_to_kv, positions)
     dt = _kernel_dtype(q)
     q, k, v = q.to(dt), k.to(dt), v.to(dt)
     t, d = q.shape[2], q.shape[3]
@@ -170,6 +176,11 @@ def mlp(x, gate, up, down):
     kind = _kernel_kind(mods)
     if kind is None:
         return mlp_ref(x, gate, up, down)
+    launcher = nki_neuron.active()
+    if launcher is not None:                                         # tracing for the neuron target
+        if kind == "mx":                                             # host-packed MX layout: not in a graph
+            return mlp_ref(x, gate, up, down)
+        return nki_neuron.mlp(launcher, kind, x, gate, up, down)
     if kind == "mx":
         h = torch.nn.functional.silu(mx_linear(x, gate)) * mx_linear(x, up)   # [B, T, I]
         return mx_linear(h, down)                                           # [B, T, H]

@@ -35,6 +35,7 @@ import torch
 from neuron_infer.compile.neuron import COMPILER_ARGS, copy_back
 from neuron_infer.config import BuildConfig, ModelConfig
 from neuron_infer.errors import ArtifactError, BackendUnavailableError
+from neuron_infer.model.nki_neuron import neuron_target
 from neuron_infer.parallel.plan import ShardPlan
 from neuron_infer.runtime.engine import CacheShape, planned_graphs
 
@@ -79,7 +80,8 @@ class TPRankStep(torch.nn.Module):
 
     def forward(self, input_ids, positions, k_all, v_all, logit_index, *seq_ids):
         k, v = k_all[self.rank].clone(), v_all[self.rank].clone()  # [L, R, Hkv, S, D] this rank's cache
-        logits = self.step(input_ids, positions, k, v, logit_index, *seq_ids)  # [B, n, V]
+        with neuron_target():  # kernels="nki": the SDK's nki.jit inside the rank's graph (model/nki_neuron.py)
+            logits = self.step(input_ids, positions, k, v, logit_index, *seq_ids)  # [B, n, V]
         k_all = self.gather(k.reshape(1, -1)).view(k_all.shape)  # [1, tp*N] -> [tp, L, R, Hkv, S, D]
         v_all = self.gather(v.reshape(1, -1)).view(v_all.shape)
         return logits, k_all, v_all

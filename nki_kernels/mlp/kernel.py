@@ -10,7 +10,8 @@ Args:
     eps: Python float RMSNorm epsilon (rmsnorm_* entry points only).
     wg_hbm, wu_hbm: [128, Ip/128, Hp/128, 128] gate / up weights W[K=H, N=I] (nn.Linear.weight.T) in the tiled
         layout of neuron_infer/tiling.py: tiled[kp, nt, kt, np] = W[kt*128 + kp, nt*128 + np], zero padded.
-        dtype of x (bf16/fp32) or float8_e4m3 (Neuron E4M3, |w| <= 240) for the *_fp8 entry points, HBM.
+        dtype of x (bf16/fp32) or float8_e4m3 (Neuron E4M3, |w| <= 240) for the *_fp8 entry points, HBM
+        (float8_e4m3fn bytes in the Neuron range are accepted and viewed as float8_e4m3).
     wd_hbm: [128, Hp/128, Ip/128, 128] down weight W[K=I, N=H] in the same layout and dtype, HBM.
     sg_hbm, su_hbm: [128, Ip/128] fp32 per-output-channel scales (scale of channel nt*128 + p at [p, nt]),
         sd_hbm: [128, Hp/128] fp32 (fp8 entry points only), HBM.
@@ -192,9 +193,17 @@ def _load_scales(s_hbm):
     return s_sbuf
 
 
+def _as_neuron_e4m3(w_hbm):
+    """OCP float8_e4m3fn weights (what torch passes: it has no Neuron E4M3 dtype) viewed as float8_e4m3: the bytes
+    of |w| <= 240 are the same values in both, and gen2/3 matmuls accept only float8_e4m3."""
+    if w_hbm.dtype == nl.float8_e4m3fn:
+        return w_hbm.view(nl.float8_e4m3)
+    return w_hbm
+
+
 def _mlp(x_hbm, gamma_hbm, eps, with_norm, weights, scale_hbms):
     """Shared body of the four entry points (scale_hbms: () for float weights, (sg, su, sd) for FP8)."""
-    wg_hbm, wu_hbm, wd_hbm = weights
+    wg_hbm, wu_hbm, wd_hbm = _as_neuron_e4m3(weights[0]), _as_neuron_e4m3(weights[1]), _as_neuron_e4m3(weights[2])
     n_tok, hidden = x_hbm.shape
     out_hbm = nl.ndarray((n_tok, hidden), dtype=x_hbm.dtype, buffer=nl.shared_hbm, name="mlp_out")
     act_dtype = x_hbm.dtype

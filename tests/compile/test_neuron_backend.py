@@ -1,48 +1,23 @@
 """The Neuron backend through a recording test double of torch-neuronx (the SDK cannot be installed here).
 
-The double records every SDK call and implements `trace` with `torch.jit.trace` (a real TorchScript graph of the
-functional step) and `replace_weights` by loading the given tensors into the graph, so compile -> save -> load ->
-generate runs end to end and a wrong weight mapping or a broken cache write-back changes the tokens.
+The double (tests/compile/neuron_doubles.py) records every SDK call and implements `trace` with `torch.jit.trace`
+and `replace_weights` by loading the given tensors into the graph, so compile -> save -> load -> generate runs end
+to end and a wrong weight mapping or a broken cache write-back changes the tokens.
 """
 import sys
 import types
 
 import pytest
-import torch
 
 from neuron_infer.api import CompiledModel
 from neuron_infer.compile.builder import compile_model
 from neuron_infer.compile.neuron import import_sdk
 from neuron_infer.config import BuildConfig
 from neuron_infer.errors import BackendUnavailableError
+from tests.compile.neuron_doubles import RecordingNeuronSDK
 
 BUILD = BuildConfig(target="neuron", dtype="fp32", max_context_length=32, max_length=64,
                     context_buckets=(16, 32), tokengen_buckets=(64,))
-
-
-class RecordingNeuronSDK(types.ModuleType):
-    def __init__(self):
-        super().__init__("torch_neuronx")
-        self.calls: list[tuple[str, dict]] = []
-
-    def trace(self, func, example_inputs, compiler_workdir=None, compiler_args=None, inline_weights_to_neff=True):
-        self.calls.append(("trace", {"workdir": compiler_workdir, "args": compiler_args,
-                                     "inline_weights_to_neff": inline_weights_to_neff,
-                                     "shapes": [tuple(t.shape) for t in example_inputs]}))
-        graph = torch.jit.trace(func, example_inputs, check_trace=False)
-        with torch.no_grad():  # a NEFF compiled without inlined weights holds none: poison them
-            for p in graph.parameters():
-                p.fill_(float("nan"))
-        return graph
-
-    def replace_weights(self, graph, weights):
-        self.calls.append(("replace_weights", {"keys": sorted(weights)}))
-        params = dict(graph.named_parameters())  # constants (rope tables, head maps) stay in the graph
-        missing = set(params) - set(weights)
-        assert not missing, f"weights missing for {sorted(missing)[:5]}"
-        with torch.no_grad():
-            for name, t in params.items():
-                t.copy_(weights[name])
 
 
 @pytest.fixture
