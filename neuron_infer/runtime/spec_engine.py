@@ -13,6 +13,7 @@ never writes past the cache. Finished and idle rows are parked at position 1 (th
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -175,6 +176,50 @@ class SpecEngine:
         eng, fn = self.target, self._graph(self.graphs, graph_name("verify", self.k + 1, s))
         return lambda ids, pos, li: fn(ids, pos, eng.k_cache, eng.v_cache, li)
 
+    # ---- continuous batching: one request per cache row, one step at a time (the vLLM runner) -------------------
+    def prefill_row(self, row: int, prompt: list[int]) -> torch.Tensor:
+        """Encode one prompt into cache row `row` of both models (other rows untouched) -> target logits [V]."""
+        self.draft.prefill_row(row, prompt)
+        return self.target.prefill_row(row, prompt)
+
+    def can_speculate(self, seqs: Mapping[int, Sequence[int]]) -> bool:
+        """Whether a speculative step fits every row of `seqs` (row -> tokens, the last one not yet cached): the
+        step writes positions p..p+K, so p + K + 1 <= max_length for the newest token's position p."""
+        return max(len(t) for t in seqs.values()) - 1 + self.k + 1 <= self.build.max_length
+
+    def step_tokens(self, seqs: Mapping[int, Sequence[int]], sampling: SamplingConfig,
+                    u: torch.Tensor | None = None) -> dict[int, list[int]]:
+        """One speculative step (K drafts + one verify) over the rows of `seqs` (row -> all its tokens, >= 2, the
+        last one not yet in the caches; every row holding a live request must be listed, other rows are parked) ->
+        row -> its 1..K+1 accepted tokens. `sampling` applies to every row (one graph per step); u [B, 3K+1]."""
+        last, prev, pos = self._parked()
+        for row, seq in seqs.items():
+            if len(seq) < 2:
+                raise NeuronInferError(f"row {row} has {len(seq)} token(s); a speculative step needs the prompt "
+                                       "and its first generated token (prefill_row, then sample)")
+            last[row], prev[row], pos[row] = seq[-1], seq[-2], len(seq) - 1
+        res = self.step(last, prev, pos, sampling, u)
+        return {row: res["tokens"][row, : int(res["counts"][row])].tolist() for row in seqs}
+
+    def decode_both(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """A plain one-token target step that also writes the draft cache at the same positions, so speculation
+        can resume after it (tail near max_length, or rows that cannot share one speculative graph).
+        tokens [B], positions [B] -> target logits [B, V]."""
+        p = int(positions.max())
+        s = pick_bucket(min(p + self.k + 1, self.build.max_length), self.build.tokengen_bucket_list, "sequence",
+                        "--max-length")  # draft tokengen graphs exist only for buckets >= K + 2
+        ids = tokens.view(-1, 1).to(torch.int64)  # [B, 1]
+        pos = positions.view(-1, 1).to(torch.int64)  # [B, 1]
+        with torch.inference_mode():
+            self._draft_fn(s)(ids, pos, torch.zeros_like(pos))  # writes the draft K/V; logits unused
+        return self.target.decode(tokens, positions)
+
+    def _parked(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """last [B], prev [B], pos [B] of rows without a live request: token 0 at position 1 (junk rows)."""
+        b = self.build.batch_size
+        return (torch.zeros(b, dtype=torch.int64), torch.zeros(b, dtype=torch.int64),
+                torch.ones(b, dtype=torch.int64))  # [B] each
+
     # ---- generation --------------------------------------------------------------------------------------------
     def prefill(self, prompts: list[list[int]]) -> torch.Tensor:
         """Encode prompts into both caches -> target next-token logits [B, V]."""
@@ -217,9 +262,7 @@ class SpecEngine:
 
     def _row_state(self, rows: _Rows) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """last [B], prev [B], pos [B] from the host lists; finished/idle rows parked at (prev 0, last 0, pos 1)."""
-        b = self.build.batch_size
-        last, prev = torch.zeros(b, dtype=torch.int64), torch.zeros(b, dtype=torch.int64)  # [B] each
-        pos = torch.ones(b, dtype=torch.int64)  # [B]
+        last, prev, pos = self._parked()  # [B] each
         for r in rows.active():
             seq = rows.prompts[r] + rows.out[r]
             last[r], prev[r], pos[r] = seq[-1], seq[-2], len(seq) - 1

@@ -12,9 +12,19 @@ requests that are about to join would otherwise be overwritten after their prefi
     running, not scheduled  decode rewrites the same pending token at the same position: the same K/V, which the
                             request's next real step writes again anyway
     free                    token 0 at position 0 (garbage in a row that is re-encoded before any use)
+
+With a speculative artifact (`spec`, a SpecEngine: draft model compiled in) a step is one speculative step over all
+rows instead (K draft tokens + one target pass, fused into one graph when compiled with --fused-speculation) and
+each request gets its 1..K+1 accepted tokens; vLLM's scheduler takes several sampled tokens per request per step
+and trims them at a stop (EOS, stop ids, max_tokens, max_model_len). One graph serves one sampling rule per step, so
+a step falls back to a plain target step (which also writes the draft cache, so speculation resumes afterwards)
+when the scheduled requests mix greedy and sampled or different temperature/top-k/top-p, and near max_length
+where a speculative block would not fit. Greedy output equals the non-speculative runner's (fp32; see
+runtime/spec_engine.py for bf16 near-ties).
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +33,8 @@ from neuron_infer.config import SamplingConfig
 from neuron_infer.errors import NeuronInferError
 from neuron_infer.runtime.engine import Engine
 from neuron_infer.runtime.sampling import make_generator, sample
+from neuron_infer.runtime.spec_engine import SpecEngine
+from neuron_infer.runtime.spec_step import uniforms_width
 
 
 @dataclass
@@ -36,11 +48,27 @@ class Slot:
     generator: torch.Generator
 
 
-class SlotRunner:
-    """Maps request ids to cache rows and produces one token per scheduled request per step."""
+@dataclass
+class StepStats:
+    """What the runner's steps did (for logs and benchmarks)."""
 
-    def __init__(self, engine: Engine):
-        self.engine = engine
+    spec_steps: int = 0  # speculative steps
+    plain_steps: int = 0  # one-token steps (no draft, or a fallback step)
+    drafted: int = 0  # draft tokens proposed to scheduled requests
+    accepted: int = 0  # of those, accepted
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+
+class SlotRunner:
+    """Maps request ids to cache rows and produces 1 (or, speculating, 1..K+1) tokens per scheduled request per
+    step."""
+
+    def __init__(self, engine: Engine, spec: SpecEngine | None = None):
+        self.engine, self.spec = engine, spec
+        self.stats = StepStats()
         self.batch = engine.build.batch_size
         self.max_context = engine.build.max_context_length
         self.max_length = engine.build.max_length
@@ -69,7 +97,8 @@ class SlotRunner:
             )
         slot = Slot(self._free.pop(), list(token_ids), sampling, make_generator(sampling.seed))
         self.slots[req_id] = slot
-        logits = self.engine.prefill_row(slot.row, slot.tokens)  # [V]
+        prefill = self.spec.prefill_row if self.spec is not None else self.engine.prefill_row
+        logits = prefill(slot.row, slot.tokens)  # [V]
         return self._take(slot, logits.view(1, -1))
 
     def release(self, req_id: str) -> list[int] | None:
@@ -80,25 +109,61 @@ class SlotRunner:
         self._free.append(slot.row)
         return slot.tokens
 
-    def decode(self, req_ids: list[str]) -> dict[str, int]:
-        """One token-generation step over every row; sample the next token of each request in `req_ids`."""
+    def decode(self, req_ids: list[str]) -> dict[str, list[int]]:
+        """One step over every row; the new tokens of each request in `req_ids` (one, or 1..K+1 speculating)."""
         if not req_ids:
             return {}
+        longest = max(len(s.tokens) for s in self.slots.values())
+        if longest > self.max_length:
+            raise NeuronInferError(
+                f"a request reached {longest} tokens, beyond the artifact's max_length={self.max_length}; serve "
+                f"with --max-model-len <= {self.max_length}"
+            )
+        if self.spec is not None:
+            rule = self._shared_rule(req_ids)
+            seqs = {s.row: s.tokens for s in self.slots.values()}  # every live row: its real tokens are rewritten
+            if rule is not None and self.spec.can_speculate(seqs):
+                return self._speculate(req_ids, seqs, rule)
+        return self._plain(req_ids)
+
+    def _plain(self, req_ids: list[str]) -> dict[str, list[int]]:
         tokens = torch.zeros(self.batch, dtype=torch.int64)  # [B] free rows: token 0 ...
         positions = torch.zeros(self.batch, dtype=torch.int64)  # [B] ... at position 0
         for slot in self.slots.values():
             tokens[slot.row] = slot.tokens[-1]
             positions[slot.row] = len(slot.tokens) - 1  # the pending token's own slot
-        if int(positions.max()) >= self.max_length:
-            raise NeuronInferError(
-                f"a request reached {int(positions.max()) + 1} tokens, beyond the artifact's max_length="
-                f"{self.max_length}; serve with --max-model-len <= {self.max_length}"
-            )
-        logits = self.engine.decode(tokens, positions)  # [B, V]
+        step = self.spec.decode_both if self.spec is not None else self.engine.decode
+        logits = step(tokens, positions)  # [B, V]
+        self.stats.plain_steps += 1
+        return {r: [self._take(self.slots[r], logits[self.slots[r].row: self.slots[r].row + 1])]  # [1, V]
+                for r in req_ids}
+
+    def _shared_rule(self, req_ids: list[str]) -> SamplingConfig | None:
+        """The one sampling rule of the scheduled requests (seed aside), or None when they differ."""
+        rules = {(s.temperature, s.top_k, s.top_p) if not s.greedy else "greedy"
+                 for s in (self.slots[r].sampling for r in req_ids)}
+        if len(rules) != 1:
+            return None
+        first = self.slots[req_ids[0]].sampling
+        return SamplingConfig() if first.greedy else dataclasses.replace(first, seed=None)
+
+    def _speculate(self, req_ids: list[str], seqs: dict[int, list[int]], rule: SamplingConfig
+                   ) -> dict[str, list[int]]:
+        u = None
+        if not rule.greedy:  # each request draws its step's uniforms from its own generator (per-request seed)
+            u = torch.zeros(self.batch, uniforms_width(self.spec.k))  # [B, 3K+1]
+            for r in req_ids:
+                slot = self.slots[r]
+                u[slot.row] = torch.rand(u.shape[1], generator=slot.generator)
+        got = self.spec.step_tokens(seqs, rule, u)
+        self.stats.spec_steps += 1
         out = {}
-        for req_id in req_ids:
-            slot = self.slots[req_id]
-            out[req_id] = self._take(slot, logits[slot.row : slot.row + 1])  # [1, V]
+        for r in req_ids:
+            toks = got[self.slots[r].row]
+            self.slots[r].tokens.extend(toks)
+            self.stats.drafted += self.spec.k
+            self.stats.accepted += len(toks) - 1
+            out[r] = toks
         return out
 
     @staticmethod

@@ -4,8 +4,9 @@ Startup (called by vLLM's executor, in order): init_device (gloo process group, 
 or compile the artifact, load it, allocate the engine's static KV cache) -> get_kv_cache_spec ({}: the cache lives
 inside the engine, so vLLM's block manager has nothing to allocate) -> initialize_from_config (no-op) ->
 compile_or_warm_up_model (one prefill + decode so the first request does not pay graph loading).
-Per step: execute_model(SchedulerOutput) -> ModelRunnerOutput with one sampled token per request whose prompt is
-fully encoded (`[]` for a request whose prompt is still arriving in chunks).
+Per step: execute_model(SchedulerOutput) -> ModelRunnerOutput with the new tokens of each request whose prompt is
+fully encoded: one, or 1..K+1 when the artifact has a draft model (speculative decoding; vLLM appends them in order
+and trims at a stop), and `[]` for a request whose prompt is still arriving in chunks.
 """
 from __future__ import annotations
 
@@ -57,16 +58,15 @@ class NeuronInferWorker(WorkerBase):
         expect = resolve_model_dir(args.model) if explicit else None  # the artifact must come from --model
         t0 = time.perf_counter()
         self.compiled = CompiledModel.load(root, expect_checkpoint=expect)
-        self.runner = SlotRunner(self.compiled.engine)
+        self.runner = SlotRunner(self.compiled.engine, self.compiled.spec)
         build = self.compiled.manifest.build
         logger.info("neuron-infer: loaded %s in %.1f s (backend %s, %s, batch %d, max_length %d%s)", root,
                     time.perf_counter() - t0, self.compiled.manifest.backend, build.dtype, build.batch_size,
                     build.max_length, f", quant {build.quant.scheme}" if build.quant.scheme != "none" else "")
         if build.speculation is not None:
-            logger.warning(
-                "neuron-infer: %s has speculation graphs (draft %s, k=%d) but this vLLM runner decodes one token per "
-                "request per step with the target graphs (same greedy output, no speculative speed-up)",
-                root, build.speculation.draft_model, build.speculation.length)
+            logger.info("neuron-infer: speculative decoding (%s, draft %s, k=%d): up to %d tokens per request per "
+                        "step", self.compiled.spec.mode, build.speculation.draft_model, build.speculation.length,
+                        build.speculation.length + 1)
 
     def get_kv_cache_spec(self) -> dict:
         return {}
@@ -84,7 +84,15 @@ class NeuronInferWorker(WorkerBase):
         self.runner.admit("__warmup__", [0], SamplingConfig())
         self.runner.decode(["__warmup__"])
         self.runner.release("__warmup__")
+        self.runner.stats = type(self.runner.stats)()  # count served requests only
         return CompilationTimes(language_model=time.perf_counter() - t0, encoder=0.0)
+
+    def shutdown(self) -> None:
+        st = self.runner.stats if self.runner is not None else None
+        if st is not None and st.spec_steps:
+            logger.info("neuron-infer: %d speculative steps (acceptance %.2f, %d draft tokens) and %d plain steps",
+                        st.spec_steps, st.acceptance_rate, st.drafted, st.plain_steps)
+        super().shutdown()
 
     def get_supported_tasks(self) -> tuple[str, ...]:
         return ("generate",)
@@ -115,7 +123,7 @@ class NeuronInferWorker(WorkerBase):
         """Requests already in the batch: one decode step over all rows (before any new prefill, see runner)."""
         cached = so.scheduled_cached_reqs
         running = [r for r in cached.req_ids if r in self.runner.slots and r not in cached.resumed_req_ids]
-        return {r: [t] for r, t in self.runner.decode(running).items()}
+        return self.runner.decode(running)
 
     def _admit_new(self, so: Any) -> dict[str, list[int]]:
         """New requests (whole or the last chunk of their prompt) and resumed ones: encode into a free row."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from neuron_infer.api import CompiledModel, compile_model
-from neuron_infer.config import BuildConfig, SamplingConfig
+from neuron_infer.config import BuildConfig, SamplingConfig, SpeculationConfig
 from neuron_infer.errors import NeuronInferError
 from neuron_infer.runtime.generate import generate_ids
 from neuron_infer.vllm_plugin.runner import SlotRunner
@@ -52,8 +52,9 @@ def test_interleaved_requests_equal_each_request_alone(models):
     waiting, step, rows_used = list(enumerate(SCHEDULE)), 0, set()
     while waiting or runner.active:
         running = [str(i) for i in got if str(i) in runner.slots]
-        for rid, tok in runner.decode(running).items():  # decode first, then admit (see runner docstring)
-            got[int(rid)].append(tok)
+        for rid, toks in runner.decode(running).items():  # decode first, then admit (see runner docstring)
+            assert len(toks) == 1  # no draft model: one token per request per step
+            got[int(rid)].extend(toks)
         for i, (join, prompt, n, s) in list(waiting):
             if join <= step and runner.active < runner.batch:
                 got[i] = [runner.admit(str(i), prompt, s)]
@@ -79,3 +80,66 @@ def test_runner_errors_name_the_fix(models):
     assert runner.release("a") == [5, 6, first] and runner.active == 0
     runner.admit("b", [5], SamplingConfig())  # the freed row is reused
     assert runner.release("unknown") is None
+
+
+# ---- speculative artifact (draft compiled in, fused graph): 1..K+1 tokens per request per step -------------------
+SPEC_SCHEDULE = [  # greedy requests must equal the non-speculative reference; sampled ones force plain steps
+    (0, list(range(7, 27)), 40, SamplingConfig()),
+    (0, [3, 99, 150, 4], 20, SamplingConfig()),
+    (2, list(range(40, 104)), 62, SamplingConfig()),  # 64 + 62 = 126 of 128: runs into the tail
+    (3, [200] * 9, 6, SamplingConfig(temperature=0.8, top_k=50, seed=11)),  # two sampled requests with ...
+    (4, [12, 13], 16, SamplingConfig()),
+    (5, [9] * 12, 8, SamplingConfig(temperature=0.8, top_k=50, seed=3)),  # ... the same rule: one sample graph
+    (5, [4, 5, 6], 5, SamplingConfig(temperature=1.1, seed=4)),  # a different rule: plain fallback steps
+]
+
+
+@pytest.fixture(scope="module")
+def spec_model(tiny_dirs, tmp_path_factory):
+    d = tmp_path_factory.mktemp("spec") / "a"
+    build = BUILD.replace(speculation=SpeculationConfig("self", 3, fused=True, draft_layers=1))
+    compile_model(tiny_dirs("gqa"), d, build, backend="cpu-eager", say=lambda m: None)
+    return CompiledModel.load(d)
+
+
+def run_schedule(runner, schedule):
+    """Drive `runner` like the worker does (decode, then admit, then release finished); trims overshoot."""
+    got: dict[int, list[int]] = {}
+    waiting, step = list(enumerate(schedule)), 0
+    while waiting or runner.active:
+        running = [str(i) for i in got if str(i) in runner.slots]
+        for rid, toks in runner.decode(running).items():
+            got[int(rid)].extend(toks)
+        for i, (join, prompt, n, s) in list(waiting):
+            if join <= step and runner.active < runner.batch:
+                got[i] = [runner.admit(str(i), prompt, s)]
+                waiting.remove((i, (join, prompt, n, s)))
+        for i in list(got):
+            if str(i) in runner.slots and len(got[i]) >= schedule[i][2]:
+                runner.release(str(i))
+                got[i] = got[i][: schedule[i][2]]  # vLLM trims a block at max_tokens the same way
+        step += 1
+    return got
+
+
+def test_speculative_runner_greedy_equals_non_speculative(spec_model, models):
+    assert spec_model.spec is not None and spec_model.spec.mode == "fused"
+    runner = SlotRunner(spec_model.engine, spec_model.spec)
+    got = run_schedule(runner, SPEC_SCHEDULE)
+    for i, (_, prompt, n, s) in enumerate(SPEC_SCHEDULE):
+        assert len(got[i]) == n
+        if s.greedy:
+            assert got[i] == alone(models[1], prompt, n, s), f"request {i}"
+    st = runner.stats
+    assert st.spec_steps > 0 and st.plain_steps > 0  # both kinds of step ran (mixed rules, tail)
+    assert 0 < st.accepted < st.drafted  # a 1-layer self-draft: some accepted, some rejected
+
+
+def test_speculative_runner_seeded_sampling_is_reproducible(spec_model):
+    sampled = [(0, [200] * 9, 12, SamplingConfig(temperature=0.8, top_k=50, seed=11)),
+               (0, [9] * 5, 12, SamplingConfig(temperature=0.8, top_k=50, seed=3))]
+    a = run_schedule(SlotRunner(spec_model.engine, spec_model.spec), sampled)
+    b = run_schedule(SlotRunner(spec_model.engine, spec_model.spec), sampled)
+    greedy = run_schedule(SlotRunner(spec_model.engine, spec_model.spec), [(0, p, n, SamplingConfig())
+                                                                             for _, p, n, _ in sampled])
+    assert a == b and a != greedy
