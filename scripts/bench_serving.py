@@ -7,6 +7,9 @@
 The measurements of docs/case-studies.md CS3 (LLMPerf-style): per request
   TTFT  time from sending the request to the first streamed content chunk,
   ITL   gaps between successive content chunks (one value per gap, pooled over all requests),
+  ITL/token  the same gaps per token: a chunk carrying n tokens (speculative decoding emits several per step)
+        counts as n gaps of gap/n (token counts from vLLM's `return_token_ids`; 1 per chunk when absent), so it
+        is comparable with and without speculation (LLMPerf's inter-token latency is per token as well),
   TPOT  (e2e - TTFT) / (output tokens - 1), the per-request mean time per output token,
   E2E   time from sending the request to the end of the response;
 and for the run: p50/p90/p99 of each, output tokens/s (all output tokens / wall time), requests/s and the error
@@ -81,6 +84,7 @@ class RequestRecord:
     start: float = 0.0
     end: float = 0.0
     chunk_times: list[float] = field(default_factory=list)
+    chunk_tokens: list[int] = field(default_factory=list)  # tokens carried by each content chunk
     output_tokens: int = 0
     text: str = ""
     token_ids: list[int] | None = None
@@ -121,6 +125,8 @@ def summarize(records: list[RequestRecord]) -> dict:
     ok = [r for r in records if r.error is None]
     ttft = [r.ttft for r in ok if r.ttft is not None]
     itl = [b - a for r in ok for a, b in zip(r.chunk_times, r.chunk_times[1:])]
+    itl_tok = [(b - a) / n for r in ok for a, b, n in zip(r.chunk_times, r.chunk_times[1:], _later_counts(r))
+               for _ in range(n)]
     tpot = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.ttft is not None and r.output_tokens > 1]
     wall = (max(r.end for r in records) - min(r.start for r in records)) if records else 0.0
     out_tokens = sum(r.output_tokens for r in ok)
@@ -135,9 +141,16 @@ def summarize(records: list[RequestRecord]) -> dict:
         "requests_per_s": len(ok) / wall if wall > 0 else math.nan,
         "ttft_s": distribution(ttft),
         "itl_s": distribution(itl),
+        "itl_token_s": distribution(itl_tok),
         "tpot_s": distribution(tpot),
         "e2e_s": distribution([r.e2e for r in ok]),
     }
+
+
+def _later_counts(r: RequestRecord) -> list[int]:
+    """Tokens of chunks 2..n (1 each when the server did not report token ids)."""
+    counts = r.chunk_tokens if len(r.chunk_tokens) == len(r.chunk_times) else [1] * len(r.chunk_times)
+    return [max(int(n), 1) for n in counts[1:]]
 
 
 # ---------------------------------------------------------------------------------------------------- workload
@@ -257,6 +270,7 @@ def _read_stream(resp, rec: RequestRecord) -> None:
             n = _add_choice(choice, rec)
             if n:
                 rec.chunk_times.append(now)
+                rec.chunk_tokens.append(n)
                 counted += n
         usage = event.get("usage") or usage
     rec.output_tokens = int(usage["completion_tokens"]) if usage else counted
@@ -304,7 +318,8 @@ def run_benchmark(cfg: BenchConfig, specs: list[RequestSpec] | None = None) -> t
 def format_table(summary: dict) -> str:
     """A Markdown table of the run (milliseconds for latencies)."""
     rows = ["| metric | p50 | p90 | p99 | mean |", "|---|---|---|---|---|"]
-    for key, name in (("ttft_s", "TTFT (ms)"), ("itl_s", "ITL (ms)"), ("tpot_s", "TPOT (ms)"), ("e2e_s", "E2E (ms)")):
+    for key, name in (("ttft_s", "TTFT (ms)"), ("itl_s", "ITL per chunk (ms)"), ("itl_token_s", "ITL per token (ms)"),
+                      ("tpot_s", "TPOT (ms)"), ("e2e_s", "E2E (ms)")):
         d = summary[key]
         rows.append(f"| {name} | " + " | ".join(f"{1000 * d[k]:.1f}" for k in ("p50", "p90", "p99", "mean")) + " |")
     rows.append(f"\nrequests {summary['completed']}/{summary['requests']} ok, errors {summary['errors']}, "

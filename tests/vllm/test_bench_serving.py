@@ -49,6 +49,18 @@ def test_summarize_on_known_records():
     assert s["itl_s"]["n"] == 3 and s["itl_s"]["p50"] == pytest.approx(0.2)  # gaps 0.1, 0.2 | 0.5
     assert s["tpot_s"]["mean"] == pytest.approx(((0.5 - 0.1) / 2 + (0.8 - 0.3) / 1) / 2)
     assert s["e2e_s"]["p50"] == pytest.approx(0.65)  # 0.5 and 0.8
+    assert s["itl_token_s"]["n"] == 3  # no token counts recorded: one token per chunk, same gaps as ITL
+
+
+def test_itl_per_token_splits_multi_token_chunks():
+    # speculative decoding: the 2nd chunk carries 3 tokens after a 0.3 s gap -> three per-token gaps of 0.1 s
+    r = bench.RequestRecord(0, start=0.0, end=0.6, chunk_times=[0.1, 0.4, 0.6], chunk_tokens=[1, 3, 1],
+                            output_tokens=5)
+    s = bench.summarize([r])
+    assert s["itl_s"]["n"] == 2 and s["itl_s"]["mean"] == pytest.approx(0.25)  # per chunk: 0.3, 0.2
+    assert s["itl_token_s"]["n"] == 4  # = output tokens - 1
+    d = s["itl_token_s"]  # values 0.1, 0.1, 0.1, 0.2
+    assert (d["p50"], d["p90"], d["mean"]) == pytest.approx((0.1, 0.17, 0.125))
 
 
 class _FakeOpenAI(BaseHTTPRequestHandler):
