@@ -29,7 +29,9 @@ Notes:
     max over keys (partitions) is a free-dim reduce, a 128 x R TensorE transpose and a reduce; per-row values
     (-scale*m', alpha, 1/l) reach all partitions through a K=1 ones matmul (fp32). fp32 statistics and PSUM
     accumulation; P^T is stored in the input dtype. When the query heads of a KV head are contiguous, the
-    queries, bounds and outputs of all batch rows move with one DMA each.
+    queries, bounds and outputs of all batch rows move with one DMA each, and short caches (S a multiple of
+    128, S <= 4096) of several batch rows move with one K^T and one V DMA per DMA_KEYS keys (fewer fixed
+    per-transfer costs at batch > 1).
 
 Pseudocode:
     for kv, b: rows r = (h in heads(kv), t); qT[D, R]; bound[:, r] = pos[b, t] (all partitions)
@@ -211,12 +213,35 @@ def _finish(acc, ones_row, res):
     nisa.tensor_copy(dst=res, src=res_psum)
 
 
+def _rows_per_load(batch, seq):
+    """Batch rows whose whole K/V cache moves in one DMA each (<= DMA_KEYS keys in all): fewer fixed DMA costs
+    for short caches at batch > 1. 1 when the cache is long or not a whole number of 128-key chunks."""
+    if seq % P != 0 or seq > DMA_KEYS:
+        return 1
+    return max(1, min(batch, DMA_KEYS // seq))
+
+
+def _load_rows(kT_hbm, v_hbm, b0, b1, kvh):
+    """K^T [D, rows, S] and V [128, rows, S/128, D] of batch rows [b0, b1) (S a multiple of 128), one DMA each."""
+    n_kv, dim, seq = kT_hbm.shape[1], kT_hbm.shape[2], kT_hbm.shape[3]
+    n, n_ch, row = b1 - b0, seq // P, n_kv * dim * seq     # row: elements per batch row of K^T (and of V)
+    base = (b0 * n_kv + kvh) * dim * seq
+    kT_rows = nl.ndarray((dim, n, seq), dtype=kT_hbm.dtype, buffer=nl.sbuf, name="kT_rows")
+    # K^T[b0+i, kvh, d, s] -> kT_rows[d, i, s]
+    nisa.dma_copy(dst=kT_rows, src=kT_hbm.ap(pattern=[[seq, dim], [row, n], [1, seq]], offset=base))
+    v_rows = nl.ndarray((P, n, n_ch, dim), dtype=v_hbm.dtype, buffer=nl.sbuf, name="v_rows")
+    # V[b0+i, kvh, c*128 + p, d] -> v_rows[p, i, c, d]
+    nisa.dma_copy(dst=v_rows, src=v_hbm.ap(pattern=[[dim, P], [row, n], [P * dim, n_ch], [1, dim]], offset=base))
+    return kT_rows, v_rows
+
+
 def _group(qT_sbuf, bound, kv, scale, res):
     """Attention of the R query rows of one (batch, KV head) over the whole cache -> res [R, D] (SBUF).
 
-    kv = (kT_hbm, v_hbm, b, kvh).
+    kv = (kT_hbm, v_hbm, b, kvh, resident): resident = () to stream the cache in DMA blocks, or
+    (K^T [D, S], V [128, S/128, D]) already in SBUF (`_load_rows`).
     """
-    kT_hbm, v_hbm, b, kvh = kv
+    kT_hbm, v_hbm, b, kvh, resident = kv
     seq, rows = kT_hbm.shape[3], qT_sbuf.shape[1]
     n_ch = min(MAX_CHUNKS, max(1, 512 // rows), (seq + P - 1) // P)   # s^T block fits one PSUM bank
     ones_row = nl.ndarray((1, P), dtype=nl.float32, buffer=nl.sbuf, name="ones_row")
@@ -224,10 +249,15 @@ def _group(qT_sbuf, bound, kv, scale, res):
     ones_col = nl.ndarray((P, 1), dtype=qT_sbuf.dtype, buffer=nl.sbuf, name="ones_col")
     nisa.memset(dst=ones_col, value=1.0)
     dma_keys = max(1, DMA_KEYS // (n_ch * P)) * n_ch * P   # whole compute blocks per DMA block
+    if len(resident) > 0:
+        dma_keys = seq                                      # one block: the whole cache is already resident
     stats, acc = (), ()   # running max; (oT, l) accumulators — empty before the first block
     for d0 in range(0, seq, dma_keys):
         d1 = min(seq, d0 + dma_keys)
-        kT_sbuf, v_sbuf = _load_block(kT_hbm, v_hbm, b, kvh, d0, d1, (d1 - d0 + P - 1) // P)
+        if len(resident) > 0:
+            kT_sbuf, v_sbuf = resident
+        else:
+            kT_sbuf, v_sbuf = _load_block(kT_hbm, v_hbm, b, kvh, d0, d1, (d1 - d0 + P - 1) // P)
         for s0 in range(d0, d1, n_ch * P):
             s1 = min(d1, s0 + n_ch * P)
             c0, blk_ch = (s0 - d0) // P, (s1 - s0 + P - 1) // P   # the last block may be shorter
@@ -246,8 +276,18 @@ def _kv_head(qT_hbm, kT_hbm, v_hbm, pos_hbm, out_hbm, kvh, heads, scale):
     if heads[len(heads) - 1] - heads[0] == len(heads) - 1:
         qT_all, bound_all = _load_queries_all(qT_hbm, pos_hbm, heads)
         res_all = nl.ndarray((rows, batch, dim), dtype=out_hbm.dtype, buffer=nl.sbuf, name="res_all")
-        for b in range(batch):
-            _group(qT_all[:, b, :], bound_all[:, b, :], (kT_hbm, v_hbm, b, kvh), scale, res_all[:, b, :])
+        per_load = _rows_per_load(batch, kT_hbm.shape[3])
+        for b0 in range(0, batch, per_load):
+            b1 = min(batch, b0 + per_load)
+            loaded = ()
+            if per_load > 1:
+                loaded = _load_rows(kT_hbm, v_hbm, b0, b1, kvh)
+            for b in range(b0, b1):
+                resident = ()
+                if per_load > 1:
+                    resident = (loaded[0][:, b - b0, :], loaded[1][:, b - b0, :, :])
+                _group(qT_all[:, b, :], bound_all[:, b, :], (kT_hbm, v_hbm, b, kvh, resident), scale,
+                       res_all[:, b, :])
         # out[:, h0:h1] [B, G, T, D] viewed [G, T, B, D] == res_all [(G T), B, D] element for element
         dst = out_hbm[:, heads[0]:heads[0] + len(heads), :, :].permute((1, 2, 0, 3))
         nisa.dma_copy(dst=dst, src=res_all)
@@ -255,7 +295,7 @@ def _kv_head(qT_hbm, kT_hbm, v_hbm, pos_hbm, out_hbm, kvh, heads, scale):
         for b in range(batch):
             qT_sbuf, bound = _load_queries(qT_hbm, pos_hbm, b, heads)
             res = nl.ndarray((rows, dim), dtype=out_hbm.dtype, buffer=nl.sbuf, name="res")
-            _group(qT_sbuf, bound, (kT_hbm, v_hbm, b, kvh), scale, res)
+            _group(qT_sbuf, bound, (kT_hbm, v_hbm, b, kvh, ()), scale, res)
             for g in range(len(heads)):
                 nisa.dma_copy(dst=out_hbm[b, heads[g], :, :], src=res[g * n_tok:(g + 1) * n_tok, :])
 

@@ -123,12 +123,14 @@ def _transpose_p_dma(p_sbuf, n_ch):
     return pT_sbuf
 
 
-def _online_update(s_psum, stats, scale, p_dtype):
-    """One online-softmax step over a score tile; stats = (m, l), or () before the first tile.
+def _online_update(s_psum, stats, scales, p_dtype):
+    """One online-softmax step over a score tile; stats = (m, l), or () before the first tile; scales =
+    (scale, neg_scale tile).
 
     Returns (p, m', l', alpha); alpha is m' (unused) on the first tile.
     """
     rows, cols = s_psum.shape
+    scale, neg_scale = scales
     first = len(stats) == 0
     tile_max = nl.ndarray((rows, 1), dtype=nl.float32, buffer=nl.sbuf, name="tile_max")
     nisa.tensor_reduce(dst=tile_max, op=nl.maximum, data=s_psum, axis=1)
@@ -138,7 +140,9 @@ def _online_update(s_psum, stats, scale, p_dtype):
         m_new = nl.ndarray((rows, 1), dtype=nl.float32, buffer=nl.sbuf, name="m_new")
         nisa.tensor_tensor(dst=m_new, data1=m_old, data2=tile_max, op=nl.maximum, engine=nisa.engine.gpsimd)
     neg_bias = nl.ndarray((rows, 1), dtype=nl.float32, buffer=nl.sbuf, name="neg_bias")
-    nisa.activation(dst=neg_bias, op=nl.copy, data=m_new, scale=-scale)
+    # -scale * m' on GpSimd (mostly idle), not ScalarE (busy with the exps); neg_scale: [128, 1] of -scale
+    nisa.tensor_tensor(dst=neg_bias, data1=m_new, data2=neg_scale[0:rows, :], op=nl.multiply,
+                       engine=nisa.engine.gpsimd)
     p_sbuf = nl.ndarray((rows, cols), dtype=p_dtype, buffer=nl.sbuf, name="p_sbuf")
     row_sum = nl.ndarray((rows, 1), dtype=nl.float32, buffer=nl.sbuf, name="row_sum")
     nisa.activation(dst=p_sbuf, op=nl.exp, data=s_psum, bias=neg_bias, scale=scale, reduce_op=nl.add,
@@ -195,29 +199,35 @@ def _rescale_add(o_sbuf, alpha, pv_psum):
 def _q_tile(qT_hbm, kv_sbuf, out_hbm, b, h, q0, q1, opts):
     """All causal key tiles of one query tile, then o / l -> out[b, h, q0:q1, :].
 
-    opts = (scale, pe_share (see _pv), zeros (see _mask_band)).
+    opts = (scale, pe_share (see _pv), zeros (see _mask_band), neg_scale ([128, 1] of -scale)).
     """
     kT_sbuf, v_sbuf = kv_sbuf
-    scale, pe_share, zeros = opts
+    scale, pe_share, zeros, neg_scale = opts
     dim, rows = qT_hbm.shape[2], q1 - q0
     qT_sbuf = nl.ndarray((dim, rows), dtype=qT_hbm.dtype, buffer=nl.sbuf, name="qT_sbuf")
     nisa.dma_copy(dst=qT_sbuf, src=qT_hbm[b, h, :, q0:q1])
-    stats, o_sbuf = (), qT_sbuf
+    stats, o_acc = (), qT_sbuf
     for k0 in range(0, q1, K_TILE):   # causal: key tiles starting at or before the last query of the tile
         k1 = min(q1, k0 + K_TILE)
         s_psum = _scores(qT_sbuf, kT_sbuf, q0, q1, k0, k1, zeros)
-        p_sbuf, m_sbuf, l_sbuf, alpha = _online_update(s_psum, stats, scale, qT_hbm.dtype)
+        p_sbuf, m_sbuf, l_sbuf, alpha = _online_update(s_psum, stats, (scale, neg_scale), qT_hbm.dtype)
         stats = (m_sbuf, l_sbuf)
         pv_psum = _pv(p_sbuf, v_sbuf, k0, dim, pe_share)
         if k0 == 0:
-            o_sbuf = nl.ndarray((rows, dim), dtype=nl.float32, buffer=nl.sbuf, name="o_acc")
-            nisa.tensor_copy(dst=o_sbuf, src=pv_psum)
+            o_acc = pv_psum                       # one key tile: o stays in PSUM (no VectorE copy)
+            if k1 < q1:
+                o_acc = nl.ndarray((rows, dim), dtype=nl.float32, buffer=nl.sbuf, name="o_acc")
+                nisa.tensor_copy(dst=o_acc, src=pv_psum)
         else:
-            o_sbuf = _rescale_add(o_sbuf, alpha, pv_psum)
+            o_acc = _rescale_add(o_acc, alpha, pv_psum)
     inv_l = nl.ndarray((rows, 1), dtype=nl.float32, buffer=nl.sbuf, name="inv_l")
     nisa.reciprocal(dst=inv_l, data=stats[1])
     res_sbuf = nl.ndarray((rows, dim), dtype=qT_hbm.dtype, buffer=nl.sbuf, name="res_sbuf")
-    nisa.activation(dst=res_sbuf, op=nl.copy, data=o_sbuf, scale=inv_l)   # o / l on ScalarE
+    if q1 <= K_TILE:   # o / l: ScalarE reads o from PSUM; GpSimd (idle, SBUF only) takes the SBUF case
+        nisa.activation(dst=res_sbuf, op=nl.copy, data=o_acc, scale=inv_l)
+    else:
+        inv_b = inv_l.ap(pattern=[[1, rows], [0, dim]], offset=0)   # [rows, 1] -> [rows, D] (stride 0)
+        nisa.tensor_tensor(dst=res_sbuf, data1=o_acc, data2=inv_b, op=nl.multiply, engine=nisa.engine.gpsimd)
     nisa.dma_copy(dst=out_hbm[b, h, q0:q1, :], src=res_sbuf)
 
 
@@ -242,7 +252,9 @@ def flash_attention_prefill(qT_hbm, kT_hbm, v_hbm, q_to_kv, scale):
     if nisa.get_nc_version() != nisa.nc_version.gen2:   # range_select bound tile, allocated once
         zeros = (nl.ndarray((Q_TILE, 1), dtype=nl.float32, buffer=nl.sbuf, name="zeros"),)
         nisa.memset(dst=zeros[0], value=0.0)
-    opts = (scale, _pe_share(qT_hbm.dtype), zeros)
+    neg_scale = nl.ndarray((Q_TILE, 1), dtype=nl.float32, buffer=nl.sbuf, name="neg_scale")
+    nisa.memset(dst=neg_scale, value=-scale)
+    opts = (scale, _pe_share(qT_hbm.dtype), zeros, neg_scale)
     for b in range(batch):
         for kvh in range(n_kv):
             kv_sbuf = _load_kv(kT_hbm, v_hbm, b, kvh, seq, dim)

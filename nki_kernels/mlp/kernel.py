@@ -64,6 +64,16 @@ def _norm_rows(x_sbuf, gamma_sbuf, eps, hidden, act_dtype):
     return out
 
 
+def _dma_transposable(x_hbm, with_norm, act_dtype):
+    """x can reach the [H on partitions, tokens] layout by one DMA transpose (gen3+, 2-byte dtype, no RMSNorm
+    — which needs tokens on partitions —, H a multiple of 128): saves TensorE transposes and their evictions."""
+    if with_norm or x_hbm.dtype != act_dtype or x_hbm.shape[1] % P != 0:
+        return False
+    if x_hbm.dtype != nl.bfloat16 and x_hbm.dtype != nl.float16:
+        return False
+    return nisa.get_nc_version() != nisa.nc_version.gen2
+
+
 def _load_xT(x_hbm, gamma_hbm, eps, with_norm, t0, t1, act_dtype):
     """xT [128, Hp/128, t1-t0]: partition p of chunk kt holds feature kt*128 + p of every token in [t0, t1)."""
     hidden = x_hbm.shape[1]
@@ -72,6 +82,11 @@ def _load_xT(x_hbm, gamma_hbm, eps, with_norm, t0, t1, act_dtype):
     for s0 in range(t0, t1, P):
         s1 = min(t1, s0 + P)
         rows = s1 - s0
+        if _dma_transposable(x_hbm, with_norm, act_dtype):
+            # x[s0:s1] [rows, H] -> [rows, H/128, 128] -> xT [128, H/128, rows]: one HBM->SBUF DMA transpose
+            src = x_hbm[s0:s1, :].reshape((rows, n_kt, P))
+            nisa.dma_transpose(dst=xT_sbuf[:, :, s0 - t0:s1 - t0], src=src, axes=(2, 1, 0))
+            continue
         x_sbuf = nl.ndarray((rows, hidden), dtype=x_hbm.dtype, buffer=nl.sbuf, name="x_rows")
         nisa.dma_copy(dst=x_sbuf, src=x_hbm[s0:s1, :])
         if with_norm:

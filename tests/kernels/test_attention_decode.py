@@ -29,6 +29,8 @@ def _case(rng, seq, n_tok, q_to_kv, n_kv, dim, dtype, last_pos, target="trn3"):
     (2100, 1, (0,), 1, 16, np.float32, (2099, 2050)),          # one row per group over two cache blocks
     (200, 2, (0, 1, 0, 1), 2, 16, BF16, (199, 150)),            # interleaved heads: per-head DMAs
     (4200, 16, (0,) * 8, 1, 16, np.float32, (4199, 100)),      # R = 128 rows, two 4096-key DMA blocks
+    (1024, 1, (0, 0), 1, 16, np.float32, (1023, 5, 500, 1000, 77)),   # 4 + 1 batch rows per K/V load
+    (256, 2, (0, 0, 1, 1), 2, 32, BF16, (255, 100, 3)),       # 3 batch rows per K/V load, 2 KV heads
 ])
 def test_decode_matches_reference(rng, seq, n_tok, q_to_kv, n_kv, dim, dtype, last_pos):
     _case(rng, seq, n_tok, q_to_kv, n_kv, dim, dtype, last_pos)

@@ -28,6 +28,7 @@ def _inputs(rng, n_tok, hidden, inter, dtype):
     (600, 64, 96, np.float32, False),     # two 512-token blocks
     (3, 160, 256, BF16, False),
     (3, 1024, 384, np.float32, False),    # several weight-slab DMA groups (gate/up: 2 + 1 chunks, down: 6 + 2)
+    (131, 256, 128, BF16, False),         # x by DMA transpose (bf16, no norm, H % 128 == 0), 128 + 3 tokens
 ])
 def test_float_mlp_matches_reference(rng, n_tok, hidden, inter, dtype, norm):
     x, gamma, w = _inputs(rng, n_tok, hidden, inter, dtype)
@@ -68,3 +69,11 @@ def test_fp8_quantization_error_is_bounded(rng):
     assert np.abs(codes.astype(np.float32)).max() <= 240.0
     deq = codes.astype(np.float32) * scale
     assert (np.abs(deq - w) <= scale * np.maximum(np.abs(w / scale) * 2.0 ** -4, 2.0 ** -10) + 1e-7).all()
+
+
+@pytest.mark.parametrize("target", ["trn1", "trn3"])
+def test_bf16_mlp_x_layout_paths_agree_with_reference(rng, target):
+    """bf16 x without RMSNorm: DMA transpose on gen3+, TensorE transposes on gen2 (no DMA transpose there)."""
+    x, _, w = _inputs(rng, 9, 384, 128, BF16)
+    out = run(mlp_kernel, x, *(pack_weight(a) for a in w), target=target)
+    check(out, mlp_reference(x, *w), "bf16")

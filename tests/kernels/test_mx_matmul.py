@@ -15,6 +15,7 @@ from .conftest import BF16, run
     ("e4m3fn", 3, 512, 200),       # decode: odd token count (padded to an even stationary), F % 512 != 0
     ("e2m1", 130, 1024, 640),      # MXFP4, two contraction tiles, partial token and output tiles
     ("e4m3fn", 2100, 300, 64),     # two token blocks (2048 + 52); K = 300 zero-padded to 512
+    ("e4m3fn", 5, 4096, 1100),     # T = 8: weight DMAs of 2 F tiles -> groups [0, 1024) + [1024, 1100)
 ])
 def test_mx_matmul_matches_golden(rng, fmt, n_tok, k, f):
     x = pad_k(rng.standard_normal((n_tok, k)).astype(BF16), axis=1)       # [N, Kp]
