@@ -164,7 +164,8 @@ def execute(nb: nbformat.NotebookNode, path: Path, budget_s: float) -> float:
 def write_atomic(nb: nbformat.NotebookNode, path: Path) -> None:
     """Replace path with nb: write a temporary file next to it, then rename (never a half-written notebook)."""
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
+    try:  # mkstemp creates 0600: keep the notebook's own permissions
+        os.chmod(tmp, path.stat().st_mode & 0o777 if path.exists() else 0o644)
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             nbformat.write(nb, f)
         os.replace(tmp, path)
