@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from neuron_infer.errors import ArtifactError, BackendUnavailableError
-from neuron_infer.model.nki_neuron import neuron_target
+from neuron_infer.model.nki_neuron import compiler_lnc_args, neuron_target
 
 INSTALL_HINT = (
     "the neuron target needs the AWS Neuron SDK (torch-neuronx and neuronx-cc) installed from the Neuron pip "
@@ -72,7 +72,8 @@ class NeuronBackend:
         workdir = out_dir / f"{graph_name}.workdir"
         t0 = time.perf_counter()
         traced = self.sdk.trace(FunctionalStep(module), example_args, compiler_workdir=str(workdir),
-                                compiler_args=list(COMPILER_ARGS), inline_weights_to_neff=False)
+                                compiler_args=[*COMPILER_ARGS, *compiler_lnc_args(module)],
+                                inline_weights_to_neff=False)
         torch.jit.save(traced, str(out_dir / f"{graph_name}.pt"))
         return {"files": [f"{graph_name}.pt"], "compile_s": round(time.perf_counter() - t0, 3)}
 

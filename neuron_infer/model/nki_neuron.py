@@ -12,8 +12,9 @@ exercised in CI through a recording test double of `nki` that runs each launch o
   trace's tensors into the graph);
 * the kernel is wrapped once with the SDK's `nki.jit(fn)` and launched as `jitted[lnc](*args)`: the new API's
   only grid is the logical-NeuronCore degree (1 or 2), which must equal neuronx-cc's `--lnc` (error EVRF066).
-  It comes from `NEURON_LOGICAL_NC_CONFIG` (default 1). The kernels do not split work by `nl.program_id` yet, so
-  at LNC2 both physical cores compute the whole (identical) result: correct, not faster;
+  Both come from `logical_nc_config()` (`NEURON_LOGICAL_NC_CONFIG`, default 1): the neuron backends pass
+  `--lnc=<it>` to neuronx-cc whenever a graph uses the kernels. The kernels do not split work by
+  `nl.program_id` yet, so at LNC2 both physical cores compute the whole (identical) result: correct, not faster;
 * prefill vs decode is decided from static shapes (T == S: the context-encoding contract, prompt from position 0),
   never from position values, which the trace cannot read; the query-to-KV head map is a constant buffer read
   once at trace time and baked into the launch as a static tuple;
@@ -46,6 +47,25 @@ _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 PARTITIONS = 128
 
 
+def logical_nc_config() -> int:
+    """The logical NeuronCore degree the kernels are launched with (and neuronx-cc compiles for): 1 or 2."""
+    value = os.environ.get("NEURON_LOGICAL_NC_CONFIG", "").strip() or "1"
+    if value not in ("1", "2"):
+        raise BackendUnavailableError(f"NEURON_LOGICAL_NC_CONFIG={value!r} is not a logical NeuronCore degree; "
+                                      "set it to 1 or 2")
+    return int(value)
+
+
+def uses_nki_kernels(module: nn.Module) -> bool:
+    """Whether a model (or a step wrapping one) was built with the `kernels="nki"` op table."""
+    return any(getattr(getattr(m, "ops", None), "name", None) == "nki" for m in module.modules())
+
+
+def compiler_lnc_args(module: nn.Module) -> list[str]:
+    """`--lnc=<degree>` for neuronx-cc when the graph launches NKI kernels (their grid must match, EVRF066)."""
+    return [f"--lnc={logical_nc_config()}"] if uses_nki_kernels(module) else []
+
+
 def import_device_nki() -> Any:
     """The genuine Neuron `nki` module, or one clear sentence when only the simulator / a placeholder is present."""
     import nki_kernels  # resolves `nki`: the real SDK if installed, else the simulator
@@ -62,8 +82,7 @@ class Launcher:
 
     def __init__(self, nki_module: Any | None, lnc: int):
         if lnc not in (1, 2):
-            raise BackendUnavailableError(f"NEURON_LOGICAL_NC_CONFIG={lnc} is not a logical NeuronCore degree; "
-                                          "use 1 or 2")
+            raise BackendUnavailableError(f"a logical NeuronCore degree is 1 or 2, got {lnc!r}")
         self._nki, self.lnc = nki_module, lnc
         self._jitted: dict[Any, Any] = {}
 
@@ -88,7 +107,7 @@ def active() -> Launcher | None:
 @contextlib.contextmanager
 def neuron_target(nki_module: Any | None = None, lnc: int | None = None):
     """While active, the `kernels="nki"` op table launches kernels through `nki_module.jit` (default: the SDK's)."""
-    degree = lnc if lnc is not None else int(os.environ.get("NEURON_LOGICAL_NC_CONFIG", "1") or 1)
+    degree = lnc if lnc is not None else logical_nc_config()
     token = _ACTIVE.set(Launcher(nki_module, degree))
     try:
         yield

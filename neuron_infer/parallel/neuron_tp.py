@@ -35,7 +35,7 @@ import torch
 from neuron_infer.compile.neuron import COMPILER_ARGS, copy_back
 from neuron_infer.config import BuildConfig, ModelConfig
 from neuron_infer.errors import ArtifactError, BackendUnavailableError
-from neuron_infer.model.nki_neuron import neuron_target
+from neuron_infer.model.nki_neuron import logical_nc_config, neuron_target
 from neuron_infer.parallel.plan import ShardPlan
 from neuron_infer.runtime.engine import CacheShape, planned_graphs
 
@@ -149,6 +149,8 @@ def compile_neuron_tp_graphs(root: Path, cfg: ModelConfig, build: BuildConfig, p
     """Trace and save every planned graph over `plan.tp` NeuronCores (weights/rank{r} must already be in root)."""
     nxd = import_nxd()
     cache, graphs = stacked_cache(cfg, build, plan), {}
+    # NKI kernels are launched with the LNC grid, which neuronx-cc's --lnc must match (EVRF066)
+    lnc_args = [f"--lnc={logical_nc_config()}"] if build.kernels == "nki" else []
     for i, spec in enumerate(planned_graphs(build), 1):
         say(f"[{i}] neuronx-distributed: tracing {spec.name} over {plan.tp} NeuronCores")
         t0 = time.perf_counter()
@@ -156,7 +158,7 @@ def compile_neuron_tp_graphs(root: Path, cfg: ModelConfig, build: BuildConfig, p
                                   spec.select_rows)
         traced = nxd.trace.parallel_model_trace(factory, example_args(cache, spec),
                                                 compiler_workdir=str(root / "graphs" / f"{spec.name}.workdir"),
-                                                compiler_args=list(COMPILER_ARGS), tp_degree=plan.tp)
+                                                compiler_args=[*COMPILER_ARGS, *lnc_args], tp_degree=plan.tp)
         nxd.trace.parallel_model_save(traced, str(root / "graphs" / spec.name))
         graphs[spec.name] = {"kind": spec.kind, "tokens": spec.tokens, "attend": spec.attend, "batch": spec.batch,
                              "files": [spec.name], "seconds": round(time.perf_counter() - t0, 3)}

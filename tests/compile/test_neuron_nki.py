@@ -48,6 +48,17 @@ def test_without_the_sdk_the_first_launch_says_how_to_install():
         nki_ops.attention(q, q[:, :1], q[:, :1], torch.tensor([0, 0]), torch.arange(4).view(1, 4))
 
 
+def test_the_lnc_degree_is_validated_and_only_nki_graphs_get_a_compiler_lnc(monkeypatch, tiny_dirs):
+    monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "3")
+    with pytest.raises(BackendUnavailableError, match="1 or 2"):
+        nki_neuron.logical_nc_config()
+    monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "2")
+    _, nki_model = _tiny(tiny_dirs, "nki")
+    _, ref_model = _tiny(tiny_dirs, "reference")
+    assert nki_neuron.compiler_lnc_args(nki_model) == ["--lnc=2"]
+    assert nki_neuron.compiler_lnc_args(ref_model) == []
+
+
 def test_outside_a_neuron_trace_the_ops_still_use_the_simulator(nki_double):
     q = torch.randn(1, 2, 4, 8)
     nki_ops.attention(q, q[:, :1], q[:, :1], torch.tensor([0, 0]), torch.arange(4).view(1, 4))
@@ -146,6 +157,8 @@ def test_compile_and_generate_for_neuron_with_nki_kernels_equals_the_cpu_referen
     compile_model(d, tmp_path / "neuron", BUILD, say=lambda m: None)
     compile_model(d, tmp_path / "eager", BUILD.replace(target="cpu", kernels="reference"), backend="cpu-eager",
                   say=lambda m: None)
+    traces = [c for name, c in sdk.calls if name == "trace"]
+    assert traces and all(t["args"][-1] == "--lnc=1" for t in traces)     # compiler LNC == kernel grid
     by_kernel = {}
     for launch in nki_double.launches:
         by_kernel.setdefault(launch.kernel, set()).add((launch.grid, launch.shapes[0]))
