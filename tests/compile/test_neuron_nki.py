@@ -171,3 +171,26 @@ def test_compile_and_generate_for_neuron_with_nki_kernels_equals_the_cpu_referen
     assert len(RUNS) - runs >= 2 * 2 * 12         # the loaded graphs ran the kernels (2 layers x 2 kernels/step)
     want = CompiledModel.load(tmp_path / "eager").generate_ids(prompt, 12, ignore_eos=True)
     assert got.outputs[0].token_ids == want.outputs[0].token_ids
+
+
+def test_neuron_tensor_parallel_with_nki_kernels_equals_the_cpu_reference(nki_double, tiny_dirs, tmp_path,
+                                                                         monkeypatch):
+    """tp = 2 through the neuronx-distributed double (ranks as threads; each rank's step launches the kernels)."""
+    from tests.parallel.test_neuron_tp import RecordingNxD
+    from tests.parallel.test_tp_e2e import BUILD as TP_BUILD
+
+    nxd = RecordingNxD(2)
+    monkeypatch.setitem(sys.modules, "neuronx_distributed", nxd)
+    d = tiny_dirs("gqa")
+    compile_model(d, tmp_path / "n", TP_BUILD.replace(target="neuron", tp_degree=2, kernels="nki"),
+                  say=lambda m: None)
+    traces = [c for name, c in nxd.calls if name == "parallel_model_trace"]
+    assert traces and all(t["compiler_args"][-1] == "--lnc=1" for t in traces)
+    compile_model(d, tmp_path / "ref", TP_BUILD, backend="cpu-eager", say=lambda m: None)
+    ids = [[1, 17, 42, 99, 7]]
+    want = CompiledModel.load(tmp_path / "ref").generate_ids(ids, 8, ignore_eos=True).outputs[0].token_ids
+    got = CompiledModel.load(tmp_path / "n").generate_ids(ids, 8, ignore_eos=True).outputs[0].token_ids
+    assert got == want
+    launched = {launch.kernel for launch in nki_double.launches}
+    assert launched == {"flash_attention_prefill", "attention_decode", "mlp_kernel"}
+    assert {launch.shapes[0][1] for launch in nki_double.launches if launch.kernel == "mlp_kernel"} == {96}
