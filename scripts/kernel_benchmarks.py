@@ -190,8 +190,9 @@ NOTES = """## Why goals are missed (structural, from the cost model's rules)
   VectorE cycle per key at 1.12 / 0.96 GHz, while TensorE spends ~2 cycles per key (QK^T + PV, 128 rows) at
   2.8 / 2.4 GHz; on trn2 that one reduce alone takes 1.3-1.4x the ideal TensorE time (a 70-75% ceiling before any
   other work). The P transposes (SBUF->SBUF dma_transpose at half the copy bandwidth) then bound the short
-  prompts on trn2/trn3. Moving the small ScalarE instructions to GpSimd gained 2-3 points; reaching 70% would need
-  an algorithmic change (e.g. PV with V stationary over several query heads, o^T layout), not a re-balance.
+  prompts on trn2/trn3. Re-balancing (the small ScalarE instructions to GpSimd, a quarter of the P transposes
+  back on TensorE for prompts up to 2048 tokens on trn3) gained 1-8 points; reaching 70% everywhere would need an
+  algorithmic change (e.g. PV with V stationary over several query heads, o^T layout), not a re-balance.
 * **Memory-bound kernels on trn1 / trn3** are capped by the ceiling above (the practical DMA peak is below the
   per-core HBM share); on trn2 the same kernels reach 90%+. Decode attention at batch 1 with a 2k cache moves
   1 MiB in 5 DMAs (q, bounds, K, V, out) whose fixed costs alone keep it below 80% on trn3; at batch 8 the K/V of

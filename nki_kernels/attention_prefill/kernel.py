@@ -24,10 +24,10 @@ Notes:
     by GpSimd affine_select on an SBUF copy of the band on gen2.
     Engine balance (the softmax, not TensorE, is the usual bottleneck): the 1536-key tiles amortise the
     per-tile [128, 1] statistics; VectorE does the row max and the o + pv add, ScalarE the exp (with its row
-    sum), the small exps and the final o / l, GpSimd the running max, l and the o * alpha rescale. P is
-    transposed by one 3-D SBUF->SBUF dma_transpose per score tile for bf16 on gen3+ (on gen3 the last quarter
-    of the chunks goes to TensorE instead, to balance DMA and TensorE time), on TensorE (nc_transpose) for
-    fp32 and on gen2.
+    sum) and the small exps, GpSimd the running max, -scale*m', l, the o * alpha rescale and the final o / l
+    (ScalarE when o never left PSUM). P is transposed by one 3-D SBUF->SBUF dma_transpose per score tile for bf16
+    on gen3+ (on gen3, and on gen4 up to 2048 tokens, the last quarter of the chunks goes to TensorE instead, to
+    balance DMA and TensorE time), on TensorE (nc_transpose) for fp32 and on gen2.
 
 Pseudocode:
     for b, kv: K^T, V -> SBUF
@@ -231,13 +231,14 @@ def _q_tile(qT_hbm, kv_sbuf, out_hbm, b, h, q0, q1, opts):
     nisa.dma_copy(dst=out_hbm[b, h, q0:q1, :], src=res_sbuf)
 
 
-def _pe_share(dtype):
+def _pe_share(dtype, seq):
     """P-transpose policy (see _pv): fp32 or gen2 -> all TensorE (evictions alternate VectorE / ScalarE);
-    gen3 bf16 -> 1/4 on TensorE (its SBUF->SBUF DMA transpose is slower); gen4 bf16 -> all dma_transpose."""
+    gen3 bf16 -> 1/4 on TensorE (its SBUF->SBUF DMA transpose is slower); gen4 bf16 -> all dma_transpose for
+    long prompts (TensorE is the busiest engine there), 1/4 on TensorE up to 2048 tokens (DMA is)."""
     version = nisa.get_nc_version()
     if dtype != nl.bfloat16 or version == nisa.nc_version.gen2:
         return 1
-    if version == nisa.nc_version.gen3:
+    if version == nisa.nc_version.gen3 or seq <= 2048:
         return 4
     return 0
 
@@ -254,7 +255,7 @@ def flash_attention_prefill(qT_hbm, kT_hbm, v_hbm, q_to_kv, scale):
         nisa.memset(dst=zeros[0], value=0.0)
     neg_scale = nl.ndarray((Q_TILE, 1), dtype=nl.float32, buffer=nl.sbuf, name="neg_scale")
     nisa.memset(dst=neg_scale, value=-scale)
-    opts = (scale, _pe_share(qT_hbm.dtype), zeros, neg_scale)
+    opts = (scale, _pe_share(qT_hbm.dtype, seq), zeros, neg_scale)
     for b in range(batch):
         for kvh in range(n_kv):
             kv_sbuf = _load_kv(kT_hbm, v_hbm, b, kvh, seq, dim)

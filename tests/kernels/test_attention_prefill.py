@@ -25,14 +25,17 @@ def _case(rng, batch, seq, dim, q_to_kv, n_kv, dtype, target):
     (2, 300, 32, (0, 1), 2, BF16, "trn2"),                   # GQA 1 (MHA), bf16: dma_transpose of P
     (1, 130, 16, (0,) * 8, 1, BF16, "trn1"),                 # GQA 8, gen2: P transposed on TensorE
     (2, 150, 32, (0, 0, 1), 2, np.float32, "trn3"),          # non-uniform grouping (tensor-parallel padding)
+    (1, 300, 32, (0, 0), 1, BF16, "trn3"),                   # gen4, <= 2048 tokens: 1/4 of P on TensorE
 ])
 def test_prefill_matches_reference(rng, batch, seq, dim, q_to_kv, n_kv, dtype, target):
     _case(rng, batch, seq, dim, q_to_kv, n_kv, dtype, target)
 
 
-def test_prefill_crosses_a_key_tile(rng):
-    """S = 2100: the second 1536-key tile exercises the online rescale (o * alpha + pv, l * alpha + rowsum)."""
-    _case(rng, 1, 2100, 16, (0,), 1, np.float32, "trn2")
+@pytest.mark.parametrize("dtype,target", [(np.float32, "trn2"), (BF16, "trn3")])
+def test_prefill_crosses_a_key_tile(rng, dtype, target):
+    """S = 2100: the second 1536-key tile exercises the online rescale (o * alpha + pv, l * alpha + rowsum) and
+    the GpSimd o / l; bf16 on gen4 above 2048 tokens transposes every P chunk by DMA."""
+    _case(rng, 1, 2100, 16, (0,), 1, dtype, target)
 
 
 @pytest.mark.slow
