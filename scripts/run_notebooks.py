@@ -140,6 +140,8 @@ def execute(nb: nbformat.NotebookNode, path: Path, budget_s: float) -> float:
         env = _kernel_env()
         with client.setup_kernel(env=env, cwd=str(path.parent)):
             for index, cell in enumerate(nb.cells):
+                if cell.cell_type != "code":
+                    continue
                 remaining = budget_s - (time.monotonic() - t0)
                 if remaining <= 0:
                     raise NotebookError(f"{path}: budget of {budget_s:.0f} s exceeded before {_cell_label(nb, index)}")
