@@ -3,6 +3,7 @@
     python scripts/run_notebooks.py notebooks/04_nki_kernels.ipynb            # run, write outputs in place
     python scripts/run_notebooks.py --check notebooks/*.ipynb                 # run, write nothing, report
     python scripts/run_notebooks.py --check --timeout-scale 2 notebooks/*.ipynb
+    python scripts/run_notebooks.py --list notebooks/*.ipynb                  # budgets and needs, nothing run
 
 Every notebook declares its budget in its notebook-level metadata:
 
@@ -199,15 +200,31 @@ def run_notebook(path: Path | str, check: bool = False, timeout_scale: float = 1
                      + ("" if check else ", outputs written"))
 
 
+def list_specs(paths: list[Path]) -> int:
+    """Print `name  budget_s  needs` per notebook; 1 when any metadata is missing or invalid."""
+    bad = 0
+    for path in paths:
+        try:
+            spec = read_spec(nbformat.read(path, as_version=4), path)
+            print(f"{path.name}  budget {spec.budget_s} s  needs {list(spec.needs)}")
+        except (OSError, ValueError, NotebookError) as exc:
+            print(f"FAIL {exc}")
+            bad += 1
+    return 1 if bad else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """CLI entry point: 0 when every notebook ran (or was skipped with a reason), 1 when any failed."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("notebooks", nargs="+", type=Path)
     ap.add_argument("--check", action="store_true", help="execute but write nothing back")
     ap.add_argument("--timeout-scale", type=float, default=1.0, help="multiply every budget (slow machines)")
+    ap.add_argument("--list", action="store_true", help="print each notebook's budget and needs, run nothing")
     args = ap.parse_args(argv)
     if args.timeout_scale <= 0:
         ap.error("--timeout-scale must be > 0")
+    if args.list:
+        return list_specs(args.notebooks)
     failed = 0
     for path in args.notebooks:
         result = run_notebook(path, check=args.check, timeout_scale=args.timeout_scale)

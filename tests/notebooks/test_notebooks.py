@@ -136,6 +136,15 @@ def test_vllm_notebook_skipped_with_reason(tmp_path, monkeypatch):
         assert result.status == "skipped" and "cannot import vllm" in result.message
 
 
+def test_list_prints_budgets_without_running(tmp_path, capsys):
+    good = _write_nb(tmp_path / "a.ipynb", ["raise SystemExit('must not run')"], {"budget_s": 42, "needs": ["vllm"]})
+    assert rn.main(["--list", str(good)]) == 0
+    assert "a.ipynb  budget 42 s  needs ['vllm']" in capsys.readouterr().out
+    bad = _write_nb(tmp_path / "b.ipynb", ["print(1)"], None)
+    assert rn.main(["--list", str(good), str(bad)]) == 1
+    assert "FAIL" in capsys.readouterr().out and nbformat.read(good, as_version=4).cells[1].outputs == []
+
+
 def test_private_import_pattern():
     bad = ["from neuron_infer.parallel.plan import _kv_bytes", "import neuron_infer._x",
            "from nki_kernels.mlp import kernel, _helper", "x = neuron_infer.api._load(1)"]
@@ -162,10 +171,9 @@ def test_committed_notebook_structure(path):
     assert spec.budget_s <= 600, f"{path.name}: budget_s {spec.budget_s} is more than the 10 min CI allows"
     code = [c for c in nb.cells if c.cell_type == "code" and c.source.strip()]
     assert code, f"{path.name} has no code cells"
-    if "vllm" not in spec.needs:  # the vLLM notebook may be committed from a run in the vLLM venv only
-        unexecuted = [i for i, c in enumerate(nb.cells) if c in code and c.get("execution_count") is None]
-        assert not unexecuted, f"{path.name}: cells {unexecuted} have no committed outputs: run " \
-                               f"scripts/run_notebooks.py {path.relative_to(ROOT)}"
+    unexecuted = [i for i, c in enumerate(nb.cells) if c in code and c.get("execution_count") is None]
+    assert not unexecuted, f"{path.name}: cells {unexecuted} have no committed outputs: run " \
+                           f"scripts/run_notebooks.py {path.relative_to(ROOT)}"
     for i, c in enumerate(nb.cells):
         if c.cell_type == "code":
             assert not _PRIVATE.search(c.source), f"{path.name} cell {i} imports a private name"
