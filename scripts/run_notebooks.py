@@ -102,7 +102,8 @@ def _kernel_manager_class(spec_dir: Path) -> type[AsyncKernelManager]:
     """A kernel manager class whose only kernel spec is this interpreter's ipykernel (not whatever 'python3' is)."""
     kdir = spec_dir / _KERNEL_NAME
     kdir.mkdir(parents=True, exist_ok=True)
-    argv = [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"]
+    # log level ERROR: ipykernel warns on every start that the kernel listens on localhost TCP without encryption
+    argv = [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}", "--log-level=ERROR"]
     (kdir / "kernel.json").write_text(json.dumps({"argv": argv, "display_name": "neuron-infer", "language": "python"}))
     ksm = KernelSpecManager(kernel_dirs=[str(spec_dir)], ensure_native_kernel=False)
 
