@@ -30,6 +30,13 @@ class LocalLayout:
     vocab_local: int
     vocab_size: int  # the true (global) vocabulary size; logits beyond it are padding and are dropped
 
+    @property
+    def kv_groups(self) -> int:
+        """G when query head h uses KV head h // G for every h (contiguous GQA groups), else 0."""
+        g = self.num_heads // self.num_kv_heads
+        uniform = self.num_heads % self.num_kv_heads == 0 and self.q_to_kv == tuple(h // g for h in range(self.num_heads))
+        return g if uniform else 0
+
     @classmethod
     def single(cls, cfg: ModelConfig) -> "LocalLayout":
         return cls(
@@ -96,6 +103,8 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(lay.num_heads * d, cfg.hidden_size, bias=bias)
         self.register_buffer("q_to_kv", torch.tensor(lay.q_to_kv, dtype=torch.int64), persistent=False)
         self.h, self.hkv, self.d, self.ops = lay.num_heads, lay.num_kv_heads, d, ops
+        # Fold the G query heads of each KV head into the token axis when the op table supports it (static).
+        self.fold = lay.kv_groups if ops.gqa_fold else 0
 
     def forward(self, x, cos, sin, positions, k_cache, v_cache, layer: int, attend_len: int, seq_ids=None):
         # x [B, T, H]; positions [B, T]; k_cache/v_cache [L, R, Hkv, S, D] whole caches, updated in place at
@@ -118,9 +127,19 @@ class Attention(nn.Module):
         else:
             ks = k_layer[:, :, :attend_len].index_select(0, seq_ids)  # [B, Hkv, S', D]
             vs = v_layer[:, :, :attend_len].index_select(0, seq_ids)
-        o = self.ops.attention(q, ks.to(q.dtype), vs.to(q.dtype), self.q_to_kv, positions)  # [B, Hq, T, D]
+        o = self._attend(q, ks.to(q.dtype), vs.to(q.dtype), positions)  # [B, Hq, T, D]
         o = o.transpose(1, 2).reshape(b, t, self.h * self.d)  # [B, T, Hq*D]
         return self.ops.all_reduce(self.o_proj(o))  # row-parallel: partial sums over ranks
+
+
+    def _attend(self, q, ks, vs, positions):
+        if not self.fold:
+            return self.ops.attention(q, ks, vs, self.q_to_kv, positions)  # [B, Hq, T, D]
+        b, _, t, d = q.shape
+        qf = q.reshape(b, self.hkv, self.fold * t, d)  # [B, Hkv, G*T, D]: head h = kv*G + g, row = g*T + t
+        pf = positions.repeat(1, self.fold)  # [B, G*T]: row g*T + t sits at position[t]
+        o = self.ops.attention(qf, ks, vs, None, pf)  # [B, Hkv, G*T, D]; None: row block i uses KV head i
+        return o.reshape(b, self.h, t, d)  # [B, Hq, T, D]
 
 
 class MLP(nn.Module):

@@ -22,19 +22,39 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
     return weight * xf.to(x.dtype)
 
 
+# Query rows (tokens x folded query heads) up to which attention is written as two fp32 reductions instead of SDPA.
+# Decode (1 token) and speculative verification (k+1 tokens) land here: Inductor turns the reductions into one
+# vectorised pass over the cached keys and one over the values, measured ~2x faster than SDPA's CPU kernel at 1-16
+# rows (scripts/perf_cpu_backends.py). Prefill keeps SDPA (its flash kernel tiles the T x S work).
+FEW_QUERY_ROWS = 16
+
+
 def attention_ref(
     q: torch.Tensor,  # [B, Hq, T, D]  (RoPE applied)
     k: torch.Tensor,  # [B, Hkv, S, D] cache prefix (this step's keys already written)
     v: torch.Tensor,  # [B, Hkv, S, D]
-    q_to_kv: torch.Tensor,  # [Hq] int64: local KV head serving each local query head
+    q_to_kv: torch.Tensor | None,  # [Hq] int64: local KV head serving each local query head; None: head i uses
+    # KV head i (Hq == Hkv, e.g. GQA groups folded into the token axis, see Ops.gqa_fold)
     positions: torch.Tensor,  # [B, T] absolute position of each query token
 ) -> torch.Tensor:  # [B, Hq, T, D]
     """Causal GQA attention over a static cache prefix: key j is visible to a query at position p iff j <= p."""
-    k = k.index_select(1, q_to_kv)  # [B, Hq, S, D]
-    v = v.index_select(1, q_to_kv)  # [B, Hq, S, D]
+    if q_to_kv is not None:
+        k = k.index_select(1, q_to_kv)  # [B, Hq, S, D]
+        v = v.index_select(1, q_to_kv)  # [B, Hq, S, D]
     key_pos = torch.arange(k.shape[2], device=q.device)  # [S]
-    mask = key_pos.view(1, 1, 1, -1) <= positions.unsqueeze(1).unsqueeze(-1)  # [B, 1, T, S]
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    visible = key_pos.view(1, 1, 1, -1) <= positions.unsqueeze(1).unsqueeze(-1)  # [B, 1, T, S]
+    if q.shape[2] > FEW_QUERY_ROWS:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=visible)
+    return _few_rows_attention(q, k, v, visible)
+
+
+def _few_rows_attention(q, k, v, visible):
+    """Attention for a few query rows as fp32 multiply-and-sum reductions (softmax in fp32, like SDPA)."""
+    scale = q.shape[-1] ** -0.5
+    scores = (q.float().unsqueeze(3) * k.float().unsqueeze(2)).sum(-1) * scale  # [B,H,T,1,D]*[B,H,1,S,D] -> [B,H,T,S]
+    probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)  # [B, H, T, S]
+    out = (probs.unsqueeze(-1) * v.float().unsqueeze(2)).sum(-2)  # [B,H,T,S,1]*[B,H,1,S,D] -> [B, H, T, D]
+    return out.to(q.dtype)
 
 
 def mlp_ref(x: torch.Tensor, gate: torch.nn.Module, up: torch.nn.Module, down: torch.nn.Module) -> torch.Tensor:
@@ -51,6 +71,10 @@ class Ops:
     """The op table a model is built with. Swap entries, never branch inside the block."""
 
     name: str
+    # The attention op accepts GQA query groups folded into the token axis (q [B, Hkv, G*T, D], positions
+    # [B, G*T], q_to_kv=None), so K/V are never expanded per query head. A static capability of the
+    # implementation, decided once; tables that do not declare it always get the head map q_to_kv.
+    gqa_fold: bool = False
     rms_norm: Callable[..., torch.Tensor] = rms_norm_ref
     attention: Callable[..., torch.Tensor] = attention_ref
     mlp: Callable[..., torch.Tensor] = mlp_ref
@@ -62,7 +86,7 @@ class Ops:
 
 
 def _reference_ops() -> Ops:
-    return Ops(name="reference")
+    return Ops(name="reference", gqa_fold=True)
 
 
 def _nki_ops() -> Ops:
