@@ -4,6 +4,7 @@
 #
 #   bash scripts/ci_vllm.sh                 # create or reuse the venv, run all of tests/vllm (incl. SmolLM2)
 #   VLLM_TESTS="-m 'not slow'" bash scripts/ci_vllm.sh   # skip the SmolLM2 test (~1 min less)
+#   NOTEBOOKS=0 bash scripts/ci_vllm.sh     # skip executing notebooks/03_fp8_fused_speculation_vllm.ipynb
 # Measured here (2 cores, shared): fresh venv 126-163 s + neuron-infer install ~15 s + tests ~3-4 min = 5-6 min.
 #   bash scripts/ci_vllm.sh --install-only  # only build the venv
 #
@@ -87,3 +88,13 @@ export NEURON_INFER_VLLM=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 VLLM_CPU_KVCACHE
 t0=$(date +%s)
 eval "\"$PY\" -m pytest tests/vllm -q ${VLLM_TESTS:-}"
 echo "== vLLM plugin tests finished in $(( $(date +%s) - t0 )) s"
+
+# notebook 03 (CS3 through vLLM): executed by the main environment's kernel, serving with this venv's python;
+# `make test-vllm` depends on `make install`, so .venv exists. NOTEBOOKS=0 skips it (~4-6 min here).
+if [[ "${NOTEBOOKS:-1}" != "0" ]]; then
+    MAIN_PY=${MAIN_PYTHON:-$ROOT/.venv/bin/python}
+    [[ -x "$MAIN_PY" ]] || { echo "no main environment at $MAIN_PY: run make install first (or set MAIN_PYTHON)"; exit 1; }
+    t0=$(date +%s)
+    NEURON_INFER_VLLM_PYTHON=$PY "$MAIN_PY" scripts/run_notebooks.py --check notebooks/03_*.ipynb
+    echo "== notebook 03 finished in $(( $(date +%s) - t0 )) s"
+fi

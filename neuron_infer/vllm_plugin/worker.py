@@ -24,7 +24,8 @@ from neuron_infer.vllm_plugin.params import check_request, to_sampling_config
 from neuron_infer.vllm_plugin.platform import engine_args
 from neuron_infer.vllm_plugin.runner import SlotRunner
 
-logger = init_logger("vllm.neuron_infer.worker")  # vLLM configures handlers for the `vllm` logger tree only
+logger = init_logger("vllm.neuron_infer.worker")
+LOG_EVERY_SPEC_STEPS = 100  # a speculation summary line in the server log every this many speculative steps  # vLLM configures handlers for the `vllm` logger tree only
 
 
 class NeuronInferWorker(WorkerBase):
@@ -87,11 +88,14 @@ class NeuronInferWorker(WorkerBase):
         self.runner.stats = type(self.runner.stats)()  # count served requests only
         return CompilationTimes(language_model=time.perf_counter() - t0, encoder=0.0)
 
+    def _log_stats(self) -> None:
+        st = self.runner.stats
+        logger.info("neuron-infer: %d speculative steps so far (acceptance %.3f, %d of %d draft tokens) and %d plain "
+                    "steps", st.spec_steps, st.acceptance_rate, st.accepted, st.drafted, st.plain_steps)
+
     def shutdown(self) -> None:
-        st = self.runner.stats if self.runner is not None else None
-        if st is not None and st.spec_steps:
-            logger.info("neuron-infer: %d speculative steps (acceptance %.2f, %d draft tokens) and %d plain steps",
-                        st.spec_steps, st.acceptance_rate, st.drafted, st.plain_steps)
+        if self.runner is not None and self.runner.stats.spec_steps:
+            self._log_stats()
         super().shutdown()
 
     def get_supported_tasks(self) -> tuple[str, ...]:
@@ -123,7 +127,11 @@ class NeuronInferWorker(WorkerBase):
         """Requests already in the batch: one decode step over all rows (before any new prefill, see runner)."""
         cached = so.scheduled_cached_reqs
         running = [r for r in cached.req_ids if r in self.runner.slots and r not in cached.resumed_req_ids]
-        return self.runner.decode(running)
+        before = self.runner.stats.spec_steps
+        out = self.runner.decode(running)
+        if self.runner.stats.spec_steps // LOG_EVERY_SPEC_STEPS > before // LOG_EVERY_SPEC_STEPS:
+            self._log_stats()
+        return out
 
     def _admit_new(self, so: Any) -> dict[str, list[int]]:
         """New requests (whole or the last chunk of their prompt) and resumed ones: encode into a free row."""
