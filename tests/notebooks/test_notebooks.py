@@ -56,7 +56,9 @@ def test_notebook_runs_within_budget(path):
 def test_ok_notebook_written_back_with_outputs_and_cwd(tmp_path):
     nb_dir = tmp_path / "nbs"
     nb_dir.mkdir()
-    path = _write_nb(nb_dir / "ok.ipynb", ["import os; print(os.getcwd())", "import neuron_infer; print('imported')"],
+    plot = "import matplotlib.pyplot as plt\nplt.plot([0, 1]); plt.xlabel('x (s)'); plt.show()"
+    path = _write_nb(nb_dir / "ok.ipynb", ["import os; print(os.getcwd())", "import neuron_infer; print('imported')",
+                                           "import sys; print(sys.executable)", plot],
                      {"budget_s": 60, "needs": []})
     result = rn.run_notebook(path)
     assert result.status == "ok", result.message
@@ -64,6 +66,8 @@ def test_ok_notebook_written_back_with_outputs_and_cwd(tmp_path):
     cells = nbformat.read(path, as_version=4).cells
     assert cells[1].outputs[0].text.strip() == str(nb_dir)  # cwd = the notebook's directory
     assert cells[2].outputs[0].text.strip() == "imported"  # this checkout is importable from there
+    assert cells[3].outputs[0].text.strip() == sys.executable  # the kernel is this interpreter
+    assert any("image/png" in o.get("data", {}) for o in cells[4].outputs)  # inline plots are captured
 
 
 def test_check_mode_leaves_file_unchanged(tmp_path):
