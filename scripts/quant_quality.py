@@ -16,10 +16,16 @@ add minutes of compile per scheme and the FP8/MX emulation gains nothing from th
 
     python scripts/quant_quality.py                              # all schemes, Markdown table to stdout
     python scripts/quant_quality.py --out docs/quant_quality.md --schemes int8,fp8
+    python scripts/quant_quality.py --schemes mxfp4     # computes one case; a later run with every case reuses it
+
+Per-case results are kept in --cache-dir (keyed by the evaluation settings and the source of the code computing the
+logits), so a long table can be built one case at a time on a busy machine and rendered at the end.
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
 import math
 import sys
 import tempfile
@@ -29,7 +35,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+# the code that decides a case's logits (a change invalidates the cached rows in --cache-dir)
+SOURCE_FILES = ("neuron_infer/model/llama.py", "neuron_infer/model/ops.py", "neuron_infer/compile/builder.py",
+                "neuron_infer/compile/quantize_step.py", "neuron_infer/quant/*.py")
 
 PROMPTS = ("The capital of France is", "def fibonacci(n):", "Photosynthesis is the process",
            "In 1492, Columbus", "To install the package, run")
@@ -41,6 +51,9 @@ CASES = {
     "fp8 (all linears)": ("fp8", ()),
     "mxfp8": ("mxfp8", None),
     "mxfp4": ("mxfp4", None),
+    # SmolLM2-135M has 30 decoder layers: the fp8 recipe's kept modules, written out for another scheme
+    "mxfp4 (AWS recipe)": ("mxfp4", ("lm_head", "model.layers.0.mlp", "model.layers.29.mlp",
+                                     "model.layers.*.self_attn")),
     "w8a8 (SmoothQuant a=0.5)": ("w8a8", None),
 }
 
@@ -117,6 +130,40 @@ def run_case(model_dir: Path, root: Path, scheme: str, ntc, windows, prompts: li
             "seconds": time.perf_counter() - t0}
 
 
+def case_key(name: str, args) -> str:
+    """Cache key of one case: the evaluation settings and the source of the code that computes its logits."""
+    h = hashlib.sha256(json.dumps([name, CASES[name], args.windows, args.window, args.new_tokens]).encode())
+    for pattern in SOURCE_FILES:
+        for p in sorted(ROOT.glob(pattern)):
+            h.update(p.name.encode())
+            h.update(p.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def cached_case(name: str, args, model_dir: Path, windows, prompts, base: dict | None) -> dict:
+    """One case's row (metrics vs bf16, greedy tokens, bytes), from --cache-dir or computed and stored there.
+
+    The bf16 case also keeps its window logits (the reference every other case is scored against)."""
+    stem = args.cache_dir / f"{name.split(' ')[0]}-{case_key(name, args)}"
+    if stem.with_suffix(".json").is_file() and (base is not None or stem.with_suffix(".pt").is_file()):
+        row = json.loads(stem.with_suffix(".json").read_text())
+        if base is None:
+            row["logits"] = torch.load(stem.with_suffix(".pt"))
+        return row
+    with tempfile.TemporaryDirectory(prefix="quant-quality-") as tmp:
+        r = run_case(model_dir, Path(tmp) / "a", *CASES[name], windows, prompts, args.new_tokens)
+    ref = r["logits"] if base is None else base["logits"]
+    ppl, kl, top1 = metrics(r["logits"], ref, windows)
+    row = {"ppl": ppl, "kl": kl, "top1": top1, "greedy": r["greedy"], "linear_bytes": r["linear_bytes"],
+           "file_bytes": r["file_bytes"], "seconds": r["seconds"]}
+    args.cache_dir.mkdir(parents=True, exist_ok=True)
+    stem.with_suffix(".json").write_text(json.dumps(row))
+    if base is None:
+        torch.save(r["logits"], stem.with_suffix(".pt"))
+        row["logits"] = r["logits"]
+    return row
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[1])
     ap.add_argument("--windows", type=int, default=4)
@@ -125,6 +172,8 @@ def main() -> None:
     ap.add_argument("--schemes", default=",".join(CASES), help="comma-separated case names (bf16 always runs)")
     ap.add_argument("--out", type=Path, default=None, help="write the Markdown table here (default: stdout)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "neuron-infer" / "quant-quality",
+                    help="per-case results are stored here and reused while the settings and the code are unchanged")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from neuron_infer.checkpoint import load_tokenizer
@@ -138,10 +187,9 @@ def main() -> None:
     unknown = [n for n in names if n not in CASES]
     if unknown:
         raise SystemExit(f"unknown case(s) {unknown}; choose from {list(CASES)}")
-    tmp = Path(tempfile.mkdtemp(prefix="quant-quality-"))
-    res = {}
-    for i, name in enumerate(names):
-        res[name] = run_case(model_dir, tmp / f"a{i}", *CASES[name], windows, prompts, args.new_tokens)
+    res: dict[str, dict] = {}
+    for name in names:
+        res[name] = cached_case(name, args, model_dir, windows, prompts, res.get("bf16"))
         print(f"{name}: {res[name]['seconds']:.0f} s\n{render(res, windows, args)}", file=sys.stderr, flush=True)
     table = render(res, windows, args)
     if args.out:
@@ -152,7 +200,7 @@ def main() -> None:
 
 def render(res: dict, windows, args) -> str:
     base = res["bf16"]
-    ppl0 = metrics(base["logits"], base["logits"], windows)[0]
+    ppl0 = base["ppl"]
     title = (f"SmolLM2-135M-Instruct, {len(windows)} windows x {args.window} tokens of pydoc_data text; greedy "
              f"agreement over {args.new_tokens} tokens for {len(PROMPTS)} prompts; artifacts compiled with "
              "neuron_infer.api.compile_model (backend cpu-eager, dtype bf16). Generated by scripts/quant_quality.py.")
@@ -161,7 +209,7 @@ def render(res: dict, windows, args) -> str:
     lines = [title, "", header,
              "|---|---|---|---|---|---|---|---|---|"]
     for name, r in res.items():
-        ppl, kl, top1 = metrics(r["logits"], base["logits"], windows)
+        ppl, kl, top1 = r["ppl"], r["kl"], r["top1"]
         agree = [agree_len(a, b) for a, b in zip(r["greedy"], base["greedy"])]
         lines.append(f"| {name} | {r['linear_bytes'] / 1e6:.1f} MB | {base['linear_bytes'] / r['linear_bytes']:.2f}x "
                      f"| {r['file_bytes'] / 1e6:.1f} MB | {ppl:.3f} | {100 * (ppl / ppl0 - 1):+.2f}% | {kl:.4f} | "

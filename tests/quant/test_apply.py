@@ -118,6 +118,17 @@ def test_bad_scheme_errors():
         apply_quantization(FakeLlama().double(), QuantConfig(scheme="int8"))
 
 
+def test_quant_config_rejects_meaningless_options():
+    with pytest.raises(ConfigError, match="only makes sense with --quant"):
+        QuantConfig(scheme="none", modules_to_not_convert=("lm_head",))
+    with pytest.raises(ConfigError, match="smoothquant_alpha"):
+        QuantConfig(scheme="w8a8", smoothquant_alpha=1.5)
+    with pytest.raises(ConfigError, match="kv_cache_dtype 'int8' is unknown"):
+        QuantConfig(scheme="int8", kv_cache_dtype="int8")
+    with pytest.raises(ConfigError, match="weight-tiling does not apply to --quant mxfp8"):
+        QuantConfig(scheme="mxfp8", weight_tiling=True)
+
+
 def test_unsupported_combinations():
     from neuron_infer.quant import check_combination
 
@@ -125,6 +136,8 @@ def test_unsupported_combinations():
         apply_quantization(FakeLlama(), QuantConfig(scheme="mxfp4", weight_tiling=True))
     with pytest.raises(ConfigError, match="float model dtype"):
         check_combination(QuantConfig(scheme="int8"), "int8")
+    with pytest.raises(ConfigError, match="weight-tiling does not apply to --quant w8a8"):
+        check_combination(QuantConfig(scheme="w8a8", weight_tiling=True), "bf16")
     check_combination(QuantConfig(scheme="int8", weight_tiling=True, kv_cache_dtype="fp8"), "bf16")  # valid
 
 

@@ -93,6 +93,11 @@ def test_other_schemes_generate_within_bound(ckpts, floats, tmp_path, scheme):
     err = ((logits - ref).abs().max() / ref.abs().max()).item()
     assert 0 < err <= LOGIT_BOUND[scheme], err
     assert man.extra["quant"]["scheme"] == scheme and len(man.extra["quant"]["converted"]) == 15
+    # the manifest's byte count is what the weights file holds for the linear layers (payload + scales)
+    assert man.extra["quant"]["bytes_after"] == _linear_bytes_in_file(tmp_path / "a" / "weights" / "rank0.safetensors")
+    # vs fp32 linears: 32 / 8.25 (MXFP8), 32 / 4.25 (MXFP4) bits less the K padding of down_proj (200 -> 224);
+    # w8a8: 4x less one fp32 scale per row (measured 3.80, 7.37, 3.85)
+    assert man.extra["quant"]["compression"] > {"mxfp8": 3.75, "mxfp4": 7.3, "w8a8": 3.8}[scheme]
 
 
 def _linear_bytes_in_file(path) -> int:

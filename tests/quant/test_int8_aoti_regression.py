@@ -36,8 +36,8 @@ def test_int8_batch4_compiled_decode_runs(tmp_path):
     import pathlib
 
     root = str(pathlib.Path(__file__).resolve().parents[2])
-    res = subprocess.run([sys.executable, "-c", SCRIPT.format(root=root, tmp=str(tmp_path))], capture_output=True,
-                         text=True, timeout=900)
+    res = subprocess.run([sys.executable, "-c", SCRIPT.format(root=root, tmp=str(tmp_path))], check=False,
+                         capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, f"exit {res.returncode}: {res.stderr[-2000:]}"
     line = [x for x in res.stdout.splitlines() if x.startswith("OK")][-1]
     # bf16 compiled vs eager may differ by summation order; require the first sequences' tokens to agree mostly
