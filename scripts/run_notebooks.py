@@ -92,7 +92,7 @@ def skip_reason(spec: NotebookSpec) -> str | None:
         return f"needs vllm: set {VLLM_PYTHON_ENV} to a python with vllm installed (scripts/ci_vllm.sh does)"
     probe = "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"
     try:
-        ok = subprocess.run([py, "-c", probe], capture_output=True, timeout=60).returncode == 0
+        ok = subprocess.run([py, "-c", probe], capture_output=True, timeout=60, check=False).returncode == 0
     except (OSError, subprocess.TimeoutExpired) as exc:
         return f"needs vllm: {VLLM_PYTHON_ENV}={py} cannot be run ({exc})"
     return None if ok else f"needs vllm: {VLLM_PYTHON_ENV}={py} cannot import vllm"
