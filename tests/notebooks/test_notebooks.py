@@ -75,8 +75,11 @@ def test_check_mode_leaves_file_unchanged(tmp_path):
     before = path.read_bytes()
     assert rn.main(["--check", str(path)]) == 0
     assert path.read_bytes() == before
+    path.chmod(0o644)
     assert rn.main([str(path)]) == 0  # the twin: without --check the output is written
     assert nbformat.read(path, as_version=4).cells[1].outputs[0].text == "2\n"
+    assert path.stat().st_mode & 0o777 == 0o644  # the atomic rewrite keeps the file's permissions
+    assert [p.name for p in tmp_path.iterdir()] == ["c.ipynb"]  # no temporary file left behind
 
 
 def test_error_cell_fails_naming_notebook_and_cell(tmp_path, capsys):
