@@ -11,6 +11,7 @@ from transformers import LlamaForCausalLM
 from neuron_infer.compile.weights import build_float_model
 from neuron_infer.checkpoint import load_checkpoint
 from neuron_infer.config import BuildConfig, ModelConfig
+from neuron_infer.model.llama import rope_tables
 from tests.tiny_checkpoint import TINY_PRESETS
 
 ATOL = 1e-4
@@ -46,7 +47,8 @@ def test_prefill_and_every_decode_step_match_hf(tiny_dirs, preset):
 def test_a_wrong_rope_scaling_would_be_caught(tiny_dirs):
     """Power check: dropping the llama3 scaling changes logits far beyond the tolerance."""
     cfg, ours, hf = _pair(tiny_dirs("llama3_rope"))
-    ours.inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2).float() / cfg.head_dim))
+    unscaled = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2).float() / cfg.head_dim))
+    ours.rope_cos, ours.rope_sin = rope_tables(unscaled, ours.max_positions)
     ids = torch.arange(3, 3 + 200).view(1, 200) % cfg.vocab_size
     with torch.no_grad():
         k = torch.zeros(cfg.num_layers, 1, cfg.num_kv_heads, 200, cfg.head_dim)

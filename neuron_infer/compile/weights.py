@@ -19,7 +19,7 @@ def empty_model(cfg: ModelConfig, build: BuildConfig, layout: LocalLayout | None
                 ops: Ops | None = None) -> LlamaModel:
     """A model skeleton on the meta device (no memory, no random init)."""
     with torch.device("meta"):
-        return LlamaModel(cfg, layout, ops or get_ops(build.kernels)).eval()
+        return LlamaModel(cfg, layout, ops or get_ops(build.kernels), max_positions=build.max_length).eval()
 
 
 def build_float_model(cfg: ModelConfig, build: BuildConfig, state: dict[str, torch.Tensor],

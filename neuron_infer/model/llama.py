@@ -69,6 +69,13 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     return torch.where(mid, blended, scaled).float()
 
 
+def rope_tables(inv_freq: torch.Tensor, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [P, D] in fp32 for positions 0..P-1 (half-split layout), computed once at build/load time."""
+    freqs = torch.arange(positions, dtype=torch.float32).unsqueeze(-1) * inv_freq  # [P, D/2]
+    emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
+    return emb.cos(), emb.sin()
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [B, H, T, D], cos/sin [B, 1, T, D] (half-split layout, as Hugging Face Llama)."""
     x1, x2 = x.chunk(2, dim=-1)  # [B, H, T, D/2] each
@@ -198,13 +205,21 @@ class Inner(nn.Module):
 class LlamaModel(nn.Module):
     """Llama causal LM with a static KV cache. Parameter names equal Hugging Face's `LlamaForCausalLM`."""
 
-    def __init__(self, cfg: ModelConfig, layout: LocalLayout | None = None, ops: Ops | None = None):
+    def __init__(self, cfg: ModelConfig, layout: LocalLayout | None = None, ops: Ops | None = None,
+                 max_positions: int | None = None):
         super().__init__()
         self.cfg, self.layout = cfg, layout or LocalLayout.single(cfg)
+        self.max_positions = max_positions or cfg.max_position_embeddings  # RoPE table rows (build.max_length)
         self.ops = ops or get_ops("reference")
         self.model = Inner(cfg, self.layout, self.ops)
         self.lm_head = nn.Linear(cfg.hidden_size, self.layout.vocab_local, bias=False)
-        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)  # source of the tables (graphs
+        # compiled before the tables existed read it directly, so it stays a buffer)
+        # cos/sin looked up per position instead of computed in the graph: Inductor otherwise inlines cos/sin into
+        # every consumer, including inside the attention-score reduction (once per cached key).
+        cos, sin = rope_tables(self.inv_freq, self.max_positions)
+        self.register_buffer("rope_cos", cos, persistent=False)  # [P, D] fp32
+        self.register_buffer("rope_sin", sin, persistent=False)  # [P, D] fp32
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -215,6 +230,7 @@ class LlamaModel(nn.Module):
     def materialize_buffers(self) -> None:
         """Recompute the non-persistent buffers (after building on the meta device and loading with assign=True)."""
         self.inv_freq = rope_inv_freq(self.cfg)
+        self.rope_cos, self.rope_sin = rope_tables(self.inv_freq, self.max_positions)
         for layer in self.model.layers:
             layer.self_attn.q_to_kv = torch.tensor(self.layout.q_to_kv, dtype=torch.int64)
 
@@ -229,9 +245,8 @@ class LlamaModel(nn.Module):
         seq_ids: torch.Tensor | None = None,  # [B] int64 cache row per batch row; None: row b <-> batch b
     ) -> torch.Tensor:  # [B, n, V] fp32 logits
         x = self.model.embed_tokens(input_ids)  # [B, T, H]
-        freqs = positions.unsqueeze(-1).float() * self.inv_freq  # [B, T, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)  # [B, 1, T, D]
-        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        cos = F.embedding(positions, self.rope_cos).unsqueeze(1).to(x.dtype)  # [B, 1, T, D]
+        sin = F.embedding(positions, self.rope_sin).unsqueeze(1).to(x.dtype)  # [B, 1, T, D]
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, positions, k_cache, v_cache, i, attend_len, seq_ids)
         x = self.model.norm(x)
