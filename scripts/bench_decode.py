@@ -45,16 +45,21 @@ def prompt_ids(tokenizer, n: int) -> list[int]:
 class NeuronInfer:
     name = "neuron-infer"
 
-    def __init__(self, model_dir: Path, dtype: str, backend: str | None):
+    def __init__(self, model_dir: Path, dtype: str, backend: str | None, artifacts: Path | None):
         from neuron_infer.api import CompiledModel, compile_model
         from neuron_infer.presets import load_preset
 
-        build = load_preset("smollm2-cpu", {"dtype": dtype}).build
-        out = Path(tempfile.mkdtemp(prefix="bench-ni-")) / "art"
-        t0 = time.perf_counter()
-        compile_model(model_dir, out, build, backend=backend, say=lambda m: None)
-        self.compile_s = time.perf_counter() - t0
-        self.m = CompiledModel.load(out)
+        self.compile_s = None
+        out = artifacts
+        if out is None:
+            build = load_preset("smollm2-cpu", {"dtype": dtype}).build
+            out = Path(tempfile.mkdtemp(prefix="bench-ni-")) / "art"
+            t0 = time.perf_counter()
+            compile_model(model_dir, out, build, backend=backend, say=lambda m: None)
+            self.compile_s = time.perf_counter() - t0
+        self.m = CompiledModel.load(out, expect_checkpoint=model_dir)
+        if self.m.manifest.build.dtype != dtype:
+            sys.exit(f"--artifacts {out} was compiled for {self.m.manifest.build.dtype}, not --dtype {dtype}")
         self.weight_bytes = (out / "weights" / "rank0.safetensors").stat().st_size
 
     def ttft(self, ids: list[int]) -> float:
@@ -128,7 +133,8 @@ def llamacpp_f16(src: Path) -> Path | None:
 
 
 def build_runners(args, model_dir: Path) -> list:
-    runners = [NeuronInfer(model_dir, args.dtype, args.backend), HFEager(model_dir, args.dtype)]
+    artifacts = Path(args.artifacts) if args.artifacts else None
+    runners = [NeuronInfer(model_dir, args.dtype, args.backend, artifacts), HFEager(model_dir, args.dtype)]
     if not args.no_llamacpp:
         try:
             from neuron_infer.embedded import find_gguf
@@ -152,6 +158,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
     ap.add_argument("--backend", default=None, help="neuron-infer backend override (default: the cpu backend)")
     ap.add_argument("--no-llamacpp", action="store_true")
+    ap.add_argument("--artifacts", default=None,
+                    help="reuse this compiled artifact dir (e.g. from `neuron-infer compile --config smollm2-cpu`)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from neuron_infer.embedded import default_model_dir
@@ -177,7 +185,7 @@ def report(args, runners, res, bw_gbs: float) -> None:
     base = med["HF transformers eager"]["tps"]
     print(f"\nSmolLM2-135M {args.dtype}, batch 1, {args.new_tokens} new tokens, {args.threads} threads, "
           f"median of {args.rounds} interleaved rounds; read bandwidth {bw_gbs:.1f} GB/s; neuron-infer weights "
-          f"{ni.weight_bytes / 1e6:.0f} MB, compile {ni.compile_s:.0f} s\n")
+          f"{ni.weight_bytes / 1e6:.0f} MB, " + (f"compile {ni.compile_s:.0f} s\n" if ni.compile_s else "reused artifacts\n"))
     print("| runtime | decode tok/s | vs HF eager | vs neuron-infer | TTFT 32 tok (ms) | TTFT 512 tok (ms) | MBU |")
     print("|---|---|---|---|---|---|---|")
     for r in runners:

@@ -24,8 +24,10 @@ Why this design (measured with scripts/perf_cpu_backends.py, numbers in the repo
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import os
 import time
 import zipfile
 from collections.abc import Callable
@@ -91,6 +93,19 @@ def _export(module: torch.nn.Module, example_args: tuple, options: CpuCompileOpt
         return program.run_decompositions({torch.ops.aten.linear.default: gemv_linear(options.gemv_max_rows)})
 
 
+@contextlib.contextmanager
+def _all_cores():
+    """Compile with every core visible: Inductor emits OpenMP loops only when the compiling process has > 1 thread,
+    and a graph compiled under torch.set_num_threads(1) would stay single-threaded at every later run. The parallel
+    code follows the run-time thread count."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(before, os.cpu_count() or 1))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def _tensor_spec(t: torch.Tensor) -> list:
     return [list(t.shape), str(t.dtype).removeprefix("torch.")]
 
@@ -112,7 +127,7 @@ class CpuBackend:
         t1 = time.perf_counter()
         package = out_dir / f"{graph_name}{PACKAGE_SUFFIX}"
         configs = {"aot_inductor.package_constants_in_so": False}
-        with torch.inference_mode(False), torch.no_grad():
+        with torch.inference_mode(False), torch.no_grad(), _all_cores():
             torch._inductor.aoti_compile_and_package(program, package_path=str(package), inductor_configs=configs)
         t2 = time.perf_counter()
         tensors = module_tensors(module)
