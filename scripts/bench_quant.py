@@ -143,7 +143,7 @@ def memory_row(root: Path) -> dict:
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", default="int8,fp8,w8a8,mxfp8,mxfp4",
-                    help=f"comma-separated, from {', '.join(CASES)}; bf16 always runs")
+                    help=f"comma-separated, from {', '.join(CASES)}; bf16 always runs (with --compile-only: if listed)")
     ap.add_argument("--preset", default="smollm2-cpu")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--new-tokens", type=int, default=64)
@@ -151,7 +151,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "neuron-infer" / "bench-quant")
     ap.add_argument("--compile-only", action="store_true", help="compile the missing artifacts, then exit")
     args = ap.parse_args()
-    cases = ["bf16"] + [c for c in args.cases.split(",") if c and c != "bf16"]
+    cases = [c for c in args.cases.split(",") if c and c != "bf16"]
+    if not args.compile_only or "bf16" in args.cases.split(","):
+        cases.insert(0, "bf16")  # the baseline of every speed ratio
     unknown = [c for c in cases if c not in CASES]
     if unknown:
         ap.error(f"unknown case(s) {unknown}; choose from {', '.join(CASES)}")

@@ -15,6 +15,13 @@ chosen from the static row count M = prod(x.shape[:-1]) (never from data):
   compiler sees TNX's "int8 weight, dequantize after the matmul" pattern).
 Measured at SmolLM2-135M shapes (1 thread, interleaved, min of 5): 576->3072 bf16 110 us vs int8pack 44 us;
 1536->576 65 vs 22 us; lm_head 576->49152 3.36 ms vs 1.59 ms; at M=128 int8pack is ~3x slower than bf16.
+Inside AOTInductor decode graphs (the CPU backend rewrites bf16 single-row linears as Inductor GEMVs, which are
+~2x faster than oneDNN's): a 2-layer SmolLM2-shaped model (hidden 576, vocab 49152), 1 thread, CPU time per
+decode token, min of 7 interleaved: bf16 3.74 ms, int8 (int8pack) 2.39 ms. An int8 GEMV written as int8->fp32
+multiply + sum for Inductor (16-wide blocks) was also measured: faster than int8pack in isolation at the vocab
+head (1.49 vs 1.98 ms), but 6.2-6.6 ms per token inside the graph (used for the head only or for every linear),
+so it is not used. Whole SmolLM2-135M, preset smollm2-cpu, 1 thread: bf16 75.3 vs int8 91.6 decode tok/s (1.22x,
+scripts/bench_quant.py).
 """
 from __future__ import annotations
 
