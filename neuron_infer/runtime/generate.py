@@ -82,7 +82,7 @@ def generate_ids(
     gen, n, metrics = make_generator(sampling.seed), len(prompts), Metrics()
     out: list[list[int]] = [[] for _ in range(n)]
     reasons: list[str | None] = [None] * n
-    lengths = torch.tensor([len(p) for p in prompts] + [1] * (build.batch_size - n))  # [B] tokens in cache + next
+    lengths = [len(p) for p in prompts] + [1] * (build.batch_size - n)  # [B] tokens in cache + next
     t0 = time.perf_counter()
     logits = engine.prefill(prompts)
     while True:
@@ -91,37 +91,37 @@ def generate_ids(
         tokens = sample(logits, sampling, gen)  # [B]
         if decide:
             tokens = decide(tokens)
-        now = time.perf_counter()
+        _accept(tokens.tolist(), out, reasons, lengths, max_new_tokens, build.max_length, eos_ids, ignore_eos)
+        if on_tokens:
+            on_tokens(out)
+        now = time.perf_counter()  # latency = emission to emission: the whole loop, bookkeeping and callbacks
         if metrics.num_generated == 0:
             metrics.ttft_s = now - t0
         else:
             metrics.token_latencies_s.append(now - t0)
-        _accept(tokens, out, reasons, lengths, max_new_tokens, build.max_length, eos_ids, ignore_eos)
         metrics.num_generated += 1
-        if on_tokens:
-            on_tokens(out)
         if all(r is not None for r in reasons):
             break
-        t0 = time.perf_counter()
-        positions = (lengths - 1).clamp(min=0)  # the new token is written at index len-1 (its own position)
+        t0 = now
+        positions = torch.tensor([max(length - 1, 0) for length in lengths])  # [B] slot of each new token
         logits = engine.decode(tokens, positions)
     metrics.finish(n)
     return [SequenceResult(o, r or "max_new_tokens") for o, r in zip(out, reasons)], metrics
 
 
-def _accept(tokens, out, reasons, lengths, max_new, max_length, eos_ids, ignore_eos) -> None:
+def _accept(tokens: list[int], out, reasons, lengths: list[int], max_new, max_length, eos_ids, ignore_eos) -> None:
     """Append each active row's new token and decide whether the row stops."""
     for row in range(len(out)):
         if reasons[row] is not None:
             continue
-        tok = int(tokens[row])
+        tok = tokens[row]
         out[row].append(tok)
         lengths[row] += 1
         if not ignore_eos and tok in eos_ids:
             reasons[row] = "eos"
         elif len(out[row]) >= max_new:
             reasons[row] = "max_new_tokens"
-        elif int(lengths[row]) >= max_length:
+        elif lengths[row] >= max_length:
             reasons[row] = "max_length"
     for row in range(len(out), len(lengths)):
         lengths[row] = 1  # idle padding rows stay at slot 0
