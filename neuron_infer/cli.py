@@ -131,12 +131,20 @@ def compile_cmd(model_dir, output, backend, overwrite, **kw) -> None:
 @click.option("--seed", type=int, default=None)
 @click.option("--ignore-eos", is_flag=True, help="generate max-new-tokens even past EOS (benchmarks)")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object (outputs and metrics)")
+@click.option("--threads", type=click.IntRange(min=1), default=None,
+              help="CPU threads for the graphs (default: torch's, one per core); 1 is faster on a machine whose "
+                   "cores are busy with other jobs")
 @build_options
 def generate_cmd(artifacts, prompts, prompt_file, chat, max_new_tokens, temperature, top_k, top_p, seed,
-                 ignore_eos, as_json, **kw) -> None:
+                 ignore_eos, as_json, threads, **kw) -> None:
     """Generate from ARTIFACTS (omit to compile or reuse the embedded default model)."""
+    import torch  # noqa: PLC0415
+
     from neuron_infer.api import CompiledModel  # noqa: PLC0415
     from neuron_infer.config import SamplingConfig  # noqa: PLC0415
+
+    if threads is not None:
+        torch.set_num_threads(threads)
 
     prompts = list(prompts) + (Path(prompt_file).read_text().splitlines() if prompt_file else [])
     prompts = [p for p in prompts if p.strip()] or ["The capital of France is"]

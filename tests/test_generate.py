@@ -130,3 +130,27 @@ def test_bf16_agrees_with_hf_fp32_on_teacher_forced_next_tokens(compiled, tiny_d
     ours = torch.stack(logits).argmax(-1)  # predictions for positions 31..95
     agree = (ours == ref[31:96]).float().mean().item()
     assert agree >= 0.90, agree
+
+
+def test_cli_threads_option_sets_torch_threads_and_keeps_tokens(compiled, capsys):
+    """`generate --threads 1` runs with one torch thread and gives the default's greedy tokens; 0 is refused."""
+    import json
+
+    from neuron_infer.cli import main
+
+    root = str(compiled("gqa").root)
+    before = torch.get_num_threads()
+    runs = {}
+    try:
+        for threads in ([], ["--threads", "1"]):
+            main(["generate", root, "--prompt", "hello there", "--max-new-tokens", "6", "--ignore-eos", "--json",
+                  *threads])
+            runs[tuple(threads)] = json.loads(capsys.readouterr().out)["outputs"][0]["token_ids"]
+            if threads:
+                assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+    assert runs[()] == runs[("--threads", "1")] and len(runs[()]) == 6
+    with pytest.raises(SystemExit) as e:
+        main(["generate", root, "--prompt", "x", "--threads", "0"])
+    assert e.value.code == 2
