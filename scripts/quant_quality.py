@@ -116,8 +116,9 @@ def run_case(model_dir: Path, root: Path, scheme: str, ntc, windows, prompts: li
     from neuron_infer.config import BuildConfig, QuantConfig
 
     ctx = max(64, max(len(p) for p in prompts))
-    build = BuildConfig(dtype="bf16", max_context_length=ctx, max_length=ctx + new_tokens, context_buckets=(ctx,),
-                        tokengen_buckets=(ctx + new_tokens,), quant=QuantConfig(scheme=scheme, modules_to_not_convert=ntc))
+    total = max(ctx + new_tokens, max(w.numel() for w in windows))  # RoPE tables must cover a whole window
+    build = BuildConfig(dtype="bf16", max_context_length=ctx, max_length=total, context_buckets=(ctx,),
+                        tokengen_buckets=(total,), quant=QuantConfig(scheme=scheme, modules_to_not_convert=ntc))
     t0 = time.perf_counter()
     compile_model(model_dir, root, build, backend="cpu-eager", say=lambda m: None)
     model, man = artifact_model(root)

@@ -36,7 +36,7 @@ def calibration_runner(model: LlamaModel, model_dir: Path):
 
     chars = CALIBRATION_WINDOWS * CALIBRATION_TOKENS * 8  # ample for the windows, cheap to tokenize
     ids = load_tokenizer(model_dir)(calibration_text()[:chars])["input_ids"]
-    t = CALIBRATION_TOKENS
+    t = min(CALIBRATION_TOKENS, model.max_positions)  # the RoPE tables hold build.max_length positions
     windows = [ids[i * t:(i + 1) * t] for i in range(CALIBRATION_WINDOWS) if len(ids) >= (i + 1) * t]
     cfg, lay = model.cfg, model.layout
     dtype = next(model.parameters()).dtype

@@ -96,7 +96,8 @@ class QuantizedLinear(nn.Module, ABC):
         return F.linear(x.float(), self.dequantized_weight(), b).to(x.dtype)  # [..., out]
 
     def weight_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.buffers(recurse=False))
+        """Bytes of the stored tensors (the state dict: derived non-persistent tables are not stored)."""
+        return sum(t.numel() * t.element_size() for t in self.state_dict().values())
 
     def extra_repr(self) -> str:
         return (f"scheme={self.scheme}, in_features={self.in_features}, out_features={self.out_features}, "

@@ -77,6 +77,8 @@ class MXLinear(QuantizedLinear):
         if self.partitions is not None:  # quad position -> logical column (derived, so not in the state dict)
             inv = np.argsort(mg.quad_permutation(self.in_padded, self.partitions))
             self.register_buffer("col_from_quad", torch.from_numpy(inv), persistent=False)
+        if per_byte == 2:  # e2m1 code -> value; a buffer (not a tensor made in forward) so compiled graphs share it
+            self.register_buffer("fp4_values", torch.tensor(_FP4_VALUES, dtype=torch.float32), persistent=False)
 
     @classmethod
     def empty(cls, in_features: int, out_features: int, bias: bool, act_dtype: torch.dtype) -> MXLinear:
@@ -102,8 +104,7 @@ class MXLinear(QuantizedLinear):
     def _element_values(self) -> torch.Tensor:
         """[out, in_pad] float32 element values (before block scaling)."""
         if mg.get_format(self.fmt).bits == 4:
-            table = torch.tensor(_FP4_VALUES, dtype=torch.float32, device=self.weight.device)
-            return table[unpack_fp4_bytes(self.weight)]  # [out, in_pad]
+            return self.fp4_values[unpack_fp4_bytes(self.weight)]  # [out, in_pad]
         return fp8_to_float(self.weight.view(torch.float8_e4m3fn))  # [out, in_pad]
 
     def dequantized_weight(self) -> torch.Tensor:
