@@ -234,3 +234,19 @@ class _PlainTensorAttr(torch.nn.Module):
 def test_unshareable_tensor_is_a_clear_error(tmp_path):
     with pytest.raises(ConfigError, match="register_buffer"):
         CpuBackend().compile_graph(_PlainTensorAttr(), (torch.randn(2, 8),), tmp_path, "g")
+
+
+def test_graphs_compile_with_every_core_visible_and_the_thread_count_is_restored():
+    """Inductor emits OpenMP loops only when the compiling process has > 1 thread: compile under all cores."""
+    import os
+
+    from neuron_infer.compile.cpu import _all_cores
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with _all_cores():
+            assert torch.get_num_threads() == max(1, os.cpu_count() or 1)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
