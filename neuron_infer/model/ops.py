@@ -23,9 +23,10 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
 
 
 # Query rows (tokens x folded query heads) up to which attention is written as two fp32 reductions instead of SDPA.
-# Decode (1 token) and speculative verification (k+1 tokens) land here: Inductor turns the reductions into one
-# vectorised pass over the cached keys and one over the values, measured ~2x faster than SDPA's CPU kernel at 1-16
-# rows (scripts/perf_cpu_backends.py). Prefill keeps SDPA (its flash kernel tiles the T x S work).
+# Decode (1 token x G heads) and speculative verification with k <= 4 at G = 3 (15 rows) land here: Inductor turns
+# the reductions into one vectorised pass over the cached keys and one over the values (measured with the GQA fold:
+# SmolLM2 decode step 11.0 -> 7.2 ms, README "CPU performance"). Prefill (>= 64 tokens) keeps SDPA, whose flash
+# kernel tiles the T x S work; the reductions would re-read K/V per query row.
 FEW_QUERY_ROWS = 16
 
 
