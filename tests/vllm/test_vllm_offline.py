@@ -12,7 +12,7 @@ import json
 import pytest
 import torch
 
-from tests.vllm.vllm_helpers import TINY_VLLM, require_vllm, run_script
+from tests.vllm.vllm_helpers import require_vllm, run_script
 
 require_vllm()
 
@@ -20,7 +20,6 @@ from transformers import LlamaForCausalLM
 
 from neuron_infer.api import CompiledModel, compile_model
 from neuron_infer.config import BuildConfig, SamplingConfig
-from tests.tiny_checkpoint import write_tiny_checkpoint
 
 PROMPTS = [list(range(7, 27)), [5, 9, 33], list(range(100, 160))]
 N = 24
@@ -57,11 +56,6 @@ if __name__ == "__main__":
         res["logprobs_error"] = f"{type(e).__name__}: {e}"
     print("RESULT:" + json.dumps(res), flush=True)
 """
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return write_tiny_checkpoint(tmp_path_factory.mktemp("m") / "tiny", **TINY_VLLM)
 
 
 @pytest.fixture(scope="module")

@@ -13,13 +13,12 @@ import json
 
 import pytest
 
-from tests.vllm.vllm_helpers import TINY_VLLM, require_vllm, run_script
+from tests.vllm.vllm_helpers import require_vllm, run_script
 
 require_vllm()
 
 from neuron_infer.api import CompiledModel, compile_model
 from neuron_infer.config import BuildConfig
-from tests.tiny_checkpoint import write_tiny_checkpoint
 
 PROMPTS = [list(range(7, 27)), [5, 9, 33], list(range(100, 160)), [42] * 7]
 N = 40
@@ -46,11 +45,6 @@ if __name__ == "__main__":
                      for _ in range(2)]
     print("RESULT:" + json.dumps(res), flush=True)
 """
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return write_tiny_checkpoint(tmp_path_factory.mktemp("m") / "tiny", **TINY_VLLM)
 
 
 @pytest.fixture(scope="module")
