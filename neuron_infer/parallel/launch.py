@@ -199,6 +199,20 @@ def run_ranks(worker_fn: Callable[..., Any], tp: int, args: tuple = (), *, timeo
         del store
 
 
+def rank_threads(tp: int) -> int:
+    """Threads per rank when `tp` ranks share this host's cores (more would oversubscribe: every OpenMP barrier
+    of every rank then waits for descheduled threads)."""
+    return max(1, (os.cpu_count() or 1) // tp)
+
+
+def rank_cpu_groups(cpus: list[int], ranks: int) -> list[list[int]]:
+    """`cpus` split into `ranks` contiguous, non-empty groups (with more ranks than CPUs, neighbouring ranks share one)."""
+    if ranks < 1 or not cpus:
+        raise ConfigError(f"cannot split {len(cpus)} CPUs over {ranks} ranks; need >= 1 of each")
+    cpus = sorted(cpus)
+    return [cpus[r * len(cpus) // ranks:(r + 1) * len(cpus) // ranks] or [cpus[r * len(cpus) // ranks]] for r in range(ranks)]
+
+
 def _rank_entry(rank: int, tp: int, port: int, worker_fn: Callable[..., Any], args: tuple, results: Any,
                 progress: Any, timeout_s: float, parent_pid: int) -> None:
     """Body of one spawned rank process."""
@@ -206,7 +220,7 @@ def _rank_entry(rank: int, tp: int, port: int, worker_fn: Callable[..., Any], ar
     os.setsid()  # own process group: the parent kills it (and anything it starts) with one killpg
     threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
     _PROGRESS = progress
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // tp))
+    torch.set_num_threads(rank_threads(tp))
     try:
         # the parent stops us at timeout_s; the gloo timeout only needs to be longer than that
         store = dist.TCPStore("127.0.0.1", port, tp + 1, is_master=False, timeout=timedelta(seconds=timeout_s + 60))

@@ -76,6 +76,26 @@ def load_rank_engine(root: Path, manifest: Manifest, plan: ShardPlan, rank: int)
     return Engine(graphs, build, cache_shape(model, build), manifest.model.vocab_size)
 
 
+def load_serving_rank(root: Path, rank: int, world_size: int, expect_checkpoint: Path | None = None
+                      ) -> tuple[Manifest, Engine]:
+    """Rank `rank`'s manifest and engine, for a long-lived process that already joined a group of `world_size`
+    ranks (one vLLM worker per rank; the model's collectives run on torch.distributed's default group)."""
+    from neuron_infer.api import check_checkpoint
+
+    manifest = read_manifest(root, verify_files=True)
+    if expect_checkpoint is not None:
+        check_checkpoint(manifest, root, expect_checkpoint)
+    tp = manifest.build.tp_degree
+    if tp != world_size or not 0 <= rank < tp:
+        raise ArtifactError(f"{root}: artifact of tp_degree={tp} cannot serve rank {rank} of {world_size}; run it "
+                            f"with {tp} ranks (vLLM: --tensor-parallel-size {tp})")
+    if manifest.backend == "neuron":
+        raise ArtifactError(f"{root}: serving a Neuron tensor-parallel artifact from one process per rank is not "
+                            "supported (neuronx-distributed drives every NeuronCore of the group from one process); "
+                            "load it with CompiledModel.load instead")
+    return manifest, load_rank_engine(root, manifest, manifest_plan(manifest, root), rank)
+
+
 def rank_main(ctx, root: str, request: dict) -> dict | None:
     """Body of every rank (module level: spawned processes import it). Returns the payload on rank 0."""
     from neuron_infer.parallel.tp_loop import tp_generate_ids

@@ -6,9 +6,15 @@ Neuron backend, while vLLM itself only sees a CPU host. Hooks used:
   check_and_update_config  worker class, one contiguous cache row per request (no prefix caching, no chunked
                            prefill), early validation of the artifact/build against vLLM's limits
   validate_request         refuses request features the runner does not implement (HTTP 400 with the reason)
+
+Tensor parallelism on CPU: vLLM starts one worker process per rank and, by default (VLLM_CPU_OMP_THREADS_BIND=auto),
+binds each rank's OpenMP threads to its own NUMA node, refusing more ranks than nodes. Our ranks need no node of
+their own (each holds 1/N of the weights), so when that variable is unset the platform splits this process's
+allowed CPUs into N contiguous groups instead ("0|1" for two ranks on two cores); a value the user set is kept.
 """
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import vllm
@@ -20,6 +26,14 @@ from neuron_infer.vllm_plugin.artifacts import EngineArgs, check_against_engine,
 from neuron_infer.vllm_plugin.params import UnsupportedRequestError, check_request
 
 WORKER_CLASS = "neuron_infer.vllm_plugin.worker.NeuronInferWorker"
+BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
+
+
+def rank_cpu_binding(ranks: int) -> str:
+    """vLLM's per-rank CPU list syntax ("0|1"): this process's allowed CPUs in `ranks` contiguous groups."""
+    from neuron_infer.parallel.launch import rank_cpu_groups
+
+    return "|".join(",".join(map(str, g)) for g in rank_cpu_groups(list(os.sched_getaffinity(0)), ranks))
 
 
 def engine_args(vllm_config: Any) -> EngineArgs:
@@ -58,6 +72,8 @@ class NeuronInferPlatform(CpuPlatform):
         sched.enable_chunked_prefill = False
         sched.max_num_batched_tokens = max(int(sched.max_num_batched_tokens), int(vllm_config.model_config.max_model_len))
         args = engine_args(vllm_config)
+        if args.tensor_parallel_size > 1 and BIND_ENV not in os.environ:
+            os.environ[BIND_ENV] = rank_cpu_binding(args.tensor_parallel_size)
         options = plugin_options(vllm_config.additional_config)
         if options.get("neuron_infer_artifacts"):
             from neuron_infer.compile.artifact import read_manifest

@@ -21,10 +21,17 @@ a step falls back to a plain target step (which also writes the draft cache, so 
 when the scheduled requests mix greedy and sampled or different temperature/top-k/top-p, and near max_length
 where a speculative block would not fit. Greedy output equals the non-speculative runner's (fp32; see
 runtime/spec_engine.py for bf16 near-ties).
+
+Tensor parallelism: every rank runs its own SlotRunner over its shard's engine, fed the same scheduler steps, so
+slots, rows and graph calls (with their collectives) line up across ranks. `agree` maps each step's sampled tokens
+to the ones every rank uses (rank 0's, broadcast): the logits are identical everywhere (vocab all-gather), but an
+unseeded request's generator is seeded from OS entropy per process, so sampled tokens would otherwise diverge.
 """
 from __future__ import annotations
 
 import dataclasses
+import heapq
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -66,14 +73,20 @@ class SlotRunner:
     """Maps request ids to cache rows and produces 1 (or, speculating, 1..K+1) tokens per scheduled request per
     step."""
 
-    def __init__(self, engine: Engine, spec: SpecEngine | None = None):
-        self.engine, self.spec = engine, spec
+    def __init__(self, engine: Engine, spec: SpecEngine | None = None,
+                 agree: Callable[[torch.Tensor], torch.Tensor] | None = None):
+        if spec is not None and agree is not None:
+            raise NeuronInferError("speculative decoding runs at tensor-parallel degree 1 only; serve the speculative "
+                                   "artifact with --tensor-parallel-size 1")
+        self.engine, self.spec, self.agree = engine, spec, agree
         self.stats = StepStats()
         self.batch = engine.build.batch_size
         self.max_context = engine.build.max_context_length
         self.max_length = engine.build.max_length
         self.slots: dict[str, Slot] = {}
-        self._free = list(range(self.batch - 1, -1, -1))  # pop() hands out row 0 first
+        # Free rows, lowest handed out first: the row a request gets depends only on which rows are free, not on
+        # the order earlier requests were released in (tensor-parallel ranks must pick the same row).
+        self._free = list(range(self.batch))  # a heap
 
     @property
     def active(self) -> int:
@@ -95,18 +108,20 @@ class SlotRunner:
                 f"all {self.batch} cache rows are busy: vLLM scheduled more concurrent requests than the artifact's "
                 f"batch_size; serve with --max-num-seqs <= {self.batch} or recompile with a larger batch_size"
             )
-        slot = Slot(self._free.pop(), list(token_ids), sampling, make_generator(sampling.seed))
+        slot = Slot(heapq.heappop(self._free), list(token_ids), sampling, make_generator(sampling.seed))
         self.slots[req_id] = slot
         prefill = self.spec.prefill_row if self.spec is not None else self.engine.prefill_row
         logits = prefill(slot.row, slot.tokens)  # [V]
-        return self._take(slot, logits.view(1, -1))
+        tok = self._agreed([self._sample(slot, logits.view(1, -1))])[0]
+        slot.tokens.append(tok)
+        return tok
 
     def release(self, req_id: str) -> list[int] | None:
         """Free the row of `req_id` (no-op for unknown ids); return its tokens."""
         slot = self.slots.pop(req_id, None)
         if slot is None:
             return None
-        self._free.append(slot.row)
+        heapq.heappush(self._free, slot.row)
         return slot.tokens
 
     def decode(self, req_ids: list[str]) -> dict[str, list[int]]:
@@ -135,8 +150,11 @@ class SlotRunner:
         step = self.spec.decode_both if self.spec is not None else self.engine.decode
         logits = step(tokens, positions)  # [B, V]
         self.stats.plain_steps += 1
-        return {r: [self._take(self.slots[r], logits[self.slots[r].row: self.slots[r].row + 1])]  # [1, V]
-                for r in req_ids}
+        toks = self._agreed([self._sample(self.slots[r], logits[self.slots[r].row: self.slots[r].row + 1])  # [1, V]
+                             for r in req_ids])
+        for r, tok in zip(req_ids, toks):
+            self.slots[r].tokens.append(tok)
+        return {r: [tok] for r, tok in zip(req_ids, toks)}
 
     def _shared_rule(self, req_ids: list[str]) -> SamplingConfig | None:
         """The one sampling rule of the scheduled requests (seed aside), or None when they differ."""
@@ -166,8 +184,12 @@ class SlotRunner:
             out[r] = toks
         return out
 
+    def _agreed(self, tokens: list[int]) -> list[int]:
+        """The tokens every rank uses (tensor parallelism: rank 0's); unchanged on one rank."""
+        if self.agree is None:
+            return tokens
+        return self.agree(torch.tensor(tokens, dtype=torch.int64)).tolist()  # [n]
+
     @staticmethod
-    def _take(slot: Slot, logits: torch.Tensor) -> int:
-        tok = int(sample(logits, slot.sampling, slot.generator)[0])
-        slot.tokens.append(tok)
-        return tok
+    def _sample(slot: Slot, logits: torch.Tensor) -> int:
+        return int(sample(logits, slot.sampling, slot.generator)[0])

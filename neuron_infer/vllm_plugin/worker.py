@@ -1,16 +1,25 @@
 """`NeuronInferWorker`: vLLM's worker contract (v1 engine) on top of a neuron-infer artifact.
 
-Startup (called by vLLM's executor, in order): init_device (gloo process group, world size 1) -> load_model (find
-or compile the artifact, load it, allocate the engine's static KV cache) -> get_kv_cache_spec ({}: the cache lives
+Startup (called by vLLM's executor, in order): init_device (gloo process group over the tensor-parallel ranks) ->
+load_model (find or compile the artifact, load it, allocate the engine's static KV cache) -> get_kv_cache_spec ({}: the cache lives
 inside the engine, so vLLM's block manager has nothing to allocate) -> initialize_from_config (no-op) ->
 compile_or_warm_up_model (one prefill + decode so the first request does not pay graph loading).
 Per step: execute_model(SchedulerOutput) -> ModelRunnerOutput with the new tokens of each request whose prompt is
 fully encoded: one, or 1..K+1 when the artifact has a draft model (speculative decoding; vLLM appends them in order
 and trims at a stop), and `[]` for a request whose prompt is still arriving in chunks.
+
+Tensor parallelism (`--tensor-parallel-size N`, artifact compiled with tp_degree N): vLLM's executor starts one
+worker per rank and sends every rank the same SchedulerOutput. Worker r loads only shard r (weights/rank{r},
+graphs/rank{r}, the KV cache of its own KV heads); the graphs' all-reduces and logits all-gather run over the gloo
+group vLLM initialised, each rank samples, and rank 0's tokens are broadcast (SlotRunner `agree`), so every rank
+keeps identical request state. vLLM returns rank 0's ModelRunnerOutput. The N ranks share this host's cores, so
+each gets cores // N threads.
 """
 from __future__ import annotations
 
+import os
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -29,15 +38,27 @@ LOG_EVERY_SPEC_STEPS = 100  # a speculation summary line in the server log every
 
 
 class NeuronInferWorker(WorkerBase):
-    """One worker process serving one artifact (tensor parallelism inside the artifact is not wired up yet)."""
+    """One worker process per tensor-parallel rank of the artifact (see the module docstring)."""
 
     def init_device(self) -> None:
-        if self.parallel_config.world_size != 1:
+        par = self.parallel_config
+        if par.pipeline_parallel_size != 1 or par.data_parallel_size != 1:
             raise ValueError(
-                "the neuron-infer vLLM plugin runs one worker process; pass --tensor-parallel-size 1 and "
-                "--pipeline-parallel-size 1"
+                "the neuron-infer vLLM plugin parallelises with tensor parallelism only; pass "
+                "--pipeline-parallel-size 1 and --data-parallel-size 1 (and --tensor-parallel-size = the artifact's "
+                "tp_degree)"
             )
+        self.tp = int(par.tensor_parallel_size)
+        if self.tp > 1:
+            from neuron_infer.parallel.launch import rank_threads
+
+            torch.set_num_threads(rank_threads(self.tp))
         self.device = torch.device("cpu")
+        # vLLM's CPU communicator names its shared-memory group after this (set by its own CPUWorker, read by
+        # every tp/pp group it builds): the rendezvous port, identical on all ranks of this engine.
+        init = self.distributed_init_method
+        os.environ.setdefault("VLLM_DIST_IDENT", os.path.basename(init.removeprefix("file://"))
+                              if init.startswith("file://") else init.split(":")[-1])
         init_worker_distributed_environment(self.vllm_config, self.rank, self.distributed_init_method,
                                             self.local_rank, "gloo")
         torch.manual_seed(self.model_config.seed or 0)
@@ -58,16 +79,30 @@ class NeuronInferWorker(WorkerBase):
         explicit = bool(options.get("neuron_infer_artifacts"))
         expect = resolve_model_dir(args.model) if explicit else None  # the artifact must come from --model
         t0 = time.perf_counter()
-        self.compiled = CompiledModel.load(root, expect_checkpoint=expect)
-        self.runner = SlotRunner(self.compiled.engine, self.compiled.spec)
-        build = self.compiled.manifest.build
-        logger.info("neuron-infer: loaded %s in %.1f s (backend %s, %s, batch %d, max_length %d%s)", root,
-                    time.perf_counter() - t0, self.compiled.manifest.backend, build.dtype, build.batch_size,
-                    build.max_length, f", quant {build.quant.scheme}" if build.quant.scheme != "none" else "")
+        if self.tp == 1:
+            self.compiled = CompiledModel.load(root, expect_checkpoint=expect)
+            manifest, engine, spec = self.compiled.manifest, self.compiled.engine, self.compiled.spec
+            self.runner = SlotRunner(engine, spec)
+        else:
+            manifest, engine = self._load_rank(root, expect)
+            from neuron_infer.parallel.launch import broadcast_from_rank0
+
+            self.runner = SlotRunner(engine, agree=broadcast_from_rank0)
+        build = manifest.build
+        logger.info("neuron-infer: loaded %s in %.1f s (backend %s, %s, batch %d, max_length %d%s%s)", root,
+                    time.perf_counter() - t0, manifest.backend, build.dtype, build.batch_size, build.max_length,
+                    f", quant {build.quant.scheme}" if build.quant.scheme != "none" else "",
+                    f", rank {self.rank} of tp {self.tp}, {torch.get_num_threads()} threads" if self.tp > 1 else "")
         if build.speculation is not None:
             logger.info("neuron-infer: speculative decoding (%s, draft %s, k=%d): up to %d tokens per request per "
                         "step", self.compiled.spec.mode, build.speculation.draft_model, build.speculation.length,
                         build.speculation.length + 1)
+
+    def _load_rank(self, root: Path, expect: Path | None):
+        """This rank's shard of a tensor-parallel artifact (the group was initialised in init_device)."""
+        from neuron_infer.parallel.runtime import load_serving_rank
+
+        return load_serving_rank(Path(root), self.rank, self.tp, expect_checkpoint=expect)
 
     def get_kv_cache_spec(self) -> dict:
         return {}
@@ -106,7 +141,7 @@ class NeuronInferWorker(WorkerBase):
 
     def execute_model(self, scheduler_output: Any) -> ModelRunnerOutput:
         so = scheduler_output
-        for req_id in so.finished_req_ids:
+        for req_id in sorted(so.finished_req_ids):  # a set: same order on every rank
             self.runner.release(req_id)
             self._pending.pop(req_id, None)
             self._preempted.pop(req_id, None)

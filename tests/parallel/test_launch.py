@@ -22,6 +22,8 @@ from neuron_infer.parallel.launch import (
     all_reduce_sum,
     broadcast_from_rank0,
     check_cpu_ranks,
+    rank_cpu_groups,
+    rank_threads,
     run_ranks,
 )
 from tests.parallel import toy_workers as tw
@@ -104,6 +106,19 @@ def test_a_rank_killed_with_sigkill_mid_run():
 def test_invalid_degrees_fail_before_any_process_starts(tp):
     with pytest.raises(ConfigError, match="must be an integer >= 1"):
         run_ranks(tw.collectives, tp, (1,))
+
+
+def test_rank_cpu_groups_split_contiguously_and_never_leave_a_rank_empty():
+    assert rank_cpu_groups([1, 0], 2) == [[0], [1]]
+    assert rank_cpu_groups(list(range(8)), 3) == [[0, 1], [2, 3, 4], [5, 6, 7]]
+    assert rank_cpu_groups([0, 1], 4) == [[0], [0], [1], [1]]  # oversubscribed: every rank still gets a CPU
+    with pytest.raises(ConfigError, match="cannot split 2 CPUs over 0 ranks"):
+        rank_cpu_groups([0, 1], 0)
+
+
+def test_rank_threads_divide_the_cores(monkeypatch):
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    assert [rank_threads(tp) for tp in (1, 2, 3, 8, 16)] == [8, 4, 2, 1, 1]
 
 
 def test_cpu_capacity_checks():

@@ -8,6 +8,7 @@ same numbers (one generator per request, one [1, V] multinomial per token in bot
 from __future__ import annotations
 
 import pytest
+import torch
 
 from neuron_infer.api import CompiledModel, compile_model
 from neuron_infer.config import BuildConfig, SamplingConfig, SpeculationConfig
@@ -82,6 +83,40 @@ def test_runner_errors_name_the_fix(models):
     assert runner.release("unknown") is None
 
 
+def test_agree_decides_the_tokens_every_step_uses(models):
+    """Tensor parallelism: the tokens of each step go through `agree` (rank 0's broadcast in the worker) and the
+    agreed ones, not the locally sampled ones, are appended and fed back."""
+    calls = []
+
+    def agree(t):  # [n] sampled here -> [n] the group's decision (here: always token 7)
+        calls.append(t.tolist())
+        return torch.full_like(t, 7)
+
+    runner = SlotRunner(models[4].engine, agree=agree)
+    assert runner.admit("a", [5, 6, 9], SamplingConfig()) == 7
+    assert runner.admit("b", [3], SamplingConfig(temperature=0.9, seed=1)) == 7
+    assert runner.decode(["a", "b"]) == {"a": [7], "b": [7]}
+    assert runner.slots["a"].tokens == [5, 6, 9, 7, 7] and runner.slots["b"].tokens == [3, 7, 7]
+    assert [len(c) for c in calls] == [1, 1, 2]  # one exchange per admission, one per decode step
+    plain = SlotRunner(models[4].engine)  # without agree: the locally sampled greedy token
+    assert plain.admit("a", [5, 6, 9], SamplingConfig()) == calls[0][0]
+
+
+def test_row_choice_does_not_depend_on_release_order(models):
+    """vLLM hands finished request ids over as a set, iterated in a per-process order: tensor-parallel ranks
+    release rows in different orders and must still give the next request the same row."""
+    rows = []
+    for order in (["a", "b", "c"], ["c", "a", "b"]):
+        runner = SlotRunner(models[4].engine)
+        for r in ("a", "b", "c", "d"):
+            runner.admit(r, [5, 6], SamplingConfig())
+        for r in order:
+            runner.release(r)
+        runner.admit("e", [7], SamplingConfig())
+        rows.append(runner.slots["e"].row)
+    assert rows == [0, 0]
+
+
 # ---- speculative artifact (draft compiled in, fused graph): 1..K+1 tokens per request per step -------------------
 SPEC_SCHEDULE = [  # greedy requests must equal the non-speculative reference; sampled ones force plain steps
     (0, list(range(7, 27)), 40, SamplingConfig()),
@@ -133,6 +168,11 @@ def test_speculative_runner_greedy_equals_non_speculative(spec_model, models):
     st = runner.stats
     assert st.spec_steps > 0 and st.plain_steps > 0  # both kinds of step ran (mixed rules, tail)
     assert 0 < st.accepted < st.drafted  # a 1-layer self-draft: some accepted, some rejected
+
+
+def test_speculation_is_refused_under_tensor_parallelism(spec_model):
+    with pytest.raises(NeuronInferError, match="--tensor-parallel-size 1"):
+        SlotRunner(spec_model.engine, spec_model.spec, agree=lambda t: t)
 
 
 def test_speculative_runner_seeded_sampling_is_reproducible(spec_model):
