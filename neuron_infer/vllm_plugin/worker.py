@@ -52,31 +52,35 @@ class NeuronInferWorker(WorkerBase):
                 "tp_degree)"
             )
         self.tp = int(par.tensor_parallel_size)
-        if self.tp > 1 and par.distributed_executor_backend != "uni":
-            from neuron_infer.parallel.launch import rank_threads
-
-            torch.set_num_threads(rank_threads(self.tp))
-        self.device = torch.device("cpu")
-        # vLLM's CPU communicator names its shared-memory group after this (set by its own CPUWorker, read by
-        # every tp/pp group it builds): the rendezvous port, identical on all ranks of this engine.
-        init = self.distributed_init_method
-        os.environ.setdefault("VLLM_DIST_IDENT", os.path.basename(init.removeprefix("file://"))
-                              if init.startswith("file://") else init.split(":")[-1])
         # Neuron tensor parallelism: the platform chose vLLM's single-worker executor and this one process drives
-        # every rank (neuronx-distributed inside the artifact's engine); vLLM's own groups are then of size 1.
+        # every rank (neuronx-distributed inside the artifact's engine).
         self.group_in_process = self.tp > 1 and par.distributed_executor_backend == "uni"
-        if self.group_in_process:
-            init_distributed_environment(1, 0, self.distributed_init_method, self.local_rank, "gloo")
-            ensure_model_parallel_initialized(1, 1)
-        else:
-            init_worker_distributed_environment(self.vllm_config, self.rank, self.distributed_init_method,
-                                                self.local_rank, "gloo")
+        self.device = torch.device("cpu")
+        self._init_group()
         torch.manual_seed(self.model_config.seed or 0)
         self.compiled = None
         self.runner: SlotRunner | None = None
         self._pending: dict[str, tuple[list[int], Any]] = {}  # prompts still arriving in chunks
         self._preempted: dict[str, list[int]] = {}  # tokens of preempted requests (re-encoded on resume)
         self._params: dict[str, Any] = {}  # SamplingParams of admitted requests (needed again on resume)
+
+    def _init_group(self) -> None:
+        """vLLM's distributed init (its executor builds message queues on these groups), even at world size 1."""
+        if self.tp > 1 and not self.group_in_process:  # one process per rank: the ranks share this host's cores
+            from neuron_infer.parallel.launch import rank_threads
+
+            torch.set_num_threads(rank_threads(self.tp))
+        # vLLM's CPU communicator names its shared-memory group after this (set by its own CPUWorker, read by
+        # every tp/pp group it builds): the rendezvous port, identical on all ranks of this engine.
+        init = self.distributed_init_method
+        os.environ["VLLM_DIST_IDENT"] = (os.path.basename(init.removeprefix("file://")) if init.startswith("file://")
+                                         else init.split(":")[-1])
+        if self.group_in_process:  # vLLM's own groups are of size 1; the ranks live inside the engine
+            init_distributed_environment(1, 0, self.distributed_init_method, self.local_rank, "gloo")
+            ensure_model_parallel_initialized(1, 1)
+        else:
+            init_worker_distributed_environment(self.vllm_config, self.rank, self.distributed_init_method,
+                                                self.local_rank, "gloo")
 
     def load_model(self, *, load_dummy_weights: bool = False) -> None:
         from neuron_infer.api import CompiledModel
@@ -99,10 +103,10 @@ class NeuronInferWorker(WorkerBase):
 
             self.runner = SlotRunner(engine, agree=broadcast_from_rank0)
         build = manifest.build
+        rank = f", rank {self.rank} of tp {self.tp}, {torch.get_num_threads()} threads" if self.runner.agree else ""
         logger.info("neuron-infer: loaded %s in %.1f s (backend %s, %s, batch %d, max_length %d%s%s)", root,
                     time.perf_counter() - t0, manifest.backend, build.dtype, build.batch_size, build.max_length,
-                    f", quant {build.quant.scheme}" if build.quant.scheme != "none" else "",
-                    f", rank {self.rank} of tp {self.tp}, {torch.get_num_threads()} threads" if self.tp > 1 and not self.group_in_process else "")
+                    f", quant {build.quant.scheme}" if build.quant.scheme != "none" else "", rank)
         if build.speculation is not None:
             logger.info("neuron-infer: speculative decoding (%s, draft %s, k=%d): up to %d tokens per request per "
                         "step", self.compiled.spec.mode, build.speculation.draft_model, build.speculation.length,
