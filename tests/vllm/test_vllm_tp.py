@@ -6,7 +6,8 @@ Face. The plugin compiles the tp-2 artifact on first use (both workers race for 
 compile and the other load). Checked: greedy and seeded sampling equal tp 1; several requests decoded together
 (continuous batching over the shards) equal each request alone; an unseeded sampled request, whose generator is
 seeded from OS entropy separately in each rank, still completes (rank 0's tokens are broadcast); and an artifact
-whose tp degree differs from vLLM's is refused with the fix. On Neuron one worker drives the whole group; only the
+whose tp degree differs from vLLM's is refused with the fix. The OpenAI server serving an explicitly compiled tp-2
+artifact: greedy completions equal tp 1, mixed concurrent requests equal each alone, and SIGTERM stops every rank. On Neuron one worker drives the whole group; only the
 engine configuration of that mode is checked here (not yet run on hardware).
 """
 from __future__ import annotations
@@ -15,12 +16,13 @@ import json
 
 import pytest
 
-from tests.vllm.vllm_helpers import require_vllm, run_script
+from tests.vllm.vllm_helpers import Server, post, require_vllm, run_script
 
 require_vllm()
 
 from neuron_infer.api import CompiledModel, compile_model
 from neuron_infer.config import BuildConfig, SamplingConfig
+from tests.vllm.test_bench_serving import bench
 
 PROMPTS = [list(range(7, 27)), [5, 9, 33], list(range(100, 160)), [40, 41, 42, 43, 44]]
 N = 16
@@ -123,3 +125,46 @@ def test_engine_config_per_target(tiny):
     got = run_script(CONFIG, [str(tiny)], timeout=300)
     assert got["cpu"]["executor"] == "mp" and got["cpu"]["bind"] is not None and got["cpu"]["bind"].count("|") == 1
     assert got["neuron"] == {"executor": "uni", "bind": None}
+
+
+@pytest.fixture(scope="module")
+def server_tp2(tiny, tmp_path_factory):
+    root = tmp_path_factory.mktemp("srv")
+    art = root / "art-tp2"
+    build = BuildConfig(dtype="fp32", batch_size=4, max_context_length=128, max_length=128, tp_degree=2)
+    compile_model(tiny, art, build, backend="cpu-eager", say=lambda m: None)
+    server = Server(tiny, ["--dtype", "float32", "--max-model-len", "128", "--max-num-seqs", "4",
+                           "--gpu-memory-utilization", "0.3", "--enforce-eager", "--served-model-name", "tiny",
+                           "--tensor-parallel-size", "2",
+                           "--additional-config", json.dumps({"neuron_infer_artifacts": str(art)})],
+                    root / "server.log")
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        server.kill()
+
+
+def test_server_at_tp2_greedy_equals_tp1(server_tp2, tp1):
+    for prompt in PROMPTS[:2]:
+        status, data = post(server_tp2.url + "/v1/completions",
+                            {"model": "tiny", "prompt": prompt, "max_tokens": N, "temperature": 0.0,
+                             "ignore_eos": True, "return_token_ids": True})
+        assert status == 200, data
+        assert data["choices"][0]["token_ids"] == tp1.generate_ids([prompt], N, ignore_eos=True).outputs[0].token_ids
+
+
+def test_server_at_tp2_concurrent_requests_equal_alone(server_tp2):
+    cfg = bench.BenchConfig(base_url=server_tp2.url, model="tiny", num_requests=12, concurrency=4, input_len=3,
+                            input_len_max=60, output_len=4, output_len_max=20, seed=3, timeout_s=300)
+    summary, loaded = bench.run_benchmark(cfg)
+    assert summary["errors"] == 0 and summary["completed"] == 12
+    _, alone = bench.run_benchmark(bench.BenchConfig(**{**cfg.__dict__, "concurrency": 1}))
+    for spec, a, b in zip(bench.make_requests(cfg), loaded, alone):
+        assert a.output_tokens == spec.max_tokens and a.token_ids == b.token_ids, f"request {spec.index}"
+
+
+def test_server_at_tp2_shuts_down_every_rank(server_tp2):
+    rc, seconds, leftover = server_tp2.terminate(grace_s=60)
+    assert rc is not None, f"API server still running {seconds:.0f} s after SIGTERM"
+    assert not leftover, "engine core or rank worker processes outlived the API server"
