@@ -92,11 +92,20 @@ def test_registry_returns_cpu_backend():
 def test_gemv_linear_matches_linear():
     torch.manual_seed(0)
     w, b = torch.randn(70, 96), torch.randn(70)
-    lin = gemv_linear(max_rows=1)
-    for shape in [(1, 1, 96), (2, 3, 96)]:  # one row (GEMV reduction) and six rows (matmul)
+    lin = gemv_linear(max_rows=5)
+    # one row (GEMV), 2 and 4 rows (one reduction per row), 5 rows in a [5, 1] lead, six rows (matmul)
+    for shape in [(1, 1, 96), (2, 96), (2, 2, 96), (5, 1, 96), (2, 3, 96)]:
         x = torch.randn(*shape)
         torch.testing.assert_close(lin(x, w, b), F.linear(x, w, b), atol=1e-5, rtol=1e-5)  # fp32 reassociation
         torch.testing.assert_close(lin(x, w), F.linear(x, w), atol=1e-5, rtol=1e-5)
+
+
+def test_few_row_gemv_compiles_to_the_same_values():
+    """Inductor fuses the per-row reductions; the compiled form must still equal the definition (fp32)."""
+    torch.manual_seed(1)
+    w, x = torch.randn(70, 96), torch.randn(4, 1, 96)
+    got = torch.compile(gemv_linear(max_rows=5), fullgraph=True)(x, w)
+    torch.testing.assert_close(got, F.linear(x, w), atol=1e-5, rtol=1e-5)
 
 
 def test_invalid_options():
