@@ -25,6 +25,17 @@ _SPEC.loader.exec_module(bench)
 FAIL_TOKEN = 666
 
 
+def assert_loaded_equals_alone(cfg) -> None:
+    """Run workload `cfg` against a live server, then again one request at a time: no errors, every request gets
+    its max_tokens, and each output under load equals the same request alone (greedy serving tests)."""
+    summary, loaded = bench.run_benchmark(cfg)
+    assert summary["errors"] == 0 and summary["completed"] == cfg.num_requests
+    _, alone = bench.run_benchmark(bench.BenchConfig(**{**cfg.__dict__, "concurrency": 1}))
+    for spec, a, b in zip(bench.make_requests(cfg), loaded, alone):
+        assert a.output_tokens == spec.max_tokens
+        assert a.token_ids == b.token_ids, f"request {spec.index} differs under load"
+
+
 def test_percentile_matches_linear_interpolation():
     xs = [5.0, 1.0, 4.0, 2.0, 3.0]
     assert bench.percentile(xs, 50) == 3.0

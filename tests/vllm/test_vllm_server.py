@@ -17,7 +17,7 @@ require_vllm()
 from neuron_infer.api import CompiledModel, compile_model
 from neuron_infer.config import BuildConfig
 from tests.tiny_checkpoint import write_tiny_checkpoint
-from tests.vllm.test_bench_serving import bench
+from tests.vllm.test_bench_serving import assert_loaded_equals_alone, bench
 
 BATCH = 8
 
@@ -98,14 +98,9 @@ def test_unsupported_request_gets_400_with_reason(setup):
 
 def test_load_32_mixed_requests_concurrency_8_equal_alone(setup):
     server, _ = setup
-    cfg = bench.BenchConfig(base_url=server.url, model="tiny", num_requests=32, concurrency=8, input_len=3,
-                            input_len_max=90, output_len=4, output_len_max=30, seed=7, timeout_s=300)
-    summary, loaded = bench.run_benchmark(cfg)
-    assert summary["errors"] == 0 and summary["completed"] == 32
-    _, alone = bench.run_benchmark(bench.BenchConfig(**{**cfg.__dict__, "concurrency": 1}))
-    for spec, a, b in zip(bench.make_requests(cfg), loaded, alone):
-        assert a.output_tokens == spec.max_tokens
-        assert a.token_ids == b.token_ids, f"request {spec.index} differs under load"
+    assert_loaded_equals_alone(bench.BenchConfig(base_url=server.url, model="tiny", num_requests=32, concurrency=8,
+                                                 input_len=3, input_len_max=90, output_len=4, output_len_max=30,
+                                                 seed=7, timeout_s=300))
 
 
 def test_clean_shutdown(setup):

@@ -20,9 +20,9 @@ from tests.vllm.vllm_helpers import Server, post, require_vllm, run_script
 
 require_vllm()
 
-from neuron_infer.api import CompiledModel, compile_model
+from neuron_infer.api import compile_model
 from neuron_infer.config import BuildConfig, SamplingConfig
-from tests.vllm.test_bench_serving import bench
+from tests.vllm.test_bench_serving import assert_loaded_equals_alone, bench
 
 PROMPTS = [list(range(7, 27)), [5, 9, 33], list(range(100, 160)), [40, 41, 42, 43, 44]]
 N = 16
@@ -86,11 +86,8 @@ def served(tiny, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def tp1(tiny, tmp_path_factory):
-    out = tmp_path_factory.mktemp("ref") / "a"
-    build = BuildConfig(dtype="fp32", batch_size=1, max_context_length=128, max_length=128)
-    compile_model(tiny, out, build, backend="cpu-eager", say=lambda m: None)
-    return CompiledModel.load(out)
+def tp1(tiny_reference):
+    return tiny_reference
 
 
 def test_greedy_at_tp2_equals_tp1(served, tp1):
@@ -155,13 +152,9 @@ def test_server_at_tp2_greedy_equals_tp1(server_tp2, tp1):
 
 
 def test_server_at_tp2_concurrent_requests_equal_alone(server_tp2):
-    cfg = bench.BenchConfig(base_url=server_tp2.url, model="tiny", num_requests=12, concurrency=4, input_len=3,
-                            input_len_max=60, output_len=4, output_len_max=20, seed=3, timeout_s=300)
-    summary, loaded = bench.run_benchmark(cfg)
-    assert summary["errors"] == 0 and summary["completed"] == 12
-    _, alone = bench.run_benchmark(bench.BenchConfig(**{**cfg.__dict__, "concurrency": 1}))
-    for spec, a, b in zip(bench.make_requests(cfg), loaded, alone):
-        assert a.output_tokens == spec.max_tokens and a.token_ids == b.token_ids, f"request {spec.index}"
+    assert_loaded_equals_alone(bench.BenchConfig(base_url=server_tp2.url, model="tiny", num_requests=12,
+                                                 concurrency=4, input_len=3, input_len_max=60, output_len=4,
+                                                 output_len_max=20, seed=3, timeout_s=300))
 
 
 def test_server_at_tp2_shuts_down_every_rank(server_tp2):
