@@ -206,11 +206,12 @@ def rank_threads(tp: int) -> int:
 
 
 def rank_cpu_groups(cpus: list[int], ranks: int) -> list[list[int]]:
-    """`cpus` split into `ranks` contiguous, non-empty groups (with more ranks than CPUs, neighbouring ranks share one)."""
+    """`cpus` split into `ranks` contiguous, non-empty groups (with more ranks than CPUs, neighbouring ranks share
+    one)."""
     if ranks < 1 or not cpus:
         raise ConfigError(f"cannot split {len(cpus)} CPUs over {ranks} ranks; need >= 1 of each")
-    cpus = sorted(cpus)
-    return [cpus[r * len(cpus) // ranks:(r + 1) * len(cpus) // ranks] or [cpus[r * len(cpus) // ranks]] for r in range(ranks)]
+    cpus, n = sorted(cpus), len(cpus)
+    return [cpus[r * n // ranks:(r + 1) * n // ranks] or [cpus[r * n // ranks]] for r in range(ranks)]
 
 
 def _rank_entry(rank: int, tp: int, port: int, worker_fn: Callable[..., Any], args: tuple, results: Any,

@@ -89,15 +89,6 @@ def ranks_in_one_process(backend: str | None, build: BuildConfig) -> bool:
     return build.tp_degree > 1 and (backend or build.target) == "neuron"
 
 
-def served_backend(options: Mapping[str, Any], build: BuildConfig) -> str:
-    """The graph backend of the artifact the engine will serve: the explicit artifact's, or the one it compiles."""
-    if options.get("neuron_infer_artifacts"):
-        from neuron_infer.compile.artifact import read_manifest
-
-        return read_manifest(Path(options["neuron_infer_artifacts"]), verify_files=False).backend
-    return options.get("neuron_infer_backend") or build.target
-
-
 def cache_root(options: Mapping[str, Any]) -> Path:
     if options.get("neuron_infer_cache_dir"):
         return Path(options["neuron_infer_cache_dir"])

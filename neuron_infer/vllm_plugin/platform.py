@@ -30,7 +30,6 @@ from neuron_infer.vllm_plugin.artifacts import (
     default_build,
     plugin_options,
     ranks_in_one_process,
-    served_backend,
 )
 from neuron_infer.vllm_plugin.params import UnsupportedRequestError, check_request
 
@@ -86,12 +85,14 @@ class NeuronInferPlatform(CpuPlatform):
             from neuron_infer.compile.artifact import read_manifest
 
             root = options["neuron_infer_artifacts"]
-            build = read_manifest(root, verify_files=False).build
+            manifest = read_manifest(root, verify_files=False)
+            build, backend = manifest.build, manifest.backend
             check_against_engine(build, args, str(root))
         else:
             build = default_build(args, options.get("neuron_infer_build"))  # fails early on a bad dtype/override
+            backend = options.get("neuron_infer_backend") or build.target  # what the plugin will compile with
         cls.max_prompt_len = build.max_context_length
-        if ranks_in_one_process(served_backend(options, build), build):
+        if ranks_in_one_process(backend, build):
             par.distributed_executor_backend = "uni"  # one worker drives the whole group (see artifacts.py)
         elif args.tensor_parallel_size > 1 and BIND_ENV not in os.environ:
             os.environ[BIND_ENV] = rank_cpu_binding(args.tensor_parallel_size)

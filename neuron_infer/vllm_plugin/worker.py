@@ -1,9 +1,9 @@
 """`NeuronInferWorker`: vLLM's worker contract (v1 engine) on top of a neuron-infer artifact.
 
 Startup (called by vLLM's executor, in order): init_device (gloo process group over the tensor-parallel ranks) ->
-load_model (find or compile the artifact, load it, allocate the engine's static KV cache) -> get_kv_cache_spec ({}: the cache lives
-inside the engine, so vLLM's block manager has nothing to allocate) -> initialize_from_config (no-op) ->
-compile_or_warm_up_model (one prefill + decode so the first request does not pay graph loading).
+load_model (find or compile the artifact, load it, allocate the engine's static KV cache) -> get_kv_cache_spec
+({}: the cache lives inside the engine, so vLLM's block manager has nothing to allocate) -> initialize_from_config
+(no-op) -> compile_or_warm_up_model (one prefill + decode so the first request does not pay graph loading).
 Per step: execute_model(SchedulerOutput) -> ModelRunnerOutput with the new tokens of each request whose prompt is
 fully encoded: one, or 1..K+1 when the artifact has a draft model (speculative decoding; vLLM appends them in order
 and trims at a stop), and `[]` for a request whose prompt is still arriving in chunks.
@@ -36,8 +36,8 @@ from neuron_infer.vllm_plugin.params import check_request, to_sampling_config
 from neuron_infer.vllm_plugin.platform import engine_args
 from neuron_infer.vllm_plugin.runner import SlotRunner
 
-logger = init_logger("vllm.neuron_infer.worker")
-LOG_EVERY_SPEC_STEPS = 100  # a speculation summary line in the server log every this many speculative steps  # vLLM configures handlers for the `vllm` logger tree only
+logger = init_logger("vllm.neuron_infer.worker")  # vLLM configures handlers for the `vllm` logger tree only
+LOG_EVERY_SPEC_STEPS = 100  # a speculation summary line in the server log every this many speculative steps
 
 
 class NeuronInferWorker(WorkerBase):
@@ -97,10 +97,11 @@ class NeuronInferWorker(WorkerBase):
             self.compiled = CompiledModel.load(root, expect_checkpoint=expect)
             manifest, engine, spec = self.compiled.manifest, self.compiled.engine, self.compiled.spec
             self.runner = SlotRunner(engine, spec)
-        else:
-            manifest, engine = self._load_rank(root, expect)
+        else:  # this rank's shard (the group was initialised in init_device)
             from neuron_infer.parallel.launch import broadcast_from_rank0
+            from neuron_infer.parallel.runtime import load_serving_rank
 
+            manifest, engine = load_serving_rank(Path(root), self.rank, self.tp, expect_checkpoint=expect)
             self.runner = SlotRunner(engine, agree=broadcast_from_rank0)
         build = manifest.build
         rank = f", rank {self.rank} of tp {self.tp}, {torch.get_num_threads()} threads" if self.runner.agree else ""
@@ -111,12 +112,6 @@ class NeuronInferWorker(WorkerBase):
             logger.info("neuron-infer: speculative decoding (%s, draft %s, k=%d): up to %d tokens per request per "
                         "step", self.compiled.spec.mode, build.speculation.draft_model, build.speculation.length,
                         build.speculation.length + 1)
-
-    def _load_rank(self, root: Path, expect: Path | None):
-        """This rank's shard of a tensor-parallel artifact (the group was initialised in init_device)."""
-        from neuron_infer.parallel.runtime import load_serving_rank
-
-        return load_serving_rank(Path(root), self.rank, self.tp, expect_checkpoint=expect)
 
     def get_kv_cache_spec(self) -> dict:
         return {}
@@ -155,7 +150,7 @@ class NeuronInferWorker(WorkerBase):
 
     def execute_model(self, scheduler_output: Any) -> ModelRunnerOutput:
         so = scheduler_output
-        for req_id in sorted(so.finished_req_ids):  # a set: same order on every rank
+        for req_id in so.finished_req_ids:  # a set: its order may differ per rank; the runner's row choice does not
             self.runner.release(req_id)
             self._pending.pop(req_id, None)
             self._preempted.pop(req_id, None)

@@ -12,7 +12,7 @@ def tiny(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def tiny_reference(tiny, tmp_path_factory):
+def reference(tiny, tmp_path_factory):
     """neuron-infer's own tp-1 fp32 artifact of `tiny` (eager graphs): the reference the vLLM runs must equal."""
     from neuron_infer.api import CompiledModel, compile_model
     from neuron_infer.config import BuildConfig

@@ -20,7 +20,6 @@ from neuron_infer.vllm_plugin.artifacts import (
     default_build,
     plugin_options,
     ranks_in_one_process,
-    served_backend,
 )
 from neuron_infer.vllm_plugin.params import UnsupportedRequestError, check_request, to_sampling_config
 
@@ -149,5 +148,3 @@ def test_which_artifacts_run_every_rank_in_one_process():
     assert ranks_in_one_process("neuron", neuron2) and ranks_in_one_process(None, neuron2)
     assert not ranks_in_one_process("cpu-eager", cpu2) and not ranks_in_one_process(None, cpu2)
     assert not ranks_in_one_process("neuron", BuildConfig(target="neuron"))  # tp 1: nothing to decide
-    assert served_backend({"neuron_infer_backend": "cpu-eager"}, cpu2) == "cpu-eager"
-    assert served_backend({}, neuron2) == "neuron"

@@ -63,11 +63,6 @@ def vllm_result(tiny, tmp_path_factory):
     return run_script(SCRIPT, [str(tiny), str(cache), json.dumps(PROMPTS), str(N)], timeout=420)
 
 
-@pytest.fixture(scope="module")
-def ours(tiny_reference):
-    return tiny_reference
-
-
 def hf_greedy(model_dir, prompt, n):
     hf = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
@@ -79,18 +74,18 @@ def test_plugin_platform_is_selected(vllm_result):
     assert vllm_result["platform"] == "NeuronInferPlatform"
 
 
-def test_greedy_equals_neuron_infer_and_hf(vllm_result, ours, tiny):
+def test_greedy_equals_neuron_infer_and_hf(vllm_result, reference, tiny):
     for prompt, got in zip(PROMPTS, vllm_result["greedy"]):
         assert len(got) == N
-        assert got == ours.generate_ids([prompt], N, ignore_eos=True).outputs[0].token_ids
+        assert got == reference.generate_ids([prompt], N, ignore_eos=True).outputs[0].token_ids
         assert got == hf_greedy(tiny, prompt, N)
 
 
-def test_text_prompt_and_max_tokens(vllm_result, ours):
+def test_text_prompt_and_max_tokens(vllm_result, reference):
     r = vllm_result["text"]
     assert r["finish"] == "length" and len(r["ids"]) == 12
-    assert vllm_result["text_prompt_ids"] == ours.encode("The capital of France is")
-    assert r["ids"] == ours.generate(["The capital of France is"], 12, ignore_eos=True).outputs[0].token_ids
+    assert vllm_result["text_prompt_ids"] == reference.encode("The capital of France is")
+    assert r["ids"] == reference.generate(["The capital of France is"], 12, ignore_eos=True).outputs[0].token_ids
 
 
 def test_stop_string_truncates(vllm_result):
@@ -99,10 +94,10 @@ def test_stop_string_truncates(vllm_result):
     assert r["text"] == full[: full.index(r["stop"])]
 
 
-def test_seeded_sampling_is_reproducible_and_matches_neuron_infer(vllm_result, ours):
+def test_seeded_sampling_is_reproducible_and_matches_neuron_infer(vllm_result, reference):
     a, b = vllm_result["seeded"]
     assert a == b and len(a) == N
-    assert a == ours.generate_ids([PROMPTS[0]], N, SEEDED, ignore_eos=True).outputs[0].token_ids
+    assert a == reference.generate_ids([PROMPTS[0]], N, SEEDED, ignore_eos=True).outputs[0].token_ids
     assert a != vllm_result["greedy"][0]  # really sampled (temperature 0.9 on spread-out logits)
 
 
