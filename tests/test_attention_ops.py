@@ -3,7 +3,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from neuron_infer.model.ops import FEW_QUERY_ROWS, attention_ref
+from neuron_infer.model.ops import FEW_QUERY_ROWS, attention_ref, computed_once
 
 
 def plain(q, k, v, q_to_kv, positions):
@@ -34,3 +34,9 @@ def test_folded_groups_equal_per_head_attention():
     per_head = attention_ref(q, k, v, torch.arange(hkv * grp) // grp, positions)
     folded = attention_ref(q.reshape(b, hkv, grp * t, d), k, v, None, positions.repeat(1, grp))
     assert torch.allclose(folded.reshape(b, hkv * grp, t, d), per_head, atol=1e-6)
+
+
+def test_computed_once_is_the_same_tensor_in_eager():
+    x = torch.randn(2, 3, 4).transpose(0, 1)  # a non-contiguous view keeps its layout
+    y = computed_once(x)
+    assert torch.equal(y, x) and y.stride() == x.stride() and y.data_ptr() == x.data_ptr()

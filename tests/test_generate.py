@@ -3,6 +3,8 @@
 Greedy identity (fp32) is exact token equality with `LlamaForCausalLM.generate(do_sample=False)`; the tiny
 checkpoints have spread-out logits (tests/tiny_checkpoint.py), so no step is decided by a near-tie.
 """
+import gc
+
 import pytest
 import torch
 from transformers import LlamaForCausalLM
@@ -10,7 +12,7 @@ from transformers import LlamaForCausalLM
 from neuron_infer.api import CompiledModel, compile_model
 from neuron_infer.config import BuildConfig, SamplingConfig
 from neuron_infer.errors import NeuronInferError
-from neuron_infer.runtime.generate import generate_ids
+from neuron_infer.runtime.generate import gc_paused, generate_ids
 from tests.tiny_checkpoint import TINY_PRESETS
 
 BUILD = BuildConfig(dtype="fp32", max_context_length=64, max_length=128, context_buckets=(32, 64),
@@ -154,3 +156,20 @@ def test_cli_threads_option_sets_torch_threads_and_keeps_tokens(compiled, capsys
     with pytest.raises(SystemExit) as e:
         main(["generate", root, "--prompt", "x", "--threads", "0"])
     assert e.value.code == 2
+
+
+def test_gc_is_paused_inside_a_generation_loop_and_restored():
+    assert gc.isenabled()
+    with gc_paused():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError), gc_paused():
+        raise RuntimeError("a failing step")
+    assert gc.isenabled()  # restored on errors too
+    gc.disable()
+    try:
+        with gc_paused():
+            pass
+        assert not gc.isenabled()  # a caller's choice to keep it off is kept
+    finally:
+        gc.enable()

@@ -22,7 +22,7 @@ from neuron_infer.config import SamplingConfig
 from neuron_infer.errors import NeuronInferError
 from neuron_infer.runtime.buckets import pick_bucket
 from neuron_infer.runtime.engine import Engine, graph_name
-from neuron_infer.runtime.generate import Metrics, OnTokens, SequenceResult, _check_prompts
+from neuron_infer.runtime.generate import Metrics, OnTokens, SequenceResult, _check_prompts, gc_paused
 from neuron_infer.runtime.sampling import make_generator, sample
 from neuron_infer.runtime.spec_step import SpecCacheLayout, speculate, uniforms_width, unpack
 from neuron_infer.runtime.speculation import params_tensor
@@ -243,18 +243,19 @@ class SpecEngine:
         metrics.base.ttft_s = time.perf_counter() - t0
         if on_tokens:
             on_tokens(rows.out)
-        tail = False
-        while rows.active():
-            t0 = time.perf_counter()
-            last, prev, pos = self._row_state(rows)
-            tail = tail or int(pos.max()) + self.k + 1 > build.max_length
-            if tail:
-                self._tail_step(rows, last, pos, sampling, gen, stop, metrics)
-            else:
-                self._spec_step(rows, last, prev, pos, sampling, gen, stop, metrics, mode)
-            metrics.base.token_latencies_s.append(time.perf_counter() - t0)
-            if on_tokens:
-                on_tokens(rows.out)
+        with gc_paused():
+            tail = False
+            while rows.active():
+                t0 = time.perf_counter()
+                last, prev, pos = self._row_state(rows)
+                tail = tail or int(pos.max()) + self.k + 1 > build.max_length
+                if tail:
+                    self._tail_step(rows, last, pos, sampling, gen, stop, metrics)
+                else:
+                    self._spec_step(rows, last, prev, pos, sampling, gen, stop, metrics, mode)
+                metrics.base.token_latencies_s.append(time.perf_counter() - t0)
+                if on_tokens:
+                    on_tokens(rows.out)
         metrics.base.num_generated = max(len(o) for o in rows.out)
         metrics.decode_tokens = sum(len(o) - 1 for o in rows.out)
         metrics.finish(n)

@@ -18,12 +18,15 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from torch._inductor.utils import run_and_get_code
 
+from neuron_infer.compile import cpu
 from neuron_infer.compile.backend import get_backend
 from neuron_infer.compile.cpu import CpuBackend, CpuCompileOptions, gemv_linear
 from neuron_infer.config import ModelConfig
 from neuron_infer.errors import ArtifactError, ConfigError
 from neuron_infer.model.llama import BucketStep, LlamaModel
+from neuron_infer.model.ops import rms_norm_ref
 
 ATOL = 1e-4  # fp32, see module docstring
 CFG = {"vocab_size": 320, "hidden_size": 96, "intermediate_size": 200, "num_layers": 2, "num_heads": 4,
@@ -106,6 +109,26 @@ def test_few_row_gemv_compiles_to_the_same_values():
     w, x = torch.randn(70, 96), torch.randn(4, 1, 96)
     got = torch.compile(gemv_linear(max_rows=5), fullgraph=True)(x, w)
     torch.testing.assert_close(got, F.linear(x, w), atol=1e-5, rtol=1e-5)
+
+
+def _gemv_loop_code(monkeypatch, barrier: bool) -> str:
+    """Inductor's C++ for RMSNorm -> one-row GEMV [70, 96]: the text of the loop over the 70 output rows."""
+    if not barrier:
+        monkeypatch.setattr(cpu, "computed_once", lambda t: t)
+    torch.manual_seed(0)
+    x, w, nw = torch.randn(1, 1, 96), torch.randn(70, 96), torch.randn(96)
+    fn = torch.compile(lambda x, w, nw: cpu.gemv_linear(5)(rms_norm_ref(x, nw, 1e-5), w), fullgraph=True)
+    got, (code,) = run_and_get_code(fn, x, w, nw)
+    torch.testing.assert_close(got, F.linear(rms_norm_ref(x, nw, 1e-5), w), atol=1e-5, rtol=1e-5)
+    start = code.index("x0<static_cast<int64_t>(70L)")
+    return code[start: code.index("}", code.index("out_ptr", code.index("tmp_acc0 = tmp_acc0 +", start)))]
+
+
+def test_gemv_input_is_computed_once_not_per_output_row(monkeypatch):
+    """The norm in front of a GEMV is computed into a buffer once; without the barrier Inductor recomputes it
+    (its rsqrt included) inside the loop over the weight rows - the check below sees that difference."""
+    assert "sqrt" not in _gemv_loop_code(monkeypatch, barrier=True)
+    assert "sqrt" in _gemv_loop_code(monkeypatch, barrier=False)
 
 
 def test_invalid_options():
