@@ -10,11 +10,14 @@ Variants
     eager             the model's forward in eager PyTorch (bf16 F.linear -> oneDNN)
     aoti-gemv         neuron_infer's CPU backend: torch.export + AOTInductor, one-row linears as GEMV reductions
     aoti-gemm         the same without the GEMV rewrite (every linear an extern GEMM call)
+    aoti-inlined      aoti-gemv as compiled up to 0.1.0: no `computed_once` fusion barriers (Inductor recomputes
+                      RMSNorm/RoPE/softmax normalisation inside the reductions reading them), no fused multiply-add
     inductor-freeze   torch.compile(fullgraph) with freezing=True (oneDNN weight prepacking) and cpp_wrapper
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import tempfile
@@ -25,11 +28,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from neuron_infer.compile import cpu
 from neuron_infer.compile.cpu import CpuBackend, CpuCompileOptions
 from neuron_infer.config import ModelConfig
+from neuron_infer.model import ops
 from neuron_infer.model.llama import BucketStep, LlamaModel
 
-VARIANTS = ("eager", "aoti-gemv", "aoti-gemm", "inductor-freeze")
+VARIANTS = ("eager", "aoti-gemv", "aoti-gemm", "aoti-inlined", "inductor-freeze")
 
 
 def smollm2_config(layers: int) -> ModelConfig:
@@ -51,14 +56,27 @@ def build(layers: int, attend: int) -> tuple[BucketStep, tuple]:
     return BucketStep(model, attend), args
 
 
+@contextlib.contextmanager
+def inlined_producers():
+    """Compile as neuron-infer 0.1.0 did: no fusion barriers, no -ffp-contract=fast."""
+    saved = cpu.computed_once, ops.computed_once, cpu.INDUCTOR_CONFIGS
+    cpu.computed_once = ops.computed_once = lambda t: t
+    cpu.INDUCTOR_CONFIGS = {"aot_inductor.package_constants_in_so": False}
+    try:
+        yield
+    finally:
+        cpu.computed_once, ops.computed_once, cpu.INDUCTOR_CONFIGS = saved
+
+
 def prepare(variant: str, step: BucketStep, args: tuple, workdir: Path):
     """-> (callable, compile seconds, load seconds)."""
     if variant == "eager":
         return step, 0.0, 0.0
     if variant.startswith("aoti"):
-        be = CpuBackend(CpuCompileOptions(gemv_max_rows=1 if variant == "aoti-gemv" else 0))
+        be = CpuBackend(CpuCompileOptions(gemv_max_rows=0 if variant == "aoti-gemm" else 5))
+        codegen = inlined_producers() if variant == "aoti-inlined" else contextlib.nullcontext()
         t0 = time.perf_counter()
-        with torch.inference_mode():
+        with torch.inference_mode(), codegen:
             be.compile_graph(step, args, workdir, variant)
         t1 = time.perf_counter()
         fn = be.load_graph(workdir, variant, step)
