@@ -4,7 +4,8 @@ A batch-1 decode step streams every weight once. With 4 KiB pages the 269 MB of 
 TLB miss each; in 2 MiB pages they span ~135. Measured on this 2-core machine (30-layer SmolLM2-shaped GEMV stack
 under Inductor, 8 interleaved rounds, same process): 7.36 ms with the weights in ordinary anonymous memory, 6.99 ms
 in huge pages. Where the kernel has transparent huge pages off, or `madvise` is unavailable, the block is ordinary
-memory and nothing else changes.
+memory and nothing else changes. While packing, the file's tensors and the block coexist (twice the weights'
+memory) until the caller drops the file's tensors.
 """
 from __future__ import annotations
 
