@@ -4,9 +4,8 @@ from __future__ import annotations
 import contextlib
 import gc
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from collections.abc import Callable
 
 import torch
 
@@ -85,7 +84,7 @@ def generate_ids(
     engine: Engine,
     prompts: list[list[int]],
     max_new_tokens: int,
-    sampling: SamplingConfig = SamplingConfig(),
+    sampling: SamplingConfig = SamplingConfig(),  # noqa: B008 (frozen, never mutated)
     eos_ids: tuple[int, ...] = (),
     ignore_eos: bool = False,
     on_tokens: OnTokens | None = None,
