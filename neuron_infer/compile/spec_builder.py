@@ -24,10 +24,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from neuron_infer.checkpoint import load_checkpoint
-from neuron_infer.compile.weights import assign_state
+from neuron_infer.compile.weights import assign_state, read_packed
 from neuron_infer.config import QUANT_SCHEMES, BuildConfig, ModelConfig, QuantConfig
 from neuron_infer.errors import ArtifactError, ConfigError
 from neuron_infer.model.llama import BucketStep, LlamaModel
@@ -126,10 +126,7 @@ def save_draft_weights(draft: LlamaModel, target: LlamaModel, path: Path) -> lis
 
 def load_draft_weights(draft: LlamaModel, target: LlamaModel, path: Path, shared: list[str]) -> None:
     """Fill a meta-device draft skeleton: its own file plus the target's tensors named in `shared` (same memory)."""
-    try:
-        state = load_file(str(path))
-    except Exception as e:  # safetensors raises several types for a bad file
-        raise ArtifactError(f"cannot read draft weights {path} ({e}); recompile the model") from e
+    state = read_packed(path, "draft weights")
     tstate = target.state_dict()
     state.update({n: tstate[n] for n in shared})
     assign_state(draft, state, f"draft weights {path} do not match the manifest's draft model")

@@ -4,14 +4,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 
 from neuron_infer.config import BuildConfig, ModelConfig
 from neuron_infer.errors import ArtifactError
 from neuron_infer.model.llama import LlamaModel, LocalLayout
 from neuron_infer.model.ops import Ops, get_ops
-from neuron_infer.runtime.arena import pack_weights
+from neuron_infer.runtime.arena import ALIGN, pack_weights
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -52,14 +52,21 @@ def save_rank_weights(model: LlamaModel, path: Path) -> int:
     return sum(t.numel() * t.element_size() for t in state.values())
 
 
+def read_packed(path: Path, what: str = "weights") -> dict[str, torch.Tensor]:
+    """A weights file's tensors, read one at a time into one huge-page block (runtime/arena.py): fewer TLB misses
+    when a decode step streams them all, and no second full copy of the weights while loading."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            names = list(f.keys())
+            capacity = path.stat().st_size + len(names) * ALIGN  # the file holds every tensor's bytes
+            return pack_weights(((k, f.get_tensor(k)) for k in names), capacity)
+    except (OSError, SafetensorError) as e:
+        raise ArtifactError(f"cannot read {what} {path} ({e}); recompile the model") from e
+
+
 def load_rank_weights(model: LlamaModel, path: Path) -> None:
     """Fill a meta-device skeleton (already given its quantized structure) from a weights file."""
-    try:
-        state = load_file(str(path))
-    except (OSError, SafetensorError) as e:
-        raise ArtifactError(f"cannot read weights {path} ({e}); recompile the model") from e
-    state = pack_weights(state)  # one huge-page block: fewer TLB misses when a decode step streams them all
-    assign_state(model, state, f"weights {path} do not match the model the manifest describes")
+    assign_state(model, read_packed(path), f"weights {path} do not match the model the manifest describes")
 
 
 def assign_state(model: LlamaModel, state: dict[str, torch.Tensor], mismatch: str) -> None:

@@ -4,12 +4,13 @@ A batch-1 decode step streams every weight once. With 4 KiB pages the 269 MB of 
 TLB miss each; in 2 MiB pages they span ~135. Measured on this 2-core machine (30-layer SmolLM2-shaped GEMV stack
 under Inductor, 8 interleaved rounds, same process): 7.36 ms with the weights in ordinary anonymous memory, 6.99 ms
 in huge pages. Where the kernel has transparent huge pages off, or `madvise` is unavailable, the block is ordinary
-memory and nothing else changes. While packing, the file's tensors and the block coexist (twice the weights'
-memory) until the caller drops the file's tensors.
+memory and nothing else changes. Tensors are copied in one at a time as they are read, so loading needs the block
+plus one tensor, not twice the weights.
 """
 from __future__ import annotations
 
 import mmap
+from collections.abc import Iterable
 
 import torch
 
@@ -20,24 +21,25 @@ def _aligned(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-def pack_weights(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Copy CPU tensors into one huge-page-advised anonymous mapping; same names, shapes, dtypes and values.
+def pack_weights(tensors: Iterable[tuple[str, torch.Tensor]], capacity: int) -> dict[str, torch.Tensor]:
+    """Copy (name, CPU tensor) pairs, consumed one by one, into one huge-page-advised anonymous mapping of
+    `capacity` bytes -> {name: tensor} with the same shapes, dtypes and values.
 
-    The returned tensors are views of the mapping and keep it alive. Tensors that share storage in `state` are
-    copied separately (callers tie weights after loading, as `assign_state` does).
+    Each tensor starts on an ALIGN boundary, so `capacity` must cover the sum of the sizes rounded up to ALIGN
+    (pages never written cost no memory). The returned tensors are views of the mapping and keep it alive.
     """
-    sizes = {k: t.numel() * t.element_size() for k, t in state.items()}
-    total = sum(_aligned(n) for n in sizes.values())
-    if total == 0:
-        return dict(state)
-    block = mmap.mmap(-1, total, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    block = mmap.mmap(-1, max(capacity, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hasattr(mmap, "MADV_HUGEPAGE"):
         block.madvise(mmap.MADV_HUGEPAGE)  # before the first touch, so the copies fault in huge pages
-    raw = torch.frombuffer(block, dtype=torch.uint8)  # [total] bytes; holds a reference to the mapping
+    raw = torch.frombuffer(block, dtype=torch.uint8)  # [capacity] bytes; holds a reference to the mapping
     out, offset = {}, 0
-    for name, t in state.items():
-        view = raw[offset: offset + sizes[name]].view(t.dtype).view(t.shape)
+    for name, t in tensors:
+        size = t.numel() * t.element_size()
+        if offset + size > len(block):
+            raise ValueError(f"pack_weights: {name!r} ({size} bytes at offset {offset}) overflows the {len(block)}-"
+                             "byte block; pass a capacity that covers every tensor rounded up to ALIGN")
+        view = raw[offset: offset + size].view(t.dtype).view(t.shape)
         view.copy_(t)
         out[name] = view
-        offset += _aligned(sizes[name])
+        offset += _aligned(size)
     return out
