@@ -8,7 +8,9 @@ variants interleaved (the machine is shared; compare ratios, not absolute number
 
 Variants
     eager             the model's forward in eager PyTorch (bf16 F.linear -> oneDNN)
-    aoti-gemv         neuron_infer's CPU backend: torch.export + AOTInductor, one-row linears as GEMV reductions
+    aoti-gemv         neuron_infer's CPU backend: torch.export + AOTInductor, few-row bf16 linears call the
+                      AVX512-BF16 C GEMV kernel (compile/cpu_gemv.cpp) where the CPU has it
+    aoti-reduction    the same with every GEMV an Inductor-generated fp32 multiply-and-sum reduction (0.1.1)
     aoti-gemm         the same without the GEMV rewrite (every linear an extern GEMM call)
     aoti-inlined      aoti-gemv as compiled up to 0.1.0: no `computed_once` fusion barriers (Inductor recomputes
                       RMSNorm/RoPE/softmax normalisation inside the reductions reading them), no fused multiply-add
@@ -34,7 +36,7 @@ from neuron_infer.config import ModelConfig
 from neuron_infer.model import ops
 from neuron_infer.model.llama import BucketStep, LlamaModel
 
-VARIANTS = ("eager", "aoti-gemv", "aoti-gemm", "aoti-inlined", "inductor-freeze")
+VARIANTS = ("eager", "aoti-gemv", "aoti-reduction", "aoti-gemm", "aoti-inlined", "inductor-freeze")
 
 
 def smollm2_config(layers: int) -> ModelConfig:
@@ -73,7 +75,8 @@ def prepare(variant: str, step: BucketStep, args: tuple, workdir: Path):
     if variant == "eager":
         return step, 0.0, 0.0
     if variant.startswith("aoti"):
-        be = CpuBackend(CpuCompileOptions(gemv_max_rows=0 if variant == "aoti-gemm" else 5))
+        kernel = variant == "aoti-gemv"
+        be = CpuBackend(CpuCompileOptions(gemv_max_rows=0 if variant == "aoti-gemm" else 5, gemv_kernel=kernel))
         codegen = inlined_producers() if variant == "aoti-inlined" else contextlib.nullcontext()
         t0 = time.perf_counter()
         with torch.inference_mode(), codegen:

@@ -1,10 +1,11 @@
 """CPU backend: one AOTInductor package per (sub-model, bucket), weights shared by every graph.
 
     compile: torch.export.export(step, example_args)                 static shapes, in-place KV-cache writes kept
-             -> run_decompositions(linear with one row -> GEMV)      see `gemv_linear` below
+             -> run_decompositions(linear with few rows -> GEMV)     see `gemv_linear` below
              -> torch._inductor.aoti_compile_and_package(..., package_constants_in_so=False)
-             -> graphs/<name>.pt2 (generated C++ kernels + wrapper .so, no weights) and graphs/<name>.json
-    load:    torch._inductor.aoti_load_package(graphs/<name>.pt2)
+             -> graphs/<name>.pt2 (generated C++ kernels + wrapper .so, no weights), graphs/<name>.json and,
+                when bf16 GEMVs call it, graphs/<name>.gemv.so (cpu_gemv.cpp, built with the graph)
+    load:    <name>.gemv.so (RTLD_GLOBAL, sha256 checked), then torch._inductor.aoti_load_package(graphs/<name>.pt2)
              -> load_constants({fqn: module tensor}, user_managed=True)   the graph reads the module's own tensors
 
 Why this design (measured with scripts/perf_cpu_backends.py, numbers in the report of issue 2):
@@ -16,13 +17,15 @@ Why this design (measured with scripts/perf_cpu_backends.py, numbers in the repo
 - Inductor freezing / max-autotune GEMM templates would prepack the weights into new constants that only exist
   inside each package (one weight copy per bucket), so they are not used.
 - Batch-1 decode is bound by streaming the weights. oneDNN's bf16 GEMM at M=1 streams them at roughly a third of
-  the machine's bandwidth; written as multiply + sum in fp32, Inductor emits a vectorised, row-parallel C++
-  reduction that reads each weight once and fuses with its neighbours. Linear layers whose input has at most
-  `gemv_max_rows` rows are rewritten that way at export; larger inputs (prefill) keep the GEMM. With 2-5 rows
-  (batched decode, speculative verification) each row gets its own reduction over the shared weight and Inductor
-  fuses them into one pass over the weights. Measured on SmolLM2 bf16 token-generation graphs (2 threads, same
-  session): 2 rows 16.0-16.4 -> 9.0-9.4 ms, 4 rows 17.7-18.1 -> 13.1-13.7 ms, a 5-token verify step 20.3-21.7 ->
-  16.3-17.6 ms; in a 30-layer linear stack 8 rows lose (21.4 vs 13.2 ms for the GEMM), hence the limit of 5.
+  the machine's bandwidth, so linear layers whose input has at most `gemv_max_rows` rows are rewritten at export;
+  larger inputs (prefill) keep the GEMM. bf16 GEMVs of 1-5 rows call the C kernel of cpu_gemv.cpp (AVX512-BF16
+  dot-product instructions, each weight row loaded once for all rows), which the generated wrapper calls directly
+  (a C shim). Measured on the SmolLM2 decode step (scripts/perf_cpu_backends.py, 2 threads, 10 interleaved rounds):
+  6.47 ms with Inductor's reductions, 5.99 ms with the kernel. Without AVX512-BF16, and for fp32, a GEMV is an fp32
+  multiply-and-sum that Inductor turns into a vectorised, row-parallel C++ reduction reading each weight once; with
+  2-5 rows each row gets its own reduction over the shared weight and Inductor fuses them into one pass. Measured
+  (that path, same session): 2 rows 16.0-16.4 -> 9.0-9.4 ms, 4 rows 17.7-18.1 -> 13.1-13.7 ms, a 5-token verify
+  step 20.3-21.7 -> 16.3-17.6 ms; in a 30-layer linear stack 8 rows lose (21.4 vs 13.2 ms for the GEMM), hence 5.
 - Inductor inlines cheap producers into the reductions that read them, so an RMSNorm in front of a GEMV (or RoPE
   in front of the attention scores) was recomputed for every output row. `computed_once` (model/ops.py) makes the
   GEMV input, the scaled queries and the softmax probabilities buffers of their own; with fused multiply-adds
@@ -45,6 +48,7 @@ from typing import Any
 
 import torch
 
+from neuron_infer.compile import cpu_gemv
 from neuron_infer.errors import ArtifactError, ConfigError
 from neuron_infer.model.ops import computed_once
 
@@ -61,23 +65,39 @@ SIDECAR_SUFFIX = ".json"
 class CpuCompileOptions:
     """How the CPU backend compiles a graph.
 
-    gemv_max_rows: linear layers whose input has at most this many rows (product of the leading dims) become fp32
-        multiply-and-sum reductions (GEMVs Inductor generates); 0 keeps every linear a GEMM call.
+    gemv_max_rows: linear layers whose input has at most this many rows (product of the leading dims) become GEMVs;
+        0 keeps every linear a GEMM call.
+    gemv_kernel: bf16 GEMVs call the AVX512-BF16 C kernel (cpu_gemv.cpp) where the CPU has it; otherwise, and for
+        fp32, they are fp32 multiply-and-sum reductions Inductor generates.
     """
 
     gemv_max_rows: int = 5
+    gemv_kernel: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.gemv_max_rows, int) or self.gemv_max_rows < 0:
             raise ConfigError(f"gemv_max_rows={self.gemv_max_rows!r} must be an int >= 0 (0 disables the GEMV path)")
+        if not isinstance(self.gemv_kernel, bool):
+            raise ConfigError(f"gemv_kernel={self.gemv_kernel!r} must be True or False")
+
+    @property
+    def uses_kernel(self) -> bool:
+        """Whether bf16 GEMVs of graphs compiled on this machine call the C kernel."""
+        return self.gemv_kernel and self.gemv_max_rows > 0 and cpu_gemv.supported()
 
 
-def gemv_linear(max_rows: int) -> Callable[..., torch.Tensor]:
-    """A decomposition of aten.linear: GEMV reductions for inputs with <= max_rows rows, else x @ w.T (+ b)."""
+def gemv_linear(max_rows: int, kernel: bool = False) -> Callable[..., torch.Tensor]:
+    """A decomposition of aten.linear: GEMVs for inputs with <= max_rows rows, else x @ w.T (+ b).
+
+    kernel: bf16 x bf16 GEMVs of at most cpu_gemv.MAX_ROWS rows become calls of the C kernel (cpu_gemv).
+    """
 
     def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
-        if rows == 1:
+        if kernel and rows <= min(max_rows, cpu_gemv.MAX_ROWS) and x.dtype == weight.dtype == torch.bfloat16:
+            y = cpu_gemv.gemv_bf16(x.reshape(rows, x.shape[-1]).contiguous(), weight)  # [R, K] x [N, K] -> [R, N]
+            y = y.view(*x.shape[:-1], weight.shape[0])
+        elif rows == 1:
             # [..., 1, K] * [N, K] -> sum over K -> [..., N]; accumulate in fp32 like the GEMM does. The input is
             # computed once into an fp32 buffer, so the loop over the weights does not redo its producer (RMSNorm,
             # residual add) and its bf16 -> fp32 conversion for every output row.
@@ -112,7 +132,8 @@ def _export(module: torch.nn.Module, example_args: tuple, options: CpuCompileOpt
         if options.gemv_max_rows == 0:
             return program  # Inductor applies its own decompositions when it compiles
         # Only linear is rewritten here; every other op is left to Inductor's lowering choices.
-        return program.run_decompositions({torch.ops.aten.linear.default: gemv_linear(options.gemv_max_rows)})
+        linear = gemv_linear(options.gemv_max_rows, options.uses_kernel)
+        return program.run_decompositions({torch.ops.aten.linear.default: linear})
 
 
 @contextlib.contextmanager
@@ -149,8 +170,11 @@ class CpuBackend:
         t1 = time.perf_counter()
         package = out_dir / f"{graph_name}{PACKAGE_SUFFIX}"
         configs = dict(INDUCTOR_CONFIGS)
+        kernel = _gemv_kernel_file(program, out_dir, graph_name)  # None when no linear calls the C kernel
+        shims = {"aot_inductor.custom_ops_to_c_shims": cpu_gemv.C_SHIMS} if kernel else {}
         with torch.inference_mode(False), torch.no_grad(), _all_cores():
-            torch._inductor.aoti_compile_and_package(program, package_path=str(package), inductor_configs=configs)
+            torch._inductor.aoti_compile_and_package(program, package_path=str(package),
+                                                     inductor_configs={**configs, **shims})
         t2 = time.perf_counter()
         tensors = module_tensors(module)
         needed = torch._inductor.aoti_load_package(str(package)).get_constant_fqns()
@@ -164,9 +188,10 @@ class CpuBackend:
         inputs = [_tensor_spec(a) if isinstance(a, torch.Tensor) else repr(a) for a in example_args]
         sidecar = {"format": GRAPH_FORMAT, "torch": torch.__version__, "inputs": inputs, "constants": constants,
                    "gemv_max_rows": self.options.gemv_max_rows, "inductor_configs": configs,
-                   "package_sha256": _sha256(package)}
+                   "package_sha256": _sha256(package), "gemv_kernel": kernel}
         (out_dir / f"{graph_name}{SIDECAR_SUFFIX}").write_text(json.dumps(sidecar, indent=1, sort_keys=True))
-        return {"files": [package.name, f"{graph_name}{SIDECAR_SUFFIX}"], "format": GRAPH_FORMAT,
+        files = [package.name, f"{graph_name}{SIDECAR_SUFFIX}"] + ([kernel["file"]] if kernel else [])
+        return {"files": files, "format": GRAPH_FORMAT, "gemv_kernel": bool(kernel),
                 "export_seconds": round(t1 - t0, 3), "compile_seconds": round(t2 - t1, 3),
                 "package_bytes": package.stat().st_size, "gemv_max_rows": self.options.gemv_max_rows}
 
@@ -184,12 +209,26 @@ class CpuBackend:
                     f"have {_tensor_spec(t)}; the weights and graphs come from different compiles - recompile"
                 )
             constants[fqn] = t.contiguous()
+        if sidecar.get("gemv_kernel"):
+            kernel = sidecar["gemv_kernel"]
+            cpu_gemv.load(Path(out_dir) / kernel["file"], kernel["sha256"])  # before the graph that calls it
         compiled = _load_package(package, sidecar["package_sha256"])
         try:
             compiled.load_constants(constants, check_full_update=True, user_managed=True)
         except RuntimeError as e:
             raise ArtifactError(f"{package}: cannot attach the weights to the graph ({e}); recompile") from e
         return LoadedGraph(compiled, constants, graph_name)
+
+
+def _gemv_kernel_file(program: torch.export.ExportedProgram, out_dir: Path, graph_name: str) -> dict | None:
+    """Build the C GEMV kernel next to a graph that calls it and load it (the compile test-loads the graph)."""
+    op = torch.ops.neuron_infer.ni_gemv_bf16_v1.default
+    if not any(node.target is op for node in program.graph.nodes):
+        return None
+    lib = cpu_gemv.build(out_dir / f"{graph_name}{cpu_gemv.LIB_SUFFIX}")
+    sha = _sha256(lib)
+    cpu_gemv.load(lib, sha)
+    return {"file": lib.name, "sha256": sha}
 
 
 class LoadedGraph:
@@ -222,7 +261,7 @@ def _read_sidecar(path: Path) -> dict:
     except (OSError, ValueError) as e:
         raise ArtifactError(f"compiled graph description {path} is unreadable ({e}); recompile the model") from e
     if (not isinstance(data, dict) or data.get("format") != GRAPH_FORMAT or not isinstance(data.get("constants"), dict)
-            or not isinstance(data.get("package_sha256"), str)):
+            or not isinstance(data.get("package_sha256"), str) or not _kernel_entry_ok(data.get("gemv_kernel"))):
         raise ArtifactError(f"{path} is not a {GRAPH_FORMAT} graph description; recompile the model")
     if data.get("torch") != torch.__version__:
         raise ArtifactError(
@@ -230,6 +269,14 @@ def _read_sidecar(path: Path) -> dict:
             "graphs only load in the torch version that built them - recompile, or install that torch version"
         )
     return data
+
+
+def _kernel_entry_ok(entry: Any) -> bool:
+    """A sidecar's "gemv_kernel": absent/None, or {"file": "<name>.gemv.so", "sha256": hex} naming a sibling file."""
+    if entry is None:
+        return True
+    return (isinstance(entry, dict) and isinstance(entry.get("sha256"), str) and isinstance(entry.get("file"), str)
+            and entry["file"].endswith(cpu_gemv.LIB_SUFFIX) and Path(entry["file"]).name == entry["file"])
 
 
 def _sha256(path: Path) -> str:

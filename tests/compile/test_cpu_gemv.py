@@ -1,0 +1,156 @@
+"""The AVX512-BF16 GEMV kernel (compile/cpu_gemv.cpp) against its PyTorch twin, inside real AOTInductor graphs.
+
+The kernel and the reference both multiply the same bf16 values exactly and accumulate in fp32, then round once to
+bf16; they differ only in summation order (fp32 reassociation, ~1e-6 relative), so after the bf16 rounding almost
+every output is bit-equal and the rest differ by one bf16 step (2^-8 relative). Checked: at least 97% bit-equal
+and all within one step. A kernel dropping the K tail, mixing rows or misreading a stride fails both by far.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import zipfile
+
+import pytest
+import torch
+
+from neuron_infer.compile import cpu, cpu_gemv
+from neuron_infer.compile.cpu import CpuBackend, CpuCompileOptions
+from neuron_infer.errors import ArtifactError
+from neuron_infer.model.llama import BucketStep
+from tests.compile.test_cpu_backend import S, empty_cache, tg_args, tiny_model
+
+needs_kernel = pytest.mark.skipif(not cpu_gemv.supported(), reason="this CPU has no AVX512-BF16")
+# K: a multiple of 64, 64 + 32 (one half block), a 4-element tail, 9 blocks + a 24-element tail; rows 1..5
+SHAPES = [(1, 70, 64), (2, 33, 96), (3, 1, 100), (4, 130, 600), (5, 48, 576), (1, 257, 31)]  # (R, N, K)
+
+
+class Linears(torch.nn.Module):
+    """One bf16 linear per shape, each fed by its own [R, K] input (plus a bias on one, fused after the call)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lins = torch.nn.ModuleList(torch.nn.Linear(k, n, bias=i == 1) for i, (_, n, k) in enumerate(SHAPES))
+        self.to(torch.bfloat16)
+
+    def forward(self, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(lin(x) for lin, x in zip(self.lins, xs))
+
+
+def inputs() -> tuple[torch.Tensor, ...]:
+    torch.manual_seed(1)
+    return tuple(torch.randn(r, k).to(torch.bfloat16) for r, _, k in SHAPES)
+
+
+def reference(module: Linears, xs) -> list[torch.Tensor]:
+    out = []
+    for lin, x in zip(module.lins, xs):
+        y = cpu_gemv.gemv_bf16(x, lin.weight)
+        out.append(y if lin.bias is None else y + lin.bias)
+    return out
+
+
+@pytest.fixture(scope="module")
+def linears(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gemv")
+    module = Linears().eval()
+    with torch.inference_mode():
+        meta = CpuBackend().compile_graph(module, inputs(), out, "lin")
+    return out, module, meta
+
+
+def assert_one_rounding_apart(got: torch.Tensor, ref: torch.Tensor) -> None:
+    assert got.dtype == ref.dtype == torch.bfloat16 and got.shape == ref.shape
+    g, r = got.float(), ref.float()
+    step = r.abs().clamp_min(1e-30) * 2.0**-8  # one bf16 rounding step at that magnitude
+    assert bool(((g - r).abs() <= step * 1.01).all()), f"max diff {(g - r).abs().max().item()}"
+    assert (g == r).float().mean().item() >= 0.97
+
+
+def test_reference_is_fp32_accumulation_rounded_once():
+    torch.manual_seed(2)
+    x, w = torch.randn(3, 100).to(torch.bfloat16), torch.randn(20, 100).to(torch.bfloat16)
+    exact = (x.double() @ w.double().t()).to(torch.bfloat16)  # fp64 sum, one rounding
+    assert_one_rounding_apart(cpu_gemv.gemv_bf16(x, w), exact)
+
+
+@needs_kernel
+def test_compiled_kernel_equals_reference_on_every_shape(linears):
+    out, module, meta = linears
+    assert meta["gemv_kernel"] and "lin.gemv.so" in meta["files"]
+    graph = CpuBackend().load_graph(out, "lin", module)
+    with torch.inference_mode():
+        got = graph(*inputs())
+        ref = reference(module, inputs())
+    for g, r in zip(got, ref):
+        assert_one_rounding_apart(g, r)
+
+
+@needs_kernel
+def test_graph_calls_the_c_function_not_the_dispatcher(linears):
+    out, _, _ = linears
+    with zipfile.ZipFile(out / "lin.pt2") as z:
+        wrapper = "".join(z.read(n).decode() for n in z.namelist() if n.endswith("wrapper.cpp"))
+    assert wrapper.count("aoti_torch_cpu_ni_gemv_bf16_v1(") >= len(SHAPES)
+    assert "proxy_executor_call_function" not in wrapper  # the boxed-dispatcher route AOTI takes otherwise
+
+
+@needs_kernel
+def test_bf16_token_generation_graph_matches_eager(tmp_path):
+    """A whole bf16 decode step (rows 2: both GEMV paths' row handling) against eager F.linear (oneDNN)."""
+    model = tiny_model().to(torch.bfloat16)
+    k, v = (t.to(torch.bfloat16) for t in empty_cache(model))
+    with torch.inference_mode():
+        meta = CpuBackend().compile_graph(BucketStep(model, S), tg_args(k, v, 0), tmp_path, "tg")
+        graph = CpuBackend().load_graph(tmp_path, "tg", BucketStep(model, S))
+        got = graph(*tg_args(k.clone(), v.clone(), 0)).float()
+        ref = BucketStep(model, S)(*tg_args(k.clone(), v.clone(), 0)).float()
+    assert meta["gemv_kernel"]
+    # bf16 activations between 2 layers: one-step rounding differences propagate; logits here are O(1-10)
+    torch.testing.assert_close(got, ref, atol=0.1, rtol=0.02)
+    assert (got.argmax(-1) == ref.argmax(-1)).all()
+
+
+def test_options_and_unsupported_cpus_keep_the_inductor_reduction(monkeypatch):
+    module, xs = Linears().eval(), inputs()
+    op = torch.ops.neuron_infer.ni_gemv_bf16_v1.default
+
+    def calls(options: CpuCompileOptions) -> int:
+        program = cpu._export(module, xs, options)
+        return sum(node.target is op for node in program.graph.nodes)
+
+    assert calls(CpuCompileOptions(gemv_kernel=False)) == 0
+    assert calls(CpuCompileOptions(gemv_max_rows=2)) == (3 if cpu_gemv.supported() else 0)  # the 1- and 2-row ones
+    monkeypatch.setattr(cpu_gemv, "supported", lambda: False)
+    assert calls(CpuCompileOptions()) == 0
+    with pytest.raises(Exception, match="gemv_kernel"):
+        CpuCompileOptions(gemv_kernel=1)
+
+
+@needs_kernel
+@pytest.mark.parametrize("damage", ["missing", "corrupt", "bad-entry"])
+def test_damaged_kernel_library_is_a_clear_error(linears, tmp_path, damage):
+    out = tmp_path / "graphs"
+    shutil.copytree(linears[0], out)
+    lib = out / "lin.gemv.so"
+    if damage == "missing":
+        lib.unlink()
+    elif damage == "corrupt":
+        lib.write_bytes(lib.read_bytes()[:1000])
+    else:
+        side = json.loads((out / "lin.json").read_text())
+        (out / "lin.json").write_text(json.dumps({**side, "gemv_kernel": {"file": "../x.gemv.so", "sha256": "0"}}))
+    match = {"missing": r"lin\.gemv\.so.*missing.*recompile", "corrupt": r"lin\.gemv\.so.*corrupt.*recompile",
+             "bad-entry": r"lin\.json is not .*recompile"}[damage]
+    with pytest.raises(ArtifactError, match=match):
+        CpuBackend().load_graph(out, "lin", linears[1])
+
+
+def test_kernel_refused_on_a_cpu_without_avx512_bf16(monkeypatch, tmp_path):
+    lib = tmp_path / "x.gemv.so"
+    lib.write_bytes(b"\x7fELF")
+    monkeypatch.setattr(cpu_gemv, "supported", lambda: False)
+    with pytest.raises(ArtifactError, match="AVX|avx512_bf16"):
+        cpu_gemv.load(lib, hashlib.sha256(lib.read_bytes()).hexdigest())
