@@ -10,7 +10,7 @@ Variants
     eager             the model's forward in eager PyTorch (bf16 F.linear -> oneDNN)
     aoti-gemv         neuron_infer's CPU backend: torch.export + AOTInductor, few-row bf16 linears call the
                       AVX512-BF16 C GEMV kernel (compile/cpu_gemv.cpp) where the CPU has it
-    aoti-reduction    the same with every GEMV an Inductor-generated fp32 multiply-and-sum reduction (0.1.1)
+    aoti-reduction    the same with every GEMV an Inductor-generated fp32 multiply-and-sum reduction (as in 0.1.1)
     aoti-gemm         the same without the GEMV rewrite (every linear an extern GEMM call)
     aoti-inlined      aoti-gemv as compiled up to 0.1.0: no `computed_once` fusion barriers (Inductor recomputes
                       RMSNorm/RoPE/softmax normalisation inside the reductions reading them), no fused multiply-add
