@@ -95,7 +95,8 @@ def gemv_linear(max_rows: int, kernel: bool = False) -> Callable[..., torch.Tens
     def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
         if kernel and rows <= min(max_rows, cpu_gemv.MAX_ROWS) and x.dtype == weight.dtype == torch.bfloat16:
-            y = cpu_gemv.gemv_bf16(x.reshape(rows, x.shape[-1]).contiguous(), weight)  # [R, K] x [N, K] -> [R, N]
+            # [R, K] x [N, K] -> [R, N]; contiguous() is free for parameters, a copy only for computed views
+            y = cpu_gemv.gemv_bf16(x.reshape(rows, x.shape[-1]).contiguous(), weight.contiguous())
             y = y.view(*x.shape[:-1], weight.shape[0])
         elif rows == 1:
             # [..., 1, K] * [N, K] -> sum over K -> [..., N]; accumulate in fp32 like the GEMM does. The input is
@@ -162,7 +163,8 @@ class CpuBackend:
         self.options = options or CpuCompileOptions()
 
     def compile_graph(self, module: torch.nn.Module, example_args: tuple, out_dir: Path, graph_name: str) -> dict:
-        """Write `<graph_name>.pt2` (code only) and `<graph_name>.json` (the weights it expects) into out_dir."""
+        """Write `<graph_name>.pt2` (code only), `<graph_name>.json` (the weights it expects) and, when bf16 GEMVs
+        call it, `<graph_name>.gemv.so` (the C kernel) into out_dir."""
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()
