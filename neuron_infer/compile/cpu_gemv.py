@@ -7,8 +7,9 @@
     load:     the .so is loaded with RTLD_GLOBAL before the graph, so the graph's undefined symbol resolves to it
 
 The op's eager implementation is the reference (fp32 matmul of the same bf16 values, rounded once to bf16): the
-slow twin the tests compare the kernel with. The "_v1" is part of the C symbol: a change of the kernel's contract
-gets a new name, so graphs of two neuron-infer versions loaded in one process never bind to each other's kernel.
+slow twin the tests compare the kernel with. The "_v1" is part of the C symbol and must change with the kernel's
+contract (arguments, result, numerics): the first library loaded in a process serves every graph calling that
+symbol, so two libraries under one name must be interchangeable.
 Used only where the CPU has AVX512-BF16 (`supported()`); elsewhere linears stay Inductor-generated reductions.
 """
 from __future__ import annotations

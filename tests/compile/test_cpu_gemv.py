@@ -7,6 +7,7 @@ and all within one step. A kernel dropping the K tail, mixing rows or misreading
 """
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import shutil
@@ -17,7 +18,7 @@ import torch
 
 from neuron_infer.compile import cpu, cpu_gemv
 from neuron_infer.compile.cpu import CpuBackend, CpuCompileOptions
-from neuron_infer.errors import ArtifactError
+from neuron_infer.errors import ArtifactError, ConfigError
 from neuron_infer.model.llama import BucketStep
 from tests.compile.test_cpu_backend import S, empty_cache, tg_args, tiny_model
 
@@ -98,18 +99,26 @@ def test_graph_calls_the_c_function_not_the_dispatcher(linears):
 
 
 @needs_kernel
-def test_bf16_token_generation_graph_matches_eager(tmp_path):
-    """A whole bf16 decode step (rows 2: both GEMV paths' row handling) against eager F.linear (oneDNN)."""
+def test_bf16_token_generation_graph_is_as_accurate_as_eager_bf16(tmp_path):
+    """A whole bf16 decode step (2 rows) with the kernel, against the same bf16 weights computed in fp32.
+
+    Criterion: the graph's logits are no further from that fp32 computation than eager bf16 (F.linear -> oneDNN)
+    is, up to 1.5x (measured here: graph 0.0086, eager 0.0106 max abs on logits of magnitude ~1); a kernel that
+    drops a K tail, mixes rows or misreads a stride is off by O(1).
+    """
     model = tiny_model().to(torch.bfloat16)
+    exact = copy.deepcopy(model).float()  # the same (bf16-rounded) weights, fp32 arithmetic
     k, v = (t.to(torch.bfloat16) for t in empty_cache(model))
     with torch.inference_mode():
         meta = CpuBackend().compile_graph(BucketStep(model, S), tg_args(k, v, 0), tmp_path, "tg")
         graph = CpuBackend().load_graph(tmp_path, "tg", BucketStep(model, S))
         got = graph(*tg_args(k.clone(), v.clone(), 0)).float()
-        ref = BucketStep(model, S)(*tg_args(k.clone(), v.clone(), 0)).float()
+        eager = BucketStep(model, S)(*tg_args(k.clone(), v.clone(), 0)).float()
+        ref = BucketStep(exact, S)(*tg_args(k.float(), v.float(), 0))
     assert meta["gemv_kernel"]
-    # bf16 activations between 2 layers: one-step rounding differences propagate; logits here are O(1-10)
-    torch.testing.assert_close(got, ref, atol=0.1, rtol=0.02)
+    eager_err = (eager - ref).abs().max().item()
+    assert 0 < eager_err < 0.1
+    assert (got - ref).abs().max().item() <= 1.5 * eager_err
     assert (got.argmax(-1) == ref.argmax(-1)).all()
 
 
@@ -125,7 +134,7 @@ def test_options_and_unsupported_cpus_keep_the_inductor_reduction(monkeypatch):
     assert calls(CpuCompileOptions(gemv_max_rows=2)) == (3 if cpu_gemv.supported() else 0)  # the 1- and 2-row ones
     monkeypatch.setattr(cpu_gemv, "supported", lambda: False)
     assert calls(CpuCompileOptions()) == 0
-    with pytest.raises(Exception, match="gemv_kernel"):
+    with pytest.raises(ConfigError, match="gemv_kernel"):
         CpuCompileOptions(gemv_kernel=1)
 
 
