@@ -20,6 +20,7 @@ from neuron_infer.compile.weights import empty_model, load_rank_weights
 from neuron_infer.config import SamplingConfig
 from neuron_infer.errors import ArtifactError, NeuronInferError
 from neuron_infer.model.llama import BucketStep
+from neuron_infer.prompts import refuse_empty
 from neuron_infer.runtime.engine import Engine, planned_graphs
 from neuron_infer.runtime.generate import Metrics, SequenceResult, generate_ids
 
@@ -129,6 +130,7 @@ class CompiledModel:
     def generate(self, prompts: list[str], max_new_tokens: int = 64, sampling: SamplingConfig = SamplingConfig(),
                  chat: bool = False, ignore_eos: bool = False,
                  on_tokens: Callable[[list[list[int]]], None] | None = None) -> GenerationOutput:
+        refuse_empty((f"prompt {i}", p) for i, p in enumerate(prompts))
         ids = [self.encode(p, chat) for p in prompts]
         return self.generate_ids(ids, max_new_tokens, sampling, ignore_eos, on_tokens)
 

@@ -350,3 +350,15 @@ def load_tokenizer(model_dir: str | Path):
         raise CheckpointError(
             f"cannot load the tokenizer in {d} ({type(e).__name__}: {e}); re-download the tokenizer files"
         ) from e
+
+
+def check_tokenizer(model_dir: str | Path, cfg: ModelConfig) -> None:
+    """Compile-time check: the checkpoint has a tokenizer, and none of its ids is past the embedding's rows."""
+    tok = load_tokenizer(model_dir)
+    top = max(tok.get_vocab().values(), default=-1) + 1
+    if top > cfg.vocab_size:
+        raise CheckpointError(
+            f"the tokenizer in {model_dir} has token ids up to {top - 1}, but config.json vocab_size="
+            f"{cfg.vocab_size}: ids >= {cfg.vocab_size} have no embedding row; use the tokenizer files that belong "
+            "to this model"
+        )

@@ -142,12 +142,12 @@ def generate_cmd(artifacts, prompts, prompt_file, chat, max_new_tokens, temperat
 
     from neuron_infer.api import CompiledModel  # noqa: PLC0415
     from neuron_infer.config import SamplingConfig  # noqa: PLC0415
+    from neuron_infer.prompts import collect_prompts  # noqa: PLC0415
 
     if threads is not None:
         torch.set_num_threads(threads)
 
-    prompts = list(prompts) + (Path(prompt_file).read_text().splitlines() if prompt_file else [])
-    prompts = [p for p in prompts if p.strip()] or ["The capital of France is"]
+    prompts = collect_prompts(prompts, prompt_file)  # empty ones refused, never swapped or dropped
     sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     if artifacts is None:
         from neuron_infer.presets import default_artifact_dir  # noqa: PLC0415

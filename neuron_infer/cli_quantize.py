@@ -58,10 +58,24 @@ def _copy_side_files(model_dir: Path, out: Path) -> None:
             shutil.copy2(model_dir / name, out / name)
 
 
-def _check_out(out: Path, overwrite: bool) -> None:
-    """Refuse a non-empty output directory (before any work; the directory is created only when writing)."""
-    if out.exists() and any(out.iterdir()) and not overwrite:
-        raise ConfigError(f"{out} already exists and is not empty; choose another -o directory or pass --overwrite")
+def quantized_files(root: Path) -> set[str] | None:
+    """The files a previous `quantize` output in `root` owns, or None if it is not one (for --overwrite)."""
+    from neuron_infer.compile.builder import TOKENIZER_FILES
+
+    try:
+        meta = json.loads((root / CONFIG_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        return None
+    return {WEIGHTS_FILE, CONFIG_FILE, "config.json", *TOKENIZER_FILES}
+
+
+def _output(src: Path, out: Path, overwrite: bool):
+    """The atomic output directory (neuron_infer.output_dir): written aside, renamed into place when complete."""
+    from neuron_infer.output_dir import atomic_output
+
+    return atomic_output(out, overwrite=overwrite, owned=quantized_files, what="quantize output", sources=[src])
 
 
 def quantize_float_checkpoint(model_dir: Path, out: Path, scheme: str, modules, dtype: str) -> dict:
@@ -150,7 +164,7 @@ def load_quantized_checkpoint(path: str | Path):
               help="dtype of the float tensors kept unquantized")
 @click.option("--rescale", is_flag=True, help="FP8 checkpoint: rescale OCP e4m3fn (+-448) into Neuron's +-240")
 @click.option("--rescale-method", type=click.Choice(["pow2", "nxdi"]), default="pow2", show_default=True)
-@click.option("--overwrite", is_flag=True, help="replace an existing output directory")
+@click.option("--overwrite", is_flag=True, help="replace a previous quantize output (never other files)")
 def quantize_cmd(model_dir, output, quant, modules_to_not_convert, dtype, rescale, rescale_method, overwrite) -> None:
     """Convert MODEL_DIR offline: quantize a float checkpoint, or check/rescale an FP8 one, into OUTPUT."""
     src, out = Path(model_dir), Path(output)
@@ -158,9 +172,9 @@ def quantize_cmd(model_dir, output, quant, modules_to_not_convert, dtype, rescal
         if quant not in (None, "fp8") or modules_to_not_convert:
             raise ConfigError(f"{src} is already an FP8 checkpoint: --quant {quant} / --modules-to-not-convert do "
                               "not apply (only --rescale); quantize its bf16 source instead")
-        _check_out(out, overwrite)
-        meta = rescale_fp8_checkpoint(src, out, rescale, rescale_method)
-        _copy_side_files(src, out)
+        with _output(src, out, overwrite) as tmp:
+            meta = rescale_fp8_checkpoint(src, tmp, rescale, rescale_method)
+            _copy_side_files(src, tmp)
         click.echo(f"{out}: {meta['fp8']['weights']} FP8 weights "
                    f"{'rescaled and verified' if rescale else 'within the Neuron range (copied)'}", err=True)
         return
@@ -173,9 +187,9 @@ def quantize_cmd(model_dir, output, quant, modules_to_not_convert, dtype, rescal
         from neuron_infer.quant import parse_modules_to_not_convert
 
         mods = parse_modules_to_not_convert(modules_to_not_convert)
-    _check_out(out, overwrite)
-    meta = quantize_float_checkpoint(src, out, quant, mods, dtype)
-    _copy_side_files(src, out)
+    with _output(src, out, overwrite) as tmp:
+        meta = quantize_float_checkpoint(src, tmp, quant, mods, dtype)
+        _copy_side_files(src, tmp)
     q = meta["quant"]
     click.echo(f"{out}: --quant {quant}, {len(q['converted'])} linears converted, {len(q['kept'])} kept; linear "
                f"weights {q['bytes_before'] / 1e6:.1f} -> {q['bytes_after'] / 1e6:.1f} MB "

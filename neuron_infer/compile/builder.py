@@ -9,7 +9,7 @@ from typing import Callable
 
 import torch
 
-from neuron_infer.checkpoint import checkpoint_fingerprint, load_checkpoint
+from neuron_infer.checkpoint import check_tokenizer, checkpoint_fingerprint, load_checkpoint
 from neuron_infer.compile.artifact import FORMAT_VERSION, Manifest, atomic_directory, hash_tree, package_versions
 from neuron_infer.compile.artifact import write_manifest
 from neuron_infer.compile.quantize_step import quantize_model
@@ -39,6 +39,12 @@ def check_build_against_model(cfg: ModelConfig, build: BuildConfig) -> None:
         from neuron_infer.compile.spec_builder import check_speculation  # noqa: PLC0415
 
         check_speculation(cfg, build)
+
+
+def source_dirs(model_dir: Path, build: BuildConfig) -> list[Path]:
+    """The input directories of a compile (which its output must never replace)."""
+    draft = build.speculation.draft_model if build.speculation is not None else None
+    return [Path(model_dir)] + ([Path(draft)] if draft not in (None, "self") else [])
 
 
 def example_args(cache: CacheShape, spec: GraphSpec) -> tuple[torch.Tensor, ...]:
@@ -100,9 +106,10 @@ def compile_model(model_dir: str | Path, out_dir: str | Path, build: BuildConfig
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_model_dir(model_dir)
     check_build_against_model(cfg, build)
+    check_tokenizer(model_dir, cfg)
     be = get_backend(backend or build.target)
-    state = load_checkpoint(model_dir, cfg)
-    with atomic_directory(Path(out_dir), overwrite) as tmp:
+    with atomic_directory(Path(out_dir), overwrite, source_dirs(model_dir, build)) as tmp:
+        state = load_checkpoint(model_dir, cfg)
         model = build_float_model(cfg, build, state)
         del state
         extra = {"quant": quantize_model(model, build, model_dir)}

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from neuron_infer.checkpoint import checkpoint_fingerprint, load_checkpoint
+from neuron_infer.checkpoint import check_tokenizer, checkpoint_fingerprint, load_checkpoint
 from neuron_infer.compile.artifact import (
     FORMAT_VERSION,
     Manifest,
@@ -105,12 +105,13 @@ def compile_tp_model(model_dir: str | Path, out_dir: str | Path, build: BuildCon
                      overwrite: bool = False, say: Progress = print) -> Manifest:
     """Compile `model_dir` for `build.tp_degree` ranks into `out_dir` atomically; returns the manifest."""
     from neuron_infer.compile.backend import get_backend
-    from neuron_infer.compile.builder import check_build_against_model, copy_tokenizer
+    from neuron_infer.compile.builder import check_build_against_model, copy_tokenizer, source_dirs
 
     t_start = time.perf_counter()
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_model_dir(model_dir)
     check_build_against_model(cfg, build)
+    check_tokenizer(model_dir, cfg)
     plan = ShardPlan.build(cfg, build.tp_degree)  # rejects degrees the plan cannot express, before any work
     if build.quant.scheme == "w8a8":
         raise ConfigError("--quant w8a8 calibrates SmoothQuant scales on full-model activations, which a single rank "
@@ -119,8 +120,8 @@ def compile_tp_model(model_dir: str | Path, out_dir: str | Path, build: BuildCon
     be, note = _tp_graph_builder(be_name, get_backend)
     say(f"note: {note}")
     say(f"tensor parallelism: {plan.summary()}")
-    state = load_checkpoint(model_dir, cfg)
-    with atomic_directory(Path(out_dir), overwrite) as tmp:
+    with atomic_directory(Path(out_dir), overwrite, source_dirs(model_dir, build)) as tmp:
+        state = load_checkpoint(model_dir, cfg)
         records, quant, graphs = _write_ranks(cfg, build, plan, state, model_dir, tmp, be, say)
         if be_name == "neuron":
             from neuron_infer.parallel.neuron_tp import compile_neuron_tp_graphs

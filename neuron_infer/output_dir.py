@@ -1,0 +1,173 @@
+"""Output directories neuron-infer writes (compiled artifacts, `quantize` outputs): where they may go, what
+`--overwrite` may replace, and how they appear.
+
+- An output is never a source directory (the checkpoint, a draft checkpoint) nor a directory that contains one.
+- An existing directory is replaced only with `overwrite=True`, and only when it is empty or a previous output of
+  the same kind whose every file is its own (listed by its manifest). Anything else is refused; nothing is deleted.
+- One writer at a time: `.NAME.lock` beside the output is held (flock) for the whole write and names the writer's
+  pid; a second writer of the same output fails at once instead of silently replacing the first one's result.
+- The output is built in `.NAME.partial-XXXXXXXX` beside it and appears by one rename (a killed write never leaves a
+  directory that loads). Holding the lock proves that no live writer owns a leftover `.NAME.partial-*` or
+  `.NAME.old-*`, so those left by killed writers are removed.
+- Files get the permissions the umask allows (mkdtemp creates 0700), so another account can read them.
+"""
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from neuron_infer.errors import ConfigError
+
+# relative POSIX paths of every file a previous output of this kind owns, or None when the directory is not one
+OwnedFiles = Callable[[Path], "set[str] | None"]
+
+
+@contextmanager
+def atomic_output(final: str | Path, *, overwrite: bool, owned: OwnedFiles, what: str,
+                  sources: Iterable[str | Path] = ()) -> Iterator[Path]:
+    """Yield an empty temporary directory beside `final`; on success it replaces `final`, on error it is deleted.
+
+    `what` names the kind of output in messages (e.g. "compiled artifact"); `sources` are the input directories.
+    """
+    final = Path(os.path.abspath(final))
+    check_not_source(final, sources)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    with _writer_lock(final):
+        check_target(final, overwrite, owned, what)
+        _remove_stale(final)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.partial-", dir=final.parent))
+        try:
+            yield tmp
+            apply_umask(tmp)
+            check_target(final, overwrite, owned, what)  # again: a directory may have appeared meanwhile
+            _replace(tmp, final, what)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+
+
+def check_not_source(final: Path, sources: Iterable[str | Path]) -> None:
+    """Refuse an output that is, or contains, one of the input directories."""
+    out = final.resolve()
+    for s in sources:
+        src = Path(s).resolve()
+        if out == src or out in src.parents:
+            rel = "is" if out == src else "contains"
+            raise ConfigError(f"-o {final} {rel} the input directory {src}, which must never be replaced; write the "
+                              f"output to a new directory, e.g. -o {src.parent / (src.name + '-out')}")
+
+
+def check_target(final: Path, overwrite: bool, owned: OwnedFiles, what: str) -> None:
+    """Accept a missing or empty `final`, or (with overwrite) a previous output of this kind holding only its files."""
+    if not os.path.lexists(final):
+        return
+    if final.is_symlink() or not final.is_dir():
+        raise ConfigError(f"{final} exists and is not a directory; choose another -o directory")
+    if not any(final.iterdir()):
+        return
+    mine = owned(final)
+    if mine is None:
+        raise ConfigError(f"{final} is not empty and is not a neuron-infer {what}, so it is never replaced (not even "
+                          "with --overwrite); choose a new or empty -o directory")
+    present = {p.relative_to(final).as_posix() for p in final.rglob("*") if not p.is_dir()}
+    foreign = sorted(present - mine)
+    if foreign:
+        raise ConfigError(f"{final} holds files that are not part of its neuron-infer {what} "
+                          f"({', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''}); move them away or "
+                          "choose another -o directory")
+    if not overwrite:
+        raise ConfigError(f"{final} already holds a neuron-infer {what}; pass --overwrite to replace it, or choose "
+                          "another -o directory")
+
+
+def apply_umask(root: Path) -> None:
+    """Give `root` and everything under it the umask's permissions (executables and directories keep x bits)."""
+    mask = current_umask()
+    for p in [root, *root.rglob("*")]:
+        if p.is_symlink():
+            continue
+        full = 0o777 if p.is_dir() or p.stat().st_mode & 0o111 else 0o666
+        os.chmod(p, full & ~mask)
+
+
+def current_umask() -> int:
+    """The process umask, read without changing it where the kernel reports it (os.umask can only swap)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+@contextmanager
+def _writer_lock(final: Path) -> Iterator[None]:
+    """Hold `.NAME.lock` beside `final` (flock; released by the kernel if we die) and write our pid into it."""
+    path = final.with_name(f".{final.name}.lock")
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 32).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise ConfigError(f"{final} is being written by another neuron-infer process (pid {holder}); wait for "
+                              "it to finish, or choose another -o directory") from None
+        if _still_named(fd, path):
+            break
+        os.close(fd)  # the previous holder unlinked it between our open and our lock: lock the new file
+    try:
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        yield
+    finally:
+        path.unlink(missing_ok=True)  # still locked: a process that opened it sees it unnamed and retries
+        os.close(fd)
+
+
+def _still_named(fd: int, path: Path) -> bool:
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return False
+    mine = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
+
+
+def _remove_stale(final: Path) -> None:
+    """Remove the temporary siblings of dead writers (called with the lock held, so no live writer owns one)."""
+    pattern = re.compile(rf"\.{re.escape(final.name)}\.(partial-[a-z0-9_]{{8}}|old-[0-9]+)")
+    for p in final.parent.iterdir():
+        if pattern.fullmatch(p.name) and p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def _replace(tmp: Path, final: Path, what: str) -> None:
+    """Rename `tmp` to `final`; a non-empty `final` (checked replaceable) is moved aside first, then deleted."""
+    if final.is_dir() and any(final.iterdir()):
+        old = final.with_name(f".{final.name}.old-{os.getpid()}")
+        os.rename(final, old)
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            os.rename(old, final)
+            raise
+        shutil.rmtree(old, ignore_errors=True)
+        return
+    try:
+        os.rename(tmp, final)  # onto a missing or empty directory; fails instead of replacing a non-empty one
+    except OSError as e:
+        if e.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
+            raise
+        raise ConfigError(f"{final} was created by another program while this {what} was being written; nothing "
+                          "was replaced; choose another -o directory") from e

@@ -1,0 +1,40 @@
+"""The prompts of a `generate` run: `--prompt` values, then `--prompt-file` lines, in order.
+
+An empty or whitespace-only prompt is refused with an error naming it, never replaced by the default prompt or
+dropped: generating from nothing is almost always a mistake (an unset shell variable, a stray blank line), and
+dropping one prompt would shift every later output against its input. Output i always answers prompt i.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+from neuron_infer.errors import NeuronInferError
+
+DEFAULT_PROMPT = "The capital of France is"
+
+
+def collect_prompts(flags: Sequence[str], prompt_file: str | None) -> list[str]:
+    """Every prompt in order (the default prompt when neither --prompt nor --prompt-file is given)."""
+    labelled = [(f"--prompt #{i}", p) for i, p in enumerate(flags, 1)]
+    if prompt_file is not None:
+        try:
+            lines = Path(prompt_file).read_text(encoding="utf-8").splitlines()
+        except UnicodeDecodeError as e:
+            raise NeuronInferError(f"--prompt-file {prompt_file} is not UTF-8 text (byte {e.start}); give a text "
+                                   "file with one prompt per line") from None
+        if not lines:
+            raise NeuronInferError(f"--prompt-file {prompt_file} is empty; write one prompt per line")
+        labelled += [(f"--prompt-file {prompt_file} line {n}", p) for n, p in enumerate(lines, 1)]
+    if not labelled:
+        return [DEFAULT_PROMPT]
+    refuse_empty(labelled)
+    return [p for _, p in labelled]
+
+
+def refuse_empty(labelled: Iterable[tuple[str, str]]) -> None:
+    """Raise for the first (label, prompt) whose prompt has no text."""
+    for label, p in labelled:
+        if not p.strip():
+            what = "empty" if not p else "only whitespace"
+            raise NeuronInferError(f"{label} is {what}; give every prompt some text (or remove that one)")
