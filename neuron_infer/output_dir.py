@@ -6,6 +6,8 @@
   the same kind whose every file is its own (listed by its manifest). Anything else is refused; nothing is deleted.
 - One writer at a time: `.NAME.lock` beside the output is held (flock) for the whole write and names the writer's
   pid; a second writer of the same output fails at once instead of silently replacing the first one's result.
+  Caches (the default model's artifacts, the vLLM plugin's) wrap their check-then-compile in `one_at_a_time`, so a
+  second process waits for the first compile and reuses it.
 - The output is built in `.NAME.partial-XXXXXXXX` beside it and appears by one rename (a killed write never leaves a
   directory that loads). Holding the lock proves that no live writer owns a leftover `.NAME.partial-*` or
   `.NAME.old-*`, so those left by killed writers are removed.
@@ -51,6 +53,17 @@ def atomic_output(final: str | Path, *, overwrite: bool, owned: OwnedFiles, what
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
+
+
+@contextmanager
+def one_at_a_time(final: str | Path) -> Iterator[None]:
+    """Wait (blocking) until no other process is inside this block for `final`: a cache fill checks for a finished
+    output inside it, so a second process waits for the first one's compile and then reuses it."""
+    final = Path(os.path.abspath(final))
+    final.parent.mkdir(parents=True, exist_ok=True)
+    with open(final.with_name(f".{final.name}.wait"), "a") as f:  # kept: unlinking a waited-on lock file races
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield
 
 
 def check_not_source(final: Path, sources: Iterable[str | Path]) -> None:

@@ -80,16 +80,18 @@ def default_artifact_dir(build: BuildConfig, say: Callable[[str], None]) -> Path
     from neuron_infer.compile.builder import compile_model  # noqa: PLC0415
     from neuron_infer.embedded import cache_dir, default_model_dir  # noqa: PLC0415
     from neuron_infer.errors import ArtifactError  # noqa: PLC0415
+    from neuron_infer.output_dir import one_at_a_time  # noqa: PLC0415
 
     model_dir = default_model_dir(log=say)
     fp = checkpoint_fingerprint(model_dir)
     key = json.dumps({"build": build.to_dict(), "versions": package_versions(), "fp": fp}, sort_keys=True)
     out = cache_dir() / "artifacts" / f"smollm2-135m-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
-    try:
-        if read_manifest(out, verify_files=False).checkpoint_fingerprint == fp:
-            return out
-    except ArtifactError:
-        pass
-    say(f"compiling the embedded default model into {out} (once; later runs reuse it)")
-    compile_model(model_dir, out, build, overwrite=True, say=say)
+    with one_at_a_time(out):  # a concurrent run waits for this compile, then reuses it
+        try:
+            if read_manifest(out, verify_files=False).checkpoint_fingerprint == fp:
+                return out
+        except ArtifactError:
+            pass
+        say(f"compiling the embedded default model into {out} (once; later runs reuse it)")
+        compile_model(model_dir, out, build, overwrite=True, say=say)
     return out

@@ -116,6 +116,41 @@ def test_a_directory_appearing_during_a_compile_is_not_replaced(tiny_dirs, tmp_p
     assert not list(tmp_path.glob(".art.*"))
 
 
+def test_cache_fills_wait_for_each_other_and_compile_once(tiny_dirs, tmp_path):
+    import threading
+
+    from neuron_infer.output_dir import one_at_a_time
+
+    out, compiled, errors = tmp_path / "cache" / "art", [], []
+
+    def fill():  # the shape of the default-model and vLLM plugin caches
+        try:
+            with one_at_a_time(out):
+                if not (out / MANIFEST).is_file():
+                    compile_model(tiny_dirs("gqa"), out, BUILD, overwrite=True, **QUIET)
+                    compiled.append(1)
+        except Exception as e:  # noqa: BLE001  (reported below)
+            errors.append(e)
+
+    threads = [threading.Thread(target=fill) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and compiled == [1]
+    CompiledModel.load(out)
+
+
+def test_vllm_plugin_cache_compiles_while_it_waits_its_turn(tiny_dirs, tmp_path):
+    from neuron_infer.vllm_plugin.artifacts import EngineArgs, ensure_artifact
+
+    args = EngineArgs(model=str(tiny_dirs("gqa")), dtype="float32", max_model_len=64, max_num_seqs=1)
+    options = {"neuron_infer_cache_dir": str(tmp_path / "cache"), "neuron_infer_backend": "cpu-eager"}
+    root = ensure_artifact(args, options, say=lambda m: None)
+    assert read_manifest(root).checkpoint_fingerprint == checkpoint_fingerprint(tiny_dirs("gqa"))
+    assert ensure_artifact(args, options, say=lambda m: None) == root
+
+
 # 3. empty prompts are refused, naming which one ------------------------------------------------------------------
 
 @pytest.mark.parametrize("args, words", [

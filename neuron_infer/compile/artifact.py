@@ -7,8 +7,9 @@
       tokenizer/               tokenizer files copied from the checkpoint
 
 A compile writes into a temporary sibling directory and renames it into place, so a killed compile never leaves a
-directory that loads. Loading checks the format version, the package versions the graphs depend on and the sha256
-of every file, and names the differing field or file.
+directory that loads; neuron_infer.output_dir says what `--overwrite` may replace and keeps one writer per output.
+Loading checks the format version, the package versions the graphs depend on, that every file in the directory is
+listed in the manifest and that each matches its sha256, and names the differing field or file.
 """
 from __future__ import annotations
 

@@ -13,7 +13,6 @@ unchanged one loads in seconds. Concurrent engines compiling the same key wait o
 """
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import os
@@ -121,6 +120,7 @@ def ensure_artifact(args: EngineArgs, options: Mapping[str, Any], say=print) -> 
     """The artifact directory for this engine: the explicit one, or the cached compile (compiling on a miss)."""
     from neuron_infer.checkpoint import checkpoint_fingerprint
     from neuron_infer.compile.artifact import MANIFEST, package_versions, read_manifest
+    from neuron_infer.output_dir import one_at_a_time
 
     if options.get("neuron_infer_artifacts"):
         root = Path(options["neuron_infer_artifacts"])
@@ -131,9 +131,7 @@ def ensure_artifact(args: EngineArgs, options: Mapping[str, Any], say=print) -> 
     backend = options.get("neuron_infer_backend")
     key = cache_key(checkpoint_fingerprint(model_dir), build, backend, package_versions())
     root = cache_root(options) / f"{model_dir.name}-{key}"
-    root.parent.mkdir(parents=True, exist_ok=True)
-    with open(root.parent / f".{root.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # a second engine waits for the first compile, then loads it
+    with one_at_a_time(root):  # a second engine waits for the first compile, then loads it
         if not (root / MANIFEST).is_file():
             from neuron_infer.compile.builder import compile_model
 
