@@ -139,6 +139,7 @@ class CompiledModel:
                      on_tokens: Callable[[list[list[int]]], None] | None = None) -> GenerationOutput:
         if max_new_tokens < 1:
             raise NeuronInferError(f"max_new_tokens={max_new_tokens} must be >= 1")
+        check_token_ids(prompts, self.manifest.model.vocab_size)
         bs, outputs, metrics = self.manifest.build.batch_size, [], []
         for start in range(0, len(prompts), bs):
             chunk = prompts[start:start + bs]
@@ -153,6 +154,15 @@ class CompiledModel:
 
     def _text(self, r: SequenceResult) -> TextOutput:
         return TextOutput(r.token_ids, self.tokenizer.decode(r.token_ids, skip_special_tokens=True), r.finish_reason)
+
+
+def check_token_ids(prompts: list[list[int]], vocab_size: int) -> None:
+    """Refuse ids the embedding has no row for (eager graphs raise IndexError, compiled ones abort the process)."""
+    for i, p in enumerate(prompts):
+        bad = [t for t in p if not 0 <= int(t) < vocab_size]
+        if bad:
+            raise NeuronInferError(f"prompt {i} holds token id {bad[0]}, outside this model's vocabulary "
+                                   f"0..{vocab_size - 1}; encode prompts with the artifact's own tokenizer")
 
 
 def check_checkpoint(manifest: Manifest, root: Path, model_dir: Path) -> None:

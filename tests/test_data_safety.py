@@ -190,6 +190,11 @@ def test_checkpoint_without_tokenizer_fails_at_compile(tiny_dirs, tmp_path, caps
     assert "no tokenizer in" in compile_fails(ck, tmp_path, capsys)
 
 
+def test_token_ids_past_the_vocabulary_are_refused_before_running(artifact):
+    with pytest.raises(NeuronInferError, match="token id 512, outside this model's vocabulary 0..511"):
+        CompiledModel.load(artifact).generate_ids([[1, 5], [1, 512]], max_new_tokens=2)
+
+
 # 6. every file a load reads is listed in the manifest and verified -----------------------------------------------
 
 def test_a_file_missing_from_the_manifest_is_not_loaded(artifact, capsys):

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from neuron_infer.api import CompiledModel, GenerationOutput
+from neuron_infer.api import CompiledModel, GenerationOutput, check_token_ids
 from neuron_infer.compile.artifact import Manifest, read_manifest
 from neuron_infer.compile.builder import cache_shape
 from neuron_infer.compile.quantize_step import quant_structure
@@ -157,6 +157,7 @@ class TPCompiledModel(CompiledModel):
         return an empty GenerationOutput (rank 0 holds the results)."""
         if max_new_tokens < 1:
             raise NeuronInferError(f"max_new_tokens={max_new_tokens} must be >= 1")
+        check_token_ids(prompts, self.manifest.model.vocab_size)
         request = {"prompts": [list(map(int, p)) for p in prompts], "max_new_tokens": max_new_tokens,
                    "sampling": sampling, "eos_ids": list(self.eos_ids), "ignore_eos": ignore_eos,
                    "collect_logits": collect_logits}
