@@ -216,6 +216,7 @@ def _print_result(out, as_json: bool, stream) -> None:
             emit(out.to_dict())
         return
     if stream is not None:
+        stream.finish(out.outputs[0].text)
         click.echo()
     else:
         for i, o in enumerate(out.outputs):

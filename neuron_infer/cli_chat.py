@@ -111,7 +111,8 @@ def chat_cmd(artifacts, system, max_new_tokens, temperature, top_k, top_p, seed,
         except NeuronInferError as e:
             say(f"error: {e}")
             continue
-        out = model.generate_ids([ids], max_new_tokens or build.max_length, sampling,
-                                 on_tokens=TextStreamer(model.tokenizer))
+        stream = TextStreamer(model.tokenizer)
+        out = model.generate_ids([ids], max_new_tokens or build.max_length, sampling, on_tokens=stream)
+        stream.finish(out.outputs[0].text)
         click.echo()
         messages.append({"role": "assistant", "content": out.outputs[0].text})

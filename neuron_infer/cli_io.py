@@ -26,7 +26,8 @@ STDIN = "-"
 
 def read_stdin(stream=None) -> str:
     """All of stdin as text (invalid UTF-8 is a clear error)."""
-    stream = stream if stream is not None else click.get_binary_stream("stdin")
+    if stream is None:
+        stream = getattr(sys.stdin, "buffer", sys.stdin)
     data = stream.read()
     if isinstance(data, str):
         return data
@@ -75,18 +76,31 @@ def artifact_front(artifacts: str | Path):
     return manifest, load_tokenizer(Path(artifacts) / "tokenizer")
 
 
-class TextStreamer:
-    """Prints row 0's text as it grows (decoding the whole sequence each step keeps multi-byte tokens intact)."""
+_INCOMPLETE = "\ufffd"  # what decode() shows for the first bytes of a character whose last bytes are to come
 
-    def __init__(self, tokenizer, out=None):
-        self.tok, self.shown, self.out = tokenizer, "", out
+
+def stable_text(tokenizer, ids: list[int]) -> str:
+    """The decoded text minus a trailing incomplete character, so that it only grows as tokens arrive."""
+    return tokenizer.decode(ids, skip_special_tokens=True).rstrip(_INCOMPLETE)
+
+
+class TextStreamer:
+    """Prints row 0's text as it grows (decoding the whole row each step keeps multi-byte characters intact);
+    `finish` prints what was held back, so the printed text equals the final output's text."""
+
+    def __init__(self, tokenizer):
+        self.tok, self.shown = tokenizer, ""
 
     def __call__(self, rows: list[list[int]]) -> None:
-        text = self.tok.decode(rows[0], skip_special_tokens=True)
-        if text.startswith(self.shown):
-            out = self.out or sys.stdout
-            out.write(text[len(self.shown):])
-            out.flush()
+        self._show(stable_text(self.tok, rows[0]))
+
+    def finish(self, text: str) -> None:
+        self._show(text)
+
+    def _show(self, text: str) -> None:
+        if text.startswith(self.shown) and len(text) > len(self.shown):
+            sys.stdout.write(text[len(self.shown):])
+            sys.stdout.flush()
             self.shown = text
 
 
@@ -100,21 +114,21 @@ class JsonLinesStreamer:
 
     def __call__(self, rows: list[list[int]]) -> None:
         for i, ids in enumerate(rows):
-            n = self.sent_ids.get(i, 0)
-            if len(ids) == n:
-                continue
-            text, shown = self.tok.decode(ids, skip_special_tokens=True), self.sent_text.get(i, "")
-            if not text.startswith(shown):  # an incomplete multi-byte character: wait for the next token
-                continue
-            emit({"type": "delta", "index": i, "token_ids": ids[n:], "text": text[len(shown):]})
-            self.sent_ids[i], self.sent_text[i] = len(ids), text
+            if len(ids) > self.sent_ids.get(i, 0):
+                self._delta(i, ids, stable_text(self.tok, ids))
 
     def finish(self, out) -> None:
-        """Flush what a held-back row still owes, so the deltas concatenate to the final texts."""
+        """Flush what a row still owes, so the deltas concatenate to the final texts and ids."""
         for i, o in enumerate(out.outputs):
-            n, shown = self.sent_ids.get(i, 0), self.sent_text.get(i, "")
-            if len(o.token_ids) > n or o.text != shown:
-                emit({"type": "delta", "index": i, "token_ids": o.token_ids[n:], "text": o.text[len(shown):]})
+            if len(o.token_ids) > self.sent_ids.get(i, 0) or o.text != self.sent_text.get(i, ""):
+                self._delta(i, o.token_ids, o.text)
+
+    def _delta(self, i: int, ids: list[int], text: str) -> None:
+        n, shown = self.sent_ids.get(i, 0), self.sent_text.get(i, "")
+        if not text.startswith(shown):  # not seen with trailing-character hold-back; keep the ids in step
+            text = shown
+        emit({"type": "delta", "index": i, "token_ids": ids[n:], "text": text[len(shown):]})
+        self.sent_ids[i], self.sent_text[i] = len(ids), text
 
 
 def emit(record: dict) -> None:
