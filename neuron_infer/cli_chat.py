@@ -55,7 +55,7 @@ def _read_message(stdin, interactive: bool) -> str | None:
     """The next user line (None at end of input)."""
     if interactive:
         click.echo("> ", nl=False, err=True)
-    line = stdin.readline()
+    line = stdin.readline() if stdin is not None else ""
     return None if line == "" else line.rstrip("\r\n")
 
 
@@ -92,8 +92,10 @@ def chat_cmd(artifacts, system, max_new_tokens, temperature, top_k, top_p, seed,
     encode_chat(tokenizer, start + [{"role": "user", "content": "hi"}])  # raises when there is no chat template
     model = CompiledModel.load(artifacts, threads=threads)
     build = manifest.build
-    stdin = click.get_text_stream("stdin")
-    interactive = sys.stdin is not None and sys.stdin.isatty()
+    stdin = sys.stdin
+    interactive = stdin is not None and stdin.isatty()
+    if interactive:
+        say("one message per line; /reset forgets the conversation, /exit or Ctrl-D ends it")
     messages = list(start)
     while (line := _read_message(stdin, interactive)) is not None:
         text = line.strip()
