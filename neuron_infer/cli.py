@@ -179,11 +179,15 @@ def generate_cmd(artifacts, prompts, prompt_file, chat, max_new_tokens, temperat
     prompts = [p for p in prompts if p.strip()] or ["The capital of France is"]
     sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     if artifacts is None:
+        from neuron_infer.checkpoint import load_tokenizer  # noqa: PLC0415
+        from neuron_infer.embedded import default_model_dir  # noqa: PLC0415
         from neuron_infer.presets import default_artifact_dir  # noqa: PLC0415
 
         preset = _preset(kw)
         if preset.build.batch_size < len(prompts):
             preset = _preset_with_batch(kw, preset, len(prompts))
+        tokenizer = load_tokenizer(default_model_dir(log=_say))  # cheap checks before a first-run compile
+        check_request(preset.build, [len(encode_prompt(tokenizer, p, chat)) for p in prompts], max_new_tokens)
         artifacts = default_artifact_dir(preset.build, _say)
     manifest, tokenizer = artifact_front(artifacts)  # cheap checks before the slow load of weights and graphs
     ids = [encode_prompt(tokenizer, p, chat) for p in prompts]

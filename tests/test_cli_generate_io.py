@@ -135,3 +135,14 @@ def test_generate_help_groups_the_build_flags_apart():
     build = text.index("Build options")
     assert build > text.index("--temperature") and build > text.index("--json")
     assert build < text.index("--dtype") and build < text.index("--quant") and build < text.index("--config")
+
+
+def test_without_artifacts_the_checks_run_before_the_default_compile(tiny_dirs, tmp_path, monkeypatch):
+    import neuron_infer.embedded as embedded
+    import neuron_infer.presets as presets
+
+    monkeypatch.setenv("NEURON_INFER_CACHE", str(tmp_path))
+    monkeypatch.setattr(embedded, "default_model_dir", lambda log=None: tiny_dirs("gqa"))
+    monkeypatch.setattr(presets, "default_artifact_dir", lambda *a: pytest.fail("compiled before the checks"))
+    code, _, err = run_main(["generate", "--config", "tiny", "--prompt", "hello", "--max-new-tokens", "200"])
+    assert code == 2 and "more than max_length=128" in err.strip().splitlines()[-1]
