@@ -1,10 +1,18 @@
 """Python API: the same capabilities as the CLI.
 
-    from neuron_infer.api import compile_model, CompiledModel
-    compile_model("path/to/hf-model", "artifacts/m", BuildConfig(dtype="bf16"))
-    m = CompiledModel.load("artifacts/m")
+    from neuron_infer.api import BuildConfig, CompiledModel, SamplingConfig, compile_model
+    compile_model("path/to/hf-model", "artifacts/m", BuildConfig(dtype="bf16", max_context_length=64,
+                                                                 max_length=128))
+    m = CompiledModel.load("artifacts/m", threads=1)
     out = m.generate(["The capital of France is"], max_new_tokens=16)
-    print(out.outputs[0].text, out.metrics.tokens_per_s)
+    print(out.outputs[0].text, f"{out.tokens_per_s:.1f} tokens/s")
+    chat = m.generate_chat([{"role": "user", "content": "Hi!"}], max_new_tokens=8,
+                           sampling=SamplingConfig(temperature=0.7, top_p=0.9, seed=0))
+    print(chat.outputs[0].text)
+
+`CompiledModel.default()` is the one-line entry to the embedded default model: it compiles it once into the
+cache (`$NEURON_INFER_CACHE`, else `~/.cache/neuron-infer`), exactly as `neuron-infer generate` without ARTIFACTS
+does, and loads it.
 """
 from __future__ import annotations
 
@@ -17,7 +25,7 @@ from neuron_infer.compile.artifact import Manifest, read_manifest
 from neuron_infer.compile.builder import cache_shape, compile_model  # noqa: F401  (re-exported)
 from neuron_infer.compile.quantize_step import quant_structure
 from neuron_infer.compile.weights import empty_model, load_rank_weights
-from neuron_infer.config import SamplingConfig
+from neuron_infer.config import BuildConfig, SamplingConfig  # noqa: F401  (BuildConfig re-exported)
 from neuron_infer.errors import ArtifactError, NeuronInferError
 from neuron_infer.model.llama import BucketStep
 from neuron_infer.prompts import refuse_empty
@@ -40,23 +48,43 @@ class GenerationOutput:
     outputs: list[TextOutput]
     metrics: list[Metrics]  # one per static batch that ran
 
+    @property
+    def ttft_s(self) -> float:
+        """Time to the first token of the first batch (seconds)."""
+        return self.metrics[0].ttft_s if self.metrics else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Decode-phase tokens per second, averaged over the batches that ran."""
+        m = self.metrics
+        return sum(b.tokens_per_s for b in m) / len(m) if m else 0.0
+
+    @property
+    def ms_per_token(self) -> float:
+        """Mean latency of one decode step (a speculative step emits several tokens: per each batch's count)."""
+        from neuron_infer.runtime.spec_engine import summarize  # noqa: PLC0415
+
+        m = self.metrics
+        if m and summarize(m) is not None:
+            return sum(b.ms_per_token for b in m) / len(m)
+        steps = [x for b in m for x in b.token_latencies_s]
+        return 1000.0 * sum(steps) / len(steps) if steps else 0.0
+
     def to_dict(self) -> dict:
         from neuron_infer.runtime.spec_engine import summarize  # noqa: PLC0415
 
         m = self.metrics
-        steps = [x for b in m for x in b.token_latencies_s]
-        spec = summarize(m)  # a speculative step emits several tokens: ms/token comes from each batch's count
-        ms = sum(b.ms_per_token for b in m) / len(m) if (spec and m) else None
         out = {
             "outputs": [o.to_dict() for o in self.outputs],
             "metrics": {
-                "ttft_s": m[0].ttft_s if m else 0.0,
-                "ms_per_token": ms if ms is not None else (1000.0 * sum(steps) / len(steps) if steps else 0.0),
-                "tokens_per_s": sum(b.tokens_per_s for b in m) / len(m) if m else 0.0,
-                "token_latencies_s": steps,
+                "ttft_s": self.ttft_s,
+                "ms_per_token": self.ms_per_token,
+                "tokens_per_s": self.tokens_per_s,
+                "token_latencies_s": [x for b in m for x in b.token_latencies_s],
                 "batches": [b.to_dict() for b in m],
             },
         }
+        spec = summarize(m)
         if spec is not None:
             out["metrics"]["speculation"] = spec
         return out
@@ -94,10 +122,15 @@ class CompiledModel:
 
     @classmethod
     def load(cls, artifact_dir: str | Path, verify_files: bool = True,
-             expect_checkpoint: str | Path | None = None) -> "CompiledModel":
-        """Load an artifact; with `expect_checkpoint`, also require that it was compiled from that checkpoint."""
+             expect_checkpoint: str | Path | None = None, threads: int | None = None) -> "CompiledModel":
+        """Load an artifact; with `expect_checkpoint`, also require that it was compiled from that checkpoint.
+
+        `threads` sets torch's CPU thread count for this process (`torch.set_num_threads`; default: torch's own,
+        one per core); 1 is faster on a machine whose cores are busy with other jobs.
+        """
         from neuron_infer.checkpoint import load_tokenizer  # noqa: PLC0415
 
+        set_threads(threads)
         root = Path(artifact_dir)
         manifest = read_manifest(root, verify_files=verify_files)
         if expect_checkpoint is not None:
@@ -118,14 +151,28 @@ class CompiledModel:
             spec = load_speculation(root, manifest, model, engine)
         return cls(root, manifest, engine, load_tokenizer(root / "tokenizer"), spec)
 
+    @classmethod
+    def default(cls, build: BuildConfig | None = None, threads: int | None = None,
+                say: Callable[[str], None] | None = None) -> "CompiledModel":
+        """The embedded default model (SmolLM2-135M-Instruct), compiled once into the cache and loaded.
+
+        `build` defaults to the `smollm2-cpu` preset (the CLI's default); `say` receives progress lines.
+        """
+        from neuron_infer.presets import DEFAULT_PRESET, default_artifact_dir, load_preset  # noqa: PLC0415
+
+        build = build or load_preset(DEFAULT_PRESET).build
+        return cls.load(default_artifact_dir(build, say or (lambda _msg: None)), threads=threads)
+
     def encode(self, prompt: str, chat: bool = False) -> list[int]:
-        if chat:
-            if not getattr(self.tokenizer, "chat_template", None):
-                raise NeuronInferError("--chat: this model's tokenizer has no chat template; drop --chat")
-            msgs = [{"role": "user", "content": prompt}]
-            ids = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
-            return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
-        return list(self.tokenizer(prompt)["input_ids"])
+        """Token ids of `prompt`; with `chat`, of a one-message conversation through the chat template."""
+        return encode_prompt(self.tokenizer, prompt, chat)
+
+    def generate_chat(self, messages: list[dict[str, str]], max_new_tokens: int = 64,
+                      sampling: SamplingConfig = SamplingConfig(), ignore_eos: bool = False,
+                      on_tokens: Callable[[list[list[int]]], None] | None = None) -> GenerationOutput:
+        """The assistant's next message after `messages` ([{"role": "system"|"user"|"assistant", "content"}])."""
+        ids = encode_chat(self.tokenizer, messages)
+        return self.generate_ids([ids], max_new_tokens, sampling, ignore_eos, on_tokens)
 
     def generate(self, prompts: list[str], max_new_tokens: int = 64, sampling: SamplingConfig = SamplingConfig(),
                  chat: bool = False, ignore_eos: bool = False,
@@ -163,6 +210,52 @@ def check_token_ids(prompts: list[list[int]], vocab_size: int) -> None:
         if bad:
             raise NeuronInferError(f"prompt {i} holds token id {bad[0]}, outside this model's vocabulary "
                                    f"0..{vocab_size - 1}; encode prompts with the artifact's own tokenizer")
+
+
+def set_threads(threads: int | None) -> None:
+    """torch's CPU thread count for this process (None leaves torch's default)."""
+    if threads is None:
+        return
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise NeuronInferError(f"threads={threads!r} must be a positive integer")
+    import torch  # noqa: PLC0415
+
+    torch.set_num_threads(threads)
+
+
+def encode_prompt(tokenizer, prompt: str, chat: bool = False) -> list[int]:
+    """Token ids of a plain prompt, or (chat) of one user message through the tokenizer's chat template."""
+    if chat:
+        return encode_chat(tokenizer, [{"role": "user", "content": prompt}])
+    return list(tokenizer(prompt)["input_ids"])
+
+
+def encode_chat(tokenizer, messages: list[dict[str, str]]) -> list[int]:
+    """Token ids of a conversation through the chat template, ending with the assistant's turn header."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise NeuronInferError("this model's tokenizer has no chat template: chat needs one (use --prompt "
+                               "without --chat for plain completion)")
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def check_request(build: BuildConfig, prompt_lengths: list[int], max_new_tokens: int | None) -> None:
+    """Checks that need only the manifest and the tokenizer, run before the slow load of weights and graphs.
+
+    `max_new_tokens=None` means "as many as fit" (nothing to check).
+    """
+    if max_new_tokens is not None and max_new_tokens < 1:
+        raise NeuronInferError(f"--max-new-tokens {max_new_tokens} must be >= 1")
+    for i, n in enumerate(prompt_lengths):
+        if n > build.max_context_length:
+            raise NeuronInferError(
+                f"prompt {i} has {n} tokens, more than max_context_length={build.max_context_length}; shorten it "
+                "or recompile with a larger --max-context-length")
+        if max_new_tokens is not None and n + max_new_tokens > build.max_length:
+            raise NeuronInferError(
+                f"prompt {i} has {n} tokens: with --max-new-tokens {max_new_tokens} it needs {n + max_new_tokens} "
+                f"positions, more than max_length={build.max_length}; use --max-new-tokens <= "
+                f"{max(build.max_length - n, 0)} or recompile with a larger --max-length")
 
 
 def check_checkpoint(manifest: Manifest, root: Path, model_dir: Path) -> None:

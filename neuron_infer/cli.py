@@ -1,4 +1,4 @@
-"""`neuron-infer` command line: compile | generate | plan | info.
+"""`neuron-infer` command line: compile | generate | chat | info | plan | quantize | cache.
 
 Every user-fixable problem is a `NeuronInferError`: printed as one `error: ...` line, exit status 2.
 """
@@ -10,6 +10,7 @@ from pathlib import Path
 
 import click
 
+from neuron_infer.cli_help import SectionedCommand, examples, option_names, sampling_options
 from neuron_infer.errors import NeuronInferError
 
 
@@ -29,32 +30,47 @@ def _say(msg: str) -> None:
 def build_options(f):
     """The BuildConfig flags shared by compile and generate (None = take the preset's value)."""
     opts = [
-        click.option("--config", "config", default=None, help="preset name in configs/ or a preset JSON file"),
-        click.option("--target", type=click.Choice(["cpu", "neuron"]), default=None),
-        click.option("--dtype", type=click.Choice(["fp32", "bf16"]), default=None),
-        click.option("--batch-size", type=int, default=None),
-        click.option("--max-context-length", type=int, default=None, help="longest prompt (tokens)"),
-        click.option("--max-length", type=int, default=None, help="longest prompt + generation (tokens)"),
+        click.option("--config", "config", default=None,
+                     help="build preset: a name in configs/ (e.g. tiny, smollm2-cpu) or a preset JSON file"),
+        click.option("--target", type=click.Choice(["cpu", "neuron"]), default=None,
+                     help="cpu: compiled CPU graphs; neuron: NEFFs through the Neuron SDK"),
+        click.option("--dtype", type=click.Choice(["fp32", "bf16"]), default=None, help="weights and compute dtype"),
+        click.option("--batch-size", type=int, default=None, help="prompts per static batch, e.g. 4"),
+        click.option("--max-context-length", type=int, default=None, help="longest prompt (tokens), e.g. 512"),
+        click.option("--max-length", type=int, default=None, help="longest prompt + generation (tokens), e.g. 1024"),
         click.option("--context-buckets", default=None, help="comma list, e.g. 128,512 (default: powers of two)"),
         click.option("--tokengen-buckets", default=None, help="comma list, e.g. 256,1024 (default: powers of two)"),
-        click.option("--kernels", type=click.Choice(["reference", "nki"]), default=None),
-        click.option("--tp-degree", type=int, default=None, help="tensor-parallel ranks"),
-        click.option("--quant", type=click.Choice(["none", "int8", "fp8", "mxfp8", "mxfp4", "w8a8"]), default=None),
-        click.option("--modules-to-not-convert", default=None, help="comma list or a file with one name per line"),
-        click.option("--weight-tiling/--no-weight-tiling", default=None),
-        click.option("--kv-cache-dtype", type=click.Choice(["auto", "fp8"]), default=None),
+        click.option("--kernels", type=click.Choice(["reference", "nki"]), default=None,
+                     help="reference torch ops, or the NKI kernels (NumPy simulator on CPU)"),
+        click.option("--tp-degree", type=int, default=None, help="tensor-parallel ranks, e.g. 2 (one process per rank on CPU)"),
+        click.option("--quant", type=click.Choice(["none", "int8", "fp8", "mxfp8", "mxfp4", "w8a8"]), default=None,
+                     help="weight quantization scheme (none = float weights)"),
+        click.option("--modules-to-not-convert", default=None, help="modules kept in float with --quant: comma list (e.g. lm_head) or a file with one name per line"),
+        click.option("--weight-tiling/--no-weight-tiling", default=None,
+                     help="store quantized weights in the tiled layout of the kernels"),
+        click.option("--kv-cache-dtype", type=click.Choice(["auto", "fp8"]), default=None,
+                     help="KV cache dtype: auto = the model dtype, fp8 halves the cache"),
         click.option("--draft-model", default=None,
                      help="speculative decoding: a draft checkpoint dir sharing the tokenizer, or 'self'"),
-        click.option("--speculation-length", type=int, default=None, help="K tokens drafted per step"),
+        click.option("--speculation-length", type=int, default=None, help="K tokens drafted per step, e.g. 4"),
         click.option("--fused-speculation/--no-fused-speculation", default=None,
                      help="also compile one graph per bucket holding draft, verify and acceptance"),
         click.option("--draft-quant", type=click.Choice(["none", "int8", "fp8", "mxfp8", "mxfp4", "w8a8"]),
                      default=None, help="self-draft: the target quantized with this scheme"),
-        click.option("--draft-layers", type=int, default=None, help="self-draft: the target's first N layers"),
+        click.option("--draft-layers", type=int, default=None, help="self-draft: the target's first N layers, e.g. 1"),
     ]
     for opt in reversed(opts):
         f = opt(f)
     return f
+
+
+BUILD_OPTION_NAMES = option_names(build_options)
+GENERATE_EXAMPLES = examples(
+    "neuron-infer generate --prompt 'The capital of France is'",
+    "neuron-infer generate artifacts/llama --chat --prompt 'Write a haiku' --max-new-tokens 64",
+    "echo 'Once upon a time' | neuron-infer generate artifacts/llama --json",
+    "neuron-infer generate artifacts/llama --prompt-file prompts.txt --json --stream",
+)
 
 
 def _build_overrides(kw: dict) -> dict:
@@ -101,10 +117,15 @@ def cli() -> None:
     """Compile Llama-family checkpoints into per-bucket graphs and generate from them."""
 
 
-@cli.command("compile")
+@cli.command("compile", epilog=examples(
+    "neuron-infer compile path/to/Llama-3.2-1B -o artifacts/llama --dtype bf16 --max-length 2048",
+    "neuron-infer compile path/to/Llama-3.2-1B -o artifacts/llama-int8 --quant int8 --tp-degree 2",
+    "neuron-infer compile -o artifacts/tiny-default --config tiny",
+))
 @click.argument("model_dir", required=False)
 @click.option("-o", "--output", required=True, type=click.Path(file_okay=False), help="artifact directory to write")
-@click.option("--backend", default=None, help="override the target's backend (e.g. cpu-eager for debugging)")
+@click.option("--backend", default=None,
+              help="override the target's backend, e.g. cpu-eager (no graph compile; debugging)")
 @click.option("--overwrite", is_flag=True, help="replace an existing artifact directory")
 @build_options
 def compile_cmd(model_dir, output, backend, overwrite, **kw) -> None:
@@ -119,51 +140,65 @@ def compile_cmd(model_dir, output, backend, overwrite, **kw) -> None:
     compile_model(model_dir, output, preset.build, backend=backend, overwrite=overwrite, say=_say)
 
 
-@cli.command("generate")
+@cli.command("generate", cls=SectionedCommand, epilog=GENERATE_EXAMPLES,
+             sections=(("Build options (only without ARTIFACTS: compile or reuse the default model)",
+                        BUILD_OPTION_NAMES),))
 @click.argument("artifacts", required=False)
-@click.option("--prompt", "prompts", multiple=True, help="repeat for a batch")
-@click.option("--prompt-file", type=click.Path(exists=True, dir_okay=False), help="one prompt per line")
-@click.option("--chat", is_flag=True, help="apply the tokenizer's chat template")
-@click.option("--max-new-tokens", type=int, default=128, show_default=True)
-@click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy")
-@click.option("--top-k", type=int, default=0, show_default=True)
-@click.option("--top-p", type=float, default=1.0, show_default=True)
-@click.option("--seed", type=int, default=None)
+@click.option("--prompt", "prompts", multiple=True,
+              help="prompt text; repeat for a batch; '-' reads it from stdin (also read when stdin is a pipe and "
+                   "no prompt is given)")
+@click.option("--prompt-file", type=click.Path(exists=True, dir_okay=False), help="a file with one prompt per line")
+@click.option("--chat", is_flag=True, help="wrap each prompt as a user message in the tokenizer's chat template")
+@click.option("--max-new-tokens", type=int, default=None,
+              help="tokens to generate per prompt  [default: 128, fewer when max_length leaves less room]")
+@sampling_options
 @click.option("--ignore-eos", is_flag=True, help="generate max-new-tokens even past EOS (benchmarks)")
-@click.option("--json", "as_json", is_flag=True, help="print one JSON object (outputs and metrics)")
+@click.option("--json", "as_json", is_flag=True, help="print one JSON line: outputs and metrics")
+@click.option("--stream", "stream_json", is_flag=True,
+              help="with --json: JSON Lines, one delta record per step, then the result record")
 @click.option("--threads", type=click.IntRange(min=1), default=None,
               help="CPU threads for the graphs (default: torch's, one per core); 1 is faster on a machine whose "
                    "cores are busy with other jobs")
 @build_options
 def generate_cmd(artifacts, prompts, prompt_file, chat, max_new_tokens, temperature, top_k, top_p, seed,
-                 ignore_eos, as_json, threads, **kw) -> None:
+                 ignore_eos, as_json, stream_json, threads, **kw) -> None:
     """Generate from ARTIFACTS (omit to compile or reuse the embedded default model)."""
-    import torch  # noqa: PLC0415
-
-    from neuron_infer.api import CompiledModel  # noqa: PLC0415
+    from neuron_infer.api import CompiledModel, check_request, encode_prompt  # noqa: PLC0415
+    from neuron_infer.cli_io import JsonLinesStreamer, TextStreamer, artifact_front  # noqa: PLC0415
+    from neuron_infer.cli_io import resolve_stdin_prompts  # noqa: PLC0415
     from neuron_infer.config import SamplingConfig  # noqa: PLC0415
     from neuron_infer.prompts import collect_prompts  # noqa: PLC0415
 
-    if threads is not None:
-        torch.set_num_threads(threads)
-
+    if stream_json and not as_json:
+        raise NeuronInferError("--stream selects JSON Lines output and needs --json (text output always streams "
+                               "a single prompt)")
+    if artifacts is not None and any(v is not None for v in kw.values()):
+        raise NeuronInferError("build flags (--dtype, --max-length, ...) apply when compiling; pass them to "
+                               "`neuron-infer compile`, or omit ARTIFACTS to use the embedded default")
+    prompts = resolve_stdin_prompts(list(prompts), prompt_file is not None)
     prompts = collect_prompts(prompts, prompt_file)  # empty ones refused, never swapped or dropped
     sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     if artifacts is None:
+        from neuron_infer.checkpoint import load_tokenizer  # noqa: PLC0415
+        from neuron_infer.embedded import default_model_dir  # noqa: PLC0415
         from neuron_infer.presets import default_artifact_dir  # noqa: PLC0415
 
         preset = _preset(kw)
         if preset.build.batch_size < len(prompts):
             preset = _preset_with_batch(kw, preset, len(prompts))
+        tokenizer = load_tokenizer(default_model_dir(log=_say))  # cheap checks before a first-run compile
+        check_request(preset.build, [len(encode_prompt(tokenizer, p, chat)) for p in prompts], max_new_tokens)
         artifacts = default_artifact_dir(preset.build, _say)
-    elif any(v is not None for v in kw.values()):
-        raise NeuronInferError("build flags (--dtype, --max-length, ...) apply when compiling; pass them to "
-                               "`neuron-infer compile`, or omit ARTIFACTS to use the embedded default")
-    model = CompiledModel.load(artifacts)
-    stream = _Streamer(model.tokenizer) if (len(prompts) == 1 and not as_json) else None
-    out = model.generate(prompts, max_new_tokens, sampling, chat=chat, ignore_eos=ignore_eos,
-                         on_tokens=stream)
-    _print_result(out, as_json, stream is not None)
+    manifest, tokenizer = artifact_front(artifacts)  # cheap checks before the slow load of weights and graphs
+    ids = [encode_prompt(tokenizer, p, chat) for p in prompts]
+    check_request(manifest.build, [len(x) for x in ids], max_new_tokens)
+    model = CompiledModel.load(artifacts, threads=threads)
+    if as_json:
+        stream = JsonLinesStreamer(model.tokenizer) if stream_json else None
+    else:
+        stream = TextStreamer(model.tokenizer) if len(prompts) == 1 else None
+    out = model.generate_ids(ids, max_new_tokens or 128, sampling, ignore_eos=ignore_eos, on_tokens=stream)
+    _print_result(out, as_json, stream)
 
 
 def _preset_with_batch(kw, preset, n):
@@ -172,73 +207,72 @@ def _preset_with_batch(kw, preset, n):
     return Preset(preset.name, preset.description, preset.model, preset.build.replace(batch_size=n))
 
 
-class _Streamer:
-    """Prints row 0's text as it grows (decoding the whole sequence each step keeps multi-byte tokens intact)."""
+def _print_result(out, as_json: bool, stream) -> None:
+    from neuron_infer.cli_io import emit  # noqa: PLC0415
 
-    def __init__(self, tokenizer):
-        self.tok, self.shown = tokenizer, ""
-
-    def __call__(self, rows: list[list[int]]) -> None:
-        text = self.tok.decode(rows[0], skip_special_tokens=True)
-        if text.startswith(self.shown):
-            sys.stdout.write(text[len(self.shown):])
-            sys.stdout.flush()
-            self.shown = text
-
-
-def _print_result(out, as_json: bool, streamed: bool) -> None:
     if not out.outputs:  # a torchrun rank other than 0: rank 0 prints the result
         return
-    d = out.to_dict()
     if as_json:
-        click.echo(json.dumps(d, indent=2))
+        if stream is not None:
+            stream.finish(out)
+            emit({"type": "result", **out.to_dict()})
+        else:
+            emit(out.to_dict())
         return
-    if streamed:
+    if stream is not None:
+        stream.finish(out.outputs[0].text)
         click.echo()
     else:
         for i, o in enumerate(out.outputs):
             click.echo(f"[{i}] {o.text}")
-    m = d["metrics"]
     n = sum(len(o.token_ids) for o in out.outputs)
     reasons = ",".join(sorted({o.finish_reason for o in out.outputs}))
-    _say(f"TTFT {m['ttft_s'] * 1000:.1f} ms | {m['ms_per_token']:.2f} ms/token | {m['tokens_per_s']:.1f} tokens/s "
+    _say(f"TTFT {out.ttft_s * 1000:.1f} ms | {out.ms_per_token:.2f} ms/token | {out.tokens_per_s:.1f} tokens/s "
          f"| {n} tokens generated | finish: {reasons}")
 
 
-@cli.command("info")
-@click.argument("artifacts")
-def info_cmd(artifacts) -> None:
-    """Print an artifact's manifest summary (and verify its files)."""
-    from neuron_infer.compile.artifact import read_manifest  # noqa: PLC0415
-
-    m = read_manifest(Path(artifacts))
-    click.echo(json.dumps({"backend": m.backend, "versions": m.versions, "build": m.build.to_dict(),
-                           "graphs": sorted(m.graphs), "extra": m.extra}, indent=2))
-
-
-@cli.command("plan")
+@cli.command("plan", epilog=examples(
+    "neuron-infer plan llama-3.1-405b --instance trn2.48xlarge --quant fp8",
+    "neuron-infer plan path/to/Llama-3.2-1B --instance inf2.xlarge --tp-degree 2 --json",
+))
 @click.argument("model")
-@click.option("--instance", required=True, help="trn1.2xlarge, trn1.32xlarge, inf2.xlarge..inf2.48xlarge, trn2.48xlarge, trn3")
-@click.option("--tp-degree", type=int, required=True)
-@click.option("--quant", type=click.Choice(["none", "int8", "fp8", "mxfp8", "mxfp4", "w8a8"]), default="none")
-@click.option("--max-length", type=int, default=4096, show_default=True)
-@click.option("--batch-size", type=int, default=1, show_default=True)
+@click.option("--instance", required=True,
+              help="instance type: trn1.2xlarge, trn1.32xlarge, inf2.xlarge..inf2.48xlarge, trn2.48xlarge, trn3")
+@click.option("--tp-degree", type=int, default=None,
+              help="tensor-parallel ranks  [default: the smallest of 1, 2, 4, ... (and the core count) that fits]")
+@click.option("--quant", type=click.Choice(["none", "int8", "fp8", "mxfp8", "mxfp4", "w8a8"]), default="none",
+              show_default=True, help="weight quantization scheme")
+@click.option("--max-length", type=int, default=4096, show_default=True,
+              help="prompt + generation tokens the KV cache holds per sequence")
+@click.option("--batch-size", type=int, default=1, show_default=True, help="sequences decoded together")
 @click.option("--lnc", type=click.Choice(["1", "2"]), default=None, help="logical NeuronCore size (trn2/trn3)")
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--json", "as_json", is_flag=True, help="print the plan as one JSON line")
 def plan_cmd(model, instance, tp_degree, quant, max_length, batch_size, lnc, as_json) -> None:
     """Capacity plan for MODEL (a preset such as llama-3.1-405b, or a checkpoint dir) on an instance."""
     from neuron_infer.parallel.capacity import plan_capacity, render_capacity_text  # noqa: PLC0415
+    from neuron_infer.parallel.capacity import smallest_fitting_plan  # noqa: PLC0415
     from neuron_infer.parallel.presets import resolve_model  # noqa: PLC0415
 
     name, cfg = resolve_model(model)
-    p = plan_capacity(cfg, instance, tp_degree, quant, max_length, batch_size, int(lnc) if lnc else None,
-                      model_name=name)
-    click.echo(json.dumps(p.to_dict(), indent=2) if as_json else render_capacity_text(p))
+    lnc_n = int(lnc) if lnc else None
+    if tp_degree is None:
+        p = smallest_fitting_plan(cfg, instance, quant, max_length, batch_size, lnc_n, model_name=name)
+    else:
+        p = plan_capacity(cfg, instance, tp_degree, quant, max_length, batch_size, lnc_n, model_name=name)
+    click.echo(json.dumps(p.to_dict()) if as_json else render_capacity_text(p))
 
 
 from neuron_infer.cli_quantize import quantize_cmd  # noqa: E402  (kept torch-free at import)
 
 cli.add_command(quantize_cmd)
+
+from neuron_infer.cli_cache import cache_group  # noqa: E402
+from neuron_infer.cli_chat import chat_cmd  # noqa: E402
+from neuron_infer.cli_info import info_cmd  # noqa: E402
+
+cli.add_command(chat_cmd)
+cli.add_command(info_cmd)
+cli.add_command(cache_group)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -154,7 +154,9 @@ def load_quantized_checkpoint(path: str | Path):
     return model
 
 
-@click.command("quantize")
+@click.command("quantize", epilog="\b\nExamples:\n"
+               "  neuron-infer quantize path/to/Llama-3.2-1B -o llama-int8 --quant int8\n"
+               "  neuron-infer quantize path/to/fp8-checkpoint -o fp8-neuron --rescale")
 @click.argument("model_dir", type=click.Path(exists=True, file_okay=False))
 @click.option("-o", "--output", required=True, type=click.Path(file_okay=False), help="directory to write")
 @click.option("--quant", type=click.Choice(["int8", "fp8", "mxfp8", "mxfp4", "w8a8"]), default=None,
@@ -163,7 +165,8 @@ def load_quantized_checkpoint(path: str | Path):
 @click.option("--dtype", type=click.Choice(["bf16", "fp32"]), default="bf16", show_default=True,
               help="dtype of the float tensors kept unquantized")
 @click.option("--rescale", is_flag=True, help="FP8 checkpoint: rescale OCP e4m3fn (+-448) into Neuron's +-240")
-@click.option("--rescale-method", type=click.Choice(["pow2", "nxdi"]), default="pow2", show_default=True)
+@click.option("--rescale-method", type=click.Choice(["pow2", "nxdi"]), default="pow2", show_default=True,
+              help="pow2: halve values, double scales (near-exact); nxdi: scale by 448/240 (the NxDI recipe)")
 @click.option("--overwrite", is_flag=True, help="replace a previous quantize output (never other files)")
 def quantize_cmd(model_dir, output, quant, modules_to_not_convert, dtype, rescale, rescale_method, overwrite) -> None:
     """Convert MODEL_DIR offline: quantize a float checkpoint, or check/rescale an FP8 one, into OUTPUT."""

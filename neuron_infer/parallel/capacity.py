@@ -21,6 +21,7 @@ the quantization could use (fp8/w8a8: FP8 rate, MX on Trn3: MX rate, else BF16),
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -236,3 +237,36 @@ def render_capacity_text(p: CapacityPlan) -> str:
     lines += [f"  note: {n}" for n in p.notes]
     lines.append("  (bounds ignore collectives and overheads: real latencies are higher)")
     return "\n".join(lines)
+
+
+def tp_candidates(logical_cores: int) -> tuple[int, ...]:
+    """TP degrees `plan` tries when none is given: powers of two up to the core count, and the count itself."""
+    out, tp = [], 1
+    while tp <= logical_cores:
+        out.append(tp)
+        tp *= 2
+    if out[-1] != logical_cores:
+        out.append(logical_cores)
+    return tuple(out)
+
+
+def smallest_fitting_plan(cfg: ModelConfig, instance: str | Instance, quant: str = "none", max_length: int = 4096,
+                          batch_size: int = 1, lnc: int | None = None, **kwargs: Any) -> CapacityPlan:
+    """The plan at the smallest TP degree of `tp_candidates` that fits; ConfigError (with the fix) if none does."""
+    inst = get_instance(instance) if isinstance(instance, str) else instance
+    lnc_n = inst.default_lnc if lnc is None else lnc
+    _validate(inst, 1, quant, kwargs.get("dtype", "bf16"), kwargs.get("kv_cache_dtype", "auto"), max_length,
+              batch_size, lnc_n, kwargs.get("reserve_fraction", 0.10))
+    tried = tp_candidates(inst.logical_cores(lnc_n))
+    last = None
+    for tp in tried:
+        last = plan_capacity(cfg, inst, tp, quant, max_length, batch_size, lnc_n, **kwargs)
+        if last.fits:
+            chosen = f"tp {tp} chosen: the smallest of {list(tried)} that fits (pass --tp-degree to choose)"
+            return dataclasses.replace(last, notes=(chosen, *last.notes))
+    assert last is not None
+    raise ConfigError(
+        f"{last.model} does not fit on {inst.name} at any TP degree {list(tried)}: at tp {last.tp} a rank needs "
+        f"{_gib(last.hbm_used_bytes_per_rank + last.reserve_bytes)} of {_gib(last.hbm_bytes_per_core)}; use "
+        "--quant (e.g. fp8 or int8), a smaller --max-length / --batch-size, or a larger instance"
+    )

@@ -140,3 +140,38 @@ def test_invalid_requests_name_the_fix(kwargs, match):
 def test_every_instance_plans_smollm2_at_tp1():
     for name in INSTANCES:
         assert plan_capacity(MODEL_PRESETS["smollm2-135m"], name, 1, "none", 256, 1).fits
+
+
+@pytest.mark.parametrize(("model", "instance", "quant"), [
+    ("llama-3.1-70b", "trn1.32xlarge", "none"), ("llama-3.1-8b", "inf2.48xlarge", "none"),
+    ("llama-3.1-405b", "trn2.48xlarge", "fp8"), ("llama-3.2-1b", "inf2.xlarge", "none"),
+])
+def test_without_tp_degree_the_smallest_fitting_degree_is_chosen(model, instance, quant):
+    from neuron_infer.parallel.capacity import smallest_fitting_plan, tp_candidates
+
+    cfg = MODEL_PRESETS[model]
+    p = smallest_fitting_plan(cfg, instance, quant, 4096, 1, model_name=model)
+    assert p.fits and p.notes[0].startswith(f"tp {p.tp} chosen")
+    inst = INSTANCES[instance]
+    smaller = [t for t in tp_candidates(inst.logical_cores(inst.default_lnc)) if t < p.tp]
+    assert all(not plan_capacity(cfg, instance, t, quant, 4096, 1).fits for t in smaller)
+    same = plan_capacity(cfg, instance, p.tp, quant, 4096, 1, model_name=model)
+    assert same.hbm_used_bytes_per_rank == p.hbm_used_bytes_per_rank
+
+
+def test_tp_candidates_are_powers_of_two_and_the_core_count():
+    from neuron_infer.parallel.capacity import tp_candidates
+
+    assert tp_candidates(2) == (1, 2) and tp_candidates(24) == (1, 2, 4, 8, 16, 24) and tp_candidates(1) == (1,)
+
+
+def test_no_fitting_degree_is_a_clear_error_and_the_cli_picks_without_tp(capsys):
+    from neuron_infer.cli import main
+    from neuron_infer.parallel.capacity import smallest_fitting_plan
+
+    with pytest.raises(ConfigError, match=r"does not fit on trn1.2xlarge at any TP degree \[1, 2\].*--quant"):
+        smallest_fitting_plan(MODEL_PRESETS["llama-3.1-405b"], "trn1.2xlarge", "none", 4096, 1)
+    main(["plan", "llama-3.1-70b", "--instance", "trn1.32xlarge", "--json"])
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1
+    assert json.loads(out)["tp"] == smallest_fitting_plan(MODEL_PRESETS["llama-3.1-70b"], "trn1.32xlarge").tp

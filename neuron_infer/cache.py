@@ -1,0 +1,139 @@
+"""What neuron-infer keeps in its cache (`$NEURON_INFER_CACHE`, else `~/.cache/neuron-infer`), and pruning it.
+
+    <cache>/models/SmolLM2-135M-Instruct-<sha16>/     the converted default model (marker: neuron_infer_source.json)
+    <cache>/artifacts/smollm2-135m-<hash16>/          cached compiles of it (marker: a manifest.json that parses)
+    <cache>/models/.tmp-SmolLM2-135M-Instruct-<sha16>-*   leftovers of interrupted conversions
+    <cache>/artifacts/.smollm2-135m-<hash16>.partial-*    leftovers of interrupted compiles (also `.old-<pid>`)
+
+An entry is ours only when its name has one of these exact shapes *and* (for models and artifacts) it holds its
+marker file; everything else in the cache (e.g. a virtualenv, a user's files) is listed as "other" and never
+deleted. Symbolic links are never followed or deleted.
+
+States: `current` (loadable by this installation), `stale` (built by other package versions, or converted from a
+GGUF file that is no longer the installed one) and `partial` (an interrupted build older than an hour; a younger
+one may be a build in progress and is left alone). `prune` removes stale and partial entries; `prune --all`
+also removes current ones (they are rebuilt on next use).
+"""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from neuron_infer.embedded import MODEL_NAME, SOURCE_FILE
+
+ARTIFACT_PREFIX = "smollm2-135m"  # neuron_infer.presets.default_artifact_dir names its compiles so
+PARTIAL_AGE_S = 3600.0
+_MODEL_RE = re.compile(rf"^{re.escape(MODEL_NAME)}-([0-9a-f]{{16}})$")
+_ARTIFACT_RE = re.compile(rf"^{re.escape(ARTIFACT_PREFIX)}-[0-9a-f]{{16}}$")
+_MODEL_TMP_RE = re.compile(rf"^\.tmp-{re.escape(MODEL_NAME)}-[0-9a-f]{{16}}-[A-Za-z0-9_]+$")
+_ARTIFACT_TMP_RE = re.compile(rf"^\.{re.escape(ARTIFACT_PREFIX)}-[0-9a-f]{{16}}\.(partial-[A-Za-z0-9_]+|old-\d+)$")
+
+
+@dataclass(frozen=True)
+class CacheEntry:
+    path: Path
+    kind: str  # "model" | "artifact" | "partial" | "other"
+    state: str  # "current" | "stale" | "partial" | "in progress" | "other"
+    size_bytes: int
+    reason: str = ""
+
+    def to_dict(self) -> dict:
+        return {"path": str(self.path), "kind": self.kind, "state": self.state, "size_bytes": self.size_bytes,
+                "reason": self.reason}
+
+
+def tree_size(path: Path) -> int:
+    """Bytes of the regular files under `path` (symlinks not followed)."""
+    if path.is_symlink() or not path.exists():
+        return 0
+    if path.is_file():
+        return path.stat().st_size
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file() and not p.is_symlink())
+
+
+def _current_gguf_sha16() -> str | None:
+    from neuron_infer.embedded import file_sha256, find_gguf  # noqa: PLC0415
+    from neuron_infer.errors import CheckpointError  # noqa: PLC0415
+
+    try:
+        return file_sha256(find_gguf())[:16]
+    except CheckpointError:
+        return None
+
+
+def _model_entry(p: Path, gguf16: str | None) -> CacheEntry | None:
+    m = _MODEL_RE.match(p.name)
+    try:
+        source = json.loads((p / SOURCE_FILE).read_text()) if m else None
+    except (OSError, ValueError):
+        source = None
+    if not isinstance(source, dict) or not str(source.get("gguf_sha256", "")).startswith(m.group(1)):
+        return None
+    if gguf16 == m.group(1):
+        return CacheEntry(p, "model", "current", tree_size(p))
+    why = "the GGUF package is not installed" if gguf16 is None else "converted from another GGUF file"
+    return CacheEntry(p, "model", "stale", tree_size(p), why)
+
+
+def _artifact_entry(p: Path, versions: dict[str, str]) -> CacheEntry | None:
+    if not _ARTIFACT_RE.match(p.name):
+        return None
+    try:
+        manifest = json.loads((p / "manifest.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(manifest, dict) or "format_version" not in manifest:
+        return None
+    built = manifest.get("versions") if isinstance(manifest.get("versions"), dict) else {}
+    differ = [f"{k} {built.get(k)} (installed {versions[k]})" for k in ("neuron_infer", "torch")
+              if built.get(k) != versions[k]]
+    if differ:
+        return CacheEntry(p, "artifact", "stale", tree_size(p), "built with " + ", ".join(differ))
+    return CacheEntry(p, "artifact", "current", tree_size(p))
+
+
+def _partial_entry(p: Path, now: float) -> CacheEntry | None:
+    regex = _MODEL_TMP_RE if p.parent.name == "models" else _ARTIFACT_TMP_RE
+    if not regex.match(p.name):
+        return None
+    age = now - p.stat().st_mtime
+    state = "partial" if age > PARTIAL_AGE_S else "in progress"
+    return CacheEntry(p, "partial", state, tree_size(p), f"interrupted build, {age / 60:.0f} min old")
+
+
+def scan(root: Path) -> list[CacheEntry]:
+    """Every entry of the cache root (ours classified, the rest as "other"), sorted by path."""
+    from neuron_infer.compile.artifact import package_versions  # noqa: PLC0415
+
+    if not root.is_dir():
+        return []
+    gguf16, versions, now = _current_gguf_sha16(), package_versions(), time.time()
+    out: list[CacheEntry] = []
+    for top in sorted(root.iterdir()):
+        if top.name not in ("models", "artifacts") or top.is_symlink() or not top.is_dir():
+            out.append(CacheEntry(top, "other", "other", 0, "not created by neuron-infer's cache"))
+            continue
+        for p in sorted(top.iterdir()):
+            entry = None
+            if p.is_dir() and not p.is_symlink():
+                entry = (_partial_entry(p, now) or
+                         (_model_entry(p, gguf16) if top.name == "models" else _artifact_entry(p, versions)))
+            out.append(entry or CacheEntry(p, "other", "other", 0, "not recognised as a neuron-infer entry"))
+    return out
+
+
+def prunable(entries: list[CacheEntry], everything: bool) -> list[CacheEntry]:
+    """The entries `prune` removes: stale and partial ones; with `everything`, current ones too."""
+    states = {"stale", "partial"} | ({"current"} if everything else set())
+    return [e for e in entries if e.kind != "other" and e.state in states]
+
+
+def remove(entry: CacheEntry) -> None:
+    """Delete one of our entries (re-checked: never a symlink, never an "other")."""
+    if entry.kind == "other" or entry.path.is_symlink():
+        raise ValueError(f"refusing to delete {entry.path}: not a neuron-infer cache entry")
+    shutil.rmtree(entry.path)

@@ -1,0 +1,59 @@
+"""Help-text helpers: option sections in `--help` and the examples shown under every command."""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import click
+
+
+def option_names(decorator: Callable) -> frozenset[str]:
+    """Parameter names an option decorator (e.g. `build_options`) adds to a command."""
+
+    def probe() -> None: ...
+
+    decorator(probe)
+    return frozenset(p.name for p in getattr(probe, "__click_params__", []))
+
+
+class SectionedCommand(click.Command):
+    """A command whose `--help` lists some options under their own headings.
+
+    `sections` is a sequence of (heading, parameter names); options not named there are listed under "Options".
+    """
+
+    def __init__(self, *args, sections: Iterable[tuple[str, Iterable[str]]] = (), **kwargs):
+        super().__init__(*args, **kwargs)
+        self.sections = tuple((title, frozenset(names)) for title, names in sections)
+
+    def format_options(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        grouped: dict[str, list[tuple[str, str]]] = {"Options": []}
+        grouped.update({title: [] for title, _ in self.sections})
+        for param in self.get_params(ctx):
+            record = param.get_help_record(ctx) if isinstance(param, click.Option) else None
+            if record is None:
+                continue
+            title = next((t for t, names in self.sections if param.name in names), "Options")
+            grouped[title].append(record)
+        for title, records in grouped.items():
+            if records:
+                with formatter.section(title):
+                    formatter.write_dl(records)
+
+
+def examples(*lines: str) -> str:
+    """A command's epilog: its examples, one command line each (\b keeps click from rewrapping them)."""
+    return "\b\nExamples:\n" + "\n".join(f"  {line}" for line in lines)
+
+
+def sampling_options(f: Callable) -> Callable:
+    """The SamplingConfig flags shared by generate and chat."""
+    opts = [
+        click.option("--temperature", type=float, default=0.0, show_default=True,
+                     help="sampling temperature; 0 = greedy"),
+        click.option("--top-k", type=int, default=0, show_default=True, help="sample among the k most likely; 0 = all"),
+        click.option("--top-p", type=float, default=1.0, show_default=True, help="nucleus sampling mass; 1 = off"),
+        click.option("--seed", type=int, default=None, help="sampling seed (same seed, same tokens)"),
+    ]
+    for opt in reversed(opts):
+        f = opt(f)
+    return f

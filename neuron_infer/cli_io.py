@@ -1,0 +1,136 @@
+"""What the CLI reads and prints around a generation: prompts from stdin, streamed text, JSON and JSON Lines.
+
+Prompt from stdin (the convention of `ollama run` and `llm`, plus the Unix `-` for "standard input"):
+
+* `--prompt -` reads the whole of stdin as one prompt (an empty stdin is an error);
+* with no `--prompt` / `--prompt-file` and a stdin that is not a terminal (a pipe or a file), stdin is the prompt;
+  an empty stdin (e.g. `< /dev/null`) then means "no prompt given" and the default prompt is used.
+
+`--json` prints one line: `{"outputs": [{"token_ids", "text", "finish_reason"}, ...], "metrics": {...}}`.
+`--json --stream` prints JSON Lines: one `{"type": "delta", "index": i, "token_ids": [...], "text": "..."}` record
+per sequence and step that produced text (`token_ids` are the step's new ids, `text` the newly decoded text; the
+concatenated `text` of index i equals outputs[i].text), then one `{"type": "result", "outputs": ..., "metrics": ...}`.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from neuron_infer.errors import NeuronInferError
+
+STDIN = "-"
+
+
+def read_stdin(stream=None) -> str:
+    """All of stdin as text (invalid UTF-8 is a clear error)."""
+    if stream is None:
+        stream = getattr(sys.stdin, "buffer", sys.stdin)
+    data = stream.read()
+    if isinstance(data, str):
+        return data
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise NeuronInferError(f"stdin is not UTF-8 text (byte {e.start}: {data[e.start:e.start + 4]!r}); pass "
+                               "a UTF-8 prompt") from e
+
+
+def stdin_is_piped() -> bool:
+    stdin = sys.stdin
+    try:
+        return stdin is not None and not stdin.closed and not stdin.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
+def resolve_stdin_prompts(prompts: list[str], other_source: bool) -> list[str]:
+    """Replace `--prompt -` by stdin's text; with no prompt source at all and a piped stdin, read it."""
+    if STDIN in prompts:
+        if prompts.count(STDIN) > 1:
+            raise NeuronInferError("--prompt - (stdin) can be given once")
+        text = _strip_final_newline(read_stdin())
+        if not text.strip():
+            raise NeuronInferError("--prompt -: stdin is empty; pipe the prompt in, e.g. "
+                                   "`echo 'Hello' | neuron-infer generate --prompt -`")
+        return [text if p == STDIN else p for p in prompts]
+    if not prompts and not other_source and stdin_is_piped():
+        text = _strip_final_newline(read_stdin())
+        return [text] if text.strip() else []
+    return prompts
+
+
+def _strip_final_newline(text: str) -> str:
+    """`echo` appends one newline that is not part of the prompt."""
+    return text[:-1] if text.endswith("\n") else text
+
+
+def artifact_front(artifacts: str | Path):
+    """The manifest (files not hashed yet) and tokenizer: all the cheap checks need, before the slow load."""
+    from neuron_infer.checkpoint import load_tokenizer  # noqa: PLC0415
+    from neuron_infer.compile.artifact import read_manifest  # noqa: PLC0415
+
+    manifest = read_manifest(Path(artifacts), verify_files=False)
+    return manifest, load_tokenizer(Path(artifacts) / "tokenizer")
+
+
+_INCOMPLETE = "\ufffd"  # what decode() shows for the first bytes of a character whose last bytes are to come
+
+
+def stable_text(tokenizer, ids: list[int]) -> str:
+    """The decoded text minus a trailing incomplete character, so that it only grows as tokens arrive."""
+    return tokenizer.decode(ids, skip_special_tokens=True).rstrip(_INCOMPLETE)
+
+
+class TextStreamer:
+    """Prints row 0's text as it grows (decoding the whole row each step keeps multi-byte characters intact);
+    `finish` prints what was held back, so the printed text equals the final output's text."""
+
+    def __init__(self, tokenizer):
+        self.tok, self.shown = tokenizer, ""
+
+    def __call__(self, rows: list[list[int]]) -> None:
+        self._show(stable_text(self.tok, rows[0]))
+
+    def finish(self, text: str) -> None:
+        self._show(text)
+
+    def _show(self, text: str) -> None:
+        if text.startswith(self.shown) and len(text) > len(self.shown):
+            sys.stdout.write(text[len(self.shown):])
+            sys.stdout.flush()
+            self.shown = text
+
+
+class JsonLinesStreamer:
+    """Prints one `delta` record per row and step with new text (see the module docstring)."""
+
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+        self.sent_ids: dict[int, int] = {}
+        self.sent_text: dict[int, str] = {}
+
+    def __call__(self, rows: list[list[int]]) -> None:
+        for i, ids in enumerate(rows):
+            if len(ids) > self.sent_ids.get(i, 0):
+                self._delta(i, ids, stable_text(self.tok, ids))
+
+    def finish(self, out) -> None:
+        """Flush what a row still owes, so the deltas concatenate to the final texts and ids."""
+        for i, o in enumerate(out.outputs):
+            if len(o.token_ids) > self.sent_ids.get(i, 0) or o.text != self.sent_text.get(i, ""):
+                self._delta(i, o.token_ids, o.text)
+
+    def _delta(self, i: int, ids: list[int], text: str) -> None:
+        n, shown = self.sent_ids.get(i, 0), self.sent_text.get(i, "")
+        if not text.startswith(shown):  # not seen with trailing-character hold-back; keep the ids in step
+            text = shown
+        emit({"type": "delta", "index": i, "token_ids": ids[n:], "text": text[len(shown):]})
+        self.sent_ids[i], self.sent_text[i] = len(ids), text
+
+
+def emit(record: dict) -> None:
+    """One compact JSON line on stdout."""
+    click.echo(json.dumps(record))

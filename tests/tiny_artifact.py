@@ -1,0 +1,16 @@
+"""A tiny compiled artifact for CLI and API tests: eager graphs (these tests exercise the front end, not the graph
+compiler), fp32, buckets large enough for chat templates."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from neuron_infer.api import compile_model
+from neuron_infer.config import BuildConfig
+
+CLI_BUILD = BuildConfig(dtype="fp32", max_context_length=256, max_length=320, context_buckets=(64, 256),
+                        tokengen_buckets=(320,))
+
+
+def compile_tiny(model_dir: Path, out: Path, build: BuildConfig = CLI_BUILD) -> Path:
+    compile_model(model_dir, out, build, backend="cpu-eager", say=lambda _m: None)
+    return out
