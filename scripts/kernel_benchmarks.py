@@ -190,16 +190,16 @@ NOTES = """## Why goals are missed (structural, from the cost model's rules)
   VectorE cycle per key at 1.12 / 0.96 GHz, while TensorE spends ~2 cycles per key (QK^T + PV, 128 rows) at
   2.8 / 2.4 GHz; on trn2 that one reduce alone takes 1.3-1.4x the ideal TensorE time (a 70-75% ceiling before any
   other work). The P transposes (SBUF->SBUF dma_transpose at half the copy bandwidth) then bound the short
-  prompts on trn2/trn3. Re-balancing (the small ScalarE instructions to GpSimd, a quarter of the P transposes
-  back on TensorE for prompts up to 2048 tokens on trn3) gained 1-8 points; reaching 70% everywhere would need an
+  prompts on trn2/trn3. The kernel already re-balances (the small ScalarE instructions on GpSimd, a quarter of the
+  P transposes on TensorE for prompts up to 2048 tokens on trn3); reaching 70% everywhere would need an
   algorithmic change (e.g. PV with V stationary over several query heads, o^T layout), not a re-balance.
 * **Memory-bound kernels on trn1 / trn3** are capped by the ceiling above (the practical DMA peak is below the
   per-core HBM share); on trn2 the same kernels reach 90%+. Decode attention at batch 1 with a 2k cache moves
   1 MiB in 5 DMAs (q, bounds, K, V, out) whose fixed costs alone keep it below 80% on trn3; at batch 8 the K/V of
-  two rows now share a DMA, and TensorE (35 small matmuls/transposes per row) is as busy as the DMA queues.
+  two rows share a DMA, and TensorE (35 small matmuls/transposes per row) is as busy as the DMA queues.
 * **FP8 decode MLP** is TensorE-bound: a 128x128 FP8 weight tile moves in 74 TensorE cycles of DMA time on trn3
   but its matmul costs the 124-cycle minimum (64 + 60 fixed). Halving the instruction count needs double_row
-  (FP8 x FP8, i.e. quantized activations), which the issue's weight-only FP8 variant does not use.
+  (FP8 x FP8, i.e. quantized activations), which the weight-only FP8 variant does not use.
 * **Prefill MLP at Llama-3.1-8B tp32** (I = 448): the tiled layout pads I to 512 (12.5% idle TensorE work); on
   trn1 (no DMA transpose) x also goes through TensorE transposes, which weigh more against the narrow
   intermediate.
