@@ -1,10 +1,15 @@
 """Python API: the same capabilities as the CLI.
 
-    from neuron_infer.api import compile_model, CompiledModel
-    compile_model("path/to/hf-model", "artifacts/m", BuildConfig(dtype="bf16"))
-    m = CompiledModel.load("artifacts/m")
-    out = m.generate(["The capital of France is"], max_new_tokens=16)
-    print(out.outputs[0].text, out.metrics.tokens_per_s)
+```python
+from neuron_infer.api import CompiledModel, compile_model
+from neuron_infer.config import BuildConfig
+
+compile_model("path/to/hf-model", "artifacts/m", BuildConfig(dtype="bf16"))
+m = CompiledModel.load("artifacts/m")
+out = m.generate(["The capital of France is"], max_new_tokens=16)
+print(out.outputs[0].text, out.to_dict()["metrics"]["tokens_per_s"])
+```
+(tests/test_docs.py runs this example against a tiny checkpoint.)
 """
 from __future__ import annotations
 
