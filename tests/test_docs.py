@@ -27,11 +27,11 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 README_MAX_LINES = 300
-FENCE = re.compile(r"^```python[ \t]*\n(.*?)^```[ \t]*$", re.M | re.S)
+FENCE = re.compile(r"^```python[ \t]*\n(.*?)^```[ \t]*$", re.MULTILINE | re.DOTALL)
 NOT_RUN = re.compile(r"<!--\s*not run:\s*(\S[^>]*?)\s*-->\s*$")
 LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")
-HEADING = re.compile(r"^#{1,6}\s+(.*?)\s*#*\s*$", re.M)
-CODE_SPAN = re.compile(r"```.*?```", re.S)
+HEADING = re.compile(r"^#{1,6}\s+(.*?)\s*#*\s*$", re.MULTILINE)
+CODE_SPAN = re.compile(r"```.*?```", re.DOTALL)
 
 # Example paths -> which test resource replaces them ("ckpt": tiny checkpoint dir, "art": fresh artifact dir).
 PATHS = {
@@ -179,7 +179,7 @@ def broken_links(md: Path, root: Path = ROOT) -> list[str]:
     text = CODE_SPAN.sub("", md.read_text(encoding="utf-8"))
     problems = []
     for target in LINK.findall(text):
-        if re.match(r"^[a-z][a-z0-9+.-]*:", target, re.I):  # http:, https:, mailto:
+        if re.match(r"^[a-z][a-z0-9+.-]*:", target, re.IGNORECASE):  # http:, https:, mailto:
             continue
         path, _, frag = target.partition("#")
         dest = (md.parent / path).resolve() if path else md.resolve()
