@@ -4,8 +4,8 @@ Every kernel runs on the NumPy NKI simulator in cost-only mode (`execute=False`:
 recorded, no math is done) with `nki_kernels.sim.cost.CostModel` as the recorder. Numbers are ESTIMATES from the
 published figures (nki_kernels/sim/cost_constants.py), not measurements.
 
-    /tmp/v/bin/python scripts/kernel_benchmarks.py            # writes nki_kernels/BENCHMARKS.md
-    /tmp/v/bin/python scripts/kernel_benchmarks.py --stdout   # print instead
+    python scripts/kernel_benchmarks.py            # writes nki_kernels/BENCHMARKS.md
+    python scripts/kernel_benchmarks.py --stdout   # print instead
 """
 from __future__ import annotations
 

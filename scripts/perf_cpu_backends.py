@@ -3,8 +3,8 @@
 Prints ms/token and tokens/s per variant and the speed-up over eager, all measured in the same run with the
 variants interleaved (the machine is shared; compare ratios, not absolute numbers across runs).
 
-    /tmp/v/bin/python scripts/perf_cpu_backends.py                       # all variants, 30 layers (~5-8 min)
-    /tmp/v/bin/python scripts/perf_cpu_backends.py --layers 4 --variants eager,aoti-gemv
+    python scripts/perf_cpu_backends.py                       # all variants, 30 layers (~5-8 min)
+    python scripts/perf_cpu_backends.py --layers 4 --variants eager,aoti-gemv
 
 Variants
     eager             the model's forward in eager PyTorch (bf16 F.linear -> oneDNN)
