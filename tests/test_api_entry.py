@@ -31,8 +31,7 @@ def eager_compiles(monkeypatch):
 
 
 def test_the_module_docstring_example_runs(tiny_dirs, tmp_path, monkeypatch, capsys):
-    code = re.search(r"\n\n((?:    .*\n)+)", api.__doc__).group(1)
-    code = "\n".join(line[4:] for line in code.splitlines())
+    code = re.search(r"```python\n(.*?)```", api.__doc__, re.DOTALL).group(1)
     assert "compile_model(" in code and "CompiledModel.load(" in code and ".tokens_per_s" in code
     eager_compiles(monkeypatch)
     monkeypatch.chdir(tmp_path)

@@ -8,7 +8,7 @@
     load:    <name>.gemv.so (RTLD_GLOBAL, sha256 checked), then torch._inductor.aoti_load_package(graphs/<name>.pt2)
              -> load_constants({fqn: module tensor}, user_managed=True)   the graph reads the module's own tensors
 
-Why this design (measured with scripts/perf_cpu_backends.py, numbers in the report of issue 2):
+Why this design (measured with scripts/perf_cpu_backends.py; see docs/cpu-backend.md):
 - A graph is compiled ahead of time into a shared library, so `generate` never traces or compiles; loading a
   package takes a few hundredths of a second.
 - Weights are not inside the package (`package_constants_in_so=False`): each .pt2 holds only code (a few MB) and
@@ -23,13 +23,12 @@ Why this design (measured with scripts/perf_cpu_backends.py, numbers in the repo
   (a C shim). Measured on the SmolLM2 decode step (scripts/perf_cpu_backends.py, 2 threads, 10 interleaved rounds):
   6.47 ms with Inductor's reductions, 5.99 ms with the kernel. Without AVX512-BF16, and for fp32, a GEMV is an fp32
   multiply-and-sum that Inductor turns into a vectorised, row-parallel C++ reduction reading each weight once; with
-  2-5 rows each row gets its own reduction over the shared weight and Inductor fuses them into one pass. Measured
-  (that path, same session): 2 rows 16.0-16.4 -> 9.0-9.4 ms, 4 rows 17.7-18.1 -> 13.1-13.7 ms, a 5-token verify
-  step 20.3-21.7 -> 16.3-17.6 ms; in a 30-layer linear stack 8 rows lose (21.4 vs 13.2 ms for the GEMM), hence 5.
+  2-5 rows each row gets its own reduction over the shared weight and Inductor fuses them into one pass. In a
+  30-layer linear stack the GEMV loses to the GEMM at 8 rows, hence at most 5.
 - Inductor inlines cheap producers into the reductions that read them, so an RMSNorm in front of a GEMV (or RoPE
-  in front of the attention scores) was recomputed for every output row. `computed_once` (model/ops.py) makes the
-  GEMV input, the scaled queries and the softmax probabilities buffers of their own; with fused multiply-adds
-  (INDUCTOR_CONFIGS) the SmolLM2 decode step went 7.07 -> 6.43 ms (10 interleaved rounds, same process).
+  in front of the attention scores) would be recomputed for every output row. `computed_once` (model/ops.py) makes
+  the GEMV input, the scaled queries and the softmax probabilities buffers of their own, and the generated C++ may
+  fuse multiply-adds (INDUCTOR_CONFIGS).
 - The KV caches are graph inputs mutated in place (index_put_); AOTInductor applies the mutation to the caller's
   tensors, so no cache is returned or copied by the runtime.
 """

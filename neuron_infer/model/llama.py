@@ -213,8 +213,7 @@ class LlamaModel(nn.Module):
         self.ops = ops or get_ops("reference")
         self.model = Inner(cfg, self.layout, self.ops)
         self.lm_head = nn.Linear(cfg.hidden_size, self.layout.vocab_local, bias=False)
-        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)  # source of the tables (graphs
-        # compiled before the tables existed read it directly, so it stays a buffer)
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)  # source of the RoPE tables
         # cos/sin looked up per position instead of computed in the graph: Inductor otherwise inlines cos/sin into
         # every consumer, including inside the attention-score reduction (once per cached key).
         cos, sin = rope_tables(self.inv_freq, self.max_positions)

@@ -1,7 +1,7 @@
 """`kernels="nki"` on the neuron target: the kernels launched through the Neuron SDK's `nki.jit` inside the traced
 graph. NOT YET RUN ON HARDWARE.
 
-Written against the documented NKI 0.6/0.7 + torch-neuronx API (docs/nki-reference.md §1.3, §3.4, §8.1) and
+Written against the documented NKI 0.6/0.7 + torch-neuronx API (AWS NKI and torch-neuronx documentation) and
 exercised in CI through a recording test double of `nki` that runs each launch on our simulator
 (tests/compile/test_neuron_nki.py). What differs from the CPU-simulator path of `model/nki_ops.py`:
 

@@ -8,7 +8,7 @@ Model presets are the public Hugging Face `config.json` values (architecture fie
     smollm2-135m    HuggingFaceTB/SmolLM2-135M-Instruct (the embedded default model)
                     https://huggingface.co/HuggingFaceTB/SmolLM2-135M-Instruct/blob/main/config.json
 
-Chip figures (docs/case-studies.md "Background figures"; docs/nki-reference.md §2.2 and §9.1; AWS Neuron docs
+Chip figures (docs/case-studies.md "Background figures"; AWS NKI documentation; AWS Neuron docs
 about-neuron/arch/neuron-hardware/{trainium,inferentia2,trainium2,trainium3}.rst):
 
 | chip        | NeuronCores | HBM     | HBM bandwidth | dense BF16 TFLOPS | FP8 TFLOPS            | MX TFLOPS |
@@ -17,13 +17,13 @@ about-neuron/arch/neuron-hardware/{trainium,inferentia2,trainium2,trainium3}.rst
 | Inferentia2 | 2 (v2)      | 32 GiB  | 820 GB/s      | 190               | 190 (cFP8)            | -         |
 | Trainium2   | 8 (v3)      | 96 GiB  | 2.9 TB/s      | 667               | 1,299                 | -         |
 | Trainium3   | 8 (v4)      | 144 GiB | 4.9 TB/s      | 671               | 1,342 (2 x BF16, [U]) | 2,517     |
-[U] = uncertain: the Trn3 docs give MXFP8/MXFP4 only; plain FP8 at twice BF16 mirrors Trn2 (nki-reference §9.1).
+[U] = uncertain: the Trn3 docs give MXFP8/MXFP4 only; plain FP8 at twice BF16 mirrors Trn2.
 The Trainium/Inferentia2 pages say "820 GiB/sec" in one version and "820 GB/sec" in another; we use 820e9 B/s
 (the smaller, so the time bounds are not flattered).
 
 Instances (chips per instance): trn1.2xlarge 1, trn1.32xlarge 16 (trn1-arch.rst); inf2.xlarge 1, inf2.8xlarge 1,
 inf2.24xlarge 6, inf2.48xlarge 12 (https://aws.amazon.com/ec2/instance-types/inf2/); trn2.48xlarge 16
-(trn2-arch; 128 physical cores = 64 logical at LNC=2, neuron-stack-facts §2.3). `trn3` is ASSUMED to be one
+(trn2-arch; 128 physical cores = 64 logical at LNC=2). `trn3` is ASSUMED to be one
 server of a Trn3 Gen1 UltraServer: 16 Trainium3 chips (trn3-arch.rst: "four servers with 16 Trainium3 devices per
 server"); Gen2 UltraServers use 4-chip servers, so check your instance before trusting trn3 rows.
 """

@@ -1,4 +1,4 @@
-"""The quantization strategy interface: one `QuantizedLinear` subclass per scheme (docs/STYLE.md §8).
+"""The quantization strategy interface: one `QuantizedLinear` subclass per scheme.
 
 A scheme module replaces a float `nn.Linear` (HF layout: weight [out, in], optional bias [out]) after the float
 model exists. Every scheme provides

@@ -24,7 +24,7 @@ A block is 32 consecutive values along the block axis (the contraction dim). Its
 Both rules: an all-zero block gets byte 0 (X = 2**-127); the exponent is clamped to [-127, 127]; elements are
 ``clip(v / X, -max, max)`` cast with RNE. Inputs must be finite (NaN/inf raise ValueError).
 
-Quad ("x4") layout of `nc_matmul_mx` (docs/nki-reference.md §5.7)
+Quad ("x4") layout of `nc_matmul_mx` (NKI ISA documentation)
 -----------------------------------------------------------------
 The hardware contracts over P partitions x 4 slots per tile (P in {32, 64, 96, 128}, tile = 4P contraction values).
 Within tile t, contraction index ``k = t*4P + q*P + p`` is stored at partition ``t*P + p``, slot ``q``::

@@ -1,4 +1,4 @@
-"""Simulator / cost-model issues found while writing the kernels of nki_kernels/ (issue 4).
+"""Simulator / cost-model issues found while writing the kernels of nki_kernels/.
 
 Each test states the expected behaviour; a known open issue is marked `xfail(strict=True)` so that its fix flips it
 (and the marker must then be removed).

@@ -1,4 +1,4 @@
-"""`import nki_kernels` resolves `nki` to a genuine package when present, else registers the simulator (issue 3 req. 1).
+"""`import nki_kernels` resolves `nki` to a genuine package when present, else registers the simulator.
 Each case runs in a fresh interpreter with fake `nki` distributions on PYTHONPATH."""
 from __future__ import annotations
 

@@ -203,8 +203,8 @@ def test_api_tiling_with_w8a8_raises_before_calibration(ckpts, tmp_path):
 
 
 def test_mxfp4_compiled_cpu_backend_equals_eager(ckpts, tmp_path):
-    """Regression: the e2m1 value table is a buffer, so AOTInductor graphs can share it (it was a tensor created in
-    forward, which the CPU backend refuses: 'the module uses tensors ... that are neither parameters nor buffers')."""
+    """The e2m1 value table is a buffer, so AOTInductor graphs can share it (the CPU backend refuses a tensor created
+    in forward: 'the module uses tensors ... that are neither parameters nor buffers')."""
     _, eager, eager_tokens = run(ckpts["fp32"], tmp_path / "e", scheme="mxfp4")
     _, comp, comp_tokens = run(ckpts["fp32"], tmp_path / "c", backend="cpu", scheme="mxfp4")
     assert comp_tokens == eager_tokens

@@ -1,7 +1,7 @@
 """Regression: int8 linears inside AOTInductor graphs at SmolLM2 sizes with a batch-4 decode step.
 
 torch 2.13's `_weight_int8pack_mm` called with 4 rows inside a compiled graph crashed the process (segfault) at
-these sizes; Int8Linear now uses it for one row only. The test runs in a subprocess so a crash fails it cleanly.
+these sizes, so Int8Linear uses it for one row only. The test runs in a subprocess so a crash fails it cleanly.
 """
 import subprocess
 import sys
