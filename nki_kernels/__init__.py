@@ -21,7 +21,7 @@ _SUBMODULES = ("language", "isa", "simulator", "typing", "compiler", "collective
 
 
 def _is_simulator(module) -> bool:
-    return getattr(module, "IS_NKI_KERNELS_SIMULATOR", False)
+    return getattr(module, "_IS_NKI_KERNELS_SIMULATOR", False)
 
 
 def _placeholder_distribution() -> bool:

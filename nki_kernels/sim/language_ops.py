@@ -34,7 +34,7 @@ def ndarray(shape, dtype, buffer=M.sbuf, name="", address=None):
     ctx = runtime.current()
     if isinstance(buffer, str):
         raise SimulationError(f"buffer must be an object such as nl.sbuf, not the string {buffer!r}")
-    if not isinstance(buffer, M.Buffer):
+    if not isinstance(buffer, M.MemoryRegion):
         raise SimulationError(f"buffer must be nl.sbuf, nl.psum, nl.hbm, nl.private_hbm or nl.shared_hbm, got {buffer!r}")
     shape = tuple(int(s) for s in (shape if isinstance(shape, (tuple, list)) else (shape,)))
     if not shape or any(s <= 0 for s in shape):
@@ -55,7 +55,7 @@ def ndarray(shape, dtype, buffer=M.sbuf, name="", address=None):
 
 def _shared_or_new(ctx, label, buffer, shape, dt):
     """LNC2: the k-th shared_hbm allocation of every program instance is the same tensor (§3.4)."""
-    if buffer is not M.shared_hbm:
+    if buffer.name != "shared_hbm":
         return M.new_storage(label, buffer, shape, dt, ctx.precise_fp, ctx.execute)
     k = ctx.shared_index
     ctx.shared_index += 1
@@ -95,18 +95,32 @@ def empty_like(x, dtype=None, buffer=None, name=""):
     return ndarray(x.shape, dtype or x.dtype, buffer=buffer or x.buffer, name=name)
 
 
-def shared_identity_matrix(n, dtype=D.uint8):
-    """An (n, n) identity in SBUF (a constant the compiler DMAs in from HBM)."""
-    t = ndarray((n, n), dtype, buffer=M.sbuf, name=f"identity_{n}_{D.dtype_name(D.as_dtype(dtype))}")
+def shared_identity_matrix(n, dtype=D.uint8, dst=None):
+    """An (n, n) identity in SBUF (a constant the compiler DMAs in from HBM), or written into ``dst``."""
+    if dst is not None:
+        t = C.tensor(dst, "shared_identity_matrix", "dst")
+        if tuple(t.shape) != (n, n):
+            raise SimulationError(f"shared_identity_matrix dst must have shape ({n}, {n}), got {t.shape}")
+    else:
+        t = ndarray((n, n), dtype, buffer=M.sbuf, name=f"identity_{n}_{D.dtype_name(D.as_dtype(dtype))}")
     if C.executing():
         C.write(t, np.eye(n, dtype=np.float32))
     C.emit("dma", "dma_copy", t, t, dma_bytes=t.size * D.itemsize(t.dtype))
     return t
 
 
-def shared_constant(array, dtype=None):
-    arr = np.asarray(array)
-    t = ndarray(arr.shape, dtype or arr.dtype, buffer=M.shared_hbm, name="shared_constant")
+def shared_constant(constant):
+    """A shared_hbm constant from a NumPy array or the path of a ``.npy`` file (§2.1)."""
+    if isinstance(constant, (str, os.PathLike)):
+        if not str(constant).endswith(".npy"):
+            raise SimulationError(f"nl.shared_constant path must name a .npy file, got {constant!r}")
+        constant = np.load(constant, allow_pickle=False)
+    arr = np.asarray(constant)
+    if arr.dtype == np.float64:
+        arr = arr.astype(np.float32)
+    elif arr.dtype == np.int64:
+        arr = arr.astype(np.int32)
+    t = ndarray(arr.shape, arr.dtype, buffer=M.shared_hbm, name="shared_constant")
     if C.executing():
         C.write(t, arr.astype(np.float64) if D.is_int(t.dtype) else arr.astype(np.float32))
     return t
@@ -130,24 +144,30 @@ def program_ndim():
     return runtime.current().program_ndim
 
 
-def affine_range(*args, **kwargs):
-    return range(*args, **kwargs)
+def affine_range(start, stop=None, step=1):
+    """Compile-time loop; in NKI 0.6 an alias of Python ``range`` (§3.3)."""
+    return range(start) if stop is None else range(start, stop, step)
 
 
 sequential_range = static_range = affine_range
 
 
-def fori_loop(lower, upper, body_fn, step=1):
+def _value(x) -> int:
+    """A loop bound: a Python int or a ``VirtualRegister`` (its current value)."""
+    return int(getattr(x, "value", x))
+
+
+def fori_loop(lower, upper, body_fun, step=1):
     """Runtime counted loop (0.6+, §3.3); simulated as a Python loop. Not allowed inside ``nl.no_reorder()``."""
     if runtime.current().no_reorder_depth:
         raise SimulationError("nl.fori_loop is not allowed inside a nl.no_reorder() block")
-    for i in range(lower, upper, step):
-        body_fn(i)
+    for i in range(_value(lower), _value(upper), step):
+        body_fun(i)
 
 
-def device_print(prefix, tensor):
+def device_print(print_prefix, tensor):
     if C.executing():
-        print(prefix, tensor.read())
+        print(print_prefix, tensor.read())
 
 
 @contextlib.contextmanager

@@ -2,7 +2,6 @@
 from ...sim import alu as _alu
 from ...sim import runtime as _runtime
 from ..dtypes import (  # noqa: F401
-    FP32_MIN,
     bfloat16,
     bool_,
     float4_e2m1fn_x4,
@@ -52,10 +51,11 @@ from ..language_ops import (  # noqa: F401
     zeros,
     zeros_like,
 )
-from ..memory import Buffer, hbm, private_hbm, psum, sbuf, shared_hbm  # noqa: F401
+from ..memory import MemoryRegion, hbm, private_hbm, psum, sbuf, shared_hbm  # noqa: F401
 from ..tensor import NkiTensor  # noqa: F401
 
-globals().update(_alu.OPS)   # nl.add, nl.exp, nl.maximum, nl.greater_equal, nl.bitwise_and, ...
+# nl.add, nl.exp, nl.maximum, nl.greater_equal, nl.bitwise_and, ... (only the names the real API has)
+globals().update({k: v for k, v in _alu.OPS.items() if k not in _alu.SIMULATOR_ONLY})
 
 
 def is_hbm(buffer):
@@ -106,7 +106,6 @@ class _TileSize:
 
 
 tile_size = _TileSize()
-fp32 = float32
 
 
 _DOCUMENTED_NOT_SIMULATED = frozenset({
