@@ -47,7 +47,7 @@ def ndarray(shape, dtype, buffer=M.sbuf, name="", address=None):
         raise SimulationError(f"PSUM tensor {label!r} address {address} must start at a bank boundary "
                               f"(multiple of {ctx.target.psum_bank_bytes} B)")
     storage = _shared_or_new(ctx, label, buffer, shape, dt)
-    if buffer.on_chip:
+    if buffer.on_chip and address is None:   # address=: placed by the kernel author inside memory it manages
         alloc = ctx.sbuf if buffer is M.sbuf else ctx.psum
         alloc.allocate(storage, math.prod(shape[1:]) * D.itemsize(dt))
     return NkiTensor(storage, dt, 0, _row_major(shape))
@@ -182,7 +182,12 @@ def no_reorder():
 
 
 class NKIObject:
-    """Base class for user objects passed through kernels (dataclass-like; §1.3)."""
+    """Base class for NKI kernel dataclasses and configuration objects (§1.3): ``NKIObject(**fields)`` sets each
+    keyword as an attribute; ``@dataclass`` subclasses keep their generated constructor."""
+
+    def __init__(self, **kwargs):
+        for key, value in kwargs.items():
+            setattr(self, key, value)
 
 
 def ds(start, size):
