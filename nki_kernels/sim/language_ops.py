@@ -59,15 +59,17 @@ def _shared_or_new(ctx, label, buffer, shape, dt):
         return M.new_storage(label, buffer, shape, dt, ctx.precise_fp, ctx.execute)
     k = ctx.shared_index
     ctx.shared_index += 1
-    if k < len(ctx.shared.storages):
-        st = ctx.shared.storages[k]
-        if st.shape != shape or st.dtype != dt:
-            raise SimulationError(f"program {ctx.program_id} allocates shared_hbm {label!r} {shape} but program 0 "
-                                  f"allocated {st.shape} at the same point; control flow must match across cores")
+    with ctx.shared.cond:   # LNC2 programs run concurrently: the first to reach allocation k creates it
+        if k < len(ctx.shared.storages):
+            st = ctx.shared.storages[k]
+            if st.shape != shape or st.dtype != dt:
+                raise SimulationError(f"program {ctx.program_id} allocates shared_hbm {label!r} {shape} but the "
+                                      f"other program allocated {st.shape} at the same point; control flow must "
+                                      f"match across cores")
+            return st
+        st = M.new_storage(label, buffer, shape, dt, ctx.precise_fp, ctx.execute)
+        ctx.shared.storages.append(st)
         return st
-    st = M.new_storage(label, buffer, shape, dt, ctx.precise_fp, ctx.execute)
-    ctx.shared.storages.append(st)
-    return st
 
 
 def full(shape, fill_value, dtype, buffer=M.sbuf, name=""):
@@ -195,6 +197,28 @@ def ds(start, size):
     return slice(start, start + size)
 
 
+def random_seed(seed):
+    """Seed ``nl.rand`` from a [1, 1] SBUF/PSUM tensor holding a 32-bit value (same seed -> same sequence)."""
+    t = C.tensor(seed, "random_seed", "seed")
+    C.buffers(t, ("sbuf", "psum"), "random_seed", "seed")
+    if t.size != 1:
+        raise SimulationError(f"random_seed needs a [1, 1] tensor, got {t.shape}")
+    ctx = runtime.current()
+    if ctx.execute:
+        ctx.rng = np.random.default_rng(int(np.asarray(t.read()).reshape(-1)[0]) & 0xFFFFFFFF)
+
+
+def rand(shape, dtype, buffer=M.sbuf, name=""):
+    """A new tensor of uniform [0, 1) values (the generator is NumPy's, not the hardware's)."""
+    t = ndarray(shape, dtype, buffer=buffer, name=name)
+    ctx = runtime.current()
+    if ctx.execute:
+        C.write(t, ctx.rng.random(t.shape, dtype=np.float32))
+    if buffer.on_chip:
+        C.emit("gpsimd", "rand", t, t)
+    return t
+
+
 # ---- experimental convenience wrappers -----------------------------------------------------------------------
 def load(src, dtype=None):
     if src.on_chip:
@@ -251,6 +275,24 @@ def apply_elementwise(op, *args, dtype=None):
         isa_vector.tensor_scalar(out, ref, op, args[1] if not reverse else args[0], reverse0=reverse)
     else:
         raise SimulationError(f"nl.{op.name} takes one or two operands, got {len(args)}")
+    return out
+
+
+def broadcast_to(x, shape, dtype=None):
+    """A new SBUF tile of ``shape`` (same rank; each dim equal or broadcast from 1, partition dim included)."""
+    x = C.tensor(x, "broadcast_to", "x")
+    shape = tuple(int(s) for s in shape)
+    if len(shape) != x.ndim or any(a not in (1, b) for a, b in zip(x.shape, shape)):
+        raise SimulationError(f"broadcast_to: cannot broadcast {x.shape} to {shape} (same rank, dims equal or 1)")
+    if shape == tuple(x.shape) and (dtype is None or D.as_dtype(dtype) == x.dtype):
+        return x
+    out = ndarray(shape, dtype or x.dtype, buffer=M.sbuf, name=f"broadcast_to@{_call_site()}")
+    if C.executing():
+        vals = np.broadcast_to(C.read_f32(x), shape)
+        if D.is_int(x.dtype) and D.is_int(out.dtype):
+            vals = np.broadcast_to(x.read(), shape)
+        C.store(out, C.cast_for(out, vals) if not D.is_int(out.dtype) else D.cast(vals, out.dtype))
+    C.emit("vector", "tensor_copy", x, out, partitions=shape[0])
     return out
 
 

@@ -255,6 +255,10 @@ def _resolve_shape(shape, size):
 def _scalar_offset(value, base_shape, indirect_dim) -> int:
     if value is None:
         return 0
+    if hasattr(value, "value") and not isinstance(value, NkiTensor):   # a VirtualRegister
+        if value.value is None:
+            raise SimulationError("scalar_offset register read before it was written")
+        value = value.value
     if isinstance(value, NkiTensor):
         if value.size != 1:
             raise SimulationError("scalar_offset tensor must hold exactly one element")

@@ -5,9 +5,9 @@ names are those of the real package (nki_kernels/sim/api_table.json); simulator-
 ``nki.simulator``.
 """
 from ..launch import jit, simulate
-from . import collectives, compiler, isa, language, simulator, typing
+from . import collectives, compiler, dtype, isa, language, simulator, typing
 
 __version__ = "0.6.0+numpy-sim"
 _IS_NKI_KERNELS_SIMULATOR = True
 
-__all__ = ["collectives", "compiler", "isa", "jit", "language", "simulate", "simulator", "typing"]
+__all__ = ["collectives", "compiler", "dtype", "isa", "jit", "language", "simulate", "simulator", "typing"]

@@ -51,6 +51,8 @@ from ..language_ops import (  # noqa: F401
     zeros,
     zeros_like,
 )
+from ..isa_registers import dynamic_range, while_loop  # noqa: F401
+from ..language_ops import broadcast_to, rand, random_seed  # noqa: F401
 from ..memory import MemoryRegion, hbm, private_hbm, psum, sbuf, shared_hbm  # noqa: F401
 from ..tensor import NkiTensor  # noqa: F401
 
@@ -109,8 +111,8 @@ tile_size = _TileSize()
 
 
 _DOCUMENTED_NOT_SIMULATED = frozenset({
-    "while_loop", "dynamic_range", "alloc_tiles", "alloc_blocks", "tiles", "blocks", "broadcast_to", "softmax",
-    "rms_norm", "gather_flattened", "random_seed", "rand", "dropout", "load_transpose2d", "where", "var", "prod",
+    "alloc_tiles", "alloc_blocks", "tiles", "blocks", "softmax",
+    "rms_norm", "gather_flattened", "dropout", "load_transpose2d", "where", "var", "prod",
     "all", "expand_dims",
 })
 
