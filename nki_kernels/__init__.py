@@ -17,11 +17,11 @@ import importlib.util
 import os
 import sys
 
-_SUBMODULES = ("language", "isa", "simulator", "typing", "compiler", "collectives")
+_SUBMODULES = ("language", "isa", "simulator", "typing", "compiler", "collectives", "dtype")
 
 
 def _is_simulator(module) -> bool:
-    return getattr(module, "IS_NKI_KERNELS_SIMULATOR", False)
+    return getattr(module, "_IS_NKI_KERNELS_SIMULATOR", False)
 
 
 def _placeholder_distribution() -> bool:
@@ -60,6 +60,7 @@ def _install_simulator() -> None:
     sys.modules["nki"] = sim_nki
     for sub in _SUBMODULES:
         sys.modules[f"nki.{sub}"] = getattr(sim_nki, sub)
+    sys.modules["nki.isa.constants"] = sim_nki.isa.constants
 
 
 if os.environ.get("NKI_KERNELS_FORCE_SIMULATOR", "0") != "1" and genuine_nki_available():

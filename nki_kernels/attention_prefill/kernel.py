@@ -47,6 +47,9 @@ Q_TILE = 128       # queries per tile (partitions of the score tile)
 K_TILE = 1536      # keys per score tile: 3 fp32 PSUM banks (x2 buffers + pv + transpose = 8)
 MM_N = 512         # keys per QK^T matmul (one PSUM bank)
 PV_CHUNK = 128     # keys per PV matmul (contraction on partitions)
+# Mask value: the most negative finite fp32 (-3.4028235e38). nki.language has no such constant (the real API lists
+# none), so kernels define their own, as nki-library does.
+FP32_MIN = -3.4028234663852886e38
 
 
 def _load_kv(kT_hbm, v_hbm, b, kvh, seq, dim):
@@ -79,13 +82,13 @@ def _mask_band(s_psum, q0, k0, b0, zeros):
         nisa.iota(dst=q_pos, pattern=[[0, 1]], offset=q0, channel_multiplier=1)
         nisa.range_select(dst=band_psum, on_true_tile=band_psum, comp_op0=nl.greater_equal,
                           comp_op1=nl.less_equal, bound0=zeros[0][0:rows, :], bound1=q_pos, range_start=k0 + b0,
-                          on_false_value=nl.FP32_MIN)
+                          on_false_value=FP32_MIN)
         return
     band = nl.ndarray((rows, cols - b0), dtype=nl.float32, buffer=nl.sbuf, name="diag_band")
     nisa.tensor_copy(dst=band, src=band_psum)
     # keep (q0 + p) - (k0 + b0 + f) >= 0
     nisa.affine_select(dst=band, pattern=[[-1, cols - b0]], channel_multiplier=1, on_true_tile=band,
-                       on_false_value=nl.FP32_MIN, cmp_op=nl.greater_equal, offset=q0 - k0 - b0)
+                       on_false_value=FP32_MIN, cmp_op=nl.greater_equal, offset=q0 - k0 - b0)
     nisa.tensor_copy(dst=band_psum, src=band)
 
 

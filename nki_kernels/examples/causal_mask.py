@@ -3,6 +3,8 @@ import nki
 import nki.isa as nisa
 import nki.language as nl
 
+FP32_MIN = -3.4028234663852886e38   # most negative finite fp32; nki.language defines no such constant
+
 
 @nki.jit
 def causal_mask_kernel(scores_hbm):
@@ -23,14 +25,14 @@ def causal_mask_kernel(scores_hbm):
             s_sbuf = nl.ndarray((q1 - q0, k1 - k0), dtype=scores_hbm.dtype, buffer=nl.sbuf)
             o_sbuf = nl.ndarray((q1 - q0, k1 - k0), dtype=scores_hbm.dtype, buffer=nl.sbuf)
             if k0 > q1 - 1:
-                nisa.memset(dst=o_sbuf, value=nl.FP32_MIN)
+                nisa.memset(dst=o_sbuf, value=FP32_MIN)
             else:
                 nisa.dma_copy(dst=s_sbuf, src=scores_hbm[q0:q1, k0:k1])
                 if k1 - 1 <= q0:
                     nisa.tensor_copy(dst=o_sbuf, src=s_sbuf)
                 else:
                     nisa.affine_select(dst=o_sbuf, pattern=[[-1, k1 - k0]], channel_multiplier=1,
-                                       on_true_tile=s_sbuf, on_false_value=nl.FP32_MIN,
+                                       on_true_tile=s_sbuf, on_false_value=FP32_MIN,
                                        cmp_op=nl.greater_equal, offset=q0 - k0)
             nisa.dma_copy(dst=out_hbm[q0:q1, k0:k1], src=o_sbuf)
     return out_hbm

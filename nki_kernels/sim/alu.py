@@ -186,8 +186,12 @@ class NkiOp:
         return f"nl.{self.name}"
 
 
+# Operators the simulator uses internally but the real nki.language does not export.
+SIMULATOR_ONLY = frozenset({"identity"})
+
+
 def make_ops() -> dict[str, NkiOp]:
-    names = set(UNARY) | set(BINARY) | set(BITVEC) | {"prelu"}
+    names = set(UNARY) | set(BINARY) | set(BITVEC) | {"prelu", "average"}
     return {n: NkiOp(n) for n in sorted(names)}
 
 

@@ -35,7 +35,7 @@ class ArgConverter:
 
     def _one(self, a, name, shared, spec_cls):
         if isinstance(a, spec_cls):
-            st = M.new_storage(name, M.shared_hbm, tuple(a.shape), D.as_dtype(a.dtype), self.precise, self.execute)
+            st = M.new_storage(name, M.KERNEL_ARG_HBM, tuple(a.shape), D.as_dtype(a.dtype), self.precise, self.execute)
             return NkiTensor(st, st.dtype, 0, _row_major(st.shape))
         torch_src = None
         if _is_torch(a):
@@ -59,7 +59,7 @@ class ArgConverter:
             raise SimulationError(f"kernel argument {name!r} has dtype {arr.dtype} / shape {arr.shape}; NKI tensors "
                                   f"need >= 1-D float32/bf16/fp16/fp8/int<=32 data")
         shape = arr.shape
-        st = M.new_storage(name, M.shared_hbm, shape, dt, self.precise, execute=False)
+        st = M.new_storage(name, M.KERNEL_ARG_HBM, shape, dt, self.precise, execute=False)
         zero_copy = (st.backing == arr.dtype and arr.flags.c_contiguous and arr.flags.writeable
                      and (torch_src is None or torch_src.is_contiguous()))
         if zero_copy:

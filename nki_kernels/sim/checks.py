@@ -50,8 +50,9 @@ def buffers(t: NkiTensor, allowed: tuple[str, ...], op: str, role: str) -> None:
 
 
 def writable(dst: NkiTensor, op: str) -> None:
-    if any(s == 0 and c > 1 for s, c in dst.dims):
-        raise SimulationError(f"{op} dst is a broadcast (stride-0) view; stride 0 is only legal for reads")
+    """Any view may be written, including stride-0 (broadcast) ones: elements that map to the same address are
+    written in order, so the last one wins (NumPy scatter semantics, as the hardware's sequential write stream)."""
+    tensor(dst, op, "dst")
 
 
 def same_partitions(op: str, **tensors) -> int:

@@ -1,6 +1,12 @@
-"""``nki.isa`` enumerations (nki-reference.md §5 intro). Raw integers are rejected where an enum is expected."""
+"""``nki.isa`` enumerations with the values of the NKI 0.6 API reference (nki-reference.md §5 intro).
+
+Raw integers and strings are rejected where an enum is expected, except ``dge_mode``, whose documented integer
+values (0 unknown, 1 swdge, 2 hwdge, 3 none) are accepted. ``nc_version`` members are ordered
+(``get_nc_version() >= nc_version.gen3``).
+"""
 from __future__ import annotations
 
+import functools
 from enum import Enum
 
 from .errors import SimulationError
@@ -25,10 +31,10 @@ class reduce_cmd(Enum):
 
 
 class dge_mode(Enum):
-    unknown = "unknown"
-    swdge = "swdge"
-    hwdge = "hwdge"
-    none = "none"
+    unknown = 0
+    swdge = 1
+    hwdge = 2
+    none = 3
 
 
 class oob_mode(Enum):
@@ -41,10 +47,16 @@ class matmul_perf_mode(Enum):
     double_row = "double_row"
 
 
+@functools.total_ordering
 class nc_version(Enum):
     gen2 = 2
     gen3 = 3
     gen4 = 4
+
+    def __lt__(self, other):
+        if not isinstance(other, nc_version):
+            return NotImplemented
+        return self.value < other.value
 
 
 class dma_engine(Enum):
@@ -56,6 +68,8 @@ def require(value, enum_cls, op: str, arg: str):
     """Check that ``value`` is a member of ``enum_cls`` (0.3+ rejects raw ints and strings)."""
     if value is None:
         return None
+    if enum_cls is dge_mode and isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= 3:
+        return dge_mode(value)
     if not isinstance(value, enum_cls):
         raise SimulationError(f"{op} {arg} must be a nisa.{enum_cls.__name__} member, got {value!r}")
     return value

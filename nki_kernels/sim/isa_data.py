@@ -30,7 +30,7 @@ def dma_copy(dst, src, priority=None, oob_mode=OOB.error, dge_mode=DGE.unknown, 
     op = "dma_copy"
     dst, src = C.tensor(dst, op, "dst"), C.tensor(src, op, "src")
     require(oob_mode, OOB, op, "oob_mode")
-    require(dge_mode, DGE, op, "dge_mode")
+    dge_mode = require(dge_mode, DGE, op, "dge_mode")
     C.buffers(src, ("hbm", "sbuf"), op, "src")
     C.buffers(dst, ("hbm", "sbuf"), op, "dst")
     C.writable(dst, op)
@@ -38,6 +38,8 @@ def dma_copy(dst, src, priority=None, oob_mode=OOB.error, dge_mode=DGE.unknown, 
         C.pdim(t, op, role)
     if dst.size != src.size:
         raise SimulationError(f"{op} element counts differ: dst {dst.shape} ({dst.size}) vs src {src.shape} ({src.size})")
+    if dst.size == 0:   # an empty nl.ds(x, 0) slice: nothing to move
+        return C.emit("dma", op, src, dst, partitions=0, free_elems=0, dma_bytes=0)
     if dge_mode == DGE.hwdge and dst.dtype != src.dtype:
         raise SimulationError(f"{op} with dge_mode=hwdge needs equal dtypes (src {D.dtype_name(src.dtype)}, dst "
                               f"{D.dtype_name(dst.dtype)}); reinterpret with .view() or use another DGE mode")
@@ -57,11 +59,13 @@ def dma_transpose(dst, src, axes=None, priority=None, dge_mode=DGE.unknown, oob_
     op = "dma_transpose"
     dst, src = C.tensor(dst, op, "dst"), C.tensor(src, op, "src")
     C.gen_at_least(3, op)
+    dge_mode = require(dge_mode, DGE, op, "dge_mode")
     C.buffers(dst, ("sbuf",), op, "dst")
     C.buffers(src, ("hbm", "sbuf"), op, "src")
     if dst.ndim != src.ndim:
         raise SimulationError(f"{op} dst rank {dst.ndim} must equal src rank {src.ndim}")
-    axes = tuple(axes) if axes is not None else tuple(range(src.ndim))[::-1]
+    # default permutation per rank, as documented: 2-D (1, 0), 3-D (2, 1, 0), 4-D (3, 1, 2, 0)
+    axes = tuple(axes) if axes is not None else _TRANSPOSE_AXES.get(src.ndim, ((),))[0]
     if axes not in _TRANSPOSE_AXES.get(src.ndim, ()):
         raise SimulationError(f"{op} axes {axes} not supported for rank {src.ndim}; allowed {_TRANSPOSE_AXES}")
     if D.itemsize(src.dtype) != 2 or dst.dtype != src.dtype:

@@ -182,31 +182,41 @@ def bn_aggr(dst, data, name=None):
 
 
 def nc_stream_shuffle(dst, src, shuffle_mask, name=None):
-    """Within each 32-partition quadrant, dst partition i <- src partition mask[i]; 255 leaves dst unchanged."""
+    """Within each 32-partition quadrant, dst partition i <- src partition mask[i]; 255 leaves dst unchanged.
+
+    src and dst may cover different partition counts (e.g. one src partition broadcast to 32 dst partitions);
+    active partitions = ceil(max(src, dst) / 32) * 32 fixes the legal start partitions of both (§5.3). A src that
+    fits in one quadrant feeds every dst quadrant; otherwise dst quadrant q reads src quadrant q.
+    """
     op = "nc_stream_shuffle"
     dst, x = C.tensor(dst, op, "dst"), C.tensor(src, op, "src")
     mask = [int(m) for m in shuffle_mask]
     if len(mask) != 32 or any(not (0 <= m < 32 or m == 255) for m in mask):
         raise SimulationError(f"{op} shuffle_mask must be 32 entries in 0..31 or 255")
-    parts = C.same_partitions(op, dst=dst, src=x)
+    dparts, sparts = C.pdim(dst, op, "dst"), C.pdim(x, op, "src")
     C.same_free(op, dst=dst, src=x)
     if dst.dtype != x.dtype:
         raise SimulationError(f"{op} src and dst must have the same dtype")
+    active = -(-max(dparts, sparts) // 32) * 32
+    ok = {128: (0,), 96: (0,), 64: (0, 64), 32: (0, 32, 64, 96)}[active]
     for role, t in (("dst", dst), ("src", x)):
         start = t.offset // t.partition_stride()
-        ok = {128: (0,), 96: (0,), 64: (0, 64), 32: (0, 32, 64, 96)}.get(parts, ())
         if start not in ok:
-            raise SimulationError(f"{op} {role} covers {parts} partitions from partition {start}; allowed "
-                                  f"partition counts 32/64/96/128 starting at {ok or 'quadrant boundaries'}")
+            raise SimulationError(f"{op} {role} starts at partition {start}; with {active} active partitions the "
+                                  f"start must be one of {ok}")
     C.writable(dst, op)
     if C.executing():
-        out, inp = dst.read().reshape(parts, -1).copy(), x.read().reshape(parts, -1)
-        m = np.array(mask)
-        for q in range(0, parts, 32):          # one vectorised gather per quadrant (at most 4)
-            keep = m != 255
-            out[q + np.nonzero(keep)[0]] = inp[q + m[keep]]
+        out, inp = dst.read().reshape(dparts, -1).copy(), x.read().reshape(sparts, -1)
+        for d in range(dparts):
+            m = mask[d % 32]
+            if m == 255:
+                continue
+            s = m if sparts <= 32 else (d // 32) * 32 + m
+            if s >= sparts:
+                raise SimulationError(f"{op} dst partition {d} reads src partition {s}, but src has {sparts}")
+            out[d] = inp[s]
         C.store(dst, out)
-    return C.emit("vector", op, x, dst)
+    return C.emit("vector", op, x, dst, partitions=dparts)
 
 
 def tensor_partition_reduce(dst, op, data, name=None):

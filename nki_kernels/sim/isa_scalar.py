@@ -34,10 +34,12 @@ def _bias(bias, parts, iname):
     return C.scalar_operand(bias, parts, iname, "bias")
 
 
-def activation(dst, op, data, bias=None, scale=1.0, reduce_op=None, reduce_res=None, reduce_cmd=RC.idle,
-               relu_param=0.0, name=None):
-    """``dst = op(data * scale + bias)`` with optional add-reduction into the ScalarE registers (§5.2)."""
-    return _activation(dst, op, data, bias, scale, reduce_op, reduce_res, reduce_cmd, relu_param, "activation")
+def activation(dst, op, data, bias=None, scale=1.0, reduce_op=None, reduce_res=None, reduce_cmd=RC.idle, name=None):
+    """``dst = op(data * scale + bias)`` with optional add-reduction into the ScalarE registers (§5.2).
+    ``nl.prelu`` needs a slope, which only ``activate2(relu_param=...)`` takes."""
+    if alu.get(op, "activation op").name == "prelu":
+        raise SimulationError("activation has no relu_param; use nisa.activate2(op=nl.prelu, relu_param=...)")
+    return _activation(dst, op, data, bias, scale, reduce_op, reduce_res, reduce_cmd, 0.0, "activation")
 
 
 def _activation(dst, op, data, bias, scale, reduce_op, reduce_res, reduce_cmd, relu_param, iname):

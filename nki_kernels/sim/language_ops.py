@@ -34,7 +34,7 @@ def ndarray(shape, dtype, buffer=M.sbuf, name="", address=None):
     ctx = runtime.current()
     if isinstance(buffer, str):
         raise SimulationError(f"buffer must be an object such as nl.sbuf, not the string {buffer!r}")
-    if not isinstance(buffer, M.Buffer):
+    if not isinstance(buffer, M.MemoryRegion):
         raise SimulationError(f"buffer must be nl.sbuf, nl.psum, nl.hbm, nl.private_hbm or nl.shared_hbm, got {buffer!r}")
     shape = tuple(int(s) for s in (shape if isinstance(shape, (tuple, list)) else (shape,)))
     if not shape or any(s <= 0 for s in shape):
@@ -47,7 +47,7 @@ def ndarray(shape, dtype, buffer=M.sbuf, name="", address=None):
         raise SimulationError(f"PSUM tensor {label!r} address {address} must start at a bank boundary "
                               f"(multiple of {ctx.target.psum_bank_bytes} B)")
     storage = _shared_or_new(ctx, label, buffer, shape, dt)
-    if buffer.on_chip:
+    if buffer.on_chip and address is None:   # address=: placed by the kernel author inside memory it manages
         alloc = ctx.sbuf if buffer is M.sbuf else ctx.psum
         alloc.allocate(storage, math.prod(shape[1:]) * D.itemsize(dt))
     return NkiTensor(storage, dt, 0, _row_major(shape))
@@ -55,19 +55,21 @@ def ndarray(shape, dtype, buffer=M.sbuf, name="", address=None):
 
 def _shared_or_new(ctx, label, buffer, shape, dt):
     """LNC2: the k-th shared_hbm allocation of every program instance is the same tensor (§3.4)."""
-    if buffer is not M.shared_hbm:
+    if buffer.name != "shared_hbm":
         return M.new_storage(label, buffer, shape, dt, ctx.precise_fp, ctx.execute)
     k = ctx.shared_index
     ctx.shared_index += 1
-    if k < len(ctx.shared.storages):
-        st = ctx.shared.storages[k]
-        if st.shape != shape or st.dtype != dt:
-            raise SimulationError(f"program {ctx.program_id} allocates shared_hbm {label!r} {shape} but program 0 "
-                                  f"allocated {st.shape} at the same point; control flow must match across cores")
+    with ctx.shared.cond:   # LNC2 programs run concurrently: the first to reach allocation k creates it
+        if k < len(ctx.shared.storages):
+            st = ctx.shared.storages[k]
+            if st.shape != shape or st.dtype != dt:
+                raise SimulationError(f"program {ctx.program_id} allocates shared_hbm {label!r} {shape} but the "
+                                      f"other program allocated {st.shape} at the same point; control flow must "
+                                      f"match across cores")
+            return st
+        st = M.new_storage(label, buffer, shape, dt, ctx.precise_fp, ctx.execute)
+        ctx.shared.storages.append(st)
         return st
-    st = M.new_storage(label, buffer, shape, dt, ctx.precise_fp, ctx.execute)
-    ctx.shared.storages.append(st)
-    return st
 
 
 def full(shape, fill_value, dtype, buffer=M.sbuf, name=""):
@@ -95,18 +97,32 @@ def empty_like(x, dtype=None, buffer=None, name=""):
     return ndarray(x.shape, dtype or x.dtype, buffer=buffer or x.buffer, name=name)
 
 
-def shared_identity_matrix(n, dtype=D.uint8):
-    """An (n, n) identity in SBUF (a constant the compiler DMAs in from HBM)."""
-    t = ndarray((n, n), dtype, buffer=M.sbuf, name=f"identity_{n}_{D.dtype_name(D.as_dtype(dtype))}")
+def shared_identity_matrix(n, dtype=D.uint8, dst=None):
+    """An (n, n) identity in SBUF (a constant the compiler DMAs in from HBM), or written into ``dst``."""
+    if dst is not None:
+        t = C.tensor(dst, "shared_identity_matrix", "dst")
+        if tuple(t.shape) != (n, n):
+            raise SimulationError(f"shared_identity_matrix dst must have shape ({n}, {n}), got {t.shape}")
+    else:
+        t = ndarray((n, n), dtype, buffer=M.sbuf, name=f"identity_{n}_{D.dtype_name(D.as_dtype(dtype))}")
     if C.executing():
         C.write(t, np.eye(n, dtype=np.float32))
     C.emit("dma", "dma_copy", t, t, dma_bytes=t.size * D.itemsize(t.dtype))
     return t
 
 
-def shared_constant(array, dtype=None):
-    arr = np.asarray(array)
-    t = ndarray(arr.shape, dtype or arr.dtype, buffer=M.shared_hbm, name="shared_constant")
+def shared_constant(constant):
+    """A shared_hbm constant from a NumPy array or the path of a ``.npy`` file (§2.1)."""
+    if isinstance(constant, (str, os.PathLike)):
+        if not str(constant).endswith(".npy"):
+            raise SimulationError(f"nl.shared_constant path must name a .npy file, got {constant!r}")
+        constant = np.load(constant, allow_pickle=False)
+    arr = np.asarray(constant)
+    if arr.dtype == np.float64:
+        arr = arr.astype(np.float32)
+    elif arr.dtype == np.int64:
+        arr = arr.astype(np.int32)
+    t = ndarray(arr.shape, arr.dtype, buffer=M.shared_hbm, name="shared_constant")
     if C.executing():
         C.write(t, arr.astype(np.float64) if D.is_int(t.dtype) else arr.astype(np.float32))
     return t
@@ -130,24 +146,30 @@ def program_ndim():
     return runtime.current().program_ndim
 
 
-def affine_range(*args, **kwargs):
-    return range(*args, **kwargs)
+def affine_range(start, stop=None, step=1):
+    """Compile-time loop; in NKI 0.6 an alias of Python ``range`` (§3.3)."""
+    return range(start) if stop is None else range(start, stop, step)
 
 
 sequential_range = static_range = affine_range
 
 
-def fori_loop(lower, upper, body_fn, step=1):
+def _value(x) -> int:
+    """A loop bound: a Python int or a ``VirtualRegister`` (its current value)."""
+    return int(getattr(x, "value", x))
+
+
+def fori_loop(lower, upper, body_fun, step=1):
     """Runtime counted loop (0.6+, §3.3); simulated as a Python loop. Not allowed inside ``nl.no_reorder()``."""
     if runtime.current().no_reorder_depth:
         raise SimulationError("nl.fori_loop is not allowed inside a nl.no_reorder() block")
-    for i in range(lower, upper, step):
-        body_fn(i)
+    for i in range(_value(lower), _value(upper), step):
+        body_fun(i)
 
 
-def device_print(prefix, tensor):
+def device_print(print_prefix, tensor):
     if C.executing():
-        print(prefix, tensor.read())
+        print(print_prefix, tensor.read())
 
 
 @contextlib.contextmanager
@@ -162,12 +184,39 @@ def no_reorder():
 
 
 class NKIObject:
-    """Base class for user objects passed through kernels (dataclass-like; §1.3)."""
+    """Base class for NKI kernel dataclasses and configuration objects (§1.3): ``NKIObject(**fields)`` sets each
+    keyword as an attribute; ``@dataclass`` subclasses keep their generated constructor."""
+
+    def __init__(self, **kwargs):
+        for key, value in kwargs.items():
+            setattr(self, key, value)
 
 
 def ds(start, size):
     """``nl.ds(start, size)`` == ``start:start+size`` (§3.1)."""
     return slice(start, start + size)
+
+
+def random_seed(seed):
+    """Seed ``nl.rand`` from a [1, 1] SBUF/PSUM tensor holding a 32-bit value (same seed -> same sequence)."""
+    t = C.tensor(seed, "random_seed", "seed")
+    C.buffers(t, ("sbuf", "psum"), "random_seed", "seed")
+    if t.size != 1:
+        raise SimulationError(f"random_seed needs a [1, 1] tensor, got {t.shape}")
+    ctx = runtime.current()
+    if ctx.execute:
+        ctx.rng = np.random.default_rng(int(np.asarray(t.read()).reshape(-1)[0]) & 0xFFFFFFFF)
+
+
+def rand(shape, dtype, buffer=M.sbuf, name=""):
+    """A new tensor of uniform [0, 1) values (the generator is NumPy's, not the hardware's)."""
+    t = ndarray(shape, dtype, buffer=buffer, name=name)
+    ctx = runtime.current()
+    if ctx.execute:
+        C.write(t, ctx.rng.random(t.shape, dtype=np.float32))
+    if buffer.on_chip:
+        C.emit("gpsimd", "rand", t, t)
+    return t
 
 
 # ---- experimental convenience wrappers -----------------------------------------------------------------------
@@ -226,6 +275,24 @@ def apply_elementwise(op, *args, dtype=None):
         isa_vector.tensor_scalar(out, ref, op, args[1] if not reverse else args[0], reverse0=reverse)
     else:
         raise SimulationError(f"nl.{op.name} takes one or two operands, got {len(args)}")
+    return out
+
+
+def broadcast_to(x, shape, dtype=None):
+    """A new SBUF tile of ``shape`` (same rank; each dim equal or broadcast from 1, partition dim included)."""
+    x = C.tensor(x, "broadcast_to", "x")
+    shape = tuple(int(s) for s in shape)
+    if len(shape) != x.ndim or any(a not in (1, b) for a, b in zip(x.shape, shape)):
+        raise SimulationError(f"broadcast_to: cannot broadcast {x.shape} to {shape} (same rank, dims equal or 1)")
+    if shape == tuple(x.shape) and (dtype is None or D.as_dtype(dtype) == x.dtype):
+        return x
+    out = ndarray(shape, dtype or x.dtype, buffer=M.sbuf, name=f"broadcast_to@{_call_site()}")
+    if C.executing():
+        vals = np.broadcast_to(C.read_f32(x), shape)
+        if D.is_int(x.dtype) and D.is_int(out.dtype):
+            vals = np.broadcast_to(x.read(), shape)
+        C.store(out, C.cast_for(out, vals) if not D.is_int(out.dtype) else D.cast(vals, out.dtype))
+    C.emit("vector", "tensor_copy", x, out, partitions=shape[0])
     return out
 
 

@@ -8,6 +8,7 @@ then program 1, sequentially) over the same HBM storages.
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import dataclass
 
 from . import runtime
@@ -99,16 +100,53 @@ def simulate_kernel(func, args=(), kwargs=None, lnc=None, recorder=None, execute
     conv = ArgConverter(precise=precise, execute=execute)
     shared = runtime.Shared()
     hbm_args, hbm_kwargs = conv.wrap(tuple(args), dict(kwargs or {}), shared, ShapeSpec)
-    out = None
-    for pid in range(lnc or 1):
-        ctx = runtime.RunContext(target=tgt, recorder=recorder, execute=execute, precise_fp=precise, program_id=pid,
-                                 num_programs=lnc or 1, program_ndim=0 if lnc is None else 1, shared=shared)
-        with runtime.kernel_context(ctx):
-            result = fn(*hbm_args, **hbm_kwargs)
+    contexts = [runtime.RunContext(target=tgt, recorder=recorder, execute=execute, precise_fp=precise,
+                                   program_id=pid, num_programs=lnc or 1, program_ndim=0 if lnc is None else 1,
+                                   shared=shared) for pid in range(lnc or 1)]
+    results = _run_programs(fn, hbm_args, hbm_kwargs, contexts)
+    for result in results:
         _check_outputs(result)
-        out = result if pid == 0 else out
     conv.write_back()
-    return conv.unwrap(out) if execute else None
+    return conv.unwrap(results[0]) if execute else None
+
+
+def _run_one(fn, args, kwargs, ctx):
+    shared = ctx.shared
+    try:
+        with runtime.kernel_context(ctx):
+            return fn(*args, **kwargs)
+    except BaseException:
+        with shared.cond:
+            shared.failed = True
+            shared.cond.notify_all()
+        raise
+    finally:
+        with shared.cond:
+            shared.finished.add(ctx.program_id)
+            shared.cond.notify_all()
+
+
+def _run_programs(fn, args, kwargs, contexts):
+    """Program instances run concurrently (one thread each for LNC2) so sendrecv / core_barrier can meet."""
+    if len(contexts) == 1:
+        return [_run_one(fn, args, kwargs, contexts[0])]
+    results, errors = [None] * len(contexts), [None] * len(contexts)
+
+    def worker(i):
+        try:
+            results[i] = _run_one(fn, args, kwargs, contexts[i])
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread below
+            errors[i] = exc
+
+    threads = [threading.Thread(target=worker, args=(i,), name=f"nki-program-{i}") for i in range(len(contexts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    first = next((e for e in errors if e is not None and not isinstance(e, runtime.PeerFailed)), None)
+    if first is not None or any(errors):
+        raise first if first is not None else next(e for e in errors if e is not None)
+    return results
 
 
 def _check_outputs(result) -> None:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+from . import real_api
+
 ALLOWED_IMPORTS = frozenset({"nki", "nki.language", "nki.isa"})
 
 
@@ -43,7 +45,7 @@ def check_source(source: str, filename: str = "<kernel>") -> list[str]:
         elif isinstance(node, ast.ImportFrom) and (node.level or node.module not in ALLOWED_IMPORTS):
             problems.append(f"line {node.lineno}: from {'.' * node.level}{node.module or ''} import ... (kernel "
                             f"files may import only nki, nki.language, nki.isa)")
-    return [f"{filename}: {p}" for p in problems]
+    return [f"{filename}: {p}" for p in problems] + real_api.check_source(source, filename)
 
 
 def kernel_sources(package_root: Path) -> list[Path]:

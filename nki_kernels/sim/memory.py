@@ -16,26 +16,41 @@ from . import dtypes as D
 from .errors import CapacityError, SimulationError
 
 
-class Buffer:
-    """A memory kind: ``nl.sbuf``, ``nl.psum``, ``nl.hbm``/``nl.private_hbm``, ``nl.shared_hbm``."""
+class MemoryRegion:
+    """A memory region: ``nl.sbuf``, ``nl.psum``, ``nl.hbm``/``nl.private_hbm``, ``nl.shared_hbm``.
 
-    def __init__(self, name: str, kind: str):
+    ``equals``: names of the regions this one compares equal to. Kernel arguments live in ``KERNEL_ARG_HBM``, which is
+    shared HBM (visible to both LNC2 cores) and compares equal to ``nl.shared_hbm`` and to ``nl.hbm`` (the SDK's
+    MXFP deep-dive kernels assert ``input.buffer == nl.hbm``; nki-library accepts either).
+    """
+
+    def __init__(self, name: str, kind: str, equals: tuple[str, ...] = ()):
         self.name = name
         self.kind = kind  # "sbuf" | "psum" | "hbm"
+        self.equals = frozenset((name,) + equals)
 
     @property
     def on_chip(self) -> bool:
         return self.kind in ("sbuf", "psum")
 
+    def __eq__(self, other) -> bool:
+        if not isinstance(other, MemoryRegion):
+            return NotImplemented
+        return self.name in other.equals or other.name in self.equals
+
+    def __hash__(self) -> int:
+        return hash(self.kind)
+
     def __repr__(self) -> str:
         return f"nl.{self.name}"
 
 
-sbuf = Buffer("sbuf", "sbuf")
-psum = Buffer("psum", "psum")
-private_hbm = Buffer("private_hbm", "hbm")
+sbuf = MemoryRegion("sbuf", "sbuf")
+psum = MemoryRegion("psum", "psum")
+private_hbm = MemoryRegion("private_hbm", "hbm")
 hbm = private_hbm  # alias of private_hbm (0.3+ docs, §2.1)
-shared_hbm = Buffer("shared_hbm", "hbm")
+shared_hbm = MemoryRegion("shared_hbm", "hbm")
+KERNEL_ARG_HBM = MemoryRegion("shared_hbm", "hbm", equals=("private_hbm",))
 
 
 class Storage:
@@ -123,7 +138,7 @@ def new_storage(name, buffer, shape, dtype, precise_fp: bool, execute: bool, fil
         raw = np.empty(nbytes + (-nbytes) % 4, dtype=np.uint8)
         if fill:
             _fill(raw[:nbytes].view(backing), dtype)
-    if not isinstance(buffer, Buffer):
+    if not isinstance(buffer, MemoryRegion):
         raise SimulationError(f"buffer must be an nl buffer object (nl.sbuf, nl.psum, nl.hbm, nl.shared_hbm), got {buffer!r}")
     return Storage(name, buffer, shape, dtype, backing, raw)
 

@@ -22,9 +22,19 @@ _global_recorders: list[Recorder] = []
 
 @dataclass
 class Shared:
-    """State shared by the program instances of one launch (LNC2 shares HBM ``shared_hbm`` allocations)."""
+    """State shared by the program instances of one launch (LNC2 shares HBM ``shared_hbm`` allocations).
+
+    LNC2 programs run concurrently in two threads: ``cond`` guards the shared allocations and the cross-core
+    mailboxes (``sendrecv`` data keyed by (pipe, sequence), ``core_barrier`` arrival counts); ``finished`` /
+    ``failed`` let a waiting program stop when its peer can no longer answer.
+    """
 
     storages: list = field(default_factory=list)
+    cond: threading.Condition = field(default_factory=threading.Condition)
+    mailbox: dict = field(default_factory=dict)
+    arrivals: dict = field(default_factory=dict)
+    finished: set = field(default_factory=set)
+    failed: bool = False
 
 
 @dataclass
@@ -43,6 +53,8 @@ class RunContext:
     act_acc: np.ndarray = None   # ScalarE accumulator registers, 128 fp32 lanes (A.4)
     vec_acc: np.ndarray = None   # VectorE accumulator registers, 128 fp32 lanes (A.4)
     no_reorder_depth: int = 0    # nesting of ``with nl.no_reorder():`` blocks
+    sync_seq: dict = field(default_factory=dict)   # per (kind, pipe) count of this program's cross-core calls
+    rng: np.random.Generator = None                # nl.rand state (nl.random_seed resets it)
 
     def __post_init__(self):
         t = self.target
@@ -51,10 +63,30 @@ class RunContext:
         # register contents are undefined at kernel start: poison them so a kernel that reads before a reset sees NaN
         self.act_acc = np.full(t.pmax, np.nan, dtype=np.float32)
         self.vec_acc = np.full(t.pmax, np.nan, dtype=np.float32)
+        self.rng = np.random.default_rng(0)
 
     @property
     def gen(self) -> int:
         return self.target.gen
+
+
+class PeerFailed(SimulationError):
+    """Raised in an LNC2 program waiting on its peer after the peer failed (the peer's error is reported)."""
+
+
+def wait_for(ctx: RunContext, ready, what: str):
+    """Block (LNC2) until ``ready()`` returns a value other than None; call with ``ctx.shared.cond`` held."""
+    shared, peer = ctx.shared, 1 - ctx.program_id
+    while True:
+        value = ready()
+        if value is not None:
+            return value
+        if shared.failed:
+            raise PeerFailed(f"program {ctx.program_id}: {what}: the other program failed")
+        if peer in shared.finished:
+            raise SimulationError(f"program {ctx.program_id}: {what}: program {peer} returned without the matching "
+                                  f"call (both cores must issue the same sendrecv / core_barrier sequence)")
+        shared.cond.wait(timeout=1.0)
 
 
 def current() -> RunContext:

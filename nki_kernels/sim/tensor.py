@@ -28,7 +28,6 @@ class NkiTensor:
         self.dims = tuple((int(s), int(c)) for s, c in dims)
         self.shape = tuple(c for _, c in self.dims)
         self._idx = None
-        self._check_bounds()
 
     # ---- attributes -------------------------------------------------------------------------------------
     strides = property(lambda self: tuple(s for s, _ in self.dims))
@@ -60,8 +59,12 @@ class NkiTensor:
         return st.elements * st.backing.itemsize // self.np_dtype.itemsize
 
     def _check_bounds(self) -> None:
-        if any(c <= 0 for _, c in self.dims):
-            raise SimulationError(f"tensor view {self.shape} of {self.name!r} has an empty dimension")
+        """The pattern must stay inside the storage; checked when the view is read or written (a view that is
+        built but never accessed, e.g. a clamped tail computed ahead of a size test, is legal)."""
+        if any(c < 0 for _, c in self.dims):
+            raise SimulationError(f"tensor view {self.shape} of {self.name!r} has a negative dimension")
+        if self.size == 0:
+            return
         lo = self.offset + sum(min(0, s * (c - 1)) for s, c in self.dims)
         hi = self.offset + sum(max(0, s * (c - 1)) for s, c in self.dims)
         if lo < 0 or hi >= self._limit():
@@ -76,6 +79,7 @@ class NkiTensor:
     # ---- data access -------------------------------------------------------------------------------------
     def index(self) -> np.ndarray:
         if self._idx is None:
+            self._check_bounds()
             idx = np.full((1,) * self.ndim, self.offset, dtype=np.int64)
             for k, (s, c) in enumerate(self.dims):
                 shape = [1] * self.ndim
@@ -92,12 +96,13 @@ class NkiTensor:
 
     def write(self, values: np.ndarray) -> None:
         """Scatter already-cast values (any shape with the same element count) into the view."""
+        idx = self.index()   # bounds are checked here, also in cost-only mode
         if self.storage.raw is None:
             return
         values = np.asarray(values, dtype=self.np_dtype)
         if values.size != self.size:
             raise SimulationError(f"internal: writing {values.size} elements into a view of {self.size}")
-        self.storage.typed(self.np_dtype)[self.index()] = values.reshape(self.shape)
+        self.storage.typed(self.np_dtype)[idx] = values.reshape(self.shape)
 
     # ---- indexing -------------------------------------------------------------------------------------------
     def __getitem__(self, key) -> NkiTensor:
@@ -250,6 +255,10 @@ def _resolve_shape(shape, size):
 def _scalar_offset(value, base_shape, indirect_dim) -> int:
     if value is None:
         return 0
+    if hasattr(value, "value") and not isinstance(value, NkiTensor):   # a VirtualRegister
+        if value.value is None:
+            raise SimulationError("scalar_offset register read before it was written")
+        value = value.value
     if isinstance(value, NkiTensor):
         if value.size != 1:
             raise SimulationError("scalar_offset tensor must hold exactly one element")
@@ -296,7 +305,7 @@ def _slice_range(sl: slice, count, k, shape):
     stop = count if sl.stop is None else _as_int(sl.stop, k)
     start = start + count if start < 0 else start
     stop = stop + count if stop < 0 else stop
-    if not (0 <= start < stop <= count):
-        raise SimulationError(f"slice [{sl.start}:{sl.stop}] is empty or out of range for dim {k} of size "
+    if not (0 <= start <= stop <= count):
+        raise SimulationError(f"slice [{sl.start}:{sl.stop}] is out of range for dim {k} of size "
                               f"{count} (shape {shape}); clamp it with min()")
     return start, len(range(start, stop, step)), step

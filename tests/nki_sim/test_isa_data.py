@@ -46,7 +46,7 @@ def test_dma_copy_validation(case, match):
         elif case == "partitions":
             nisa.dma_copy(dst=nl.ndarray((256, 1), nl.float32, buffer=nl.sbuf), src=x_hbm.ap([[1, 16], [0, 16]]))
         else:
-            nisa.dma_copy(dst=nl.ndarray((4, 4), nl.float32, buffer=nl.sbuf), src=x_hbm, dge_mode=1)
+            nisa.dma_copy(dst=nl.ndarray((4, 4), nl.float32, buffer=nl.sbuf), src=x_hbm, dge_mode="swdge")
 
     with pytest.raises(SimulationError, match=match):
         run(kernel, np.zeros((4, 4), np.float32))

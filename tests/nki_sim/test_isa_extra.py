@@ -121,7 +121,7 @@ def test_nc_stream_shuffle_per_quadrant_with_keep(rng):
             if m != 255:
                 ref[q + i] = x[q + m]
     np.testing.assert_array_equal(out, ref)
-    with pytest.raises(SimulationError, match="starting at"):
+    with pytest.raises(SimulationError, match="start must be one of"):
         run(lambda: nisa.nc_stream_shuffle(dst=nl.ndarray((128, 4), nl.float32, buffer=nl.sbuf)[16:48],
                                            src=nl.ndarray((32, 4), nl.float32, buffer=nl.sbuf), shuffle_mask=mask))
 

@@ -61,10 +61,12 @@ def test_activation_scale_bias_and_prelu(rng):
         y = nl.ndarray(t.shape, nl.float32, buffer=nl.sbuf)
         nisa.activation(dst=y, op=nl.exp, data=t, bias=b, scale=s)
         z = nl.ndarray(t.shape, nl.float32, buffer=nl.sbuf)
-        nisa.activation(dst=z, op=nl.prelu, data=t, bias=0.5, scale=2.0, relu_param=0.1)
+        nisa.activate2(dst=z, op=nl.prelu, data=t, imm0=2.0, imm1=0.5, op0=nl.multiply, op1=nl.add, relu_param=0.1)
+        with pytest.raises(SimulationError, match="activate2"):   # the real activation() has no relu_param
+            nisa.activation(dst=z, op=nl.prelu, data=t)
         return hbm_out(y), hbm_out(z)
 
-    y, z = run(kernel, x, scale, bias)
+    y, z = run(kernel, x, scale, bias, target="trn3")
     np.testing.assert_allclose(y, np.exp(x.astype(np.float64) * scale + bias), rtol=1e-6)
     v = 2 * x.astype(np.float64) + 0.5
     np.testing.assert_allclose(z, np.where(v >= 0, v, 0.1 * v), rtol=1e-6)

@@ -255,10 +255,10 @@ def test_language_allocation_helpers(rng):
 
 
 def test_documented_but_unsimulated_api_raises_not_implemented():
-    with pytest.raises(NotImplementedError, match="nisa.tensor_tensor_scan is documented"):
-        nisa.tensor_tensor_scan  # noqa: B018
-    with pytest.raises(NotImplementedError, match="nl.while_loop is documented"):
-        nl.while_loop  # noqa: B018
+    with pytest.raises(NotImplementedError, match="nisa.tensor_scalar_cumulative is documented"):
+        nisa.tensor_scalar_cumulative  # noqa: B018
+    with pytest.raises(NotImplementedError, match="nl.softmax is documented"):
+        nl.softmax  # noqa: B018
     with pytest.raises(AttributeError):
         nisa.no_such_instruction  # noqa: B018
 

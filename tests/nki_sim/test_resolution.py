@@ -15,7 +15,7 @@ PROBE = textwrap.dedent("""
     import sys
     import nki_kernels
     import nki, nki.language as nl, nki.isa as nisa
-    print(nki_kernels.NKI_BACKEND, getattr(nki, "IS_NKI_KERNELS_SIMULATOR", False), "torch" in sys.modules,
+    print(nki_kernels.NKI_BACKEND, getattr(nki, "_IS_NKI_KERNELS_SIMULATOR", False), "torch" in sys.modules,
           sorted(m for m in sys.modules if m == "nki" or m.startswith("nki.")))
 """)
 

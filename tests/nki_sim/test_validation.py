@@ -42,7 +42,7 @@ CASES = {
     "two ellipses": (lambda: sb()[..., ...], "at most one Ellipsis"),
     "float slice bound": (lambda: sb()[0.5:2], "unsupported index 0.5"),
     "string index": (lambda: sb()[:, "a"], "unsupported index 'a'"),
-    "ap out of range": (lambda: sb().ap([[8, 4], [1, 9]]), "outside tensor"),
+    "ap out of range read": (lambda: nisa.tensor_copy(dst=sb((4, 9)), src=sb().ap([[8, 4], [1, 9]])), "outside tensor"),
     "ap malformed": (lambda: sb().ap([[8, 4, 1]]), "list of \\[stride, count\\] pairs"),
     "ap vector_offset": (lambda: sb().ap([[8, 4], [1, 8]], vector_offset=sb((4, 1), nl.int32)),
                          "vector_offset=...\\) indirect DMA is not implemented"),

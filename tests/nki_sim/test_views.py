@@ -99,13 +99,17 @@ def test_ap_wrong_partition_stride_raises():
         run(kernel)
 
 
-def test_broadcast_view_as_dst_raises():
-    def kernel():
-        t = nl.ndarray((4, 1), nl.float32, buffer=nl.sbuf)
-        nisa.memset(dst=t.broadcast(1, 8), value=0.0)
+def test_stride_zero_destination_keeps_the_last_element_written(rng):
+    """A broadcast (stride-0) dst is legal: the elements that share an address are written in order."""
+    x = rng.standard_normal((4, 8)).astype(np.float32)
 
-    with pytest.raises(SimulationError, match="stride 0 is only legal for reads"):
-        run(kernel)
+    def kernel(x_hbm):
+        src = sbuf_in(x_hbm)
+        t = nl.zeros((4, 1), nl.float32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=t.broadcast(1, 8), src=src)
+        return hbm_out(t)
+
+    np.testing.assert_array_equal(run(kernel, x), x[:, 7:8])
 
 
 def test_view_reinterprets_bits_and_rescales_last_dim(rng):

@@ -1,24 +1,13 @@
 """Simulator implementation of the top-level ``nki`` package (NKI 0.6/0.7 API subset; nki-reference.md A.1).
 
-Registered as ``sys.modules["nki"]`` by ``import nki_kernels`` when no genuine Neuron ``nki`` is installed.
+Registered as ``sys.modules["nki"]`` by ``import nki_kernels`` when no genuine Neuron ``nki`` is installed. Public
+names are those of the real package (nki_kernels/sim/api_table.json); simulator-only helpers live in
+``nki.simulator``.
 """
-from __future__ import annotations
-
-from ..launch import Kernel, ShapeSpec, jit, simulate
-from . import collectives, compiler, isa, language, simulator, typing
+from ..launch import jit, simulate
+from . import collectives, compiler, dtype, isa, language, simulator, typing
 
 __version__ = "0.6.0+numpy-sim"
-IS_NKI_KERNELS_SIMULATOR = True
+_IS_NKI_KERNELS_SIMULATOR = True
 
-__all__ = [
-           "Kernel",
-           "ShapeSpec",
-           "collectives",
-           "compiler",
-           "isa",
-           "jit",
-           "language",
-           "simulate",
-           "simulator",
-           "typing",
-]
+__all__ = ["collectives", "compiler", "dtype", "isa", "jit", "language", "simulate", "simulator", "typing"]

@@ -2,7 +2,6 @@
 from ...sim import alu as _alu
 from ...sim import runtime as _runtime
 from ..dtypes import (  # noqa: F401
-    FP32_MIN,
     bfloat16,
     bool_,
     float4_e2m1fn_x4,
@@ -52,10 +51,13 @@ from ..language_ops import (  # noqa: F401
     zeros,
     zeros_like,
 )
-from ..memory import Buffer, hbm, private_hbm, psum, sbuf, shared_hbm  # noqa: F401
+from ..isa_registers import dynamic_range, while_loop  # noqa: F401
+from ..language_ops import broadcast_to, rand, random_seed  # noqa: F401
+from ..memory import MemoryRegion, hbm, private_hbm, psum, sbuf, shared_hbm  # noqa: F401
 from ..tensor import NkiTensor  # noqa: F401
 
-globals().update(_alu.OPS)   # nl.add, nl.exp, nl.maximum, nl.greater_equal, nl.bitwise_and, ...
+# nl.add, nl.exp, nl.maximum, nl.greater_equal, nl.bitwise_and, ... (only the names the real API has)
+globals().update({k: v for k, v in _alu.OPS.items() if k not in _alu.SIMULATOR_ONLY})
 
 
 def is_hbm(buffer):
@@ -106,12 +108,11 @@ class _TileSize:
 
 
 tile_size = _TileSize()
-fp32 = float32
 
 
 _DOCUMENTED_NOT_SIMULATED = frozenset({
-    "while_loop", "dynamic_range", "alloc_tiles", "alloc_blocks", "tiles", "blocks", "broadcast_to", "softmax",
-    "rms_norm", "gather_flattened", "random_seed", "rand", "dropout", "load_transpose2d", "where", "var", "prod",
+    "alloc_tiles", "alloc_blocks", "tiles", "blocks", "softmax",
+    "rms_norm", "gather_flattened", "dropout", "load_transpose2d", "where", "var", "prod",
     "all", "expand_dims",
 })
 

@@ -1,0 +1,21 @@
+"""``nki.dtype``: the NKI data types (the same objects as ``nki.language.<dtype>``; also used as an annotation)."""
+from ..dtypes import (  # noqa: F401
+    bfloat16,
+    bool_,
+    float4_e2m1fn_x4,
+    float8_e4m3,
+    float8_e4m3fn,
+    float8_e4m3fn_x4,
+    float8_e5m2,
+    float8_e5m2_x4,
+    float8_e8m0fnu,
+    float16,
+    float32,
+    int8,
+    int16,
+    int32,
+    tfloat32,
+    uint8,
+    uint16,
+    uint32,
+)

@@ -1,0 +1,152 @@
+"""Rules relaxed to what the NKI 0.6 API reference documents (each case is valid NKI code the docs allow)."""
+from __future__ import annotations
+
+import dataclasses
+
+import ml_dtypes
+import nki.isa as nisa
+import nki.language as nl
+import numpy as np
+import pytest
+
+from nki_kernels.sim import CapacityError, SimulationError
+
+from .conftest import hbm_out, run, sbuf_in
+
+
+def test_kernel_inputs_are_shared_hbm_and_compare_equal_to_hbm():
+    """The SDK's MXFP deep-dive kernels assert ``input.buffer == nl.hbm``; inputs are also shared by both cores."""
+    seen = {}
+
+    def kernel(x_hbm):
+        seen.update(hbm=x_hbm.buffer == nl.hbm, shared=x_hbm.buffer == nl.shared_hbm, sbuf=x_hbm.buffer == nl.sbuf,
+                    private_vs_shared=nl.hbm == nl.shared_hbm, is_hbm=nl.is_hbm(x_hbm.buffer))
+        return x_hbm
+
+    run(kernel, np.zeros((2, 2), np.float32))
+    assert seen == {"hbm": True, "shared": True, "sbuf": False, "private_vs_shared": False, "is_hbm": True}
+
+
+def test_dge_mode_accepts_the_documented_integers(rng):
+    x = rng.standard_normal((4, 4)).astype(np.float32)
+
+    def kernel(x_hbm, mode):
+        t = nl.ndarray((4, 4), nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=t, src=x_hbm, dge_mode=mode)
+        return hbm_out(t)
+
+    for mode in (0, 1, 2, 3):   # unknown, swdge, hwdge, none
+        np.testing.assert_array_equal(run(kernel, x, mode), x)
+
+    def cast_with_hwdge(x_hbm):   # 2 is hwdge: equal dtypes required
+        nisa.dma_copy(dst=nl.ndarray((4, 4), nl.bfloat16, buffer=nl.sbuf), src=x_hbm, dge_mode=2)
+
+    with pytest.raises(SimulationError, match="hwdge needs equal dtypes"):
+        run(cast_with_hwdge, x)
+    assert nisa.dge_mode(2) is nisa.dge_mode.hwdge and nisa.dge_mode.unknown.value == 0
+
+
+@pytest.mark.parametrize("target,expect", [("trn1", (False, False)), ("trn2", (True, False)), ("trn3", (True, True))])
+def test_nc_version_values_are_ordered(target, expect):
+    got = {}
+
+    def kernel():
+        v = nisa.get_nc_version()
+        got["v"] = (v >= nisa.nc_version.gen3, v > nisa.nc_version.gen3)
+
+    run(kernel, target=target)
+    assert got["v"] == expect
+    assert sorted([nisa.nc_version.gen4, nisa.nc_version.gen2]) == [nisa.nc_version.gen2, nisa.nc_version.gen4]
+
+
+def test_nkiobject_keyword_constructor_and_dataclasses():
+    cfg = nl.NKIObject(tile=128, name="x")
+    assert (cfg.tile, cfg.name) == (128, "x")
+
+    @dataclasses.dataclass
+    class Params(nl.NKIObject):
+        n: int
+        scale: float = 1.0
+
+    assert Params(4).n == 4 and Params(4, 0.5).scale == 0.5
+
+
+def test_nc_stream_shuffle_broadcasts_one_partition_to_a_quadrant(rng):
+    x = rng.standard_normal((1, 6)).astype(np.float32)
+
+    def kernel(x_hbm):
+        src = sbuf_in(x_hbm)
+        dst = nl.ndarray((32, 6), nl.float32, buffer=nl.sbuf)
+        nisa.nc_stream_shuffle(dst=dst, src=src, shuffle_mask=[0] * 32)
+        return hbm_out(dst)
+
+    np.testing.assert_array_equal(run(kernel, x), np.repeat(x, 32, axis=0))
+
+
+def test_dma_transpose_4d_default_axes_are_3_1_2_0(rng):
+    x = rng.standard_normal((2, 3, 4, 5)).astype(ml_dtypes.bfloat16)
+
+    def kernel(x_hbm):
+        t = nl.ndarray((5, 3, 4, 2), nl.bfloat16, buffer=nl.sbuf)
+        nisa.dma_transpose(dst=t, src=x_hbm)
+        out = nl.ndarray((5, 3, 4, 2), nl.bfloat16, buffer=nl.shared_hbm)
+        nisa.dma_copy(dst=out, src=t)
+        return out
+
+    np.testing.assert_array_equal(run(kernel, x, target="trn2"), np.transpose(x, (3, 1, 2, 0)))
+
+
+def test_empty_ds_slices_are_legal_and_move_nothing(rng):
+    x = rng.standard_normal((4, 8)).astype(np.float32)
+
+    def kernel(x_hbm):
+        t = nl.zeros((4, 8), nl.float32, buffer=nl.sbuf)
+        empty = x_hbm[:, nl.ds(8, 0)]
+        assert empty.shape == (4, 0) and empty.size == 0
+        nisa.dma_copy(dst=t[:, nl.ds(3, 0)], src=x_hbm[:, nl.ds(5, 0)])
+        return hbm_out(t)
+
+    np.testing.assert_array_equal(run(kernel, x), np.zeros_like(x))
+
+
+def test_access_pattern_bounds_are_checked_when_read_not_when_built():
+    def kernel():
+        t = nl.ndarray((4, 8), nl.float32, buffer=nl.sbuf)
+        beyond = t.ap([[8, 4], [1, 9]])    # reaches element 32 of 32: fine while unused
+        assert beyond.shape == (4, 9)
+        nisa.tensor_copy(dst=nl.ndarray((4, 9), nl.float32, buffer=nl.sbuf), src=beyond)
+
+    with pytest.raises(SimulationError, match="outside tensor"):
+        run(kernel)
+
+
+def test_tiles_placed_with_address_are_not_charged_as_new_capacity():
+    usable = 245_752 // 4   # fp32 elements per partition on trn3
+
+    def placed():
+        arena = nl.ndarray((128, usable), nl.float32, buffer=nl.sbuf, name="arena")
+        tiles = [nl.ndarray((128, 1024), nl.float32, buffer=nl.sbuf, address=(0, k * 4096)) for k in range(4)]
+        return arena, tiles   # everything stays live
+
+    run(lambda: placed() and None)
+
+    def unplaced():
+        arena = nl.ndarray((128, usable), nl.float32, buffer=nl.sbuf, name="arena")
+        extra = nl.ndarray((128, 1024), nl.float32, buffer=nl.sbuf, name="extra")
+        return arena, extra
+
+    with pytest.raises(CapacityError, match="extra"):
+        run(lambda: unplaced() and None)
+
+
+def test_shared_constant_from_an_npy_path(tmp_path, rng):
+    c = rng.standard_normal((3, 5)).astype(np.float32)
+    path = tmp_path / "table.npy"
+    np.save(path, c)
+
+    def kernel():
+        return nl.shared_constant(str(path))
+
+    np.testing.assert_array_equal(run(kernel), c)
+    with pytest.raises(SimulationError, match=".npy"):
+        run(lambda: nl.shared_constant(str(tmp_path / "table.txt")))
