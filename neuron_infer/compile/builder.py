@@ -101,6 +101,8 @@ def compile_model(model_dir: str | Path, out_dir: str | Path, build: BuildConfig
     cfg = ModelConfig.from_model_dir(model_dir)
     check_build_against_model(cfg, build)
     be = get_backend(backend or build.target)
+    if hasattr(be, "bind_build"):  # neuron: the build's logical-NeuronCore degree (compile/neuron_platform.py)
+        be.bind_build(build)
     state = load_checkpoint(model_dir, cfg)
     with atomic_directory(Path(out_dir), overwrite) as tmp:
         model = build_float_model(cfg, build, state)
