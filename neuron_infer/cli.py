@@ -39,6 +39,8 @@ def build_options(f):
         click.option("--tokengen-buckets", default=None, help="comma list, e.g. 256,1024 (default: powers of two)"),
         click.option("--kernels", type=click.Choice(["reference", "nki"]), default=None),
         click.option("--tp-degree", type=int, default=None, help="tensor-parallel ranks"),
+        click.option("--lnc", type=click.Choice(["1", "2"]), default=None,
+                     help="neuron: logical NeuronCore size (default: NEURON_LOGICAL_NC_CONFIG, else 2 on trn2/trn3)"),
         click.option("--quant", type=click.Choice(["none", "int8", "fp8", "mxfp8", "mxfp4", "w8a8"]), default=None),
         click.option("--modules-to-not-convert", default=None, help="comma list or a file with one name per line"),
         click.option("--weight-tiling/--no-weight-tiling", default=None),
@@ -58,7 +60,7 @@ def build_options(f):
 
 
 def _build_overrides(kw: dict) -> dict:
-    mods = kw.pop("modules_to_not_convert", None)
+    mods, lnc = kw.pop("modules_to_not_convert", None), kw.pop("lnc")
     if mods is not None:
         from neuron_infer.quant import parse_modules_to_not_convert  # noqa: PLC0415
 
@@ -68,6 +70,7 @@ def _build_overrides(kw: dict) -> dict:
         "max_context_length": kw.pop("max_context_length"), "max_length": kw.pop("max_length"),
         "context_buckets": _ints(kw.pop("context_buckets")), "tokengen_buckets": _ints(kw.pop("tokengen_buckets")),
         "kernels": kw.pop("kernels"), "tp_degree": kw.pop("tp_degree"), "quant.scheme": kw.pop("quant"),
+        "lnc": lnc if lnc is None else int(lnc),
         "quant.modules_to_not_convert": mods, "quant.weight_tiling": kw.pop("weight_tiling"),
         "quant.kv_cache_dtype": kw.pop("kv_cache_dtype"),
         **_speculation_overrides(kw),

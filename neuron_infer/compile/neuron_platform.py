@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -69,6 +70,8 @@ def resolve_lnc(platform: str, build_lnc: int | None) -> int:
     """NEURON_LOGICAL_NC_CONFIG, then the build's lnc, then the platform default."""
     env = os.environ.get(LNC_ENV, "").strip()
     if env:
+        if build_lnc is not None and str(build_lnc) != env:  # NxDI's order and warning: the runtime reads the env
+            warnings.warn(f"{LNC_ENV}={env} overrides the build's lnc={build_lnc}", UserWarning, stacklevel=2)
         return _degree(env, LNC_ENV)
     if build_lnc is not None:
         return _degree(build_lnc, "lnc")

@@ -106,7 +106,8 @@ def test_the_environment_wins_over_the_build_which_wins_over_the_platform(sdk, m
     assert {args[-1] for args in _compile_args(sdk)} == {"--lnc=1"}      # build over the trn2 default (2)
     sdk.calls.clear()
     monkeypatch.setenv(LNC_ENV, "2")
-    compile_model(d, tmp_path / "env", BUILD.replace(lnc=1), say=lambda m: None)
+    with pytest.warns(UserWarning, match="overrides the build"):
+        compile_model(d, tmp_path / "env", BUILD.replace(lnc=1), say=lambda m: None)
     assert {args[-1] for args in _compile_args(sdk)} == {"--lnc=2"}      # environment over the build
 
 
