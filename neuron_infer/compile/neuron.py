@@ -33,8 +33,8 @@ from typing import Any
 
 import torch
 
-from neuron_infer.errors import ArtifactError, BackendUnavailableError
 from neuron_infer.compile.neuron_platform import NeuronTarget, check_runtime, compile_env, resolve_target
+from neuron_infer.errors import ArtifactError, BackendUnavailableError
 from neuron_infer.model.nki_neuron import neuron_target
 
 INSTALL_HINT = (

@@ -17,8 +17,9 @@ from __future__ import annotations
 import contextlib
 import os
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 from neuron_infer.errors import ArtifactError, BackendUnavailableError, ConfigError
 

@@ -48,7 +48,7 @@ from typing import Any
 import torch
 
 from neuron_infer.compile.neuron import COMPILER_ARGS, import_sdk
-from neuron_infer.compile.neuron_platform import NeuronTarget, check_runtime, compile_env, resolve_target
+from neuron_infer.compile.neuron_platform import check_runtime, compile_env, resolve_target
 from neuron_infer.config import BuildConfig, ModelConfig
 from neuron_infer.errors import ArtifactError, BackendUnavailableError, ConfigError
 from neuron_infer.model.nki_neuron import neuron_target

@@ -58,12 +58,10 @@ def test_without_the_sdk_the_first_launch_says_how_to_install():
 
 
 def test_the_launch_grid_is_the_degree_the_trace_is_compiled_for():
-    with pytest.raises(BackendUnavailableError, match="1 or 2"):
-        with nki_neuron.neuron_target(lnc=3):
-            pass
-    with pytest.raises(TypeError):                  # no implicit default: the caller passes the compiled LNC
-        with nki_neuron.neuron_target():
-            pass
+    with pytest.raises(BackendUnavailableError, match="1 or 2"), nki_neuron.neuron_target(lnc=3):
+        pass
+    with pytest.raises(TypeError), nki_neuron.neuron_target():   # no default: the caller passes the compiled LNC
+        pass
 
 
 def test_outside_a_neuron_trace_the_ops_still_use_the_simulator(nki_double):

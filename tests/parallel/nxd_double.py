@@ -102,7 +102,7 @@ def _alias_names(module, aliases: dict) -> dict[str, int]:
 
 
 class ModelBuilder:
-    def __init__(self, owner: "RecordingNxD", *args, **kwargs):
+    def __init__(self, owner: RecordingNxD, *args, **kwargs):
         self.owner, self.config = owner, bind(f"{MB}.ModelBuilder", None, *args, **kwargs)
         self.model_collection: dict[str, tuple] = {}
         owner.calls.append(("ModelBuilder", {k: v for k, v in self.config.items() if k != "self"}))
