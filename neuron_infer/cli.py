@@ -43,6 +43,8 @@ def build_options(f):
         click.option("--kernels", type=click.Choice(["reference", "nki"]), default=None,
                      help="reference torch ops, or the NKI kernels (NumPy simulator on CPU)"),
         click.option("--tp-degree", type=int, default=None, help="tensor-parallel ranks, e.g. 2 (one process per rank on CPU)"),
+        click.option("--lnc", type=click.Choice(["1", "2"]), default=None,
+                     help="neuron: logical NeuronCore size (default: NEURON_LOGICAL_NC_CONFIG, else 2 on trn2/trn3)"),
         click.option("--quant", type=click.Choice(["none", "int8", "fp8", "mxfp8", "mxfp4", "w8a8"]), default=None,
                      help="weight quantization scheme (none = float weights)"),
         click.option("--modules-to-not-convert", default=None, help="modules kept in float with --quant: comma list (e.g. lm_head) or a file with one name per line"),
@@ -74,7 +76,7 @@ GENERATE_EXAMPLES = examples(
 
 
 def _build_overrides(kw: dict) -> dict:
-    mods = kw.pop("modules_to_not_convert", None)
+    mods, lnc = kw.pop("modules_to_not_convert", None), kw.pop("lnc")
     if mods is not None:
         from neuron_infer.quant import parse_modules_to_not_convert  # noqa: PLC0415
 
@@ -84,6 +86,7 @@ def _build_overrides(kw: dict) -> dict:
         "max_context_length": kw.pop("max_context_length"), "max_length": kw.pop("max_length"),
         "context_buckets": _ints(kw.pop("context_buckets")), "tokengen_buckets": _ints(kw.pop("tokengen_buckets")),
         "kernels": kw.pop("kernels"), "tp_degree": kw.pop("tp_degree"), "quant.scheme": kw.pop("quant"),
+        "lnc": lnc if lnc is None else int(lnc),
         "quant.modules_to_not_convert": mods, "quant.weight_tiling": kw.pop("weight_tiling"),
         "quant.kv_cache_dtype": kw.pop("kv_cache_dtype"),
         **_speculation_overrides(kw),

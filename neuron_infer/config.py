@@ -302,6 +302,7 @@ class BuildConfig:
     tp_degree: int = 1
     quant: QuantConfig = field(default_factory=QuantConfig)
     speculation: SpeculationConfig | None = None
+    lnc: int | None = None  # neuron: logical NeuronCore degree; None = NEURON_LOGICAL_NC_CONFIG or the platform's
 
     def __post_init__(self) -> None:
         _check_choice("target", self.target, TARGETS)
@@ -311,6 +312,8 @@ class BuildConfig:
             raise ConfigError(f"batch_size={self.batch_size} must be >= 1")
         if self.tp_degree < 1:
             raise ConfigError(f"tp_degree={self.tp_degree} must be >= 1")
+        if self.lnc not in (None, 1, 2):
+            raise ConfigError(f"lnc={self.lnc!r} is not a logical NeuronCore degree; use 1 or 2")
         if not 1 <= self.max_context_length <= self.max_length:
             raise ConfigError(
                 f"max_context_length={self.max_context_length} must be in 1..max_length={self.max_length} "

@@ -57,6 +57,14 @@ class Manifest:
     files: dict[str, str]  # relative path -> sha256
     extra: dict[str, Any]  # feature records (tp plan, quantization report, speculation, ...)
 
+    @property
+    def neuron_lnc(self) -> int | None:
+        """The logical-NeuronCore degree the neuron graphs were compiled for (recorded per graph), or None."""
+        degrees = {g["lnc"] for g in self.graphs.values() if "lnc" in g}
+        if len(degrees) > 1:
+            raise ArtifactError(f"the graphs of this artifact disagree on their LNC ({sorted(degrees)}); recompile")
+        return degrees.pop() if degrees else None
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "format_version": self.format_version,

@@ -108,6 +108,8 @@ def compile_model(model_dir: str | Path, out_dir: str | Path, build: BuildConfig
     check_build_against_model(cfg, build)
     check_tokenizer(model_dir, cfg)
     be = get_backend(backend or build.target)
+    if hasattr(be, "bind_build"):  # neuron: the build's logical-NeuronCore degree (compile/neuron_platform.py)
+        be.bind_build(build)
     with atomic_directory(Path(out_dir), overwrite, source_dirs(model_dir, build)) as tmp:
         state = load_checkpoint(model_dir, cfg)
         model = build_float_model(cfg, build, state)

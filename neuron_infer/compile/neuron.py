@@ -1,24 +1,31 @@
 """Neuron backend: one NEFF per (sub-model, bucket) through torch-neuronx. NOT YET RUN ON HARDWARE.
 
-Written against the documented torch-neuronx API and exercised in CI through a recording test double
-(tests/compile/test_neuron_backend.py). The SDK is imported lazily, only when this backend is used.
+Written against the documented torch-neuronx API (`torch_neuronx.trace`, `replace_weights`,
+`move_trace_to_device`; the signatures our test double enforces are in tests/compile/neuron_sdk_signatures.py)
+and exercised in CI through that recording double. The SDK is imported lazily, only when this backend is used.
 
-    compile: torch_neuronx.trace(step, example_args, compiler_workdir=..., compiler_args=[...],
+    compile: torch_neuronx.trace(step, example_args, compiler_workdir=..., compiler_args=[..., "--lnc=N"],
                                  inline_weights_to_neff=False)   -> torch.jit.save(graphs/<name>.pt)
-    load:    torch.jit.load(graphs/<name>.pt); torch_neuronx.replace_weights(graph, weights)
+    load:    torch.jit.load(graphs/<name>.pt); torch_neuronx.replace_weights(graph, weights);
+             torch_neuronx.move_trace_to_device(graph, 0)
 
-With `--kernels nki` the step is traced under `nki_neuron.neuron_target()`, so the NKI kernels are launched through
-the SDK's `nki.jit` as custom calls inside the graph (model/nki_neuron.py).
+The platform and logical-NeuronCore degree come from `compile/neuron_platform.py` (environment, then the build,
+then the platform default); the compile runs with NEURON_PLATFORM_TARGET_OVERRIDE set to the platform, and each
+graph's `graphs/<name>.neuron.json` records both, checked against the runtime before the graph is loaded.
+With `--kernels nki` the step is traced under `nki_neuron.neuron_target(lnc=N)`, so the NKI kernels are launched
+through the SDK's `nki.jit` as custom calls inside the graph, with the grid neuronx-cc compiles for.
 
-Weights stay outside the NEFFs (`inline_weights_to_neff=False`) so every bucket graph shares the one per-rank
-weight file of the artifact, as on CPU. Traced graphs cannot mutate their inputs, so the step is traced in
-functional form (caches in, updated caches out) and the loaded callable copies the result back into the engine's
-cache tensors. On a device this copy is avoidable with input/output aliasing (neuronx-distributed ModelBuilder);
-that is the next step once this runs on hardware.
+Weights stay outside the NEFFs (`inline_weights_to_neff=False`) so every bucket graph is bound to the one weight
+file of the artifact. The torch-neuronx docs say such a trace keeps its weights on the host (copied to the
+device on every call) until `move_trace_to_device(trace, device_id)` moves them; each loaded graph is moved to
+NeuronCore 0 (the first core visible to this process, NEURON_RT_VISIBLE_CORES) right after its weights are bound.
+Traced graphs cannot mutate their inputs, so the step is traced in functional form (caches in, updated caches
+out) and the loaded callable copies the result back into the engine's cache tensors.
 """
 from __future__ import annotations
 
 import importlib
+import json
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -26,8 +33,9 @@ from typing import Any
 
 import torch
 
+from neuron_infer.compile.neuron_platform import NeuronTarget, check_runtime, compile_env, resolve_target
 from neuron_infer.errors import ArtifactError, BackendUnavailableError
-from neuron_infer.model.nki_neuron import compiler_lnc_args, neuron_target
+from neuron_infer.model.nki_neuron import neuron_target
 
 INSTALL_HINT = (
     "the neuron target needs the AWS Neuron SDK (torch-neuronx and neuronx-cc) installed from the Neuron pip "
@@ -35,6 +43,8 @@ INSTALL_HINT = (
     "Trn1/Inf2/Trn2/Trn3 instance; the PyPI packages of those names are empty placeholders. Use --target cpu here."
 )
 COMPILER_ARGS = ("--model-type=transformer", "--auto-cast=none", "-O1")
+DEVICE_ID = 0  # NeuronCore index for move_trace_to_device: the first core visible to this process
+SDK_FUNCTIONS = ("trace", "replace_weights", "move_trace_to_device")
 
 
 def import_sdk() -> Any:
@@ -43,7 +53,7 @@ def import_sdk() -> Any:
         sdk = importlib.import_module("torch_neuronx")
     except ImportError as e:
         raise BackendUnavailableError(INSTALL_HINT) from e
-    if not (callable(getattr(sdk, "trace", None)) and callable(getattr(sdk, "replace_weights", None))):
+    if not all(callable(getattr(sdk, f, None)) for f in SDK_FUNCTIONS):
         raise BackendUnavailableError("the installed torch_neuronx is a placeholder without trace(); " + INSTALL_HINT)
     return sdk
 
@@ -51,13 +61,13 @@ def import_sdk() -> Any:
 class FunctionalStep(torch.nn.Module):
     """A bucket step whose cache updates are returned instead of applied in place (traceable by torch-neuronx)."""
 
-    def __init__(self, step: torch.nn.Module):
+    def __init__(self, step: torch.nn.Module, lnc: int):
         super().__init__()
-        self.step = step
+        self.step, self.lnc = step, lnc
 
     def forward(self, input_ids, positions, k_cache, v_cache, logit_index, *seq_ids):
         k, v = k_cache.clone(), v_cache.clone()  # [L, R, Hkv, S, D] each
-        with neuron_target():  # kernels="nki": launch the kernels through the SDK's nki.jit (model/nki_neuron.py)
+        with neuron_target(lnc=self.lnc):  # kernels="nki": the SDK's nki.jit with the compiled LNC grid
             logits = self.step(input_ids, positions, k, v, logit_index, *seq_ids)  # [B, n, V]
         return logits, k, v
 
@@ -67,26 +77,50 @@ class NeuronBackend:
 
     def __init__(self, sdk: Any | None = None):
         self.sdk = sdk or import_sdk()
+        self.build_lnc: int | None = None
+        self._target: NeuronTarget | None = None
+
+    def bind_build(self, build) -> None:
+        """The build's `lnc` (second in the resolution order, after NEURON_LOGICAL_NC_CONFIG)."""
+        self.build_lnc, self._target = build.lnc, None
+
+    def target(self) -> NeuronTarget:
+        """Resolved once per compile, so every graph of an artifact shares one platform and LNC."""
+        if self._target is None:
+            self._target = resolve_target(self.sdk, self.build_lnc)
+        return self._target
 
     def compile_graph(self, module: torch.nn.Module, example_args: tuple, out_dir: Path, graph_name: str) -> dict:
-        workdir = out_dir / f"{graph_name}.workdir"
+        target, workdir = self.target(), out_dir / f"{graph_name}.workdir"
         t0 = time.perf_counter()
-        traced = self.sdk.trace(FunctionalStep(module), example_args, compiler_workdir=str(workdir),
-                                compiler_args=[*COMPILER_ARGS, *compiler_lnc_args(module)],
-                                inline_weights_to_neff=False)
+        with compile_env(target):
+            traced = self.sdk.trace(FunctionalStep(module, target.lnc), example_args, compiler_workdir=str(workdir),
+                                    compiler_args=[*COMPILER_ARGS, *target.compiler_args()],
+                                    inline_weights_to_neff=False)
         torch.jit.save(traced, str(out_dir / f"{graph_name}.pt"))
-        return {"files": [f"{graph_name}.pt"], "compile_s": round(time.perf_counter() - t0, 3)}
+        (out_dir / f"{graph_name}.neuron.json").write_text(json.dumps(target.record(), sort_keys=True))
+        return {"files": [f"{graph_name}.pt", f"{graph_name}.neuron.json"],
+                "compile_s": round(time.perf_counter() - t0, 3), **target.record()}
 
     def load_graph(self, out_dir: Path, graph_name: str, module: torch.nn.Module) -> Callable[..., torch.Tensor]:
         path = out_dir / f"{graph_name}.pt"
+        check_runtime(read_target_record(out_dir / f"{graph_name}.neuron.json"), str(path))
         try:
             graph = torch.jit.load(str(path))
         except (RuntimeError, OSError) as e:
             raise ArtifactError(f"cannot load Neuron graph {path} ({e}); recompile the model") from e
         weights = {f"step.{k}": v for k, v in module.state_dict().items()}  # FunctionalStep prefixes "step."
         self.sdk.replace_weights(graph, weights)
-
+        self.sdk.move_trace_to_device(graph, DEVICE_ID)  # else the weights cross from host on every call
         return copy_back(graph)
+
+
+def read_target_record(path: Path) -> dict:
+    """A graph's {platform, lnc} record written at compile time."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ArtifactError(f"cannot read {path} ({e}); recompile the model") from e
 
 
 def copy_back(graph: Callable) -> Callable[..., torch.Tensor]:

@@ -11,9 +11,10 @@ exercised in CI through a recording test double of `nki` that runs each launch o
   are the layout), positions are cast with torch, nothing is cached across calls (a cache would freeze one
   trace's tensors into the graph);
 * the kernel is wrapped once with the SDK's `nki.jit(fn)` and launched as `jitted[lnc](*args)`: the new API's
-  only grid is the logical-NeuronCore degree (1 or 2), which must equal neuronx-cc's `--lnc` (error EVRF066).
-  Both come from `logical_nc_config()` (`NEURON_LOGICAL_NC_CONFIG`, default 1): the neuron backends pass
-  `--lnc=<it>` to neuronx-cc whenever a graph uses the kernels. The kernels do not split work by
+  only grid is the logical-NeuronCore degree (1 or 2), which must equal neuronx-cc's `--lnc` (error EVRF066)
+  and the runtime's `NEURON_LOGICAL_NC_CONFIG`. The neuron backends resolve that degree once per compile
+  (`compile/neuron_platform.py`: the environment, then the build, then the platform default - 2 on trn2/trn3)
+  and pass the same value to neuronx-cc and to `neuron_target(lnc=...)`. The kernels do not split work by
   `nl.program_id` yet, so at LNC2 both physical cores compute the whole (identical) result: correct, not faster;
 * prefill vs decode is decided from static shapes (T == S: the context-encoding contract, prompt from position 0),
   never from position values, which the trace cannot read; the query-to-KV head map is a constant buffer read
@@ -29,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import os
 from typing import Any
 
 import torch
@@ -45,25 +45,6 @@ NKI_INSTALL_HINT = (
 )
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 PARTITIONS = 128
-
-
-def logical_nc_config() -> int:
-    """The logical NeuronCore degree the kernels are launched with (and neuronx-cc compiles for): 1 or 2."""
-    value = os.environ.get("NEURON_LOGICAL_NC_CONFIG", "").strip() or "1"
-    if value not in ("1", "2"):
-        raise BackendUnavailableError(f"NEURON_LOGICAL_NC_CONFIG={value!r} is not a logical NeuronCore degree; "
-                                      "set it to 1 or 2")
-    return int(value)
-
-
-def uses_nki_kernels(module: nn.Module) -> bool:
-    """Whether a model (or a step wrapping one) was built with the `kernels="nki"` op table."""
-    return any(getattr(getattr(m, "ops", None), "name", None) == "nki" for m in module.modules())
-
-
-def compiler_lnc_args(module: nn.Module) -> list[str]:
-    """`--lnc=<degree>` for neuronx-cc when the graph launches NKI kernels (their grid must match, EVRF066)."""
-    return [f"--lnc={logical_nc_config()}"] if uses_nki_kernels(module) else []
 
 
 def import_device_nki() -> Any:
@@ -105,10 +86,10 @@ def active() -> Launcher | None:
 
 
 @contextlib.contextmanager
-def neuron_target(nki_module: Any | None = None, lnc: int | None = None):
-    """While active, the `kernels="nki"` op table launches kernels through `nki_module.jit` (default: the SDK's)."""
-    degree = lnc if lnc is not None else logical_nc_config()
-    token = _ACTIVE.set(Launcher(nki_module, degree))
+def neuron_target(nki_module: Any | None = None, *, lnc: int):
+    """While active, the `kernels="nki"` op table launches kernels through `nki_module.jit` (default: the SDK's)
+    with the grid `lnc`, the degree the graph is compiled for (`compile/neuron_platform.py`)."""
+    token = _ACTIVE.set(Launcher(nki_module, lnc))
     try:
         yield
     finally:

@@ -1,26 +1,41 @@
-"""Tensor parallelism on Neuron through neuronx-distributed. NOT YET RUN ON HARDWARE.
+"""Tensor parallelism on Neuron through neuronx-distributed's ModelBuilder. NOT YET RUN ON HARDWARE.
 
-Written against neuronx-distributed's documented inference API ("Inference APIs": parallel_model_trace /
-parallel_model_save / parallel_model_load) and exercised in CI through a recording test double
-(tests/parallel/test_neuron_tp.py). neuronx_distributed is imported lazily, only for --target neuron at tp > 1.
+Written against neuronx-distributed's ModelBuilder (`neuronx_distributed.trace.model_builder`, the builder
+neuronx-distributed-inference compiles with) and exercised in CI through a recording test double
+(tests/parallel/test_neuron_tp.py) that binds every call against the real signatures
+(tests/compile/neuron_sdk_signatures.py). neuronx_distributed is imported lazily, only for --target neuron at tp > 1.
 
-    compile: per (sub-model, bucket) graph
-        parallel_model_trace(RankStepFactory(...), example_args, compiler_workdir=..., compiler_args=[...],
-                             tp_degree=tp)      # tp workers; worker r calls the factory and traces rank r's step
-        parallel_model_save(traced, graphs/<graph>)
-    load:   parallel_model_load(graphs/<graph>) -> one callable that runs every rank's NEFF
+    compile: builder = ModelBuilder(router=None, tp_degree=tp, checkpoint_loader=..., compiler_workdir=...,
+                                    logical_nc_config=lnc)
+             builder.add(key=<graph>, model_instance=<rank step + KV aliases>, example_inputs=[<bucket args>],
+                         compiler_args="... --lnc=N")                  # once per planned graph
+             torch.jit.save(builder.trace(initialize_model_weights=False), graphs/nxd_model.pt)
+    load:    traced = torch.jit.load(graphs/nxd_model.pt)
+             traced.nxd_model.initialize([rank 0 weights, ..., rank tp-1 weights], torch.tensor([0], int32))
+             traced(input_ids, positions, logit_index, attend_rows, *seq_ids) -> logits
 
-How ranks map to NeuronCores: rank r of the plan is NeuronCore r of the TP group (an LNC=2 trn2 "core" is two
-physical cores). Each worker builds rank r's model from the artifact's weights/rank{r}.safetensors with the same
-`LocalLayout` as on CPU, and binds the model's collectives to NxD's mappings: `reduce_from_tensor_model_parallel_region`
-(all-reduce after o_proj/down_proj/embedding) and `gather_from_tensor_model_parallel_region` (vocab logits all-gather
-along the last dim) - on device these run over NeuronLink instead of gloo.
+One traced model holds every bucket's NEFF; its weights are one set per rank, loaded once by `initialize` and
+shared by all buckets (none is inlined into a NEFF), as NxDI does. The weights are the artifact's
+`weights/rank{r}.safetensors` (our own sharding, `parallel/shard.py`), so ModelBuilder's own `shard_checkpoint`
+is not used and its `checkpoint_loader` refuses to be called.
 
-KV cache: a traced graph cannot mutate its inputs, and every rank receives the same inputs, so the step takes the
-stacked caches of all ranks [tp, L, B, Hkv_local, S, D]; rank r updates its slice and the slices are all-gathered so
-rank 0's output (what the TP model returns) holds every rank's cache, which the host copies back. That all-gather
-moves the whole cache every step: correct, slow. On hardware the next step is neuronx-distributed's ModelBuilder with
-the caches as per-rank device state (input_output_aliases), as NxDI does.
+SPMD: ModelBuilder traces one module for all ranks, so every rank's graph must be identical and rank-specific
+values must be weights. The plan's ranks differ only in their vocabulary range: the embedding's `start` becomes a
+per-rank int64 weight; any other difference is refused before compiling.
+
+KV cache: each rank's caches are parameters of the traced module that the step returns updated, declared to
+ModelBuilder as input/output aliases {k_cache: 1, v_cache: 2} (as NxDI's DecoderModelInstance does for its
+`past_key_values`). They are device state: allocated on the device at `initialize`, updated in place by every
+bucket, never copied to or from the host (ModelBuilder traces with output_aliased_tensor=False, so a call
+returns the logits only). The engine's host cache tensors are empty placeholders.
+
+Routing: NxD picks the bucket whose example input shapes a call matches. Token-generation buckets share their
+input shapes, so each graph takes an `attend_rows` tensor [S] (zeros, unused by the math) whose length names its
+bucket, as NxDI's attention mask [B, S] does.
+
+Rank r of the plan is NeuronCore r of the TP group (an LNC=2 trn2 "core" is two physical cores); the model's
+collectives are NxD's mappings `reduce_from_tensor_model_parallel_region` (after o_proj/down_proj/embedding) and
+`gather_from_tensor_model_parallel_region` (vocab logits along the last dim), NeuronLink collectives on device.
 """
 from __future__ import annotations
 
@@ -32,32 +47,36 @@ from typing import Any
 
 import torch
 
-from neuron_infer.compile.neuron import COMPILER_ARGS, copy_back
+from neuron_infer.compile.neuron import COMPILER_ARGS, import_sdk
+from neuron_infer.compile.neuron_platform import check_runtime, compile_env, resolve_target
 from neuron_infer.config import BuildConfig, ModelConfig
-from neuron_infer.errors import ArtifactError, BackendUnavailableError
-from neuron_infer.model.nki_neuron import logical_nc_config, neuron_target
+from neuron_infer.errors import ArtifactError, BackendUnavailableError, ConfigError
+from neuron_infer.model.nki_neuron import neuron_target
 from neuron_infer.parallel.plan import ShardPlan
 from neuron_infer.runtime.engine import CacheShape, planned_graphs
 
-NEURON_TP_NOTE = ("neuron tensor parallelism through neuronx-distributed parallel_model_trace, one NEFF per rank per "
-                  "graph; not yet run on hardware")
+NEURON_TP_NOTE = ("neuron tensor parallelism through neuronx-distributed ModelBuilder: one NEFF per graph, one "
+                  "weight set per rank shared by every bucket, KV caches aliased on the device; not yet run on "
+                  "hardware")
 INSTALL_HINT = (
     "--target neuron with --tp-degree > 1 needs neuronx-distributed (with torch-neuronx and neuronx-cc) from the "
     "Neuron pip repository (pip install --extra-index-url https://pip.repos.neuron.amazonaws.com "
     "neuronx-distributed) on a Trn1/Inf2/Trn2/Trn3 instance; use --target cpu here."
 )
+NXD_MODEL = "nxd_model.pt"  # under graphs/
+START = "step.model.model.embed_tokens.start"  # the per-rank vocabulary start, a weight of the SPMD graph
+K_OUT, V_OUT = 1, 2  # output indices of the updated caches (aliased to the cache parameters)
 
 
 def import_nxd() -> Any:
     """Return the neuronx_distributed module, or raise one clear sentence when it is absent or a placeholder."""
     try:
         nxd = importlib.import_module("neuronx_distributed")
+        builder = importlib.import_module("neuronx_distributed.trace.model_builder")
     except ImportError as e:
         raise BackendUnavailableError(INSTALL_HINT) from e
-    trace = getattr(nxd, "trace", None)
-    if not all(callable(getattr(trace, f, None)) for f in ("parallel_model_trace", "parallel_model_save",
-                                                          "parallel_model_load")):
-        raise BackendUnavailableError("the installed neuronx_distributed lacks trace.parallel_model_trace; "
+    if not all(callable(getattr(builder, f, None)) for f in ("ModelBuilder", "BaseModelInstance")):
+        raise BackendUnavailableError("the installed neuronx_distributed lacks trace.model_builder.ModelBuilder; "
                                       + INSTALL_HINT)
     return nxd
 
@@ -71,112 +90,186 @@ def nxd_ops(nxd: Any, kernels: str):
                                              m.gather_from_tensor_model_parallel_region)
 
 
-class TPRankStep(torch.nn.Module):
-    """Rank r's bucket step in functional form over the stacked caches of all ranks (see the module docstring)."""
+class SPMDStep(torch.nn.Module):
+    """One bucket step of any rank: the caches are parameters (device state), returned updated for aliasing."""
 
-    def __init__(self, step: torch.nn.Module, rank: int, gather):
+    def __init__(self, step: torch.nn.Module, cache: CacheShape, lnc: int):
         super().__init__()
-        self.step, self.rank, self.gather = step, rank, gather
+        self.step, self.lnc = step, lnc
+        shape = (cache.layers, cache.batch, cache.kv_heads, cache.max_length, cache.head_dim)  # [L, B, Hkv, S, D]
+        self.k_cache = torch.nn.Parameter(torch.empty(shape, dtype=cache.dtype, device="meta"), requires_grad=False)
+        self.v_cache = torch.nn.Parameter(torch.empty(shape, dtype=cache.dtype, device="meta"), requires_grad=False)
 
-    def forward(self, input_ids, positions, k_all, v_all, logit_index, *seq_ids):
-        k, v = k_all[self.rank].clone(), v_all[self.rank].clone()  # [L, R, Hkv, S, D] this rank's cache
-        with neuron_target():  # kernels="nki": the SDK's nki.jit inside the rank's graph (model/nki_neuron.py)
+    def aliases(self) -> dict:
+        return {self.k_cache: K_OUT, self.v_cache: V_OUT}
+
+    def forward(self, input_ids, positions, logit_index, attend_rows, *seq_ids):
+        del attend_rows  # [S]: names the bucket for NxD's shape routing
+        k, v = self.k_cache.clone(), self.v_cache.clone()  # [L, B, Hkv, S, D]
+        with neuron_target(lnc=self.lnc):  # kernels="nki": the SDK's nki.jit with the compiled LNC grid
             logits = self.step(input_ids, positions, k, v, logit_index, *seq_ids)  # [B, n, V]
-        k_all = self.gather(k.reshape(1, -1)).view(k_all.shape)  # [1, tp*N] -> [tp, L, R, Hkv, S, D]
-        v_all = self.gather(v.reshape(1, -1)).view(v_all.shape)
-        return logits, k_all, v_all
+        return logits, k, v
+
+
+def _start_as_weight(model) -> None:
+    """The embedding's vocabulary start (a Python int per rank) as an int64 weight, so one graph serves all ranks."""
+    emb = model.model.embed_tokens
+    if emb.sharded:
+        del emb.start
+        emb.start = torch.nn.Parameter(torch.zeros((), dtype=torch.int64, device="meta"), requires_grad=False)
 
 
 @dataclass(frozen=True)
-class RankStepFactory:
-    """Picklable `func` for parallel_model_trace: builds the calling worker's rank step from the artifact files."""
+class StepFactory:
+    """`module_cls` of a ModelBuilder model instance: the SPMD step of one planned graph (uninitialized weights)."""
 
-    root: str
     model: dict
     build: dict
     plan: dict
     attend: int
     select_rows: bool
+    lnc: int
 
-    def __call__(self) -> tuple[torch.nn.Module, dict]:
+    def __call__(self) -> SPMDStep:
         from neuron_infer.compile.quantize_step import quant_structure
-        from neuron_infer.compile.weights import empty_model, load_rank_weights
+        from neuron_infer.compile.weights import empty_model
         from neuron_infer.model.llama import BucketStep
         from neuron_infer.parallel.compile_tp import rank_layout
 
         nxd = import_nxd()
-        rank = int(nxd.parallel_layers.parallel_state.get_tensor_model_parallel_rank())
         cfg, build = ModelConfig.from_dict(self.model), BuildConfig.from_dict(self.build)
         plan = ShardPlan.from_dict(self.plan)
-        model = empty_model(cfg, build, rank_layout(plan.ranks[rank]), nxd_ops(nxd, build.kernels))
+        model = empty_model(cfg, build, rank_layout(plan.ranks[0]), nxd_ops(nxd, build.kernels))
         quant_structure(model, build)
-        load_rank_weights(model, Path(self.root) / "weights" / f"rank{rank}.safetensors")
-        gather = nxd.parallel_layers.mappings.gather_from_tensor_model_parallel_region
-        return TPRankStep(BucketStep(model, self.attend, self.select_rows), rank, gather).eval(), {}
+        _start_as_weight(model)
+        module = SPMDStep(BucketStep(model, self.attend, self.select_rows), rank_cache(cfg, build, plan), self.lnc)
+        module.to_empty(device="cpu")  # host tensors to trace with; the values arrive with nxd_model.initialize
+        model.tie_weights()
+        model.materialize_buffers()  # RoPE tables and head maps: graph constants, equal on every rank
+        return module.eval()
+
+
+def model_instance(nxd: Any, factory: StepFactory) -> Any:
+    """A ModelBuilder model instance whose `get` declares the cache aliases (NxDI: DecoderModelInstance.get)."""
+    base = nxd.trace.model_builder.BaseModelInstance
+
+    class CacheAliasedInstance(base):
+        def get(self, bucket_rank, **kwargs):
+            return self.module, self.module.aliases()
+
+    return CacheAliasedInstance(module_cls=factory, input_output_aliases={})
 
 
 @dataclass(frozen=True)
-class StackedCacheShape(CacheShape):
-    """All ranks' caches stacked: [tp, L, B, Hkv_local, S, D] (host copy of the per-rank device caches)."""
+class DeviceCacheShape(CacheShape):
+    """Per-rank caches live on the device (aliased state); the engine holds empty placeholders."""
 
     tp: int = 1
 
     def allocate(self) -> tuple[torch.Tensor, torch.Tensor]:
-        shape = (self.tp, self.layers, self.batch, self.kv_heads, self.max_length, self.head_dim)
-        return torch.zeros(shape, dtype=self.dtype), torch.zeros(shape, dtype=self.dtype)
+        return torch.empty(0, dtype=self.dtype), torch.empty(0, dtype=self.dtype)
 
     def nbytes(self) -> int:
-        return self.tp * super().nbytes()
+        return self.tp * super().nbytes()  # device bytes over all ranks
 
 
-def example_args(cache: StackedCacheShape, spec) -> tuple[torch.Tensor, ...]:
-    from neuron_infer.compile.builder import example_args as single
-
-    k, v = cache.allocate()
-    ids, pos, _, _, idx, *rest = single(CacheShape(1, 1, 1, 1, 1, cache.dtype), spec)
-    return (ids, pos, k, v, idx, *rest)
-
-
-def stacked_cache(cfg: ModelConfig, build: BuildConfig, plan: ShardPlan) -> StackedCacheShape:
+def rank_cache(cfg: ModelConfig, build: BuildConfig, plan: ShardPlan) -> DeviceCacheShape:
     from neuron_infer.compile.weights import DTYPES
 
     dtype = torch.float8_e4m3fn if build.quant.kv_cache_dtype == "fp8" else DTYPES[build.dtype]
-    return StackedCacheShape(cfg.num_layers, build.batch_size, plan.local_num_kv_heads, build.max_length,
-                             cfg.head_dim, dtype, plan.tp)
+    return DeviceCacheShape(cfg.num_layers, build.batch_size, plan.local_num_kv_heads, build.max_length,
+                            cfg.head_dim, dtype, plan.tp)
+
+
+def example_args(build: BuildConfig, spec) -> tuple[torch.Tensor, ...]:
+    """(input_ids, positions, logit_index, attend_rows [S], *seq_ids) of one planned graph."""
+    from neuron_infer.compile.builder import example_args as single
+
+    ids, pos, _, _, idx, *rest = single(CacheShape(1, 1, 1, 1, 1, torch.float32), spec)
+    return (ids, pos, idx, torch.zeros(spec.attend, dtype=torch.int32), *rest)
+
+
+def check_spmd(plan: ShardPlan) -> None:
+    """One traced graph serves every rank: ranks may differ only in their vocabulary start (a weight)."""
+    shapes = [{k: v for k, v in r.local_layout_fields().items() if k != "vocab_start"} for r in plan.ranks]
+    if any(s != shapes[0] for s in shapes[1:]):
+        raise ConfigError(f"--tp-degree {plan.tp}: the ranks of this plan have different head/MLP shapes, which "
+                          "one neuronx-distributed SPMD graph cannot serve; choose a tp degree that divides the "
+                          "heads, KV heads and intermediate size evenly")
+
+
+def _no_checkpoint_loader() -> dict:
+    raise ArtifactError("neuron-infer shards the weights itself (weights/rank{r}.safetensors); ModelBuilder's "
+                        "checkpoint_loader is not used")
 
 
 def compile_neuron_tp_graphs(root: Path, cfg: ModelConfig, build: BuildConfig, plan: ShardPlan, say) -> dict:
-    """Trace and save every planned graph over `plan.tp` NeuronCores (weights/rank{r} must already be in root)."""
+    """Trace every planned graph with one ModelBuilder over `plan.tp` NeuronCores into graphs/nxd_model.pt."""
     nxd = import_nxd()
-    cache, graphs = stacked_cache(cfg, build, plan), {}
-    # NKI kernels are launched with the LNC grid, which neuronx-cc's --lnc must match (EVRF066)
-    lnc_args = [f"--lnc={logical_nc_config()}"] if build.kernels == "nki" else []
-    for i, spec in enumerate(planned_graphs(build), 1):
-        say(f"[{i}] neuronx-distributed: tracing {spec.name} over {plan.tp} NeuronCores")
-        t0 = time.perf_counter()
-        factory = RankStepFactory(str(root), cfg.to_dict(), build.to_dict(), plan.to_dict(), spec.attend,
-                                  spec.select_rows)
-        traced = nxd.trace.parallel_model_trace(factory, example_args(cache, spec),
-                                                compiler_workdir=str(root / "graphs" / f"{spec.name}.workdir"),
-                                                compiler_args=[*COMPILER_ARGS, *lnc_args], tp_degree=plan.tp)
-        nxd.trace.parallel_model_save(traced, str(root / "graphs" / spec.name))
-        graphs[spec.name] = {"kind": spec.kind, "tokens": spec.tokens, "attend": spec.attend, "batch": spec.batch,
-                             "files": [spec.name], "seconds": round(time.perf_counter() - t0, 3)}
-    return graphs
+    check_spmd(plan)
+    target = resolve_target(import_sdk(), build.lnc)
+    builder = nxd.trace.model_builder.ModelBuilder(
+        router=None, tp_degree=plan.tp, checkpoint_loader=_no_checkpoint_loader,
+        compiler_workdir=str(root / "graphs" / "nxd.workdir"), logical_nc_config=target.lnc)
+    specs = planned_graphs(build)
+    for spec in specs:
+        factory = StepFactory(cfg.to_dict(), build.to_dict(), plan.to_dict(), spec.attend, spec.select_rows,
+                              target.lnc)
+        builder.add(key=spec.name, model_instance=model_instance(nxd, factory),
+                    example_inputs=[example_args(build, spec)],
+                    compiler_args=" ".join([*COMPILER_ARGS, *target.compiler_args()]))
+    say(f"neuronx-distributed: tracing {len(specs)} graphs over {plan.tp} NeuronCores "
+        f"({target.platform}, LNC {target.lnc})")
+    t0 = time.perf_counter()
+    with compile_env(target):
+        traced = builder.trace(initialize_model_weights=False)
+    (root / "graphs").mkdir(parents=True, exist_ok=True)
+    torch.jit.save(traced, str(root / "graphs" / NXD_MODEL))
+    seconds = round(time.perf_counter() - t0, 3)
+    return {spec.name: {"kind": spec.kind, "tokens": spec.tokens, "attend": spec.attend, "batch": spec.batch,
+                        "files": [NXD_MODEL], "nxd_key": spec.name, "trace_all_s": seconds, **target.record()}
+            for spec in specs}
+
+
+def rank_weights(root: Path, manifest, plan: ShardPlan, rank: int) -> dict[str, torch.Tensor]:
+    """Rank r's weights named as the SPMD step's parameters (tied and quantized structure as at compile)."""
+    from neuron_infer.compile.quantize_step import quant_structure
+    from neuron_infer.compile.weights import empty_model, load_rank_weights
+    from neuron_infer.parallel.compile_tp import rank_layout
+
+    model = empty_model(manifest.model, manifest.build, rank_layout(plan.ranks[rank]))
+    quant_structure(model, manifest.build)
+    load_rank_weights(model, root / "weights" / f"rank{rank}.safetensors")
+    weights = {f"step.model.{k}": v for k, v in model.state_dict().items()}
+    if plan.ranks[rank].vocab_local != plan.ranks[rank].vocab_size:
+        weights[START] = torch.tensor(plan.ranks[rank].vocab_start, dtype=torch.int64)
+    return weights
 
 
 def load_neuron_tp_engine(root: Path, manifest, plan: ShardPlan):
     """An in-process Engine whose graphs run every rank on its NeuronCore (NxD drives the ranks)."""
     from neuron_infer.runtime.engine import Engine
 
-    nxd = import_nxd()
-    graphs = {}
-    for spec in planned_graphs(manifest.build):
-        try:
-            traced = nxd.trace.parallel_model_load(str(root / "graphs" / spec.name))
-        except (RuntimeError, OSError) as e:
-            raise ArtifactError(f"cannot load Neuron TP graph {spec.name} from {root} ({e}); recompile") from e
-        graphs[spec.name] = copy_back(traced)
-    return Engine(graphs, manifest.build, stacked_cache(manifest.model, manifest.build, plan),
+    import_nxd()  # the NxD runtime classes the saved model needs
+    check_runtime(next(iter(manifest.graphs.values())), f"{root / 'graphs' / NXD_MODEL}")
+    try:
+        traced = torch.jit.load(str(root / "graphs" / NXD_MODEL))
+    except (RuntimeError, OSError) as e:
+        raise ArtifactError(f"cannot load the Neuron TP model from {root} ({e}); recompile") from e
+    weights = [rank_weights(root, manifest, plan, r) for r in range(plan.tp)]
+    traced.nxd_model.initialize(weights, torch.tensor([0], dtype=torch.int32))
+    del weights
+    graphs = {spec.name: device_step(traced, spec.attend) for spec in planned_graphs(manifest.build)}
+    return Engine(graphs, manifest.build, rank_cache(manifest.model, manifest.build, plan),
                   manifest.model.vocab_size)
 
+
+def device_step(traced, attend: int):
+    """The engine's step signature over the NxD model: the host caches are placeholders (the device holds them)."""
+    attend_rows = torch.zeros(attend, dtype=torch.int32)
+
+    def run(input_ids, positions, k_cache, v_cache, logit_index, *seq_ids):
+        out = traced(input_ids, positions, logit_index, attend_rows, *seq_ids)
+        return out[0] if isinstance(out, (list, tuple)) else out  # logits [B, n, V]; the caches stay aliased
+
+    return run

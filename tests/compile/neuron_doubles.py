@@ -1,5 +1,8 @@
 """Recording test doubles of the Neuron SDK (it cannot be installed here): torch-neuronx and `nki`.
 
+Every call is bound against the SDK's real signature first (tests/compile/neuron_sdk_signatures.py, each entry
+naming its public source): an unknown keyword or a missing required argument fails the test.
+
 `RecordingNeuronSDK` (torch_neuronx) records every SDK call and implements `trace` with `torch.jit.trace` (a real
 TorchScript graph of the functional step, its parameters poisoned with NaN as a NEFF compiled without inlined
 weights holds none) and `replace_weights` by loading the given tensors into the graph, so compile -> save -> load
@@ -15,24 +18,36 @@ would not receive from a traced graph: NumPy arrays, a missing grid, a grid othe
 from __future__ import annotations
 
 import json
+import os
 import types
 from dataclasses import dataclass
 
 import torch
 
 from nki_kernels.sim import simulate_kernel
+from tests.compile.neuron_sdk_signatures import checked
 
 
 class RecordingNeuronSDK(types.ModuleType):
-    """Stands in for `import torch_neuronx` (trace / replace_weights)."""
+    """Stands in for `import torch_neuronx` (trace / replace_weights / move_trace_to_device /
+    utils.get_platform_target). Every call is first bound against the real signature
+    (tests/compile/neuron_sdk_signatures.py), so an argument the SDK does not take fails the test."""
 
-    def __init__(self):
+    def __init__(self, platform: str = "trn2"):
         super().__init__("torch_neuronx")
         self.calls: list[tuple[str, dict]] = []
+        self.platform = platform
+        self.trace = checked("torch_neuronx.trace", self._trace)
+        self.replace_weights = checked("torch_neuronx.replace_weights", self._replace_weights)
+        self.move_trace_to_device = checked("torch_neuronx.move_trace_to_device", self._move)
+        self.utils = types.SimpleNamespace(
+            get_platform_target=checked("torch_neuronx.utils.get_platform_target", lambda: self.platform))
 
-    def trace(self, func, example_inputs, compiler_workdir=None, compiler_args=None, inline_weights_to_neff=True):
+    def _trace(self, func, example_inputs, input_output_aliases, compiler_workdir, compiler_args,
+               partitioner_config, inline_weights_to_neff, cpu_backend):
         self.calls.append(("trace", {"workdir": compiler_workdir, "args": compiler_args,
                                      "inline_weights_to_neff": inline_weights_to_neff,
+                                     "platform_env": os.environ.get("NEURON_PLATFORM_TARGET_OVERRIDE"),
                                      "shapes": [tuple(t.shape) for t in example_inputs]}))
         graph = torch.jit.trace(func, example_inputs, check_trace=False)
         with torch.no_grad():  # a NEFF compiled without inlined weights holds none: poison them
@@ -40,14 +55,18 @@ class RecordingNeuronSDK(types.ModuleType):
                 p.fill_(float("nan"))
         return graph
 
-    def replace_weights(self, graph, weights):
-        self.calls.append(("replace_weights", {"keys": sorted(weights)}))
-        params = dict(graph.named_parameters())  # constants (rope tables, head maps) stay in the graph
+    def _replace_weights(self, neuron_model, weights):
+        self.calls.append(("replace_weights", {"keys": sorted(weights), "graph": id(neuron_model)}))
+        params = dict(neuron_model.named_parameters())  # constants (rope tables, head maps) stay in the graph
         missing = set(params) - set(weights)
         assert not missing, f"weights missing for {sorted(missing)[:5]}"
         with torch.no_grad():
             for name, t in params.items():
                 t.copy_(weights[name])
+
+    def _move(self, trace, device_id):
+        assert isinstance(device_id, int) and device_id >= 0, f"device_id must be a NeuronCore index, got {device_id!r}"
+        self.calls.append(("move_trace_to_device", {"graph": id(trace), "device_id": device_id}))
 
 
 _KERNELS: dict[str, object] = {}   # key -> undecorated kernel function (the custom op looks kernels up here)
@@ -107,8 +126,9 @@ class RecordingNKI(types.ModuleType):
         super().__init__("nki")
         self.wrapped: list[str] = []
         self.launches: list[Launch] = []
+        self.jit = checked("nki.jit", self._jit)
 
-    def jit(self, fn=None, **kwargs):
+    def _jit(self, fn=None, **kwargs):
         assert callable(fn) and not hasattr(fn, "__wrapped__"), "jit must receive the plain kernel function"
         self.wrapped.append(fn.__name__)
         return _Jitted(self, fn)

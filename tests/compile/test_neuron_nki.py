@@ -21,6 +21,7 @@ from neuron_infer.api import CompiledModel
 from neuron_infer.checkpoint import load_checkpoint
 from neuron_infer.compile.builder import compile_model
 from neuron_infer.compile.neuron import FunctionalStep
+from neuron_infer.compile.neuron_platform import LNC_ENV, PLATFORM_ENV
 from neuron_infer.compile.weights import build_float_model
 from neuron_infer.config import BuildConfig, ModelConfig
 from neuron_infer.errors import BackendUnavailableError
@@ -42,21 +43,25 @@ def nki_double(monkeypatch):
     return fake
 
 
+@pytest.fixture(autouse=True)
+def neuron_env(monkeypatch):
+    """Both variables unset for the test and restored after it (loading sets NEURON_LOGICAL_NC_CONFIG)."""
+    for name in (LNC_ENV, PLATFORM_ENV):
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+
+
 def test_without_the_sdk_the_first_launch_says_how_to_install():
     q = torch.randn(1, 2, 4, 8)
-    with nki_neuron.neuron_target(), pytest.raises(BackendUnavailableError, match="Neuron pip repository"):
+    with nki_neuron.neuron_target(lnc=1), pytest.raises(BackendUnavailableError, match="Neuron pip repository"):
         nki_ops.attention(q, q[:, :1], q[:, :1], torch.tensor([0, 0]), torch.arange(4).view(1, 4))
 
 
-def test_the_lnc_degree_is_validated_and_only_nki_graphs_get_a_compiler_lnc(monkeypatch, tiny_dirs):
-    monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "3")
-    with pytest.raises(BackendUnavailableError, match="1 or 2"):
-        nki_neuron.logical_nc_config()
-    monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "2")
-    _, nki_model = _tiny(tiny_dirs, "nki")
-    _, ref_model = _tiny(tiny_dirs, "reference")
-    assert nki_neuron.compiler_lnc_args(nki_model) == ["--lnc=2"]
-    assert nki_neuron.compiler_lnc_args(ref_model) == []
+def test_the_launch_grid_is_the_degree_the_trace_is_compiled_for():
+    with pytest.raises(BackendUnavailableError, match="1 or 2"), nki_neuron.neuron_target(lnc=3):
+        pass
+    with pytest.raises(TypeError), nki_neuron.neuron_target():   # no default: the caller passes the compiled LNC
+        pass
 
 
 def test_outside_a_neuron_trace_the_ops_still_use_the_simulator(nki_double):
@@ -105,7 +110,7 @@ def test_mlp_launches_the_fused_kernel_with_weights_relaid_in_torch(nki_double, 
     if kind == "tiled_fp8":
         mods = tuple(TiledLinear.from_module(m) for m in mods)
     x = torch.randn(2, 3, 160, generator=gen).to(torch.float32 if kind == "float" else torch.bfloat16)
-    with torch.no_grad(), nki_neuron.neuron_target():
+    with torch.no_grad(), nki_neuron.neuron_target(lnc=1):
         out = nki_ops.mlp(x, *mods)
     ref = mlp_ref(x, *mods)
     (launch,) = nki_double.launches
@@ -137,7 +142,7 @@ def test_a_traced_tiny_llama_runs_the_kernels_as_graph_ops_and_matches_the_refer
     with torch.no_grad():
         step = BucketStep(model, s)
         weights = {f"step.{k}": v.clone() for k, v in step.state_dict().items()}   # trace poisons the params
-        graph = sdk.trace(FunctionalStep(step), (ids, pos, torch.zeros(cache), torch.zeros(cache), idx))
+        graph = sdk.trace(FunctionalStep(step, 1), (ids, pos, torch.zeros(cache), torch.zeros(cache), idx))
         sdk.replace_weights(graph, weights)
         logits, k_new, _ = graph(ids, pos, torch.zeros(cache), torch.zeros(cache), idx)
         k_ref, v_ref = torch.zeros(cache), torch.zeros(cache)
@@ -158,13 +163,14 @@ def test_compile_and_generate_for_neuron_with_nki_kernels_equals_the_cpu_referen
     compile_model(d, tmp_path / "eager", BUILD.replace(target="cpu", kernels="reference"), backend="cpu-eager",
                   say=lambda m: None)
     traces = [c for name, c in sdk.calls if name == "trace"]
-    assert traces and all(t["args"][-1] == "--lnc=1" for t in traces)     # compiler LNC == kernel grid
+    assert traces and all(t["args"][-1] == "--lnc=2" for t in traces)     # trn2's default LNC ...
+    assert all(t["platform_env"] == "trn2" for t in traces)                # ... for the trn2 kernels
     by_kernel = {}
     for launch in nki_double.launches:
         by_kernel.setdefault(launch.kernel, set()).add((launch.grid, launch.shapes[0]))
-    assert by_kernel == {"flash_attention_prefill": {(1, (1, 4, 24, 16)), (1, (1, 4, 24, 32))},
-                         "mlp_kernel": {(1, (16, 96)), (1, (32, 96)), (1, (1, 96))},
-                         "attention_decode": {(1, (1, 4, 24, 1))}}
+    assert by_kernel == {"flash_attention_prefill": {(2, (1, 4, 24, 16)), (2, (1, 4, 24, 32))},   # grid == --lnc
+                         "mlp_kernel": {(2, (16, 96)), (2, (32, 96)), (2, (1, 96))},
+                         "attention_decode": {(2, (1, 4, 24, 1))}}
     prompt = [list(range(5, 25))]
     runs = len(RUNS)
     got = CompiledModel.load(tmp_path / "neuron").generate_ids(prompt, 12, ignore_eos=True)
@@ -176,21 +182,21 @@ def test_compile_and_generate_for_neuron_with_nki_kernels_equals_the_cpu_referen
 def test_neuron_tensor_parallel_with_nki_kernels_equals_the_cpu_reference(nki_double, tiny_dirs, tmp_path,
                                                                          monkeypatch):
     """tp = 2 through the neuronx-distributed double (ranks as threads; each rank's step launches the kernels)."""
-    from tests.parallel.test_neuron_tp import RecordingNxD
+    from tests.parallel.nxd_double import install
     from tests.parallel.test_tp_e2e import BUILD as TP_BUILD
 
-    nxd = RecordingNxD(2)
-    monkeypatch.setitem(sys.modules, "neuronx_distributed", nxd)
+    nxd, _ = install(monkeypatch, 2)
     d = tiny_dirs("gqa")
     compile_model(d, tmp_path / "n", TP_BUILD.replace(target="neuron", tp_degree=2, kernels="nki"),
                   say=lambda m: None)
-    traces = [c for name, c in nxd.calls if name == "parallel_model_trace"]
-    assert traces and all(t["compiler_args"][-1] == "--lnc=1" for t in traces)
+    adds = [c for name, c in nxd.calls if name == "ModelBuilder.add"]
+    assert adds and all(a["compiler_args"].endswith("--lnc=2") for a in adds)
     compile_model(d, tmp_path / "ref", TP_BUILD, backend="cpu-eager", say=lambda m: None)
     ids = [[1, 17, 42, 99, 7]]
     want = CompiledModel.load(tmp_path / "ref").generate_ids(ids, 8, ignore_eos=True).outputs[0].token_ids
     got = CompiledModel.load(tmp_path / "n").generate_ids(ids, 8, ignore_eos=True).outputs[0].token_ids
     assert got == want
     launched = {launch.kernel for launch in nki_double.launches}
+    assert {launch.grid for launch in nki_double.launches} == {2}
     assert launched == {"flash_attention_prefill", "attention_decode", "mlp_kernel"}
     assert {launch.shapes[0][1] for launch in nki_double.launches if launch.kernel == "mlp_kernel"} == {96}
