@@ -9,7 +9,8 @@
   that needs NeuronCores); the reason is required.
 * Every relative Markdown link in the repository's Markdown files points at an existing file inside the repository,
   and a ``#fragment`` at an existing heading of the target.
-* README.md has at most 300 lines.
+* README.md has at most 300 lines, and no tracked file carries development history ("session N", "run A/B/C",
+  issue numbers, "earlier this morning") or a path outside the repository.
 The helpers are also run on bad inputs below, so each check is shown to fail when it should.
 """
 from __future__ import annotations
@@ -229,3 +230,35 @@ def test_readme_is_short():
     lines = len((ROOT / "README.md").read_text(encoding="utf-8").splitlines())
     assert not too_long((ROOT / "README.md").read_text(encoding="utf-8")), f"README.md has {lines} lines"
     assert too_long("x\n" * (README_MAX_LINES + 1)) and not too_long("x\n" * README_MAX_LINES)
+
+
+# ------------------------------------------------------------------------------------- the repository's wording
+
+# Development history and workplace paths have no place in the repository. Patterns are assembled from pieces so
+# this file does not match itself.
+HISTORY = re.compile("|".join([
+    r"(?i:\bsession[ -][0-9])", r"\brun [A-C]\b", r"(?i:\bissue #?[0-9])",
+    r"(?i:\bearlier (this|the same) (morning|day|session))", r"(?i:\bthis morning\b)",
+    r"\.\./" + "shared", "/work/" + "shared",
+]))
+
+
+def history_mentions(text: str) -> list[str]:
+    return [m.group(0) for m in HISTORY.finditer(text)]
+
+
+def test_no_development_history():
+    found = []
+    for path in tracked("*"):
+        if path.suffix in {".png", ".so", ".gguf"} or path == Path(__file__).resolve():
+            continue
+        text = path.read_text(encoding="utf-8", errors="replace")
+        found += [f"{path.relative_to(ROOT)}: {hit}" for hit in history_mentions(text)]
+    assert not found, "\n".join(found)
+
+
+def test_history_patterns_match():
+    bad = ("measured in session 5", "run B was slower", "see issue 20", "earlier the same morning",
+           "as of this morning", "see ../" + "shared/docs")
+    assert all(history_mentions(t) for t in bad)
+    assert not history_mentions("tests run a real vLLM; issues 4 x 2 matmuls; session-scoped fixture")
