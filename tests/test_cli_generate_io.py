@@ -146,3 +146,21 @@ def test_without_artifacts_the_checks_run_before_the_default_compile(tiny_dirs, 
     monkeypatch.setattr(presets, "default_artifact_dir", lambda *a: pytest.fail("compiled before the checks"))
     code, _, err = run_main(["generate", "--config", "tiny", "--prompt", "hello", "--max-new-tokens", "200"])
     assert code == 2 and "more than max_length=128" in err.strip().splitlines()[-1]
+
+
+def test_a_terminal_stdin_is_never_read(monkeypatch):
+    """No prompt and stdin on a terminal: no read (the default prompt applies), as before stdin prompts."""
+    import io
+    import sys
+
+    from neuron_infer.cli_io import resolve_stdin_prompts
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    monkeypatch.setattr(sys, "stdin", Tty("typed text\n"))
+    assert resolve_stdin_prompts([], other_source=False) == []
+    assert sys.stdin.read() == "typed text\n"
+    monkeypatch.setattr(sys, "stdin", None)  # e.g. a daemon without stdin
+    assert resolve_stdin_prompts([], other_source=False) == []
