@@ -48,13 +48,13 @@ def summary_lines(root: Path, m, size: tuple[int, int], problem: str | None) -> 
     spec = b.speculation
     lines = [
         f"{root}",
-        f"  model        Llama-family, {_params(c) / 1e6:.1f}M parameters: {c.num_layers} layers, hidden "
-        f"{c.hidden_size}, {c.num_heads} heads / {c.num_kv_heads} KV heads, vocab {c.vocab_size}",
+        (f"  model        Llama-family, {_params(c) / 1e6:.1f}M parameters: {c.num_layers} layers, hidden "
+         f"{c.hidden_size}, {c.num_heads} heads / {c.num_kv_heads} KV heads, vocab {c.vocab_size}"),
         f"  dtype        {b.dtype}",
         f"  tp           {b.tp_degree}",
         f"  batch        {b.batch_size}",
-        f"  buckets      context {', '.join(map(str, b.context_bucket_list))} (max prompt {b.max_context_length}); "
-        f"token generation {', '.join(map(str, b.tokengen_bucket_list))} (max length {b.max_length})",
+        (f"  buckets      context {', '.join(map(str, b.context_bucket_list))} (max prompt {b.max_context_length}); "
+         f"token generation {', '.join(map(str, b.tokengen_bucket_list))} (max length {b.max_length})"),
         f"  quant        {quant}",
     ]
     if spec is not None:

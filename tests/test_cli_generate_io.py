@@ -57,9 +57,8 @@ def test_prompt_dash_with_empty_stdin_is_an_error(art):
 
 def test_stdin_that_is_not_utf8_is_one_error_line(art):
     runner = CliRunner()
-    with runner.isolation(input=b"\xff\xfe bad") as (_out, err, _mixed):
-        with pytest.raises(SystemExit) as e:
-            main(["generate", str(art), "--prompt", "-"])
+    with runner.isolation(input=b"\xff\xfe bad") as (_out, err, _mixed), pytest.raises(SystemExit) as e:
+        main(["generate", str(art), "--prompt", "-"])
     assert e.value.code == 2 and "stdin is not UTF-8" in err.getvalue().decode()
 
 
