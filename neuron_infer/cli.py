@@ -195,7 +195,7 @@ def generate_cmd(artifacts, prompts, prompt_file, chat, max_new_tokens, temperat
     manifest, tokenizer = artifact_front(artifacts)  # cheap checks before the slow load of weights and graphs
     ids = [encode_prompt(tokenizer, p, chat) for p in prompts]
     check_request(manifest.build, [len(x) for x in ids], max_new_tokens)
-    model = CompiledModel.load(artifacts, threads=threads)
+    model = CompiledModel.load(artifacts, threads=threads, tokenizer=tokenizer)
     if as_json:
         stream = JsonLinesStreamer(model.tokenizer) if stream_json else None
     else:
