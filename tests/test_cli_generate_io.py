@@ -163,3 +163,36 @@ def test_a_terminal_stdin_is_never_read(monkeypatch):
     assert sys.stdin.read() == "typed text\n"
     monkeypatch.setattr(sys, "stdin", None)  # e.g. a daemon without stdin
     assert resolve_stdin_prompts([], other_source=False) == []
+
+
+def test_streamers_print_as_tokens_arrive_and_hold_back_a_split_character(model, capsys):
+    """'é' is two byte-level tokens: after the first one only the text before it may be shown."""
+    import io
+    import sys
+
+    from neuron_infer.cli_io import JsonLinesStreamer, TextStreamer
+
+    tok = model.tokenizer
+    ids = tok("Paris é fin", add_special_tokens=False)["input_ids"]
+    split = next(i for i in range(1, len(ids)) if tok.decode(ids[:i]).endswith("\ufffd"))
+    out = io.StringIO()
+    sys_stdout, sys.stdout = sys.stdout, out
+    try:
+        s = TextStreamer(tok)
+        shown = []
+        for i in range(1, len(ids) + 1):
+            s([ids[:i]])
+            shown.append(out.getvalue())
+        s.finish(tok.decode(ids))
+    finally:
+        sys.stdout = sys_stdout
+    assert "\ufffd" not in "".join(shown) and shown[split - 1] == tok.decode(ids[:split - 1])
+    assert len(set(shown)) > 3 and out.getvalue() == "Paris é fin"  # grew step by step, ends complete
+    j = JsonLinesStreamer(tok)
+    for i in range(1, len(ids) + 1):
+        j([ids[:i]])
+    import json
+
+    recs = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert "".join(r["text"] for r in recs) == "Paris é fin" and [t for r in recs for t in r["token_ids"]] == ids
+    assert all("\ufffd" not in r["text"] for r in recs)
