@@ -125,11 +125,13 @@ class CompiledModel:
 
     @classmethod
     def load(cls, artifact_dir: str | Path, verify_files: bool = True,
-             expect_checkpoint: str | Path | None = None, threads: int | None = None) -> "CompiledModel":
+             expect_checkpoint: str | Path | None = None, threads: int | None = None,
+             tokenizer=None) -> "CompiledModel":
         """Load an artifact; with `expect_checkpoint`, also require that it was compiled from that checkpoint.
 
         `threads` sets torch's CPU thread count for this process (`torch.set_num_threads`; default: torch's own,
-        one per core); 1 is faster on a machine whose cores are busy with other jobs.
+        one per core); 1 is faster on a machine whose cores are busy with other jobs. `tokenizer`: one already
+        loaded from this artifact's tokenizer/ directory (saves loading it again).
         """
         from neuron_infer.checkpoint import load_tokenizer  # noqa: PLC0415
 
@@ -152,7 +154,7 @@ class CompiledModel:
             from neuron_infer.compile.spec_builder import load_speculation  # noqa: PLC0415
 
             spec = load_speculation(root, manifest, model, engine)
-        return cls(root, manifest, engine, load_tokenizer(root / "tokenizer"), spec)
+        return cls(root, manifest, engine, tokenizer or load_tokenizer(root / "tokenizer"), spec)
 
     @classmethod
     def default(cls, build: BuildConfig | None = None, threads: int | None = None,

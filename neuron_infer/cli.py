@@ -42,12 +42,15 @@ def build_options(f):
         click.option("--tokengen-buckets", default=None, help="comma list, e.g. 256,1024 (default: powers of two)"),
         click.option("--kernels", type=click.Choice(["reference", "nki"]), default=None,
                      help="reference torch ops, or the NKI kernels (NumPy simulator on CPU)"),
-        click.option("--tp-degree", type=int, default=None, help="tensor-parallel ranks, e.g. 2 (one process per rank on CPU)"),
+        click.option("--tp-degree", type=int, default=None,
+                     help="tensor-parallel ranks, e.g. 2 (one process per rank on CPU)"),
         click.option("--lnc", type=click.Choice(["1", "2"]), default=None,
                      help="neuron: logical NeuronCore size (default: NEURON_LOGICAL_NC_CONFIG, else 2 on trn2/trn3)"),
         click.option("--quant", type=click.Choice(["none", "int8", "fp8", "mxfp8", "mxfp4", "w8a8"]), default=None,
                      help="weight quantization scheme (none = float weights)"),
-        click.option("--modules-to-not-convert", default=None, help="modules kept in float with --quant: comma list (e.g. lm_head) or a file with one name per line"),
+        click.option("--modules-to-not-convert", default=None,
+                     help="modules kept in float with --quant: comma list (e.g. lm_head) or a file with one name "
+                          "per line"),
         click.option("--weight-tiling/--no-weight-tiling", default=None,
                      help="store quantized weights in the tiled layout of the kernels"),
         click.option("--kv-cache-dtype", type=click.Choice(["auto", "fp8"]), default=None,
@@ -195,7 +198,7 @@ def generate_cmd(artifacts, prompts, prompt_file, chat, max_new_tokens, temperat
     manifest, tokenizer = artifact_front(artifacts)  # cheap checks before the slow load of weights and graphs
     ids = [encode_prompt(tokenizer, p, chat) for p in prompts]
     check_request(manifest.build, [len(x) for x in ids], max_new_tokens)
-    model = CompiledModel.load(artifacts, threads=threads)
+    model = CompiledModel.load(artifacts, threads=threads, tokenizer=tokenizer)
     if as_json:
         stream = JsonLinesStreamer(model.tokenizer) if stream_json else None
     else:

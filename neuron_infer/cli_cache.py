@@ -1,4 +1,4 @@
-"""`neuron-infer cache list | prune`: the converted default model and its cached compiles (see neuron_infer/cache.py)."""
+"""`neuron-infer cache list | prune`: the converted default model and its cached compiles (neuron_infer/cache.py)."""
 from __future__ import annotations
 
 import json

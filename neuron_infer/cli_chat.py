@@ -90,7 +90,7 @@ def chat_cmd(artifacts, system, max_new_tokens, temperature, top_k, top_p, seed,
     manifest, tokenizer = artifact_front(artifacts)  # cheap checks before the slow load
     start = [{"role": "system", "content": system}] if system else []
     encode_chat(tokenizer, start + [{"role": "user", "content": "hi"}])  # raises when there is no chat template
-    model = CompiledModel.load(artifacts, threads=threads)
+    model = CompiledModel.load(artifacts, threads=threads, tokenizer=tokenizer)
     build = manifest.build
     stdin = sys.stdin
     interactive = stdin is not None and stdin.isatty()

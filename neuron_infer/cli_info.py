@@ -39,22 +39,32 @@ def _params(model) -> int:
     return sum(rank_param_counts(model, ShardPlan.build(model, 1)).values())
 
 
+def _rank_weights(root: Path, m) -> str:
+    sizes = [(root / rel).stat().st_size for rel in sorted(m.files)
+             if rel.startswith("weights/rank") and (root / rel).is_file()]
+    return ", ".join(human_bytes(n) for n in sizes) or "missing"
+
+
 def summary_lines(root: Path, m, size: tuple[int, int], problem: str | None) -> list[str]:
     """The human summary of manifest `m` (see `info_record` for the same facts as JSON)."""
     c, b = m.model, m.build
     q = b.quant
     quant = q.scheme + (", tiled" if q.weight_tiling else "") + (f", kv cache {q.kv_cache_dtype}"
                                                                  if q.kv_cache_dtype != "auto" else "")
+    report = m.extra.get("quant") if isinstance(m.extra.get("quant"), dict) else {}
+    if q.scheme != "none" and {"bytes_before", "bytes_after", "compression"} <= set(report):
+        quant += (f" (linear weights {human_bytes(report['bytes_before'])} -> {human_bytes(report['bytes_after'])}, "
+                  f"{report['compression']:.2f}x)")
     spec = b.speculation
     lines = [
         f"{root}",
-        f"  model        Llama-family, {_params(c) / 1e6:.1f}M parameters: {c.num_layers} layers, hidden "
-        f"{c.hidden_size}, {c.num_heads} heads / {c.num_kv_heads} KV heads, vocab {c.vocab_size}",
+        (f"  model        Llama-family, {_params(c) / 1e6:.1f}M parameters: {c.num_layers} layers, hidden "
+         f"{c.hidden_size}, {c.num_heads} heads / {c.num_kv_heads} KV heads, vocab {c.vocab_size}"),
         f"  dtype        {b.dtype}",
-        f"  tp           {b.tp_degree}",
+        f"  tp           {b.tp_degree}  (weights per rank: {_rank_weights(root, m)})",
         f"  batch        {b.batch_size}",
-        f"  buckets      context {', '.join(map(str, b.context_bucket_list))} (max prompt {b.max_context_length}); "
-        f"token generation {', '.join(map(str, b.tokengen_bucket_list))} (max length {b.max_length})",
+        (f"  buckets      context {', '.join(map(str, b.context_bucket_list))} (max prompt {b.max_context_length}); "
+         f"token generation {', '.join(map(str, b.tokengen_bucket_list))} (max length {b.max_length})"),
         f"  quant        {quant}",
     ]
     if spec is not None:

@@ -64,7 +64,7 @@ def resolve_stdin_prompts(prompts: list[str], other_source: bool) -> list[str]:
 
 def _strip_final_newline(text: str) -> str:
     """`echo` appends one newline that is not part of the prompt."""
-    return text[:-1] if text.endswith("\n") else text
+    return text.removesuffix("\n")
 
 
 def artifact_front(artifacts: str | Path):

@@ -112,7 +112,7 @@ def test_dry_run_deletes_nothing_and_says_what_it_would_free(root):
 
 
 def test_prune_removes_stale_and_partial_only(root):
-    r, p = root
+    _, p = root
     res = CliRunner().invoke(cli, ["cache", "prune"])
     assert res.exit_code == 0 and res.stdout.count("removed ") == 4 and "freed" in res.stdout
     gone = {"old_model", "stale", "partial", "tmp_model"}
@@ -122,7 +122,7 @@ def test_prune_removes_stale_and_partial_only(root):
 
 
 def test_prune_all_removes_current_entries_but_never_others(root):
-    r, p = root
+    _, p = root
     res = CliRunner().invoke(cli, ["cache", "prune", "--all"])
     assert res.exit_code == 0
     kept = {"young_partial", "no_marker", "user_dir", "link", "venv", "old_user_tmp"}
@@ -132,7 +132,7 @@ def test_prune_all_removes_current_entries_but_never_others(root):
 
 
 def test_remove_refuses_what_is_not_ours(root):
-    r, p = root
+    _, p = root
     with pytest.raises(ValueError, match="not a neuron-infer cache entry"):
         cache.remove(cache.CacheEntry(p["user_dir"], "other", "other", 0))
     assert p["user_dir"].is_dir()

@@ -57,9 +57,8 @@ def test_prompt_dash_with_empty_stdin_is_an_error(art):
 
 def test_stdin_that_is_not_utf8_is_one_error_line(art):
     runner = CliRunner()
-    with runner.isolation(input=b"\xff\xfe bad") as (_out, err, _mixed):
-        with pytest.raises(SystemExit) as e:
-            main(["generate", str(art), "--prompt", "-"])
+    with runner.isolation(input=b"\xff\xfe bad") as (_out, err, _mixed), pytest.raises(SystemExit) as e:
+        main(["generate", str(art), "--prompt", "-"])
     assert e.value.code == 2 and "stdin is not UTF-8" in err.getvalue().decode()
 
 
@@ -146,3 +145,54 @@ def test_without_artifacts_the_checks_run_before_the_default_compile(tiny_dirs, 
     monkeypatch.setattr(presets, "default_artifact_dir", lambda *a: pytest.fail("compiled before the checks"))
     code, _, err = run_main(["generate", "--config", "tiny", "--prompt", "hello", "--max-new-tokens", "200"])
     assert code == 2 and "more than max_length=128" in err.strip().splitlines()[-1]
+
+
+def test_a_terminal_stdin_is_never_read(monkeypatch):
+    """No prompt and stdin on a terminal: no read (the default prompt applies), as before stdin prompts."""
+    import io
+    import sys
+
+    from neuron_infer.cli_io import resolve_stdin_prompts
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    monkeypatch.setattr(sys, "stdin", Tty("typed text\n"))
+    assert resolve_stdin_prompts([], other_source=False) == []
+    assert sys.stdin.read() == "typed text\n"
+    monkeypatch.setattr(sys, "stdin", None)  # e.g. a daemon without stdin
+    assert resolve_stdin_prompts([], other_source=False) == []
+
+
+def test_streamers_print_as_tokens_arrive_and_hold_back_a_split_character(model, capsys):
+    """'é' is two byte-level tokens: after the first one only the text before it may be shown."""
+    import io
+    import sys
+
+    from neuron_infer.cli_io import JsonLinesStreamer, TextStreamer
+
+    tok = model.tokenizer
+    ids = tok("Paris é fin", add_special_tokens=False)["input_ids"]
+    split = next(i for i in range(1, len(ids)) if tok.decode(ids[:i]).endswith("\ufffd"))
+    out = io.StringIO()
+    sys_stdout, sys.stdout = sys.stdout, out
+    try:
+        s = TextStreamer(tok)
+        shown = []
+        for i in range(1, len(ids) + 1):
+            s([ids[:i]])
+            shown.append(out.getvalue())
+        s.finish(tok.decode(ids))
+    finally:
+        sys.stdout = sys_stdout
+    assert "\ufffd" not in "".join(shown) and shown[split - 1] == tok.decode(ids[:split - 1])
+    assert len(set(shown)) > 3 and out.getvalue() == "Paris é fin"  # grew step by step, ends complete
+    j = JsonLinesStreamer(tok)
+    for i in range(1, len(ids) + 1):
+        j([ids[:i]])
+    import json
+
+    recs = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert "".join(r["text"] for r in recs) == "Paris é fin" and [t for r in recs for t in r["token_ids"]] == ids
+    assert all("\ufffd" not in r["text"] for r in recs)

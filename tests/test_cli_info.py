@@ -5,6 +5,7 @@ import pytest
 from click.testing import CliRunner
 
 from neuron_infer.cli import cli
+from neuron_infer.cli_info import human_bytes
 from neuron_infer.compile.artifact import read_manifest
 from neuron_infer.errors import ArtifactError
 from tests.tiny_artifact import compile_tiny
@@ -24,10 +25,13 @@ def test_summary_names_the_facts_a_user_asks_for(art):
     assert r.exit_code == 0, r.output
     m = read_manifest(art)
     lines = dict(line.split(None, 1) for line in r.stdout.splitlines()[1:])
-    assert lines["dtype"] == "fp32" and lines["tp"] == "1" and lines["quant"] == "none"
+    rank0 = (art / "weights" / "rank0.safetensors").stat().st_size
+    assert lines["dtype"] == "fp32" and lines["quant"] == "none"
+    assert lines["tp"] == f"1  (weights per rank: {human_bytes(rank0)})"
     assert lines["buckets"].startswith("context 64, 256 (max prompt 256); token generation 320 (max length 320)")
     assert "2 layers, hidden 96, 4 heads / 2 KV heads, vocab 512" in lines["model"]
-    assert f"backend {m.backend}" in lines["graphs"] and f"neuron_infer {m.versions['neuron_infer']}" in lines["versions"]
+    assert f"backend {m.backend}" in lines["graphs"]
+    assert f"neuron_infer {m.versions['neuron_infer']}" in lines["versions"]
     assert lines["verified"].startswith("yes")
     assert f"({sum(1 for p in art.rglob('*') if p.is_file())} files)" in lines["size"]
     assert len(r.stdout.splitlines()) <= 14  # short: the manifest's file hashes are not listed
@@ -54,3 +58,19 @@ def test_a_corrupted_file_prints_the_summary_then_fails(art, tmp_path):
     assert isinstance(r.exception, ArtifactError) and "rank0.safetensors is corrupted" in str(r.exception)
     r = CliRunner().invoke(cli, ["info", str(dst), "--no-verify"])
     assert r.exit_code == 0 and "verified     yes" in r.stdout
+
+
+def test_a_quantized_tp2_artifact_shows_each_rank_and_the_compression(tiny_dirs, tmp_path):
+    from neuron_infer.api import compile_model
+    from neuron_infer.config import QuantConfig
+    from tests.tiny_artifact import CLI_BUILD
+
+    build = CLI_BUILD.replace(tp_degree=2, quant=QuantConfig(scheme="int8"))
+    compile_model(tiny_dirs("gqa"), tmp_path / "a", build, backend="cpu-eager", say=lambda _m: None)
+    r = CliRunner().invoke(cli, ["info", str(tmp_path / "a")])
+    assert r.exit_code == 0, r.output
+    lines = dict(line.split(None, 1) for line in r.stdout.splitlines()[1:])
+    sizes = [human_bytes((tmp_path / "a" / "weights" / f"rank{i}.safetensors").stat().st_size) for i in (0, 1)]
+    assert lines["tp"] == f"2  (weights per rank: {sizes[0]}, {sizes[1]})"
+    report = read_manifest(tmp_path / "a").extra["quant"]
+    assert lines["quant"].startswith("int8 (linear weights") and f"{report['compression']:.2f}x" in lines["quant"]
