@@ -25,3 +25,17 @@ def tiny_dirs(tmp_path_factory):
         return cache[name]
 
     return get
+
+
+@pytest.fixture(autouse=True)
+def _restore_neuron_env():
+    """Loading a neuron artifact sets NEURON_LOGICAL_NC_CONFIG to its compiled LNC (as the runtime must start with
+    it); restore both Neuron target variables after every test so no test sees another's."""
+    names = ("NEURON_LOGICAL_NC_CONFIG", "NEURON_PLATFORM_TARGET_OVERRIDE")
+    saved = {n: os.environ.get(n) for n in names}
+    yield
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value

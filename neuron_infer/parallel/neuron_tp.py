@@ -251,7 +251,8 @@ def load_neuron_tp_engine(root: Path, manifest, plan: ShardPlan):
     from neuron_infer.runtime.engine import Engine
 
     import_nxd()  # the NxD runtime classes the saved model needs
-    check_runtime(next(iter(manifest.graphs.values())), f"{root / 'graphs' / NXD_MODEL}")
+    lnc = manifest.neuron_lnc  # one degree for every graph (ArtifactError otherwise)
+    check_runtime({} if lnc is None else {"lnc": lnc}, f"{root / 'graphs' / NXD_MODEL}")
     try:
         traced = torch.jit.load(str(root / "graphs" / NXD_MODEL))
     except (RuntimeError, OSError) as e:

@@ -115,7 +115,7 @@ class ModelBuilder:
         assert v["compiler_args"] is None or isinstance(v["compiler_args"], str), "compiler_args is a str"
         self.model_collection[v["key"]] = (v["model_instance"], v["example_inputs"], v["compiler_args"])
         self.owner.calls.append(("ModelBuilder.add", {"key": v["key"], "compiler_args": v["compiler_args"],
-                                                      "shapes": [_shapes(b) for b in v["example_inputs"]]}))
+                                                      "shapes": [[tuple(t.shape) for t in b] for b in v["example_inputs"]]}))
         return self
 
     def trace(self, *args, **kwargs):

@@ -91,8 +91,8 @@ def test_the_kv_cache_is_aliased_device_state_not_an_input_or_output(ckpt, tmp_p
     cache_elems = 2 * BUILD.max_length                     # any input as large as a cache row set would show here
     for add in adds:                                       # inputs: ids, positions, logit index, attend rows, seq ids
         (shapes,) = add["shapes"]
-        assert len(eval(shapes)) in (4, 5) and all(len(s) <= 2 for s in eval(shapes))
-        assert max(x for s in eval(shapes) for x in s) < cache_elems
+        assert len(shapes) in (4, 5) and all(len(s) <= 2 for s in shapes)
+        assert max(x for s in shapes for x in s) < cache_elems
     model = CompiledModel.load(tmp_path / "n")
     assert model.engine.k_cache.numel() == 0                # the host holds no cache
     assert model.generate_ids(IDS, 12, ignore_eos=True).outputs[0].token_ids == reference
@@ -108,3 +108,14 @@ def test_lnc_and_platform_reach_model_builder_the_compiler_and_the_manifest(ckpt
     adds = [c for name, c in nxd.calls if name == "ModelBuilder.add"]
     assert all(a["compiler_args"] == " ".join([*COMPILER_ARGS, f"--lnc={lnc}"]) for a in adds)
     assert m.neuron_lnc == lnc and {g["platform"] for g in m.graphs.values()} == {platform}
+
+
+def test_a_runtime_lnc_other_than_the_compiled_one_is_refused(ckpt, tmp_path, monkeypatch):
+    from neuron_infer.errors import ArtifactError
+
+    nxd, _ = install(monkeypatch, 2)                       # trn2: compiled for LNC 2
+    compile_model(ckpt, tmp_path / "n", BUILD.replace(target="neuron", tp_degree=2), say=lambda m: None)
+    monkeypatch.setenv(LNC_ENV, "1")
+    with pytest.raises(ArtifactError, match="compiled for LNC 2"):
+        CompiledModel.load(tmp_path / "n")
+    assert not any(name == "NxDModel.initialize" for name, _ in nxd.calls)   # refused before touching the device
