@@ -80,7 +80,7 @@ def test_generate_on_a_checkpoint_suggests_a_new_output_directory(tiny_dirs, cap
 # 2. one writer per output ----------------------------------------------------------------------------------------
 
 def test_a_second_compile_into_the_same_output_is_refused(tiny_dirs, tmp_path, monkeypatch):
-    import neuron_infer.compile.builder as builder
+    from neuron_infer.compile import builder
 
     out, real, seen = tmp_path / "art", builder.compile_graphs, []
 
@@ -100,7 +100,7 @@ def test_a_second_compile_into_the_same_output_is_refused(tiny_dirs, tmp_path, m
 
 @pytest.mark.parametrize("overwrite", [False, True])
 def test_a_directory_appearing_during_a_compile_is_not_replaced(tiny_dirs, tmp_path, monkeypatch, overwrite):
-    import neuron_infer.compile.builder as builder
+    from neuron_infer.compile import builder
 
     out, real = tmp_path / "art", builder.compile_graphs
 
