@@ -32,7 +32,7 @@ FENCE = re.compile(r"^```python[ \t]*\n(.*?)^```[ \t]*$", re.MULTILINE | re.DOTA
 NOT_RUN = re.compile(r"<!--\s*not run:\s*(\S[^>]*?)\s*-->\s*$")
 LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")
 HEADING = re.compile(r"^#{1,6}\s+(.*?)\s*#*\s*$", re.MULTILINE)
-CODE_SPAN = re.compile(r"```.*?```", re.DOTALL)
+CODE_SPAN = re.compile(r"```.*?```|`[^`\n]*`", re.DOTALL)  # fenced blocks and inline code: not links
 
 # Example paths -> which test resource replaces them ("ckpt": tiny checkpoint dir, "art": fresh artifact dir).
 PATHS = {
