@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from neuron_infer import cpu_threads
 from neuron_infer.compile.artifact import Manifest, read_manifest
 from neuron_infer.compile.builder import cache_shape, compile_model  # noqa: F401  (re-exported)
 from neuron_infer.compile.quantize_step import quant_structure
@@ -93,8 +94,12 @@ class CompiledModel:
 
     @classmethod
     def load(cls, artifact_dir: str | Path, verify_files: bool = True,
-             expect_checkpoint: str | Path | None = None) -> "CompiledModel":
-        """Load an artifact; with `expect_checkpoint`, also require that it was compiled from that checkpoint."""
+             expect_checkpoint: str | Path | None = None, threads: int | str | None = None) -> "CompiledModel":
+        """Load an artifact; with `expect_checkpoint`, also require that it was compiled from that checkpoint.
+
+        threads: CPU threads of the graphs: "auto" follows the CPUs other processes leave free (see
+        neuron_infer.cpu_threads), an int fixes the count, None leaves torch's setting alone. Tensor-parallel
+        ranks always choose their own ("auto" within their share of the CPUs)."""
         from neuron_infer.checkpoint import load_tokenizer  # noqa: PLC0415
 
         root = Path(artifact_dir)
@@ -105,6 +110,8 @@ class CompiledModel:
             from neuron_infer.parallel.runtime import TPCompiledModel  # noqa: PLC0415
 
             return TPCompiledModel.from_manifest(root, manifest)
+        if threads is not None:
+            cpu_threads.use(threads)
         model = empty_model(manifest.model, manifest.build)
         quant_structure(model, manifest.build)
         load_rank_weights(model, root / "weights" / "rank0.safetensors")

@@ -5,6 +5,7 @@ Every user-fixable problem is a `NeuronInferError`: printed as one `error: ...` 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -99,6 +100,10 @@ def _preset(kw: dict):
 @click.version_option(package_name="neuron-infer")
 def cli() -> None:
     """Compile Llama-family checkpoints into per-bucket graphs and generate from them."""
+    if "torch" not in sys.modules:  # OpenMP reads its settings once, when torch loads it
+        from neuron_infer.cpu_threads import openmp_env  # noqa: PLC0415
+
+        os.environ.update(openmp_env())
 
 
 @cli.command("compile")
@@ -132,19 +137,14 @@ def compile_cmd(model_dir, output, backend, overwrite, **kw) -> None:
 @click.option("--ignore-eos", is_flag=True, help="generate max-new-tokens even past EOS (benchmarks)")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object (outputs and metrics)")
 @click.option("--threads", type=click.IntRange(min=1), default=None,
-              help="CPU threads for the graphs (default: torch's, one per core); 1 is faster on a machine whose "
-                   "cores are busy with other jobs")
+              help="CPU threads for the graphs (default: the usable CPUs that other processes leave free, "
+                   "re-evaluated twice a second)")
 @build_options
 def generate_cmd(artifacts, prompts, prompt_file, chat, max_new_tokens, temperature, top_k, top_p, seed,
                  ignore_eos, as_json, threads, **kw) -> None:
     """Generate from ARTIFACTS (omit to compile or reuse the embedded default model)."""
-    import torch  # noqa: PLC0415
-
     from neuron_infer.api import CompiledModel  # noqa: PLC0415
     from neuron_infer.config import SamplingConfig  # noqa: PLC0415
-
-    if threads is not None:
-        torch.set_num_threads(threads)
 
     prompts = list(prompts) + (Path(prompt_file).read_text().splitlines() if prompt_file else [])
     prompts = [p for p in prompts if p.strip()] or ["The capital of France is"]
@@ -159,7 +159,7 @@ def generate_cmd(artifacts, prompts, prompt_file, chat, max_new_tokens, temperat
     elif any(v is not None for v in kw.values()):
         raise NeuronInferError("build flags (--dtype, --max-length, ...) apply when compiling; pass them to "
                                "`neuron-infer compile`, or omit ARTIFACTS to use the embedded default")
-    model = CompiledModel.load(artifacts)
+    model = CompiledModel.load(artifacts, threads=threads or "auto")
     stream = _Streamer(model.tokenizer) if (len(prompts) == 1 and not as_json) else None
     out = model.generate(prompts, max_new_tokens, sampling, chat=chat, ignore_eos=ignore_eos,
                          on_tokens=stream)

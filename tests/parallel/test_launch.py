@@ -116,8 +116,10 @@ def test_rank_cpu_groups_split_contiguously_and_never_leave_a_rank_empty():
         rank_cpu_groups([0, 1], 0)
 
 
-def test_rank_threads_divide_the_cores(monkeypatch):
-    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+def test_rank_threads_divide_the_usable_cpus(monkeypatch):
+    from neuron_infer.parallel import launch
+
+    monkeypatch.setattr(launch, "usable_cpus", lambda: 8)
     assert [rank_threads(tp) for tp in (1, 2, 3, 8, 16)] == [8, 4, 2, 1, 1]
 
 
