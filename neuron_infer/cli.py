@@ -5,7 +5,6 @@ Every user-fixable problem is a `NeuronInferError`: printed as one `error: ...` 
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -100,10 +99,6 @@ def _preset(kw: dict):
 @click.version_option(package_name="neuron-infer")
 def cli() -> None:
     """Compile Llama-family checkpoints into per-bucket graphs and generate from them."""
-    if "torch" not in sys.modules:  # OpenMP reads its settings once, when torch loads it
-        from neuron_infer.cpu_threads import openmp_env  # noqa: PLC0415
-
-        os.environ.update(openmp_env())
 
 
 @cli.command("compile")

@@ -13,7 +13,8 @@ few tokens per second, while one thread keeps one core to itself and runs at ful
                            torch.set_num_threads when the answer changes (in the thread that runs the graphs)
     use(n)                 a fixed count (--threads n, or OMP_NUM_THREADS in the environment): never re-evaluated
 
-`openmp_env()` is the OpenMP wait policy to set before libgomp starts (measured in docs/performance-cpu.md).
+The OpenMP wait policy is left at libgomp's default (spin, then sleep): threads are only added when their CPUs
+are free, where spinning is the fast choice; measurements in docs/performance-cpu.md.
 """
 from __future__ import annotations
 
@@ -26,9 +27,6 @@ from pathlib import Path
 PERIOD_S = 0.5  # how often tick() re-samples the load (one /proc/stat read, ~20 us)
 FIRST_WINDOW_S = 0.05  # the window of the first sample, taken at load
 SLACK = 0.25  # CPUs that others may keep busy before we give one up (background noise; see choose_threads)
-# libgomp spins this many iterations in a barrier before it sleeps (its default: 300000, ~0.1-1 ms). A thread
-# waiting for a descheduled peer then gives its core back quickly; see docs/performance-cpu.md for the measurement.
-GOMP_SPINCOUNT = "10000"
 
 
 def choose_threads(cpus: int, others_busy: float, cap: int | None = None) -> int:
@@ -162,15 +160,6 @@ def tick() -> None:
     """Called before each graph call: lets an "auto" thread count follow the load (no-op otherwise)."""
     if _governor is not None:
         _governor.tick()
-
-
-def openmp_env(environ: dict[str, str] | None = None) -> dict[str, str]:
-    """The OpenMP variables to add to `environ` (default os.environ) before libgomp initialises, i.e. before
-    torch is imported: a short barrier spin, unless the user chose a wait policy or spin count."""
-    env = os.environ if environ is None else environ
-    if "OMP_WAIT_POLICY" in env or "GOMP_SPINCOUNT" in env:
-        return {}
-    return {"GOMP_SPINCOUNT": GOMP_SPINCOUNT}
 
 
 def _affinity() -> set[int]:

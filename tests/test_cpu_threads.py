@@ -100,9 +100,3 @@ def test_fixed_counts_and_omp_num_threads_are_never_re_evaluated(monkeypatch):
             cpu_threads.use(0)
     finally:
         cpu_threads.use(before)
-
-
-def test_openmp_env_respects_the_users_choice():
-    assert cpu_threads.openmp_env({}) == {"GOMP_SPINCOUNT": cpu_threads.GOMP_SPINCOUNT}
-    assert cpu_threads.openmp_env({"OMP_WAIT_POLICY": "ACTIVE"}) == {}
-    assert cpu_threads.openmp_env({"GOMP_SPINCOUNT": "infinite"}) == {}
