@@ -41,10 +41,12 @@ def start_hog() -> subprocess.Popen:
     return hog
 
 
-def one_round(artifacts: str, busy: bool, new_tokens: int) -> dict[str, tuple[float, float]]:
-    """{setting: (tokens/s, load average before the run)} for every setting, in a rotating order."""
+def one_round(artifacts: str, busy: bool, new_tokens: int, shift: int) -> dict[str, tuple[float, float]]:
+    """{setting: (tokens/s, load average before the run)} for every setting, the order rotated by `shift`."""
+    names = list(SETTINGS)
     out = {}
-    for name, extra in SETTINGS.items():
+    for name in names[shift % len(names):] + names[:shift % len(names)]:
+        extra = SETTINGS[name]
         hog = start_hog() if busy else None
         try:
             load = os.getloadavg()[0]
@@ -70,10 +72,10 @@ def main() -> None:
     print(f"{os.cpu_count()} CPUs, affinity {sorted(os.sched_getaffinity(0))}, {args.new_tokens} new tokens")
     for r in range(args.rounds):
         for busy in modes:
-            res = one_round(args.artifacts, busy, args.new_tokens)
+            res = one_round(args.artifacts, busy, args.new_tokens, r)
             best = max(res["threads 1"][0], res["threads 2"][0])
             ratios[busy].append(res["default"][0] / best)
-            cells = "  ".join(f"{k} {v:6.1f} tok/s (load {ld:4.2f})" for k, (v, ld) in res.items())
+            cells = "  ".join(f"{k} {res[k][0]:6.1f} tok/s (load {res[k][1]:4.2f})" for k in SETTINGS)
             print(f"round {r + 1} {'busy' if busy else 'idle'}: {cells}  default/best {ratios[busy][-1]:.2f}",
                   flush=True)
     for busy, rs in ratios.items():

@@ -100,3 +100,12 @@ def test_fixed_counts_and_omp_num_threads_are_never_re_evaluated(monkeypatch):
             cpu_threads.use(0)
     finally:
         cpu_threads.use(before)
+
+
+def test_every_cpu_graph_call_lets_the_policy_re_evaluate(monkeypatch):
+    from neuron_infer.compile.cpu import LoadedGraph
+
+    calls = []
+    monkeypatch.setattr(cpu_threads, "tick", lambda: calls.append("tick"))
+    graph = LoadedGraph(lambda *args: calls.append(args) or "logits", {}, "g")
+    assert graph(1, 2) == "logits" and calls == ["tick", (1, 2)]  # re-evaluated before the graph runs
