@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-PERIOD_S = 0.5  # how often tick() re-samples the load (one /proc/stat read, ~20 us)
+PERIOD_S = 0.5  # how often tick() re-samples the load (one /proc/stat read: 0.15 ms measured on a loaded 2-CPU VM)
 FIRST_WINDOW_S = 0.05  # the window of the first sample, taken at load
 SLACK = 0.25  # CPUs that others may keep busy before we give one up (background noise; see choose_threads)
 
