@@ -24,6 +24,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from neuron_infer.errors import ConfigError
+
 PERIOD_S = 0.5  # how often tick() re-samples the load (one /proc/stat read: 0.15 ms measured on a loaded 2-CPU VM)
 FIRST_WINDOW_S = 0.05  # the window of the first sample, taken at load
 SLACK = 0.25  # CPUs that others may keep busy before we give one up (background noise; see choose_threads)
@@ -148,7 +150,7 @@ def use(threads: int | str = "auto", cap: int | None = None) -> int:
         _governor = Governor(cap)
         return _governor.start()
     if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
-        raise ValueError(f"threads={threads!r} must be an int >= 1 or 'auto'")
+        raise ConfigError(f"threads={threads!r} must be an int >= 1 or 'auto'")
     import torch  # noqa: PLC0415
 
     _governor = None

@@ -6,6 +6,7 @@ import torch
 
 from neuron_infer import cpu_threads
 from neuron_infer.cpu_threads import CpuSample, choose_threads, others_busy, parse_proc_stat, usable_cpus
+from neuron_infer.errors import ConfigError
 
 
 @pytest.mark.parametrize("cpus, others, cap, expected", [
@@ -17,9 +18,7 @@ from neuron_infer.cpu_threads import CpuSample, choose_threads, others_busy, par
     (1, 0.0, None, 1),
     (8, 3.0, None, 5),
     (8, 2.9, None, 5),    # 5.1 free + slack -> 5
-    (8, 2.7, None, 5),
-    (8, 2.74, None, 5),
-    (8, 2.76, None, 5),
+    (8, 2.7, None, 5),    # 5.3 free + slack -> 5 (a thread is added only when its CPU is 75% free)
     (8, 0.0, 4, 4),       # a tensor-parallel rank never exceeds its share
     (8, 6.0, 4, 2),       # ... and shrinks below it under load
     (4, -0.3, None, 4),   # a negative estimate (clock skew) counts as idle
@@ -96,8 +95,9 @@ def test_fixed_counts_and_omp_num_threads_are_never_re_evaluated(monkeypatch):
         assert cpu_threads.use("auto") == 3
         assert cpu_threads.use("auto", cap=2) == 2
         cpu_threads.tick()
-        with pytest.raises(ValueError, match="must be an int >= 1 or 'auto'"):
-            cpu_threads.use(0)
+        for bad in (0, "fast", 1.5, True):
+            with pytest.raises(ConfigError, match="must be an int >= 1 or 'auto'"):
+                cpu_threads.use(bad)
     finally:
         cpu_threads.use(before)
 
