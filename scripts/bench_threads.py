@@ -31,7 +31,8 @@ def run_generate(artifacts: str, extra: list[str], new_tokens: int) -> float:
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
     if done.returncode:
-        raise SystemExit(f"error: {' '.join(cmd)} failed:\n{done.stderr[-2000:]}")
+        print(f"error: {' '.join(cmd)} failed:\n{done.stderr[-2000:]}", file=sys.stderr)
+        sys.exit(2)
     return json.loads(done.stdout)["metrics"]["tokens_per_s"]
 
 
@@ -66,7 +67,7 @@ def main() -> None:
     ap.add_argument("--busy", choices=["both", "no", "yes"], default="both")
     args = ap.parse_args()
     if not Path(args.artifacts, "manifest.json").is_file():
-        raise SystemExit(f"error: {args.artifacts} is not a compiled artifact directory (no manifest.json)")
+        ap.error(f"{args.artifacts} is not a compiled artifact directory (no manifest.json)")
     modes = {"both": [False, True], "no": [False], "yes": [True]}[args.busy]
     ratios: dict[bool, list[float]] = {m: [] for m in modes}
     print(f"{os.cpu_count()} CPUs, affinity {sorted(os.sched_getaffinity(0))}, {args.new_tokens} new tokens")
