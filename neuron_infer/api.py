@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from neuron_infer import cpu_threads
 from neuron_infer.compile.artifact import Manifest, read_manifest
 from neuron_infer.compile.builder import cache_shape, compile_model  # noqa: F401  (re-exported)
 from neuron_infer.compile.quantize_step import quant_structure
@@ -125,17 +126,19 @@ class CompiledModel:
 
     @classmethod
     def load(cls, artifact_dir: str | Path, verify_files: bool = True,
-             expect_checkpoint: str | Path | None = None, threads: int | None = None,
+             expect_checkpoint: str | Path | None = None, threads: int | str | None = None,
              tokenizer=None) -> "CompiledModel":
         """Load an artifact; with `expect_checkpoint`, also require that it was compiled from that checkpoint.
 
-        `threads` sets torch's CPU thread count for this process (`torch.set_num_threads`; default: torch's own,
-        one per core); 1 is faster on a machine whose cores are busy with other jobs. `tokenizer`: one already
-        loaded from this artifact's tokenizer/ directory (saves loading it again).
+        threads: CPU threads of the graphs: "auto" follows the CPUs other processes leave free (see
+        neuron_infer.cpu_threads), an int fixes the count, None leaves torch's setting alone. Tensor-parallel
+        ranks always choose their own ("auto" within their share of the CPUs).
+        tokenizer: one already loaded from this artifact's tokenizer/ directory (saves loading it again).
         """
         from neuron_infer.checkpoint import load_tokenizer  # noqa: PLC0415
 
-        set_threads(threads)
+        if threads is not None:
+            cpu_threads.use(threads)  # validated before the slow load
         root = Path(artifact_dir)
         manifest = read_manifest(root, verify_files=verify_files)
         if expect_checkpoint is not None:
@@ -157,7 +160,7 @@ class CompiledModel:
         return cls(root, manifest, engine, tokenizer or load_tokenizer(root / "tokenizer"), spec)
 
     @classmethod
-    def default(cls, build: BuildConfig | None = None, threads: int | None = None,
+    def default(cls, build: BuildConfig | None = None, threads: int | str | None = None,
                 say: Callable[[str], None] | None = None) -> "CompiledModel":
         """The embedded default model (SmolLM2-135M-Instruct), compiled once into the cache and loaded.
 
@@ -215,17 +218,6 @@ def check_token_ids(prompts: list[list[int]], vocab_size: int) -> None:
         if bad:
             raise NeuronInferError(f"prompt {i} holds token id {bad[0]}, outside this model's vocabulary "
                                    f"0..{vocab_size - 1}; encode prompts with the artifact's own tokenizer")
-
-
-def set_threads(threads: int | None) -> None:
-    """torch's CPU thread count for this process (None leaves torch's default)."""
-    if threads is None:
-        return
-    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-        raise NeuronInferError(f"threads={threads!r} must be a positive integer")
-    import torch  # noqa: PLC0415
-
-    torch.set_num_threads(threads)
 
 
 def encode_prompt(tokenizer, prompt: str, chat: bool = False) -> list[int]:

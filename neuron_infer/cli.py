@@ -163,8 +163,8 @@ def compile_cmd(model_dir, output, backend, overwrite, **kw) -> None:
 @click.option("--stream", "stream_json", is_flag=True,
               help="with --json: JSON Lines, one delta record per step, then the result record")
 @click.option("--threads", type=click.IntRange(min=1), default=None,
-              help="CPU threads for the graphs (default: torch's, one per core); 1 is faster on a machine whose "
-                   "cores are busy with other jobs")
+              help="CPU threads for the graphs (default: the usable CPUs that other processes leave free, "
+                   "re-evaluated twice a second)")
 @build_options
 def generate_cmd(artifacts, prompts, prompt_file, chat, max_new_tokens, temperature, top_k, top_p, seed,
                  ignore_eos, as_json, stream_json, threads, **kw) -> None:
@@ -198,7 +198,7 @@ def generate_cmd(artifacts, prompts, prompt_file, chat, max_new_tokens, temperat
     manifest, tokenizer = artifact_front(artifacts)  # cheap checks before the slow load of weights and graphs
     ids = [encode_prompt(tokenizer, p, chat) for p in prompts]
     check_request(manifest.build, [len(x) for x in ids], max_new_tokens)
-    model = CompiledModel.load(artifacts, threads=threads, tokenizer=tokenizer)
+    model = CompiledModel.load(artifacts, threads=threads or "auto", tokenizer=tokenizer)
     if as_json:
         stream = JsonLinesStreamer(model.tokenizer) if stream_json else None
     else:

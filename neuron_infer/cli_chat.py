@@ -70,7 +70,7 @@ def _read_message(stdin, interactive: bool) -> str | None:
               help="longest answer in tokens  [default: until EOS or the artifact's max_length]")
 @sampling_options
 @click.option("--threads", type=click.IntRange(min=1), default=None,
-              help="CPU threads for the graphs (default: torch's, one per core)")
+              help="CPU threads for the graphs (default: the usable CPUs that other processes leave free)")
 @click.option("--config", default=None,
               help="without ARTIFACTS: the build preset of the default model (as for generate), e.g. tiny")
 def chat_cmd(artifacts, system, max_new_tokens, temperature, top_k, top_p, seed, threads, config) -> None:
@@ -90,7 +90,7 @@ def chat_cmd(artifacts, system, max_new_tokens, temperature, top_k, top_p, seed,
     manifest, tokenizer = artifact_front(artifacts)  # cheap checks before the slow load
     start = [{"role": "system", "content": system}] if system else []
     encode_chat(tokenizer, start + [{"role": "user", "content": "hi"}])  # raises when there is no chat template
-    model = CompiledModel.load(artifacts, threads=threads, tokenizer=tokenizer)
+    model = CompiledModel.load(artifacts, threads=threads or "auto", tokenizer=tokenizer)
     build = manifest.build
     stdin = sys.stdin
     interactive = stdin is not None and stdin.isatty()

@@ -135,9 +135,11 @@ def test_bf16_agrees_with_hf_fp32_on_teacher_forced_next_tokens(compiled, tiny_d
 
 
 def test_cli_threads_option_sets_torch_threads_and_keeps_tokens(compiled, capsys):
-    """`generate --threads 1` runs with one torch thread and gives the default's greedy tokens; 0 is refused."""
+    """`generate` follows the load by default; `--threads 1` fixes one torch thread and gives the same greedy
+    tokens; 0 is refused."""
     import json
 
+    from neuron_infer import cpu_threads
     from neuron_infer.cli import main
 
     root = str(compiled("gqa").root)
@@ -149,9 +151,11 @@ def test_cli_threads_option_sets_torch_threads_and_keeps_tokens(compiled, capsys
                   *threads])
             runs[tuple(threads)] = json.loads(capsys.readouterr().out)["outputs"][0]["token_ids"]
             if threads:
-                assert torch.get_num_threads() == 1
+                assert torch.get_num_threads() == 1 and cpu_threads._governor is None
+            else:
+                assert cpu_threads._governor is not None  # the default: "auto"
     finally:
-        torch.set_num_threads(before)
+        cpu_threads.use(before)
     assert runs[()] == runs[("--threads", "1")] and len(runs[()]) == 6
     with pytest.raises(SystemExit) as e:
         main(["generate", root, "--prompt", "x", "--threads", "0"])

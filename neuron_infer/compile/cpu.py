@@ -47,6 +47,7 @@ from typing import Any
 
 import torch
 
+from neuron_infer import cpu_threads
 from neuron_infer.compile import cpu_gemv
 from neuron_infer.errors import ArtifactError, ConfigError
 from neuron_infer.model.ops import computed_once
@@ -239,6 +240,7 @@ class LoadedGraph:
         self.compiled, self.constants, self.name = compiled, constants, name
 
     def __call__(self, *args: Any) -> Any:
+        cpu_threads.tick()  # an "auto" thread count follows the load (set in the thread that runs the graph)
         return self.compiled(*args)
 
     def __repr__(self) -> str:

@@ -37,6 +37,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from neuron_infer.cpu_threads import usable_cpus
+from neuron_infer.cpu_threads import use as use_threads
 from neuron_infer.errors import ConfigError, NeuronInferError
 
 # Oversubscription limit: more than this many ranks per CPU core makes every collective a context-switch storm.
@@ -200,9 +202,9 @@ def run_ranks(worker_fn: Callable[..., Any], tp: int, args: tuple = (), *, timeo
 
 
 def rank_threads(tp: int) -> int:
-    """Threads per rank when `tp` ranks share this host's cores (more would oversubscribe: every OpenMP barrier
-    of every rank then waits for descheduled threads)."""
-    return max(1, (os.cpu_count() or 1) // tp)
+    """Threads per rank when `tp` ranks share the CPUs this process may use (more would oversubscribe: every
+    OpenMP barrier of every rank then waits for descheduled threads)."""
+    return max(1, usable_cpus() // tp)
 
 
 def rank_cpu_groups(cpus: list[int], ranks: int) -> list[list[int]]:
@@ -221,7 +223,7 @@ def _rank_entry(rank: int, tp: int, port: int, worker_fn: Callable[..., Any], ar
     os.setsid()  # own process group: the parent kills it (and anything it starts) with one killpg
     threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
     _PROGRESS = progress
-    torch.set_num_threads(rank_threads(tp))
+    use_threads("auto", cap=rank_threads(tp))  # its share, fewer while other processes keep CPUs busy
     try:
         # the parent stops us at timeout_s; the gloo timeout only needs to be longer than that
         store = dist.TCPStore("127.0.0.1", port, tp + 1, is_master=False, timeout=timedelta(seconds=timeout_s + 60))
