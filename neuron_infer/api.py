@@ -13,15 +13,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from neuron_infer.compile.artifact import Manifest, read_manifest
-from neuron_infer.compile.builder import cache_shape, compile_model  # noqa: F401  (re-exported)
-from neuron_infer.compile.quantize_step import quant_structure
-from neuron_infer.compile.weights import empty_model, load_rank_weights
+from neuron_infer.compile.artifact import Manifest, check_checkpoint, read_manifest
+from neuron_infer.compile.builder import compile_model  # noqa: F401  (re-exported)
 from neuron_infer.config import SamplingConfig
-from neuron_infer.errors import ArtifactError, NeuronInferError
-from neuron_infer.model.llama import BucketStep
-from neuron_infer.runtime.engine import Engine, planned_graphs
-from neuron_infer.runtime.generate import Metrics, SequenceResult, generate_ids
+from neuron_infer.errors import NeuronInferError
+from neuron_infer.runtime.engine import Engine
+from neuron_infer.runtime.generate import SequenceResult, generate_ids
+from neuron_infer.runtime.loader import load_rank
+from neuron_infer.runtime.metrics import Metrics, pooled
 
 
 @dataclass
@@ -40,36 +39,7 @@ class GenerationOutput:
     metrics: list[Metrics]  # one per static batch that ran
 
     def to_dict(self) -> dict:
-        from neuron_infer.runtime.spec_engine import summarize  # noqa: PLC0415
-
-        m = self.metrics
-        steps = [x for b in m for x in b.token_latencies_s]
-        spec = summarize(m)  # a speculative step emits several tokens: ms/token comes from each batch's count
-        ms = sum(b.ms_per_token for b in m) / len(m) if (spec and m) else None
-        out = {
-            "outputs": [o.to_dict() for o in self.outputs],
-            "metrics": {
-                "ttft_s": m[0].ttft_s if m else 0.0,
-                "ms_per_token": ms if ms is not None else (1000.0 * sum(steps) / len(steps) if steps else 0.0),
-                "tokens_per_s": sum(b.tokens_per_s for b in m) / len(m) if m else 0.0,
-                "token_latencies_s": steps,
-                "batches": [b.to_dict() for b in m],
-            },
-        }
-        if spec is not None:
-            out["metrics"]["speculation"] = spec
-        return out
-
-
-def _load_graphs(root: Path, manifest: Manifest, model) -> dict:
-    from neuron_infer.compile.backend import get_backend  # noqa: PLC0415
-
-    be = get_backend(manifest.backend)
-    graphs = {}
-    for spec in planned_graphs(manifest.build):
-        step = BucketStep(model, spec.attend, spec.select_rows)
-        graphs[spec.name] = be.load_graph(root / "graphs", spec.name, step)
-    return graphs
+        return {"outputs": [o.to_dict() for o in self.outputs], "metrics": pooled(self.metrics)}
 
 
 def _eos_ids(manifest: Manifest, tokenizer, root: Path) -> tuple[int, ...]:
@@ -84,11 +54,13 @@ def _eos_ids(manifest: Manifest, tokenizer, root: Path) -> tuple[int, ...]:
 
 
 class CompiledModel:
-    """A loaded artifact: tokenizer + engine (weights and compiled graphs)."""
+    """A loaded artifact: tokenizer + engine (weights and compiled graphs), or, for a tensor-parallel CPU artifact,
+    the rank group whose processes hold the shards."""
 
-    def __init__(self, root: Path, manifest: Manifest, engine: Engine, tokenizer, spec=None):
+    def __init__(self, root: Path, manifest: Manifest, engine: Engine | None, tokenizer, group=None):
         self.root, self.manifest, self.engine, self.tokenizer = root, manifest, engine, tokenizer
-        self.spec = spec  # runtime.spec_engine.SpecEngine when compiled with --draft-model, else None
+        self.spec = engine.spec if engine is not None else None  # SpecEngine when compiled with --draft-model
+        self.group = group  # runtime.rank_group.RankGroup for a tp > 1 CPU artifact, else None
         self.eos_ids = _eos_ids(manifest, tokenizer, root)
 
     @classmethod
@@ -101,21 +73,12 @@ class CompiledModel:
         manifest = read_manifest(root, verify_files=verify_files)
         if expect_checkpoint is not None:
             check_checkpoint(manifest, root, Path(expect_checkpoint))
-        if manifest.build.tp_degree != 1:  # shards live in rank processes (neuron_infer.parallel.runtime)
-            from neuron_infer.parallel.runtime import TPCompiledModel  # noqa: PLC0415
+        tokenizer = load_tokenizer(root / "tokenizer")
+        if manifest.build.tp_degree != 1 and manifest.backend != "neuron":  # shards live in rank processes
+            from neuron_infer.runtime.rank_group import RankGroup  # noqa: PLC0415
 
-            return TPCompiledModel.from_manifest(root, manifest)
-        model = empty_model(manifest.model, manifest.build)
-        quant_structure(model, manifest.build)
-        load_rank_weights(model, root / "weights" / "rank0.safetensors")
-        engine = Engine(_load_graphs(root, manifest, model), manifest.build, cache_shape(model, manifest.build),
-                        manifest.model.vocab_size)
-        spec = None
-        if manifest.build.speculation is not None:
-            from neuron_infer.compile.spec_builder import load_speculation  # noqa: PLC0415
-
-            spec = load_speculation(root, manifest, model, engine)
-        return cls(root, manifest, engine, load_tokenizer(root / "tokenizer"), spec)
+            return cls(root, manifest, None, tokenizer, RankGroup(root, manifest))
+        return cls(root, manifest, load_rank(root, 0, manifest), tokenizer)
 
     def encode(self, prompt: str, chat: bool = False) -> list[int]:
         if chat:
@@ -134,9 +97,18 @@ class CompiledModel:
 
     def generate_ids(self, prompts: list[list[int]], max_new_tokens: int = 64,
                      sampling: SamplingConfig = SamplingConfig(), ignore_eos: bool = False,
-                     on_tokens: Callable[[list[list[int]]], None] | None = None) -> GenerationOutput:
+                     on_tokens: Callable[[list[list[int]]], None] | None = None,
+                     collect_logits: bool = False) -> GenerationOutput:
+        """Generate from token ids. `collect_logits` (tensor-parallel rank groups): keep each step's logits in
+        `self.group.last_run["logits"]` (tests compare them against tp = 1). Under torchrun, ranks other than 0
+        return an empty GenerationOutput (rank 0 holds the results)."""
         if max_new_tokens < 1:
             raise NeuronInferError(f"max_new_tokens={max_new_tokens} must be >= 1")
+        if self.group is not None:
+            got = self.group.generate_ids(prompts, max_new_tokens, sampling, self.eos_ids, ignore_eos, on_tokens,
+                                          collect_logits)
+            return GenerationOutput([], []) if got is None else GenerationOutput([self._text(r) for r in got[0]],
+                                                                                 got[1])
         bs, outputs, metrics = self.manifest.build.batch_size, [], []
         for start in range(0, len(prompts), bs):
             chunk = prompts[start:start + bs]
@@ -151,14 +123,3 @@ class CompiledModel:
 
     def _text(self, r: SequenceResult) -> TextOutput:
         return TextOutput(r.token_ids, self.tokenizer.decode(r.token_ids, skip_special_tokens=True), r.finish_reason)
-
-
-def check_checkpoint(manifest: Manifest, root: Path, model_dir: Path) -> None:
-    from neuron_infer.checkpoint import checkpoint_fingerprint  # noqa: PLC0415
-
-    found = checkpoint_fingerprint(model_dir)
-    if found != manifest.checkpoint_fingerprint:
-        raise ArtifactError(
-            f"{root / 'manifest.json'}: checkpoint_fingerprint {manifest.checkpoint_fingerprint[:12]}... does not match "
-            f"{model_dir} ({found[:12]}...): the artifact was compiled from another checkpoint; recompile it"
-        )

@@ -227,8 +227,8 @@ def info_cmd(artifacts) -> None:
 @click.option("--json", "as_json", is_flag=True)
 def plan_cmd(model, instance, tp_degree, quant, max_length, batch_size, lnc, as_json) -> None:
     """Capacity plan for MODEL (a preset such as llama-3.1-405b, or a checkpoint dir) on an instance."""
-    from neuron_infer.parallel.capacity import plan_capacity, render_capacity_text  # noqa: PLC0415
-    from neuron_infer.parallel.presets import resolve_model  # noqa: PLC0415
+    from neuron_infer.capacity.planner import plan_capacity, render_capacity_text  # noqa: PLC0415
+    from neuron_infer.capacity.presets import resolve_model  # noqa: PLC0415
 
     name, cfg = resolve_model(model)
     p = plan_capacity(cfg, instance, tp_degree, quant, max_length, batch_size, int(lnc) if lnc else None,

@@ -27,17 +27,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from neuron_infer.checkpoint import load_checkpoint, load_tokenizer
 from neuron_infer.compile.builder import cache_shape
-from neuron_infer.compile.spec_builder import (
-    build_draft,
-    compile_speculation,
-    eager_spec_engine,
-    load_speculation,
-)
+from neuron_infer.compile.spec_builder import build_draft, compile_speculation
 from neuron_infer.compile.weights import build_float_model
 from neuron_infer.config import BuildConfig, ModelConfig, SpeculationConfig
 from neuron_infer.model.llama import BucketStep
 from neuron_infer.runtime.engine import Engine, planned_graphs
 from neuron_infer.runtime.generate import generate_ids
+from neuron_infer.runtime.loader import eager_spec_engine, load_speculation
 
 PROMPT = "I am at KDD conference in Barcelona. After the conference tutorial today I will"
 

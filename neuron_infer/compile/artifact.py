@@ -163,3 +163,14 @@ def _check_files(root: Path, m: Manifest) -> None:
             raise ArtifactError(f"{p} is missing from the artifact; recompile the model")
         if sha256_file(p) != digest:
             raise ArtifactError(f"{p} is corrupted (sha256 differs from the manifest); recompile the model")
+
+
+def check_checkpoint(manifest: Manifest, root: Path, model_dir: Path) -> None:
+    from neuron_infer.checkpoint import checkpoint_fingerprint
+
+    found = checkpoint_fingerprint(model_dir)
+    if found != manifest.checkpoint_fingerprint:
+        raise ArtifactError(
+            f"{root / 'manifest.json'}: checkpoint_fingerprint {manifest.checkpoint_fingerprint[:12]}... does not match "
+            f"{model_dir} ({found[:12]}...): the artifact was compiled from another checkpoint; recompile it"
+        )

@@ -71,6 +71,7 @@ class Engine:
     def __init__(self, graphs: dict[str, StepFn], build: BuildConfig, cache: CacheShape, vocab_size: int):
         self.graphs, self.build, self.cache_shape, self.vocab_size = graphs, build, cache, vocab_size
         self.k_cache, self.v_cache = cache.allocate()
+        self.spec = None  # runtime.spec_engine.SpecEngine over this engine and a draft, set by the loader
 
     def _run(self, kind: str, t: int, s: int, ids, pos, logit_index, *rest: torch.Tensor) -> torch.Tensor:
         name = graph_name(kind, t, s)

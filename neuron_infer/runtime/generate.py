@@ -5,40 +5,15 @@ import contextlib
 import gc
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from neuron_infer.config import SamplingConfig
 from neuron_infer.errors import NeuronInferError
 from neuron_infer.runtime.engine import Engine
+from neuron_infer.runtime.metrics import Metrics
 from neuron_infer.runtime.sampling import make_generator, sample
-
-
-@dataclass
-class Metrics:
-    """Latency of one generate call. tokens_per_s counts decode-phase tokens of all sequences per second."""
-
-    ttft_s: float = 0.0
-    token_latencies_s: list[float] = field(default_factory=list)  # one per decode step (after the first token)
-    num_generated: int = 0
-    tokens_per_s: float = 0.0
-    ms_per_token: float = 0.0
-
-    def finish(self, batch_rows: int) -> None:
-        steps = self.token_latencies_s
-        if steps:
-            self.ms_per_token = 1000.0 * sum(steps) / len(steps)
-            self.tokens_per_s = batch_rows * len(steps) / sum(steps)
-
-    def to_dict(self) -> dict:
-        return {
-            "ttft_s": self.ttft_s,
-            "ms_per_token": self.ms_per_token,
-            "tokens_per_s": self.tokens_per_s,
-            "num_generated": self.num_generated,
-            "token_latencies_s": self.token_latencies_s,
-        }
 
 
 @dataclass
@@ -108,7 +83,8 @@ def generate_ids(
         while True:
             if on_logits:
                 on_logits(logits[:n])
-            tokens = sample(logits, sampling, gen)  # [B]
+            tokens = torch.zeros(len(lengths), dtype=torch.int64)  # [B]: idle rows feed token 0
+            tokens[:n] = sample(logits[:n], sampling, gen)  # [n]
             if decide:
                 tokens = decide(tokens)
             _accept(tokens.tolist(), out, reasons, lengths, max_new_tokens, build.max_length, eos_ids, ignore_eos)
@@ -125,6 +101,7 @@ def generate_ids(
             t0 = now
             positions = torch.tensor([max(length - 1, 0) for length in lengths])  # [B] slot of each new token
             logits = engine.decode(tokens, positions)
+    metrics.decode_tokens = sum(len(o) - 1 for o in out)
     metrics.finish(n)
     return [SequenceResult(o, r or "max_new_tokens") for o, r in zip(out, reasons)], metrics
 

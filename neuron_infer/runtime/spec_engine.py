@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -22,76 +22,17 @@ from neuron_infer.config import SamplingConfig
 from neuron_infer.errors import NeuronInferError
 from neuron_infer.runtime.buckets import pick_bucket
 from neuron_infer.runtime.engine import Engine, graph_name
-from neuron_infer.runtime.generate import Metrics, OnTokens, SequenceResult, _check_prompts, gc_paused
-from neuron_infer.runtime.sampling import make_generator, sample
+from neuron_infer.runtime.generate import OnTokens, SequenceResult, _check_prompts, gc_paused
+from neuron_infer.runtime.metrics import Metrics
+from neuron_infer.runtime.sampling import make_generator, params_tensor, sample
 from neuron_infer.runtime.spec_step import SpecCacheLayout, speculate, uniforms_width, unpack
-from neuron_infer.runtime.speculation import params_tensor
+
 
 MODES = ("fused", "unfused")
 
 
 def fused_graph_name(k: int, attend: int, sample: bool) -> str:
     return f"fused_{'sample' if sample else 'greedy'}_k{k}_s{attend}"
-
-
-@dataclass
-class SpecMetrics:
-    """Metrics of one speculative generate call: the runtime Metrics plus speculation counters.
-
-    token_latencies_s holds one entry per decode step (a speculative step emits 1..K+1 tokens per row), so
-    tokens_per_s / ms_per_token are computed from the tokens actually emitted, not from the step count.
-    """
-
-    base: Metrics = field(default_factory=Metrics)
-    k: int = 0
-    mode: str = "unfused"
-    spec_steps: int = 0  # speculative steps run (all rows together)
-    tail_steps: int = 0  # plain target steps near max_length
-    drafted: int = 0  # draft tokens proposed to active rows
-    accepted: int = 0  # of those, accepted by the target
-    emitted_per_step: list[int] = field(default_factory=list)  # per (step, active row): tokens the step produced
-    decode_tokens: int = 0  # tokens after each row's first token
-
-    @property
-    def ttft_s(self) -> float:
-        return self.base.ttft_s
-
-    @property
-    def token_latencies_s(self) -> list[float]:
-        return self.base.token_latencies_s
-
-    @property
-    def num_generated(self) -> int:
-        return self.base.num_generated
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.base.tokens_per_s
-
-    @property
-    def ms_per_token(self) -> float:
-        return self.base.ms_per_token
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.accepted / self.drafted if self.drafted else 0.0
-
-    @property
-    def mean_accepted_tokens_per_step(self) -> float:
-        e = self.emitted_per_step
-        return sum(e) / len(e) if e else 0.0
-
-    def finish(self, rows: int) -> None:
-        t = sum(self.base.token_latencies_s)
-        if t > 0 and self.decode_tokens:
-            self.base.tokens_per_s = self.decode_tokens / t
-            self.base.ms_per_token = 1000.0 * t * rows / self.decode_tokens
-
-    def to_dict(self) -> dict:
-        return {**self.base.to_dict(), "speculation": {
-            "k": self.k, "mode": self.mode, "acceptance_rate": self.acceptance_rate,
-            "mean_accepted_tokens_per_step": self.mean_accepted_tokens_per_step, "spec_steps": self.spec_steps,
-            "tail_steps": self.tail_steps, "drafted": self.drafted, "accepted": self.accepted}}
 
 
 @dataclass
@@ -229,18 +170,18 @@ class SpecEngine:
     def generate_ids(self, prompts: list[list[int]], max_new_tokens: int,
                      sampling: SamplingConfig = SamplingConfig(),  # noqa: B008 (frozen, never mutated)
                      eos_ids: tuple[int, ...] = (), ignore_eos: bool = False, on_tokens: OnTokens | None = None,
-                     mode: str | None = None) -> tuple[list[SequenceResult], SpecMetrics]:
+                     mode: str | None = None) -> tuple[list[SequenceResult], Metrics]:
         """Generate like runtime.generate.generate_ids, K+1 tokens at most per step and row."""
         build, n = self.build, len(prompts)
         _check_prompts(prompts, build.batch_size, build.max_context_length)
-        gen, metrics = make_generator(sampling.seed), SpecMetrics(k=self.k, mode=mode or self.mode)
+        gen, metrics = make_generator(sampling.seed), Metrics(k=self.k, mode=mode or self.mode)
         rows = _Rows(prompts, [[] for _ in range(n)], [None] * n)
         stop = (max_new_tokens, build.max_length, eos_ids, ignore_eos)
         t0 = time.perf_counter()
-        first = sample(self.prefill(prompts), sampling, gen)  # [B]
+        first = sample(self.prefill(prompts)[:n], sampling, gen)  # [n]
         for r in range(n):
             rows.add(r, [int(first[r])], *stop)
-        metrics.base.ttft_s = time.perf_counter() - t0
+        metrics.ttft_s = time.perf_counter() - t0
         if on_tokens:
             on_tokens(rows.out)
         with gc_paused():
@@ -253,10 +194,10 @@ class SpecEngine:
                     self._tail_step(rows, last, pos, sampling, gen, stop, metrics)
                 else:
                     self._spec_step(rows, last, prev, pos, sampling, gen, stop, metrics, mode)
-                metrics.base.token_latencies_s.append(time.perf_counter() - t0)
+                metrics.token_latencies_s.append(time.perf_counter() - t0)
                 if on_tokens:
                     on_tokens(rows.out)
-        metrics.base.num_generated = max(len(o) for o in rows.out)
+        metrics.num_generated = max(len(o) for o in rows.out)
         metrics.decode_tokens = sum(len(o) - 1 for o in rows.out)
         metrics.finish(n)
         return [SequenceResult(o, r or "max_new_tokens") for o, r in zip(rows.out, rows.reasons)], metrics
@@ -282,19 +223,6 @@ class SpecEngine:
 
     def _tail_step(self, rows, last, pos, sampling, gen, stop, metrics) -> None:
         tokens = sample(self.target.decode(last, pos), sampling, gen)  # [B]
-        metrics.tail_steps += 1
+        metrics.plain_steps += 1
         for r in rows.active():
             rows.add(r, [int(tokens[r])], *stop)
-
-
-def summarize(batches: list) -> dict | None:
-    """Speculation summary over the static batches of one request (None when none of them speculated), for
-    `generate --json`: acceptance rate and mean accepted tokens per step pooled over every batch."""
-    spec = [b for b in batches if isinstance(b, SpecMetrics)]
-    if not spec:
-        return None
-    drafted, accepted = sum(b.drafted for b in spec), sum(b.accepted for b in spec)
-    emitted = [e for b in spec for e in b.emitted_per_step]
-    return {"k": spec[0].k, "mode": spec[0].mode, "acceptance_rate": accepted / drafted if drafted else 0.0,
-            "mean_accepted_tokens_per_step": sum(emitted) / len(emitted) if emitted else 0.0,
-            "spec_steps": sum(b.spec_steps for b in spec), "tail_steps": sum(b.tail_steps for b in spec)}

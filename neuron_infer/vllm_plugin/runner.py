@@ -39,7 +39,8 @@ import torch
 from neuron_infer.config import SamplingConfig
 from neuron_infer.errors import NeuronInferError
 from neuron_infer.runtime.engine import Engine
-from neuron_infer.runtime.sampling import make_generator, sample
+from neuron_infer.runtime.metrics import Metrics
+from neuron_infer.runtime.sampling import draw_uniforms, make_generator, sample_rows
 from neuron_infer.runtime.spec_engine import SpecEngine
 from neuron_infer.runtime.spec_step import uniforms_width
 
@@ -55,20 +56,6 @@ class Slot:
     generator: torch.Generator
 
 
-@dataclass
-class StepStats:
-    """What the runner's steps did (for logs and benchmarks)."""
-
-    spec_steps: int = 0  # speculative steps
-    plain_steps: int = 0  # one-token steps (no draft, or a fallback step)
-    drafted: int = 0  # draft tokens proposed to scheduled requests
-    accepted: int = 0  # of those, accepted
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.accepted / self.drafted if self.drafted else 0.0
-
-
 class SlotRunner:
     """Maps request ids to cache rows and produces 1 (or, speculating, 1..K+1) tokens per scheduled request per
     step."""
@@ -79,7 +66,8 @@ class SlotRunner:
             raise NeuronInferError("speculative decoding runs at tensor-parallel degree 1 only; serve the speculative "
                                    "artifact with --tensor-parallel-size 1")
         self.engine, self.spec, self.agree = engine, spec, agree
-        self.stats = StepStats()
+        self.stats = Metrics()
+        self.reset_stats()
         self.batch = engine.build.batch_size
         self.max_context = engine.build.max_context_length
         self.max_length = engine.build.max_length
@@ -87,6 +75,11 @@ class SlotRunner:
         # Free rows, lowest handed out first: the row a request gets depends only on which rows are free, not on
         # the order earlier requests were released in (tensor-parallel ranks must pick the same row).
         self._free = list(range(self.batch))  # a heap
+
+    def reset_stats(self) -> None:
+        """Zero the step counters (the worker counts served requests only, not its warm-up)."""
+        spec = self.spec
+        self.stats = Metrics(k=spec.k if spec is not None else 0, mode=spec.mode if spec is not None else "")
 
     @property
     def active(self) -> int:
@@ -112,7 +105,7 @@ class SlotRunner:
         self.slots[req_id] = slot
         prefill = self.spec.prefill_row if self.spec is not None else self.engine.prefill_row
         logits = prefill(slot.row, slot.tokens)  # [V]
-        tok = self._agreed([self._sample(slot, logits.view(1, -1))])[0]
+        tok = self._agreed(self._sample([slot], logits.view(1, -1)))[0]  # [1, V]
         slot.tokens.append(tok)
         return tok
 
@@ -150,8 +143,8 @@ class SlotRunner:
         step = self.spec.decode_both if self.spec is not None else self.engine.decode
         logits = step(tokens, positions)  # [B, V]
         self.stats.plain_steps += 1
-        toks = self._agreed([self._sample(self.slots[r], logits[self.slots[r].row: self.slots[r].row + 1])  # [1, V]
-                             for r in req_ids])
+        slots = [self.slots[r] for r in req_ids]
+        toks = self._agreed(self._sample(slots, logits[[s.row for s in slots]]))  # logits [n, V] of the scheduled
         for r, tok in zip(req_ids, toks):
             self.slots[r].tokens.append(tok)
         return {r: [tok] for r, tok in zip(req_ids, toks)}
@@ -191,5 +184,7 @@ class SlotRunner:
         return self.agree(torch.tensor(tokens, dtype=torch.int64)).tolist()  # [n]
 
     @staticmethod
-    def _sample(slot: Slot, logits: torch.Tensor) -> int:
-        return int(sample(logits, slot.sampling, slot.generator)[0])
+    def _sample(slots: list[Slot], logits: torch.Tensor) -> list[int]:
+        """All scheduled requests in one call, each with its own settings and generator: logits [n, V] -> n ids."""
+        configs = [s.sampling for s in slots]
+        return sample_rows(logits, configs, draw_uniforms(configs, [s.generator for s in slots])).tolist()

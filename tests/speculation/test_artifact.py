@@ -12,16 +12,10 @@ import pytest
 from neuron_infer.checkpoint import load_checkpoint
 from neuron_infer.compile.backend import get_backend
 from neuron_infer.compile.builder import cache_shape
-from neuron_infer.compile.spec_builder import (
-    DRAFT_WEIGHTS,
-    build_draft,
-    compile_speculation,
-    eager_spec_engine,
-    load_speculation,
-    spec_cache_layout,
-)
+from neuron_infer.compile.spec_builder import DRAFT_WEIGHTS, build_draft, compile_speculation, spec_cache_layout
 from neuron_infer.compile.weights import build_float_model
 from neuron_infer.config import BuildConfig, ModelConfig, SpeculationConfig
+from neuron_infer.runtime.loader import eager_spec_engine, load_speculation
 from neuron_infer.errors import ConfigError
 from neuron_infer.model.llama import BucketStep
 from neuron_infer.runtime.engine import Engine, planned_graphs

@@ -71,10 +71,10 @@ def test_metrics_report_acceptance_and_throughput(spec_engine):
 
 
 def test_summary_pools_batches(spec_engine):
-    from neuron_infer.runtime.spec_engine import summarize
+    from neuron_infer.runtime.metrics import pooled
 
     se = spec_engine(draft="full", k=3)
     ms = [se.generate_ids([PROMPT], n, ignore_eos=True)[1] for n in (9, 5)]  # 2 steps of 4, then 1 step of 4
-    s = summarize(ms)
+    s = pooled(ms)["speculation"]
     assert s["acceptance_rate"] == 1.0 and s["spec_steps"] == 3 and s["mean_accepted_tokens_per_step"] == 4.0
-    assert summarize([]) is None
+    assert "speculation" not in pooled([])

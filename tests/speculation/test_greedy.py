@@ -70,8 +70,8 @@ def test_max_length_inside_a_block_and_the_tail(spec_engine, mode, k, prompt_len
     ref = reference(se, [prompt], 500)[0]
     assert got[0].token_ids == ref.token_ids and got[0].finish_reason == "max_length" == ref.finish_reason
     assert len(prompt) + len(got[0].token_ids) == 96
-    emitted = 1 + sum(m.emitted_per_step) + m.tail_steps
-    assert emitted > len(got[0].token_ids) or m.tail_steps > 0  # truncated inside a block, or ran the tail
+    emitted = 1 + sum(m.emitted_per_step) + m.plain_steps
+    assert emitted > len(got[0].token_ids) or m.plain_steps > 0  # truncated inside a block, or ran the tail
 
 
 def test_max_length_cases_cover_truncation_and_tail(spec_engine):
@@ -81,8 +81,8 @@ def test_max_length_cases_cover_truncation_and_tail(spec_engine):
         se = spec_engine(draft="full", k=k)
         prompt = [(i * 11) % 400 + 5 for i in range(n)]
         got, m = se.generate_ids([prompt], 500, ignore_eos=True)
-        cut |= 1 + sum(m.emitted_per_step) + m.tail_steps > len(got[0].token_ids)
-        tail |= m.tail_steps > 0
+        cut |= 1 + sum(m.emitted_per_step) + m.plain_steps > len(got[0].token_ids)
+        tail |= m.plain_steps > 0
     assert cut and tail
 
 

@@ -102,7 +102,7 @@ class RankStepFactory:
         from neuron_infer.compile.quantize_step import quant_structure
         from neuron_infer.compile.weights import empty_model, load_rank_weights
         from neuron_infer.model.llama import BucketStep
-        from neuron_infer.parallel.compile_tp import rank_layout
+        from neuron_infer.compile.tp import rank_layout
 
         nxd = import_nxd()
         rank = int(nxd.parallel_layers.parallel_state.get_tensor_model_parallel_rank())

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from neuron_infer.errors import ConfigError
-from neuron_infer.parallel.capacity import plan_capacity, render_capacity_text
+from neuron_infer.capacity.planner import plan_capacity, render_capacity_text
 from neuron_infer.parallel.plan import ShardPlan
-from neuron_infer.parallel.presets import INSTANCES, MODEL_PRESETS, resolve_model
+from neuron_infer.capacity.presets import INSTANCES, MODEL_PRESETS, resolve_model
 from neuron_infer.parallel.shard import rank_param_counts, rank_weight_bytes, shard_state_dict
 from tests.parallel.test_plan import make_cfg
 from tests.parallel.test_shard import random_state_dict
