@@ -36,7 +36,7 @@ class TextOutput:
 @dataclass
 class GenerationOutput:
     outputs: list[TextOutput]
-    metrics: list[Metrics]  # one per static batch that ran
+    metrics: list[Metrics]  # one per generate call (a list: pooled() also reads several)
 
     def to_dict(self) -> dict:
         return {"outputs": [o.to_dict() for o in self.outputs], "metrics": pooled(self.metrics)}
@@ -109,17 +109,8 @@ class CompiledModel:
                                           collect_logits)
             return GenerationOutput([], []) if got is None else GenerationOutput([self._text(r) for r in got[0]],
                                                                                  got[1])
-        bs, outputs, metrics = self.manifest.build.batch_size, [], []
-        for start in range(0, len(prompts), bs):
-            chunk = prompts[start:start + bs]
-            if self.spec is not None:
-                res, m = self.spec.generate_ids(chunk, max_new_tokens, sampling, self.eos_ids, ignore_eos, on_tokens)
-            else:
-                res, m = generate_ids(self.engine, chunk, max_new_tokens, sampling, self.eos_ids, ignore_eos,
-                                      on_tokens)
-            outputs += [self._text(r) for r in res]
-            metrics.append(m)
-        return GenerationOutput(outputs, metrics)
+        res, m = generate_ids(self.engine, prompts, max_new_tokens, sampling, self.eos_ids, ignore_eos, on_tokens)
+        return GenerationOutput([self._text(r) for r in res], [m])
 
     def _text(self, r: SequenceResult) -> TextOutput:
         return TextOutput(r.token_ids, self.tokenizer.decode(r.token_ids, skip_special_tokens=True), r.finish_reason)

@@ -87,7 +87,7 @@ def run_k(k: int, args, cfg, target, prompt_ids) -> dict:
         base_tps, base = timed(lambda: generate_ids(se.target, [prompt_ids], n, ignore_eos=True), args.repeats)
         row = {"k": k, "baseline": base_tps}
         for mode in ("unfused", "fused"):
-            run = lambda mode=mode: se.generate_ids([prompt_ids], n, ignore_eos=True, mode=mode)
+            run = lambda mode=mode: generate_ids(se.with_mode(mode), [prompt_ids], n, ignore_eos=True)
             tps, (res, m) = timed(run, args.repeats)
             row[mode], row[f"agree_{mode}"] = tps, agreement(res[0].token_ids, base[0][0].token_ids)
             if args.dtype == "fp32" and row[f"agree_{mode}"] < n:

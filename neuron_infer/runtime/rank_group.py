@@ -49,7 +49,7 @@ def tp_generate_ids(engine: Engine, prompts: list[list[int]], max_new_tokens: in
     the real rows when `collect_logits`: tests compare them against tp = 1)."""
     seen: list[torch.Tensor] = []
     results, metrics = generate_ids(engine, prompts, max_new_tokens, sampling, eos_ids, ignore_eos, on_tokens,
-                                    decide=broadcast_from_rank0,  # [B] rank 0's choice everywhere
+                                    agree=broadcast_from_rank0,  # [n] rank 0's choice everywhere
                                     on_logits=(lambda t: seen.append(t.clone())) if collect_logits else None)
     return results, metrics, seen
 
@@ -62,18 +62,12 @@ def rank_main(ctx, root: str, request: dict) -> dict | None:
     req = broadcast_object_from_rank0(request)  # rank 0's request everywhere (torchrun ranks parse their own argv)
     pids = all_gather_last_dim(torch.tensor([os.getpid()], dtype=torch.int64))  # [tp]
     ctx.emit(("pids", pids.tolist()))
-    prompts, bs = req["prompts"], manifest.build.batch_size
-    results, metrics, logits = [], [], []
-    for start in range(0, len(prompts), bs):
-        res, m, seen = tp_generate_ids(
-            engine, prompts[start:start + bs], req["max_new_tokens"], req["sampling"], tuple(req["eos_ids"]),
-            req["ignore_eos"], lambda rows: ctx.emit(("tokens", [list(r) for r in rows])), req["collect_logits"])
-        results += res
-        metrics.append(m)
-        logits.append(seen)
+    results, metrics, seen = tp_generate_ids(
+        engine, req["prompts"], req["max_new_tokens"], req["sampling"], tuple(req["eos_ids"]), req["ignore_eos"],
+        lambda rows: ctx.emit(("tokens", [list(r) for r in rows])), req["collect_logits"])
     if ctx.rank != 0:
         return None
-    return {"results": results, "metrics": metrics, "logits": logits, "pids": pids.tolist()}
+    return {"results": results, "metrics": [metrics], "logits": [seen], "pids": pids.tolist()}
 
 
 class RankGroup:
@@ -93,7 +87,7 @@ class RankGroup:
     def generate_ids(self, prompts: list[list[int]], max_new_tokens: int, sampling: SamplingConfig,
                      eos_ids: tuple[int, ...], ignore_eos: bool, on_tokens: OnTokens | None,
                      collect_logits: bool = False) -> tuple[list[SequenceResult], list[Metrics]] | None:
-        """Run the ranks once for all prompts (static batches of batch_size) -> (results, one Metrics per batch);
+        """Run the ranks once for all prompts -> (results, [Metrics]);
         None under torchrun on ranks other than 0 (rank 0 holds the results)."""
         request = {"prompts": [list(map(int, p)) for p in prompts], "max_new_tokens": max_new_tokens,
                    "sampling": sampling, "eos_ids": list(eos_ids), "ignore_eos": ignore_eos,

@@ -36,7 +36,7 @@ def test_smollm2_greedy_equals_target(smol, spec):
     se = eager_spec_engine(target, build_draft(d, cfg, build)[0], build)
     ref, _ = generate_ids(se.target, [prompt], 24, ignore_eos=True)
     for mode in ("unfused", "fused"):
-        got, m = se.generate_ids([prompt], 24, ignore_eos=True, mode=mode)
+        got, m = generate_ids(se.with_mode(mode), [prompt], 24, ignore_eos=True)
         assert got[0].token_ids == ref[0].token_ids, mode
     assert m.spec_steps > 0
     if spec.draft_quant == "int8":
