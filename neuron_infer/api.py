@@ -4,14 +4,14 @@
     compile_model("path/to/hf-model", "artifacts/m", BuildConfig(dtype="bf16"))
     m = CompiledModel.load("artifacts/m")
     out = m.generate(["The capital of France is"], max_new_tokens=16)
-    print(out.outputs[0].text, out.metrics.tokens_per_s)
+    print(out.outputs[0].text, out.metrics[0].tokens_per_s)
 """
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from neuron_infer.compile.artifact import Manifest, check_checkpoint, read_manifest
 from neuron_infer.compile.builder import compile_model  # noqa: F401  (re-exported)
@@ -65,9 +65,9 @@ class CompiledModel:
 
     @classmethod
     def load(cls, artifact_dir: str | Path, verify_files: bool = True,
-             expect_checkpoint: str | Path | None = None) -> "CompiledModel":
+             expect_checkpoint: str | Path | None = None) -> CompiledModel:
         """Load an artifact; with `expect_checkpoint`, also require that it was compiled from that checkpoint."""
-        from neuron_infer.checkpoint import load_tokenizer  # noqa: PLC0415
+        from neuron_infer.checkpoint import load_tokenizer
 
         root = Path(artifact_dir)
         manifest = read_manifest(root, verify_files=verify_files)
@@ -75,7 +75,7 @@ class CompiledModel:
             check_checkpoint(manifest, root, Path(expect_checkpoint))
         tokenizer = load_tokenizer(root / "tokenizer")
         if manifest.build.tp_degree != 1 and manifest.backend != "neuron":  # shards live in rank processes
-            from neuron_infer.runtime.rank_group import RankGroup  # noqa: PLC0415
+            from neuron_infer.runtime.rank_group import RankGroup
 
             return cls(root, manifest, None, tokenizer, RankGroup(root, manifest))
         return cls(root, manifest, load_rank(root, 0, manifest), tokenizer)

@@ -37,6 +37,9 @@ def build_options(f):
         click.option("--max-length", type=int, default=None, help="longest prompt + generation (tokens)"),
         click.option("--context-buckets", default=None, help="comma list, e.g. 128,512 (default: powers of two)"),
         click.option("--tokengen-buckets", default=None, help="comma list, e.g. 256,1024 (default: powers of two)"),
+        click.option("--tokengen-batch-buckets", default=None,
+                     help="batch sizes with a token-generation graph, e.g. 1,2,4 (default: powers of two up to "
+                          "--batch-size); each step uses the smallest that holds its running sequences"),
         click.option("--kernels", type=click.Choice(["reference", "nki"]), default=None),
         click.option("--tp-degree", type=int, default=None, help="tensor-parallel ranks"),
         click.option("--quant", type=click.Choice(["none", "int8", "fp8", "mxfp8", "mxfp4", "w8a8"]), default=None),
@@ -67,6 +70,7 @@ def _build_overrides(kw: dict) -> dict:
         "target": kw.pop("target"), "dtype": kw.pop("dtype"), "batch_size": kw.pop("batch_size"),
         "max_context_length": kw.pop("max_context_length"), "max_length": kw.pop("max_length"),
         "context_buckets": _ints(kw.pop("context_buckets")), "tokengen_buckets": _ints(kw.pop("tokengen_buckets")),
+        "tokengen_batch_buckets": _ints(kw.pop("tokengen_batch_buckets")),
         "kernels": kw.pop("kernels"), "tp_degree": kw.pop("tp_degree"), "quant.scheme": kw.pop("quant"),
         "quant.modules_to_not_convert": mods, "quant.weight_tiling": kw.pop("weight_tiling"),
         "quant.kv_cache_dtype": kw.pop("kv_cache_dtype"),

@@ -4,7 +4,14 @@ import pytest
 import torch
 
 from neuron_infer.config import SamplingConfig
-from neuron_infer.runtime.sampling import draw_uniforms, make_generator, processed_probs, rows_params, sample, sample_rows
+from neuron_infer.runtime.sampling import (
+    draw_uniforms,
+    make_generator,
+    processed_probs,
+    rows_params,
+    sample,
+    sample_rows,
+)
 
 
 def np_reference(logits: np.ndarray, t: float, k: int, p: float) -> np.ndarray:

@@ -17,10 +17,11 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from neuron_infer.config import BuildConfig, ModelConfig
 from neuron_infer.errors import ArtifactError
@@ -30,10 +31,10 @@ MANIFEST = "manifest.json"
 
 
 def package_versions() -> dict[str, str]:
-    import torch  # noqa: PLC0415
-    import transformers  # noqa: PLC0415
+    import torch
+    import transformers
 
-    from neuron_infer import __version__  # noqa: PLC0415
+    from neuron_infer import __version__
 
     return {"neuron_infer": __version__, "torch": torch.__version__, "transformers": transformers.__version__}
 
@@ -72,16 +73,18 @@ class Manifest:
         }
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any], where: str) -> "Manifest":
+    def from_dict(cls, d: dict[str, Any], where: str) -> Manifest:
         if d.get("format_version") != FORMAT_VERSION:
             raise ArtifactError(
                 f"{where}: manifest format_version={d.get('format_version')!r} but this neuron-infer reads "
                 f"{FORMAT_VERSION}; recompile the model with this version (neuron-infer compile ...)"
             )
         try:
+            build = dict(d["build"])
+            build.setdefault("tokengen_batch_buckets", [build.get("batch_size", 1)])  # absent: full batch only
             return cls(
                 format_version=d["format_version"], versions=d["versions"], backend=d["backend"],
-                model=ModelConfig.from_dict(d["model"]), build=BuildConfig.from_dict(d["build"]),
+                model=ModelConfig.from_dict(d["model"]), build=BuildConfig.from_dict(build),
                 checkpoint_fingerprint=d["checkpoint_fingerprint"], graphs=d["graphs"], files=d["files"],
                 extra=d.get("extra", {}),
             )

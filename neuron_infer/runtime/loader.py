@@ -22,6 +22,7 @@ from neuron_infer.runtime.engine import Engine, planned_graphs
 from neuron_infer.runtime.spec_engine import SpecEngine
 from neuron_infer.runtime.spec_step import SpecCacheLayout
 
+
 def manifest_plan(manifest: Manifest, where: Path) -> ShardPlan:
     """The artifact's shard plan, checked against its model and build."""
     d = manifest.extra.get("tp_plan")

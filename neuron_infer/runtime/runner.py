@@ -86,14 +86,19 @@ class Runner:
         return self._plain(scheduled, live)
 
     def _plain(self, scheduled: list[Sequence], live: list[Sequence]) -> dict[Sequence, list[int]]:
-        tokens = torch.zeros(self.batch, dtype=torch.int64)  # [B] free rows: token 0 ...
-        positions = torch.zeros(self.batch, dtype=torch.int64)  # [B] ... at position 0
-        for s in live:
-            tokens[s.row], positions[s.row] = s.tokens[-1], len(s) - 1  # the pending token's own slot
-        decode = self.spec.decode_both if self.spec is not None else self.engine.decode
-        logits = decode(tokens, positions)  # [B, V]
         self.stats.plain_steps += 1
-        return self._emit(scheduled, logits[[s.row for s in scheduled]])  # [n, V]
+        tokens = torch.tensor([s.tokens[-1] for s in live], dtype=torch.int64)  # [n] pending tokens ...
+        positions = torch.tensor([len(s) - 1 for s in live], dtype=torch.int64)  # [n] ... at their own slots
+        rows = [s.row for s in live]
+        if self.spec is None:  # the smallest graph holding the live rows
+            logits = self.engine.decode_rows(rows, tokens, positions)  # [n, V]
+            at = {s: i for i, s in enumerate(live)}
+            return self._emit(scheduled, logits[[at[s] for s in scheduled]])  # [m, V]
+        all_tokens = torch.zeros(self.batch, dtype=torch.int64)  # [B] free rows: token 0 ...
+        all_pos = torch.zeros(self.batch, dtype=torch.int64)  # [B] ... at position 0
+        all_tokens[rows], all_pos[rows] = tokens, positions
+        logits = self.spec.decode_both(all_tokens, all_pos)  # [B, V]: also writes the draft cache
+        return self._emit(scheduled, logits[[s.row for s in scheduled]])  # [m, V]
 
     def _emit(self, seqs: list[Sequence], logits: torch.Tensor) -> dict[Sequence, list[int]]:
         """Sample every sequence in one call (logits [n, V]), agree across ranks, append under the stop rules."""

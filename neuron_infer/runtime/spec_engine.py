@@ -24,7 +24,6 @@ from neuron_infer.runtime.engine import Engine, graph_name
 from neuron_infer.runtime.sampling import params_tensor
 from neuron_infer.runtime.spec_step import SpecCacheLayout, speculate, uniforms_width, unpack
 
-
 MODES = ("fused", "unfused")
 
 
@@ -132,7 +131,7 @@ class SpecEngine:
                 torch.ones(b, dtype=torch.int64))  # [B] each
 
     # ---- generation ----------------------------------------------------------------------------------------------
-    def with_mode(self, mode: str | None) -> "SpecEngine":
+    def with_mode(self, mode: str | None) -> SpecEngine:
         """This engine (same graphs and caches) running its steps fused or unfused."""
         if mode is None or mode == self.mode:
             return self

@@ -9,18 +9,17 @@ import types
 
 import pytest
 
-from neuron_infer.runtime.generate import generate_ids
-
 from neuron_infer.checkpoint import load_checkpoint
 from neuron_infer.compile.backend import get_backend
 from neuron_infer.compile.builder import cache_shape
 from neuron_infer.compile.spec_builder import DRAFT_WEIGHTS, build_draft, compile_speculation, spec_cache_layout
 from neuron_infer.compile.weights import build_float_model
 from neuron_infer.config import BuildConfig, ModelConfig, SpeculationConfig
-from neuron_infer.runtime.loader import eager_spec_engine, load_speculation
 from neuron_infer.errors import ConfigError
 from neuron_infer.model.llama import BucketStep
 from neuron_infer.runtime.engine import Engine, planned_graphs
+from neuron_infer.runtime.generate import generate_ids
+from neuron_infer.runtime.loader import eager_spec_engine, load_speculation
 from neuron_infer.runtime.spec_step import FusedSpecStep, fused_example_args
 from tests.tiny_checkpoint import TINY_PRESETS, write_tiny_checkpoint
 

@@ -7,10 +7,10 @@ import pytest
 
 from neuron_infer.checkpoint import load_checkpoint, load_tokenizer
 from neuron_infer.compile.spec_builder import build_draft
-from neuron_infer.runtime.loader import eager_spec_engine
 from neuron_infer.compile.weights import build_float_model
 from neuron_infer.config import BuildConfig, ModelConfig, SpeculationConfig
 from neuron_infer.runtime.generate import generate_ids
+from neuron_infer.runtime.loader import eager_spec_engine
 
 pytestmark = pytest.mark.slow
 BUILD = BuildConfig(dtype="fp32", max_context_length=32, max_length=64, context_buckets=(32,), tokengen_buckets=(64,))
