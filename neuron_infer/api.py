@@ -20,21 +20,23 @@ does, and loads it.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from neuron_infer import cpu_threads
-from neuron_infer.compile.artifact import Manifest, read_manifest
-from neuron_infer.compile.builder import cache_shape, compile_model  # noqa: F401  (re-exported)
-from neuron_infer.compile.quantize_step import quant_structure
-from neuron_infer.compile.weights import empty_model, load_rank_weights
+from neuron_infer.compile.artifact import Manifest, check_checkpoint, read_manifest
+from neuron_infer.compile.builder import compile_model  # noqa: F401  (re-exported)
 from neuron_infer.config import BuildConfig, SamplingConfig  # noqa: F401  (BuildConfig re-exported)
-from neuron_infer.errors import ArtifactError, NeuronInferError
-from neuron_infer.model.llama import BucketStep
+from neuron_infer.errors import NeuronInferError
 from neuron_infer.prompts import refuse_empty
-from neuron_infer.runtime.engine import Engine, planned_graphs
-from neuron_infer.runtime.generate import Metrics, SequenceResult, generate_ids
+from neuron_infer.runtime.engine import Engine
+from neuron_infer.runtime.generate import SequenceResult, generate_ids
+from neuron_infer.runtime.loader import load_rank
+from neuron_infer.runtime.metrics import Metrics, pooled
+from neuron_infer.runtime.sequence import check_prompt
+
+OnTokens = Callable[[list[list[int]]], None]
 
 
 @dataclass
@@ -50,59 +52,25 @@ class TextOutput:
 @dataclass
 class GenerationOutput:
     outputs: list[TextOutput]
-    metrics: list[Metrics]  # one per static batch that ran
+    metrics: list[Metrics]  # one per generate call (a list: pooled() also reads several)
 
     @property
     def ttft_s(self) -> float:
-        """Time to the first token of the first batch (seconds)."""
-        return self.metrics[0].ttft_s if self.metrics else 0.0
+        """Time to the first token (seconds)."""
+        return pooled(self.metrics)["ttft_s"]
 
     @property
     def tokens_per_s(self) -> float:
-        """Decode-phase tokens per second, averaged over the batches that ran."""
-        m = self.metrics
-        return sum(b.tokens_per_s for b in m) / len(m) if m else 0.0
+        """Decode-phase tokens per second."""
+        return pooled(self.metrics)["tokens_per_s"]
 
     @property
     def ms_per_token(self) -> float:
-        """Mean latency of one decode step (a speculative step emits several tokens: per each batch's count)."""
-        from neuron_infer.runtime.spec_engine import summarize  # noqa: PLC0415
-
-        m = self.metrics
-        if m and summarize(m) is not None:
-            return sum(b.ms_per_token for b in m) / len(m)
-        steps = [x for b in m for x in b.token_latencies_s]
-        return 1000.0 * sum(steps) / len(steps) if steps else 0.0
+        """Mean latency of one decode step (a speculative step emits several tokens)."""
+        return pooled(self.metrics)["ms_per_token"]
 
     def to_dict(self) -> dict:
-        from neuron_infer.runtime.spec_engine import summarize  # noqa: PLC0415
-
-        m = self.metrics
-        out = {
-            "outputs": [o.to_dict() for o in self.outputs],
-            "metrics": {
-                "ttft_s": self.ttft_s,
-                "ms_per_token": self.ms_per_token,
-                "tokens_per_s": self.tokens_per_s,
-                "token_latencies_s": [x for b in m for x in b.token_latencies_s],
-                "batches": [b.to_dict() for b in m],
-            },
-        }
-        spec = summarize(m)
-        if spec is not None:
-            out["metrics"]["speculation"] = spec
-        return out
-
-
-def _load_graphs(root: Path, manifest: Manifest, model) -> dict:
-    from neuron_infer.compile.backend import get_backend  # noqa: PLC0415
-
-    be = get_backend(manifest.backend)
-    graphs = {}
-    for spec in planned_graphs(manifest.build):
-        step = BucketStep(model, spec.attend, spec.select_rows)
-        graphs[spec.name] = be.load_graph(root / "graphs", spec.name, step)
-    return graphs
+        return {"outputs": [o.to_dict() for o in self.outputs], "metrics": pooled(self.metrics)}
 
 
 def _eos_ids(manifest: Manifest, tokenizer, root: Path) -> tuple[int, ...]:
@@ -117,17 +85,19 @@ def _eos_ids(manifest: Manifest, tokenizer, root: Path) -> tuple[int, ...]:
 
 
 class CompiledModel:
-    """A loaded artifact: tokenizer + engine (weights and compiled graphs)."""
+    """A loaded artifact: tokenizer + engine (weights and compiled graphs), or, for a tensor-parallel CPU artifact,
+    the rank group whose processes hold the shards."""
 
-    def __init__(self, root: Path, manifest: Manifest, engine: Engine, tokenizer, spec=None):
+    def __init__(self, root: Path, manifest: Manifest, engine: Engine | None, tokenizer, group=None):
         self.root, self.manifest, self.engine, self.tokenizer = root, manifest, engine, tokenizer
-        self.spec = spec  # runtime.spec_engine.SpecEngine when compiled with --draft-model, else None
+        self.spec = engine.spec if engine is not None else None  # SpecEngine when compiled with --draft-model
+        self.group = group  # runtime.rank_group.RankGroup for a tp > 1 CPU artifact, else None
         self.eos_ids = _eos_ids(manifest, tokenizer, root)
 
     @classmethod
     def load(cls, artifact_dir: str | Path, verify_files: bool = True,
              expect_checkpoint: str | Path | None = None, threads: int | str | None = None,
-             tokenizer=None) -> "CompiledModel":
+             tokenizer=None) -> CompiledModel:
         """Load an artifact; with `expect_checkpoint`, also require that it was compiled from that checkpoint.
 
         threads: CPU threads of the graphs: "auto" follows the CPUs other processes leave free (see
@@ -143,25 +113,16 @@ class CompiledModel:
         manifest = read_manifest(root, verify_files=verify_files)
         if expect_checkpoint is not None:
             check_checkpoint(manifest, root, Path(expect_checkpoint))
-        if manifest.build.tp_degree != 1:  # shards live in rank processes (neuron_infer.parallel.runtime)
-            from neuron_infer.parallel.runtime import TPCompiledModel  # noqa: PLC0415
+        tokenizer = tokenizer or load_tokenizer(root / "tokenizer")
+        if manifest.build.tp_degree != 1 and manifest.backend != "neuron":  # shards live in rank processes
+            from neuron_infer.runtime.rank_group import RankGroup  # noqa: PLC0415
 
-            return TPCompiledModel.from_manifest(root, manifest)
-        model = empty_model(manifest.model, manifest.build)
-        quant_structure(model, manifest.build)
-        load_rank_weights(model, root / "weights" / "rank0.safetensors")
-        engine = Engine(_load_graphs(root, manifest, model), manifest.build, cache_shape(model, manifest.build),
-                        manifest.model.vocab_size)
-        spec = None
-        if manifest.build.speculation is not None:
-            from neuron_infer.compile.spec_builder import load_speculation  # noqa: PLC0415
-
-            spec = load_speculation(root, manifest, model, engine)
-        return cls(root, manifest, engine, tokenizer or load_tokenizer(root / "tokenizer"), spec)
+            return cls(root, manifest, None, tokenizer, RankGroup(root, manifest))
+        return cls(root, manifest, load_rank(root, 0, manifest), tokenizer)
 
     @classmethod
     def default(cls, build: BuildConfig | None = None, threads: int | str | None = None,
-                say: Callable[[str], None] | None = None) -> "CompiledModel":
+                say: Callable[[str], None] | None = None) -> CompiledModel:
         """The embedded default model (SmolLM2-135M-Instruct), compiled once into the cache and loaded.
 
         `build` defaults to the `smollm2-cpu` preset (the CLI's default); `say` receives progress lines.
@@ -176,48 +137,40 @@ class CompiledModel:
         return encode_prompt(self.tokenizer, prompt, chat)
 
     def generate_chat(self, messages: list[dict[str, str]], max_new_tokens: int = 64,
-                      sampling: SamplingConfig = SamplingConfig(), ignore_eos: bool = False,
-                      on_tokens: Callable[[list[list[int]]], None] | None = None) -> GenerationOutput:
+                      sampling: SamplingConfig = SamplingConfig(), ignore_eos: bool = False,  # noqa: B008
+                      on_tokens: OnTokens | None = None) -> GenerationOutput:
         """The assistant's next message after `messages` ([{"role": "system"|"user"|"assistant", "content"}])."""
         ids = encode_chat(self.tokenizer, messages)
         return self.generate_ids([ids], max_new_tokens, sampling, ignore_eos, on_tokens)
 
-    def generate(self, prompts: list[str], max_new_tokens: int = 64, sampling: SamplingConfig = SamplingConfig(),
-                 chat: bool = False, ignore_eos: bool = False,
-                 on_tokens: Callable[[list[list[int]]], None] | None = None) -> GenerationOutput:
+    def generate(self, prompts: list[str], max_new_tokens: int = 64,
+                 sampling: SamplingConfig = SamplingConfig(),  # noqa: B008 (frozen, never mutated)
+                 chat: bool = False, ignore_eos: bool = False, on_tokens: OnTokens | None = None) -> GenerationOutput:
         refuse_empty((f"prompt {i}", p) for i, p in enumerate(prompts))
         ids = [self.encode(p, chat) for p in prompts]
         return self.generate_ids(ids, max_new_tokens, sampling, ignore_eos, on_tokens)
 
     def generate_ids(self, prompts: list[list[int]], max_new_tokens: int = 64,
-                     sampling: SamplingConfig = SamplingConfig(), ignore_eos: bool = False,
-                     on_tokens: Callable[[list[list[int]]], None] | None = None) -> GenerationOutput:
+                     sampling: SamplingConfig = SamplingConfig(),  # noqa: B008 (frozen, never mutated)
+                     ignore_eos: bool = False, on_tokens: OnTokens | None = None,
+                     collect_logits: bool = False) -> GenerationOutput:
+        """Generate from token ids. `collect_logits` (tensor-parallel rank groups): keep each step's logits in
+        `self.group.last_run["logits"]` (tests compare them against tp = 1). Under torchrun, ranks other than 0
+        return an empty GenerationOutput (rank 0 holds the results)."""
         if max_new_tokens < 1:
             raise NeuronInferError(f"max_new_tokens={max_new_tokens} must be >= 1")
-        check_token_ids(prompts, self.manifest.model.vocab_size)
-        bs, outputs, metrics = self.manifest.build.batch_size, [], []
-        for start in range(0, len(prompts), bs):
-            chunk = prompts[start:start + bs]
-            if self.spec is not None:
-                res, m = self.spec.generate_ids(chunk, max_new_tokens, sampling, self.eos_ids, ignore_eos, on_tokens)
-            else:
-                res, m = generate_ids(self.engine, chunk, max_new_tokens, sampling, self.eos_ids, ignore_eos,
-                                      on_tokens)
-            outputs += [self._text(r) for r in res]
-            metrics.append(m)
-        return GenerationOutput(outputs, metrics)
+        if self.group is not None:  # checked here too: a rank's error would name no prompt of the caller
+            for i, p in enumerate(prompts):
+                check_prompt(f"prompt {i}", p, self.manifest.build.max_context_length, self.manifest.model.vocab_size)
+            got = self.group.generate_ids(prompts, max_new_tokens, sampling, self.eos_ids, ignore_eos, on_tokens,
+                                          collect_logits)
+            return GenerationOutput([], []) if got is None else GenerationOutput([self._text(r) for r in got[0]],
+                                                                                 got[1])
+        res, m = generate_ids(self.engine, prompts, max_new_tokens, sampling, self.eos_ids, ignore_eos, on_tokens)
+        return GenerationOutput([self._text(r) for r in res], [m])
 
     def _text(self, r: SequenceResult) -> TextOutput:
         return TextOutput(r.token_ids, self.tokenizer.decode(r.token_ids, skip_special_tokens=True), r.finish_reason)
-
-
-def check_token_ids(prompts: list[list[int]], vocab_size: int) -> None:
-    """Refuse ids the embedding has no row for (eager graphs raise IndexError, compiled ones abort the process)."""
-    for i, p in enumerate(prompts):
-        bad = [t for t in p if not 0 <= int(t) < vocab_size]
-        if bad:
-            raise NeuronInferError(f"prompt {i} holds token id {bad[0]}, outside this model's vocabulary "
-                                   f"0..{vocab_size - 1}; encode prompts with the artifact's own tokenizer")
 
 
 def encode_prompt(tokenizer, prompt: str, chat: bool = False) -> list[int]:
@@ -253,14 +206,3 @@ def check_request(build: BuildConfig, prompt_lengths: list[int], max_new_tokens:
                 f"prompt {i} has {n} tokens: with --max-new-tokens {max_new_tokens} it needs {n + max_new_tokens} "
                 f"positions, more than max_length={build.max_length}; use --max-new-tokens <= "
                 f"{max(build.max_length - n, 0)} or recompile with a larger --max-length")
-
-
-def check_checkpoint(manifest: Manifest, root: Path, model_dir: Path) -> None:
-    from neuron_infer.checkpoint import checkpoint_fingerprint  # noqa: PLC0415
-
-    found = checkpoint_fingerprint(model_dir)
-    if found != manifest.checkpoint_fingerprint:
-        raise ArtifactError(
-            f"{root / 'manifest.json'}: checkpoint_fingerprint {manifest.checkpoint_fingerprint[:12]}... does not match "
-            f"{model_dir} ({found[:12]}...): the artifact was compiled from another checkpoint; recompile it"
-        )

@@ -40,6 +40,9 @@ def build_options(f):
         click.option("--max-length", type=int, default=None, help="longest prompt + generation (tokens), e.g. 1024"),
         click.option("--context-buckets", default=None, help="comma list, e.g. 128,512 (default: powers of two)"),
         click.option("--tokengen-buckets", default=None, help="comma list, e.g. 256,1024 (default: powers of two)"),
+        click.option("--tokengen-batch-buckets", default=None,
+                     help="batch sizes with a token-generation graph, e.g. 1,2,4 (default: powers of two up to "
+                          "--batch-size); each step uses the smallest that holds its running sequences"),
         click.option("--kernels", type=click.Choice(["reference", "nki"]), default=None,
                      help="reference torch ops, or the NKI kernels (NumPy simulator on CPU)"),
         click.option("--tp-degree", type=int, default=None,
@@ -88,6 +91,7 @@ def _build_overrides(kw: dict) -> dict:
         "target": kw.pop("target"), "dtype": kw.pop("dtype"), "batch_size": kw.pop("batch_size"),
         "max_context_length": kw.pop("max_context_length"), "max_length": kw.pop("max_length"),
         "context_buckets": _ints(kw.pop("context_buckets")), "tokengen_buckets": _ints(kw.pop("tokengen_buckets")),
+        "tokengen_batch_buckets": _ints(kw.pop("tokengen_batch_buckets")),
         "kernels": kw.pop("kernels"), "tp_degree": kw.pop("tp_degree"), "quant.scheme": kw.pop("quant"),
         "lnc": lnc if lnc is None else int(lnc),
         "quant.modules_to_not_convert": mods, "quant.weight_tiling": kw.pop("weight_tiling"),
@@ -255,9 +259,9 @@ def _print_result(out, as_json: bool, stream) -> None:
 @click.option("--json", "as_json", is_flag=True, help="print the plan as one JSON line")
 def plan_cmd(model, instance, tp_degree, quant, max_length, batch_size, lnc, as_json) -> None:
     """Capacity plan for MODEL (a preset such as llama-3.1-405b, or a checkpoint dir) on an instance."""
-    from neuron_infer.parallel.capacity import plan_capacity, render_capacity_text  # noqa: PLC0415
-    from neuron_infer.parallel.capacity import smallest_fitting_plan  # noqa: PLC0415
-    from neuron_infer.parallel.presets import resolve_model  # noqa: PLC0415
+    from neuron_infer.capacity.planner import plan_capacity, render_capacity_text  # noqa: PLC0415
+    from neuron_infer.capacity.planner import smallest_fitting_plan  # noqa: PLC0415
+    from neuron_infer.capacity.presets import resolve_model  # noqa: PLC0415
 
     name, cfg = resolve_model(model)
     lnc_n = int(lnc) if lnc else None

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from neuron_infer.errors import ConfigError
 
@@ -113,7 +114,7 @@ class ModelConfig:
 
     # ---- Hugging Face config.json ------------------------------------------------------------------------------
     @classmethod
-    def from_hf_dict(cls, d: Mapping[str, Any], where: str = "config.json") -> "ModelConfig":
+    def from_hf_dict(cls, d: Mapping[str, Any], where: str = "config.json") -> ModelConfig:
         """Parse a Hugging Face Llama `config.json` dict; anything we cannot run raises `ConfigError`."""
         arch = d.get("architectures") or ["LlamaForCausalLM"]
         if d.get("model_type", "llama") != "llama" or any(a not in _SUPPORTED_ARCHITECTURES for a in arch):
@@ -152,7 +153,7 @@ class ModelConfig:
             raise ConfigError(f"{where}: required key {e.args[0]!r} is missing; is this a Llama config.json?") from e
 
     @classmethod
-    def from_model_dir(cls, model_dir: str | Path) -> "ModelConfig":
+    def from_model_dir(cls, model_dir: str | Path) -> ModelConfig:
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise ConfigError(
@@ -170,7 +171,7 @@ class ModelConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "ModelConfig":
+    def from_dict(cls, d: Mapping[str, Any]) -> ModelConfig:
         kw = _strict_kwargs(cls, d, "model config")
         if kw.get("rope_scaling") is not None:
             kw["rope_scaling"] = RopeScaling(**_strict_kwargs(RopeScaling, kw["rope_scaling"], "rope_scaling"))
@@ -298,6 +299,7 @@ class BuildConfig:
     max_length: int = 512
     context_buckets: tuple[int, ...] | None = None
     tokengen_buckets: tuple[int, ...] | None = None
+    tokengen_batch_buckets: tuple[int, ...] | None = None  # token-generation graphs by number of running rows
     kernels: str = "reference"
     tp_degree: int = 1
     quant: QuantConfig = field(default_factory=QuantConfig)
@@ -321,6 +323,7 @@ class BuildConfig:
             )
         _check_buckets("context_buckets", self.context_buckets, self.max_context_length, "--max-context-length")
         _check_buckets("tokengen_buckets", self.tokengen_buckets, self.max_length, "--max-length")
+        _check_buckets("tokengen_batch_buckets", self.tokengen_batch_buckets, self.batch_size, "--batch-size")
 
     @property
     def context_bucket_list(self) -> tuple[int, ...]:
@@ -330,13 +333,18 @@ class BuildConfig:
     def tokengen_bucket_list(self) -> tuple[int, ...]:
         return self.tokengen_buckets or auto_buckets(min(128, self.max_length), self.max_length)
 
+    @property
+    def tokengen_batch_list(self) -> tuple[int, ...]:
+        """Batch sizes with a token-generation graph; a step uses the smallest >= its running sequences."""
+        return self.tokengen_batch_buckets or auto_buckets(1, self.batch_size)
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "BuildConfig":
+    def from_dict(cls, d: Mapping[str, Any]) -> BuildConfig:
         kw = _strict_kwargs(cls, d, "build config")
-        for k in ("context_buckets", "tokengen_buckets"):
+        for k in ("context_buckets", "tokengen_buckets", "tokengen_batch_buckets"):
             kw[k] = _tuple(kw.get(k))
         if isinstance(kw.get("quant"), Mapping):
             q = _strict_kwargs(QuantConfig, kw["quant"], "build config 'quant'")
@@ -347,7 +355,7 @@ class BuildConfig:
             kw["speculation"] = SpeculationConfig(**_strict_kwargs(SpeculationConfig, kw["speculation"], "speculation"))
         return cls(**kw)
 
-    def replace(self, **changes: Any) -> "BuildConfig":
+    def replace(self, **changes: Any) -> BuildConfig:
         return dataclasses.replace(self, **changes)
 
 
@@ -397,5 +405,5 @@ class SamplingConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "SamplingConfig":
+    def from_dict(cls, d: Mapping[str, Any]) -> SamplingConfig:
         return cls(**_strict_kwargs(cls, d, "sampling config"))

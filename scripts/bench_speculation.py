@@ -27,17 +27,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from neuron_infer.checkpoint import load_checkpoint, load_tokenizer
 from neuron_infer.compile.builder import cache_shape
-from neuron_infer.compile.spec_builder import (
-    build_draft,
-    compile_speculation,
-    eager_spec_engine,
-    load_speculation,
-)
+from neuron_infer.compile.spec_builder import build_draft, compile_speculation
 from neuron_infer.compile.weights import build_float_model
 from neuron_infer.config import BuildConfig, ModelConfig, SpeculationConfig
 from neuron_infer.model.llama import BucketStep
 from neuron_infer.runtime.engine import Engine, planned_graphs
 from neuron_infer.runtime.generate import generate_ids
+from neuron_infer.runtime.loader import eager_spec_engine, load_speculation
 
 PROMPT = "I am at KDD conference in Barcelona. After the conference tutorial today I will"
 
@@ -91,7 +87,7 @@ def run_k(k: int, args, cfg, target, prompt_ids) -> dict:
         base_tps, base = timed(lambda: generate_ids(se.target, [prompt_ids], n, ignore_eos=True), args.repeats)
         row = {"k": k, "baseline": base_tps}
         for mode in ("unfused", "fused"):
-            run = lambda mode=mode: se.generate_ids([prompt_ids], n, ignore_eos=True, mode=mode)
+            run = lambda mode=mode: generate_ids(se.with_mode(mode), [prompt_ids], n, ignore_eos=True)
             tps, (res, m) = timed(run, args.repeats)
             row[mode], row[f"agree_{mode}"] = tps, agreement(res[0].token_ids, base[0][0].token_ids)
             if args.dtype == "fp32" and row[f"agree_{mode}"] < n:

@@ -98,10 +98,15 @@ def test_batch_rows_equal_their_single_runs(compiled):
         assert g.token_ids == single.generate_ids([p], 24, ignore_eos=True).outputs[0].token_ids
 
 
-def test_more_prompts_than_the_batch_run_in_several_batches(compiled):
-    m = compiled("gqa")
-    out = m.generate_ids([[5, 6, 7], [8, 9, 10]], 4, ignore_eos=True)
-    assert len(out.outputs) == 2 and len(out.metrics) == 2
+def test_more_prompts_than_the_batch_take_rows_as_they_free(compiled):
+    """Continuous batching: 5 prompts on a batch-2 artifact; later prompts are encoded into freed rows while the
+    remaining rows hold other sequences, and each output equals its single run."""
+    batched, single = compiled("gqa", BUILD.replace(batch_size=2)), compiled("gqa")
+    prompts = [[5, 6, 7], list(range(8, 30)), [40] * 9, list(range(100, 105)), [7]]
+    out = batched.generate_ids(prompts, 9, ignore_eos=True)
+    for p, o in zip(prompts, out.outputs):
+        assert o.token_ids == single.generate_ids([p], 9, ignore_eos=True).outputs[0].token_ids
+    assert len(out.metrics) == 1 and out.metrics[0].decode_tokens == 5 * 8
 
 
 def test_seeded_sampling_is_reproducible_and_seed_dependent(compiled):

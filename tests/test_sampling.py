@@ -4,7 +4,14 @@ import pytest
 import torch
 
 from neuron_infer.config import SamplingConfig
-from neuron_infer.runtime.sampling import make_generator, processed_probs, sample
+from neuron_infer.runtime.sampling import (
+    draw_uniforms,
+    make_generator,
+    processed_probs,
+    rows_params,
+    sample,
+    sample_rows,
+)
 
 
 def np_reference(logits: np.ndarray, t: float, k: int, p: float) -> np.ndarray:
@@ -50,3 +57,37 @@ def test_sampling_frequencies_follow_the_distribution():
     sigma = (probs * (1 - probs) / 20000).sqrt()
     assert freq[4] == 0  # outside the top-4
     assert ((freq - probs).abs() <= 4.5 * sigma + 1e-9).all(), (freq, probs)
+
+
+ROW_CONFIGS = [SamplingConfig(), SamplingConfig(temperature=0.7), SamplingConfig(temperature=1.0, top_k=5),
+               SamplingConfig(temperature=1.3, top_p=0.8), SamplingConfig(temperature=0.9, top_k=10, top_p=0.6)]
+
+
+def test_rows_with_different_settings_in_one_call_equal_each_row_alone():
+    logits = torch.randn(len(ROW_CONFIGS), 64, generator=torch.Generator().manual_seed(5)) * 3  # [B, V]
+    got = processed_probs(logits, rows_params(ROW_CONFIGS))  # [B, V]
+    for row, cfg in enumerate(ROW_CONFIGS):
+        want = processed_probs(logits[row], cfg)  # [V]
+        assert torch.equal(got[row] > 0, want > 0)
+        assert torch.allclose(got[row], want, atol=1e-6)  # fp32 softmax of another shape
+    assert got[0].tolist() == torch.nn.functional.one_hot(logits[0].argmax(), 64).float().tolist()  # greedy row
+
+
+def test_unfiltered_shortcut_equals_the_sorted_definition():
+    """`filters=False` (no top-k/top-p in any row) skips the sort: same distribution as the full path."""
+    logits = torch.randn(3, 200, generator=torch.Generator().manual_seed(1)) * 4  # [B, V]
+    params = rows_params([SamplingConfig(temperature=t) for t in (0.5, 1.0, 1.7)])  # [B, 3]
+    assert torch.allclose(processed_probs(logits, params, filters=False), processed_probs(logits, params), atol=1e-6)
+
+
+def test_sample_rows_draws_each_row_from_its_own_distribution():
+    """Mixed rows in one call: greedy rows give the argmax; a row's draw depends only on its logits, its settings
+    and its own uniform, so sampling it alone with the same uniform gives the same token."""
+    logits = torch.randn(len(ROW_CONFIGS), 64, generator=torch.Generator().manual_seed(7)) * 2  # [B, V]
+    gens = [make_generator(s) for s in range(len(ROW_CONFIGS))]
+    u = draw_uniforms(ROW_CONFIGS, gens)  # [B]
+    got = sample_rows(logits, ROW_CONFIGS, u)
+    assert int(got[0]) == int(logits[0].argmax())
+    for row, cfg in enumerate(ROW_CONFIGS):
+        assert int(sample_rows(logits[row: row + 1], [cfg], u[row: row + 1])[0]) == int(got[row])
+    assert draw_uniforms([SamplingConfig()] * 2, gens[:2]) is None  # all greedy: no generator advances

@@ -29,10 +29,10 @@ MANIFEST = "manifest.json"
 
 
 def package_versions() -> dict[str, str]:
-    import torch  # noqa: PLC0415
-    import transformers  # noqa: PLC0415
+    import torch
+    import transformers
 
-    from neuron_infer import __version__  # noqa: PLC0415
+    from neuron_infer import __version__
 
     return {"neuron_infer": __version__, "torch": torch.__version__, "transformers": transformers.__version__}
 
@@ -79,16 +79,18 @@ class Manifest:
         }
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any], where: str) -> "Manifest":
+    def from_dict(cls, d: dict[str, Any], where: str) -> Manifest:
         if d.get("format_version") != FORMAT_VERSION:
             raise ArtifactError(
                 f"{where}: manifest format_version={d.get('format_version')!r} but this neuron-infer reads "
                 f"{FORMAT_VERSION}; recompile the model with this version (neuron-infer compile ...)"
             )
         try:
+            build = dict(d["build"])
+            build.setdefault("tokengen_batch_buckets", [build.get("batch_size", 1)])  # absent: full batch only
             return cls(
                 format_version=d["format_version"], versions=d["versions"], backend=d["backend"],
-                model=ModelConfig.from_dict(d["model"]), build=BuildConfig.from_dict(d["build"]),
+                model=ModelConfig.from_dict(d["model"]), build=BuildConfig.from_dict(build),
                 checkpoint_fingerprint=d["checkpoint_fingerprint"], graphs=d["graphs"], files=d["files"],
                 extra=d.get("extra", {}),
             )
@@ -176,3 +178,14 @@ def _check_files(root: Path, m: Manifest) -> None:
             raise ArtifactError(f"{p} is missing from the artifact; recompile the model")
         if sha256_file(p) != digest:
             raise ArtifactError(f"{p} is corrupted (sha256 differs from the manifest); recompile the model")
+
+
+def check_checkpoint(manifest: Manifest, root: Path, model_dir: Path) -> None:
+    from neuron_infer.checkpoint import checkpoint_fingerprint
+
+    found = checkpoint_fingerprint(model_dir)
+    if found != manifest.checkpoint_fingerprint:
+        raise ArtifactError(
+            f"{root / 'manifest.json'}: checkpoint_fingerprint {manifest.checkpoint_fingerprint[:12]}... does not match "
+            f"{model_dir} ({found[:12]}...): the artifact was compiled from another checkpoint; recompile it"
+        )

@@ -98,8 +98,8 @@ def compile_model(model_dir: str | Path, out_dir: str | Path, build: BuildConfig
     """Compile `model_dir` into `out_dir` atomically; returns the manifest."""
     from neuron_infer.compile.backend import get_backend  # noqa: PLC0415  (lazy: neuron SDK only when asked)
 
-    if build.tp_degree != 1:  # per-rank shards and graphs (neuron_infer.parallel.compile_tp)
-        from neuron_infer.parallel.compile_tp import compile_tp_model  # noqa: PLC0415
+    if build.tp_degree != 1:  # per-rank shards and graphs (neuron_infer.compile.tp)
+        from neuron_infer.compile.tp import compile_tp_model  # noqa: PLC0415
 
         return compile_tp_model(model_dir, out_dir, build, backend=backend, overwrite=overwrite, say=say)
     t_start = time.perf_counter()

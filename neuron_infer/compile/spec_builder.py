@@ -1,7 +1,8 @@
 """Speculative decoding at compile and load time: the draft model, its weights, and the extra graphs.
 
     graphs_meta, extra = compile_speculation(model_dir, cfg, build, target_model, backend, tmp_dir, say)
-    spec_engine = load_speculation(root, manifest, target_model, target_engine)
+
+(loaded by runtime.loader.load_rank).
 
 The draft is either
 * a checkpoint directory (`--draft-model DIR`) with the target's vocabulary (same vocab_size, and the same
@@ -27,12 +28,11 @@ import torch
 from safetensors.torch import save_file
 
 from neuron_infer.checkpoint import load_checkpoint
-from neuron_infer.compile.weights import assign_state, read_packed
 from neuron_infer.config import QUANT_SCHEMES, BuildConfig, ModelConfig, QuantConfig
-from neuron_infer.errors import ArtifactError, ConfigError
+from neuron_infer.errors import ConfigError
 from neuron_infer.model.llama import BucketStep, LlamaModel
-from neuron_infer.runtime.engine import CacheShape, Engine, GraphSpec, graph_name
-from neuron_infer.runtime.spec_engine import SpecEngine, fused_graph_name
+from neuron_infer.runtime.engine import CacheShape, GraphSpec, graph_name
+from neuron_infer.runtime.spec_engine import fused_graph_name
 from neuron_infer.runtime.spec_step import FusedSpecStep, SpecCacheLayout, fused_example_args
 
 DRAFT_WEIGHTS = "weights/draft_rank0.safetensors"
@@ -124,14 +124,6 @@ def save_draft_weights(draft: LlamaModel, target: LlamaModel, path: Path) -> lis
     return sorted(shared)
 
 
-def load_draft_weights(draft: LlamaModel, target: LlamaModel, path: Path, shared: list[str]) -> None:
-    """Fill a meta-device draft skeleton: its own file plus the target's tensors named in `shared` (same memory)."""
-    state = read_packed(path, "draft weights")
-    tstate = target.state_dict()
-    state.update({n: tstate[n] for n in shared})
-    assign_state(draft, state, f"draft weights {path} do not match the manifest's draft model")
-
-
 # ---- graphs ---------------------------------------------------------------------------------------------------
 def spec_cache_layout(target: LlamaModel, draft: LlamaModel, build: BuildConfig) -> SpecCacheLayout:
     from neuron_infer.compile.builder import cache_shape
@@ -187,48 +179,3 @@ def compile_speculation(model_dir: Path, cfg: ModelConfig, build: BuildConfig, t
         meta[name] = {"kind": name.split("_t")[0].split("_k")[0], "seconds": round(time.perf_counter() - t0, 3), **m}
     info.update({"length": build.speculation.length, "fused": build.speculation.fused, "graphs": sorted(meta)})
     return meta, {"speculation": info}
-
-
-def load_speculation(root: Path, manifest, target: LlamaModel, target_engine: Engine, backend: str | None = None,
-                     mode: str | None = None) -> SpecEngine:
-    """The SpecEngine of a compiled artifact (mode: 'fused' if compiled with --fused-speculation, else 'unfused')."""
-    from neuron_infer.compile.backend import get_backend
-    from neuron_infer.compile.weights import empty_model
-
-    build, info = manifest.build, manifest.extra.get("speculation")
-    if build.speculation is None or info is None:
-        raise ArtifactError(f"{root} was compiled without speculation; recompile with --draft-model")
-    draft = empty_model(ModelConfig.from_dict(info["config"]), build)
-    if info["quant"]["scheme"] != "none":
-        from neuron_infer.quant import apply_quantization
-
-        apply_quantization(draft, QuantConfig(scheme=info["quant"]["scheme"]), structure_only=True)
-    load_draft_weights(draft, target, Path(root) / DRAFT_WEIGHTS, info["shared"])
-    be = get_backend(backend or manifest.backend)
-    plan = planned_spec_graphs(target, draft, build)
-    graphs = {name: be.load_graph(Path(root) / "graphs", name, module) for name, (module, _) in plan.items()}
-    return assemble(target_engine, draft, graphs, build, mode or ("fused" if build.speculation.fused else "unfused"))
-
-
-def assemble(target_engine: Engine, draft: LlamaModel, graphs: dict, build: BuildConfig, mode: str) -> SpecEngine:
-    """SpecEngine from loaded graphs (draft_* graphs go to the draft engine under their core names)."""
-    from neuron_infer.compile.builder import cache_shape
-
-    dgraphs = {n[len("draft_"):]: g for n, g in graphs.items() if n.startswith("draft_")}
-    sgraphs = {n: g for n, g in graphs.items() if not n.startswith("draft_")}
-    dshape = cache_shape(draft, build)
-    draft_engine = Engine(dgraphs, build, dshape, draft.cfg.vocab_size)
-    layout = SpecCacheLayout(target_engine.cache_shape, dshape)
-    return SpecEngine(target_engine, draft_engine, sgraphs, layout, build.speculation.length, mode)
-
-
-def eager_spec_engine(target: LlamaModel, draft: LlamaModel, build: BuildConfig, mode: str = "unfused"
-                      ) -> SpecEngine:
-    """A SpecEngine whose graphs are the modules themselves (no backend): for tests and debugging."""
-    from neuron_infer.compile.builder import cache_shape
-    from neuron_infer.runtime.engine import planned_graphs
-
-    core = {s.name: BucketStep(target, s.attend, s.select_rows) for s in planned_graphs(build)}
-    engine = Engine(core, build, cache_shape(target, build), target.cfg.vocab_size)
-    graphs = {n: m for n, (m, _) in planned_spec_graphs(target, draft, build).items()}
-    return assemble(engine, draft, graphs, build, mode)

@@ -22,7 +22,7 @@ exercised in CI through a recording test double of `nki` that runs each launch o
 * MX projections keep the module's PyTorch forward on this target (their hardware block layout is packed on the
   host, which a traced graph cannot do); INT8/biased projections fall back to `ops.mlp_ref` as on CPU.
 
-Selection: `compile/neuron.py` and `parallel/neuron_tp.py` trace under `neuron_target()`; while it is active the
+Selection: `compile/neuron.py` and `compile/neuron_tp.py` trace under `neuron_target()`; while it is active the
 `kernels="nki"` op table (`nki_ops.attention` / `nki_ops.mlp`) routes here. Without the Neuron SDK the first
 kernel launch raises one sentence saying how to install it.
 """

@@ -4,7 +4,7 @@ Each op converts torch tensors to the kernel layout, calls the `nki.jit` kernel 
 `import nki_kernels` registers the NumPy simulator as `nki`, so a call runs the kernel on the CPU simulator
 (slow: for tiny models and CI); weights are packed on the host (NumPy) and cached per module. While a graph is
 traced for the neuron target (`nki_neuron.neuron_target()`, entered by compile/neuron.py and
-parallel/neuron_tp.py) the same ops route to `model/nki_neuron.py`, which launches the kernels through the
+compile/neuron_tp.py) the same ops route to `model/nki_neuron.py`, which launches the kernels through the
 SDK's `nki.jit` with torch tensors of the graph only (not yet run on hardware). RMSNorm stays the PyTorch
 reference (it is fused into the MLP kernel only when called through `rmsnorm_mlp_kernel` directly).
 

@@ -1,2 +1,1 @@
-"""Tensor parallelism: the sharding plan, pure shard/gather functions, the CPU rank launcher and collectives,
-and the capacity planner behind `neuron-infer plan`."""
+"""Tensor parallelism: the sharding plan, pure shard/gather functions, and the CPU rank launcher and collectives."""

@@ -1,44 +1,27 @@
-"""The autoregressive loop: prefill, sample, decode step by step, stop per sequence, measure."""
+"""Generation to completion: add every prompt to the Scheduler, then step the Runner until all sequences finish.
+
+This is `CompiledModel.generate` (tp = 1, or every rank of a tensor-parallel group with `agree`). Prompts beyond
+the artifact's batch size wait and take cache rows as earlier sequences finish (continuous batching).
+"""
 from __future__ import annotations
 
 import contextlib
 import gc
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from neuron_infer.config import SamplingConfig
 from neuron_infer.errors import NeuronInferError
 from neuron_infer.runtime.engine import Engine
-from neuron_infer.runtime.sampling import make_generator, sample
-
-
-@dataclass
-class Metrics:
-    """Latency of one generate call. tokens_per_s counts decode-phase tokens of all sequences per second."""
-
-    ttft_s: float = 0.0
-    token_latencies_s: list[float] = field(default_factory=list)  # one per decode step (after the first token)
-    num_generated: int = 0
-    tokens_per_s: float = 0.0
-    ms_per_token: float = 0.0
-
-    def finish(self, batch_rows: int) -> None:
-        steps = self.token_latencies_s
-        if steps:
-            self.ms_per_token = 1000.0 * sum(steps) / len(steps)
-            self.tokens_per_s = batch_rows * len(steps) / sum(steps)
-
-    def to_dict(self) -> dict:
-        return {
-            "ttft_s": self.ttft_s,
-            "ms_per_token": self.ms_per_token,
-            "tokens_per_s": self.tokens_per_s,
-            "num_generated": self.num_generated,
-            "token_latencies_s": self.token_latencies_s,
-        }
+from neuron_infer.runtime.metrics import Metrics
+from neuron_infer.runtime.runner import Agree, Runner
+from neuron_infer.runtime.sampling import make_generator
+from neuron_infer.runtime.scheduler import Scheduler
+from neuron_infer.runtime.sequence import Sequence, StopRule, check_prompt
+from neuron_infer.runtime.spec_engine import SpecEngine
 
 
 @dataclass
@@ -47,7 +30,7 @@ class SequenceResult:
     finish_reason: str  # "eos" | "max_new_tokens" | "max_length"
 
 
-OnTokens = Callable[[list[list[int]]], None]  # called with each row's tokens generated so far
+OnTokens = Callable[[list[list[int]]], None]  # called after each step with every sequence's tokens so far
 
 
 @contextlib.contextmanager
@@ -67,81 +50,51 @@ def gc_paused() -> Iterator[None]:
             gc.enable()
 
 
-def _check_prompts(prompts: list[list[int]], batch: int, max_ctx: int) -> None:
-    if not prompts or len(prompts) > batch:
-        raise NeuronInferError(f"got {len(prompts)} prompts for a build of batch size {batch}; pass 1..{batch}")
-    for i, p in enumerate(prompts):
-        if not p:
-            raise NeuronInferError(f"prompt {i} is empty after tokenization; give at least one token")
-        if len(p) > max_ctx:
-            raise NeuronInferError(
-                f"prompt {i} has {len(p)} tokens, more than max_context_length={max_ctx}; shorten it or recompile "
-                "with a larger --max-context-length"
-            )
-
-
 def generate_ids(
-    engine: Engine,
+    engine: Engine | SpecEngine,
     prompts: list[list[int]],
     max_new_tokens: int,
     sampling: SamplingConfig = SamplingConfig(),  # noqa: B008 (frozen, never mutated)
     eos_ids: tuple[int, ...] = (),
     ignore_eos: bool = False,
     on_tokens: OnTokens | None = None,
-    decide: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    agree: Agree | None = None,
     on_logits: Callable[[torch.Tensor], None] | None = None,
 ) -> tuple[list[SequenceResult], Metrics]:
-    """Generate up to `max_new_tokens` per prompt (a static batch of <= batch_size prompts).
+    """Generate up to `max_new_tokens` per prompt; speculative steps when the engine carries a draft model
+    (`engine.spec`) or is a SpecEngine, plain steps otherwise.
 
-    `decide` maps the sampled tokens [B] to the tokens actually used (tensor parallelism: rank 0's choice,
-    broadcast); `on_logits` sees each step's logits of the real rows [n, V].
+    All sequences draw from one generator seeded with `sampling.seed`. `agree` maps sampled tokens to the tokens
+    actually used (tensor parallelism: rank 0's choice, broadcast); `on_logits` sees the logits [n, V] of every
+    sampled position of a plain step or prefill.
     """
     build = engine.build
-    _check_prompts(prompts, build.batch_size, build.max_context_length)
-    gen, n, metrics = make_generator(sampling.seed), len(prompts), Metrics()
-    out: list[list[int]] = [[] for _ in range(n)]
-    reasons: list[str | None] = [None] * n
-    lengths = [len(p) for p in prompts] + [1] * (build.batch_size - n)  # [B] tokens in cache + next
+    if not prompts:
+        raise NeuronInferError("got no prompts; pass at least one")
+    for i, p in enumerate(prompts):
+        check_prompt(f"prompt {i}", p, build.max_context_length, engine.vocab_size)
+    gen, stop = make_generator(sampling.seed), StopRule(max_new_tokens, eos_ids, ignore_eos, build.max_length)
+    seqs = [Sequence(i, list(p), sampling, stop, gen) for i, p in enumerate(prompts)]
+    sched, runner = Scheduler(build.batch_size), Runner(engine, agree, on_logits, keep_step_counts=True)
+    for s in seqs:
+        sched.add(s)
+    metrics = runner.stats
     with gc_paused():
         t0 = time.perf_counter()
-        logits = engine.prefill(prompts)
-        while True:
-            if on_logits:
-                on_logits(logits[:n])
-            tokens = sample(logits, sampling, gen)  # [B]
-            if decide:
-                tokens = decide(tokens)
-            _accept(tokens.tolist(), out, reasons, lengths, max_new_tokens, build.max_length, eos_ids, ignore_eos)
+        while sched.has_work:
+            running = list(sched.running)
+            runner.step(running, running)  # before the prefill of new sequences (the step writes every row)
+            runner.prefill(sched.admit())
+            sched.release_finished()
             if on_tokens:
-                on_tokens(out)
+                on_tokens([s.output for s in seqs])
             now = time.perf_counter()  # latency = emission to emission: the whole loop, bookkeeping and callbacks
-            if metrics.num_generated == 0:
-                metrics.ttft_s = now - t0
-            else:
+            if running:
                 metrics.token_latencies_s.append(now - t0)
-            metrics.num_generated += 1
-            if all(r is not None for r in reasons):
-                break
+            else:
+                metrics.ttft_s = metrics.ttft_s or now - t0
             t0 = now
-            positions = torch.tensor([max(length - 1, 0) for length in lengths])  # [B] slot of each new token
-            logits = engine.decode(tokens, positions)
-    metrics.finish(n)
-    return [SequenceResult(o, r or "max_new_tokens") for o, r in zip(out, reasons)], metrics
-
-
-def _accept(tokens: list[int], out, reasons, lengths: list[int], max_new, max_length, eos_ids, ignore_eos) -> None:
-    """Append each active row's new token and decide whether the row stops."""
-    for row in range(len(out)):
-        if reasons[row] is not None:
-            continue
-        tok = tokens[row]
-        out[row].append(tok)
-        lengths[row] += 1
-        if not ignore_eos and tok in eos_ids:
-            reasons[row] = "eos"
-        elif len(out[row]) >= max_new:
-            reasons[row] = "max_new_tokens"
-        elif lengths[row] >= max_length:
-            reasons[row] = "max_length"
-    for row in range(len(out), len(lengths)):
-        lengths[row] = 1  # idle padding rows stay at slot 0
+    metrics.num_generated = max(len(s.output) for s in seqs)
+    metrics.decode_tokens = sum(len(s.output) - 1 for s in seqs)
+    metrics.finish(min(len(seqs), build.batch_size))
+    return [SequenceResult(s.output, s.finish_reason or "max_new_tokens") for s in seqs], metrics

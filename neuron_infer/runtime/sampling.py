@@ -1,36 +1,81 @@
-"""Token selection: greedy, temperature, top-k, top-p — one definition of the processed distribution.
+"""Token selection: greedy, temperature, top-k, top-p — one definition, on the host and inside compiled graphs.
 
-`processed_probs` is the single place where temperature / top-k / top-p are applied, so speculative decoding can
-apply exactly the same transformation to the target's and the draft's logits (losslessness depends on it).
+The sampling settings travel as a tensor `params [..., 3]` fp32 = (temperature, top_k, top_p) with
+temperature 0 = greedy, top_k 0 = off, top_p 1 = off; one row of params per batch row (or one [3] for all rows).
+`processed_probs` is the single place where they are applied: the host sampler, the speculative acceptance rule and
+the fused speculation graph all call it, so the draft's and the target's distributions are processed identically
+(losslessness depends on it). Randomness comes in as explicit uniforms `u` (inverse-CDF sampling), so one call
+samples every row of a batch, each row from its own generator, and the same code runs inside a graph.
 """
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
 from neuron_infer.config import SamplingConfig
 
 
-def processed_probs(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
-    """logits [..., V] -> probabilities [..., V] (fp32) after temperature, top-k and top-p.
+def params_tensor(temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """SamplingConfig fields -> params [3] fp32."""
+    return torch.tensor([temperature, float(top_k), top_p], dtype=torch.float32)
 
-    Greedy (temperature 0) returns a one-hot distribution on the argmax (ties -> lowest id, like torch.argmax).
+
+def rows_params(configs: Sequence[SamplingConfig]) -> torch.Tensor:
+    """One SamplingConfig per row -> params [B, 3] fp32."""
+    return torch.tensor([[c.temperature, float(c.top_k), c.top_p] for c in configs], dtype=torch.float32)
+
+
+def _filters_active(configs: Sequence[SamplingConfig]) -> bool:
+    return any(not c.greedy and (c.top_k or c.top_p < 1.0) for c in configs)
+
+
+def processed_probs(logits: torch.Tensor, params: torch.Tensor | SamplingConfig, filters: bool = True
+                    ) -> torch.Tensor:
+    """logits [..., V] -> probabilities [..., V] fp32 after temperature, top-k and top-p.
+
+    params: [3] (every row) or [..., 3] (one per row of logits), or a SamplingConfig. Top-k keeps every logit >= the
+    k-th largest (ties kept); top-p keeps every token whose preceding mass (descending order) is < top_p, which
+    always keeps the top token, then renormalizes. Greedy rows (temperature 0) get a one-hot distribution on the
+    argmax (ties -> lowest id, like torch.argmax). `filters=False` skips the sort (a static promise, made by the
+    host, that no row uses top-k or top-p; graphs keep the default).
     """
+    if isinstance(params, SamplingConfig):
+        params = params_tensor(params.temperature, params.top_k, params.top_p)  # [3]
     logits = logits.float()
-    if cfg.greedy:
-        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
-    logits = logits / cfg.temperature
-    if cfg.top_k and cfg.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, cfg.top_k, dim=-1).values[..., -1:]  # [..., 1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    if cfg.top_p < 1.0:
-        sorted_p, order = torch.sort(probs, dim=-1, descending=True)
-        before = torch.cumsum(sorted_p, dim=-1) - sorted_p  # mass strictly before each token
-        keep_sorted = before < cfg.top_p  # always keeps the top token
-        keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
-        probs = probs * keep
-        probs = probs / probs.sum(-1, keepdim=True)
-    return probs
+    v = logits.shape[-1]
+    temp, top_k, top_p = params[..., 0:1], params[..., 1:2], params[..., 2:3]  # [..., 1] each
+    greedy = temp <= 0  # [..., 1]
+    z = logits / torch.where(greedy, torch.ones_like(temp), temp)  # [..., V]
+    if not filters:
+        probs = torch.softmax(z, dim=-1)  # [..., V]
+    else:
+        ordered, order = torch.sort(z, dim=-1, descending=True)  # [..., V] each
+        k_eff = torch.where(top_k > 0, torch.clamp(top_k, max=float(v)), torch.full_like(top_k, float(v)))
+        kth = torch.gather(ordered, -1, (k_eff.to(torch.int64) - 1).expand(*z.shape[:-1], 1))  # [..., 1]
+        ordered = ordered.masked_fill(ordered < kth, float("-inf"))  # top-k (ties with the k-th kept)
+        sorted_p = torch.softmax(ordered, dim=-1)  # [..., V] descending
+        before = torch.cumsum(sorted_p, dim=-1) - sorted_p  # [..., V] mass strictly before each token
+        kept = sorted_p * ((before < top_p) | (top_p >= 1.0))  # [..., V]
+        sorted_p = kept / kept.sum(-1, keepdim=True)
+        probs = torch.zeros_like(sorted_p).scatter(-1, order, sorted_p)  # [..., V] back in vocabulary order
+    one_hot = torch.nn.functional.one_hot(logits.argmax(-1), v).to(probs.dtype)  # [..., V]
+    return torch.where(greedy, one_hot, probs)
+
+
+def sample_from_probs(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sampling: probs [..., V] (non-negative, any positive total), u [...] in [0, 1) -> ids [...].
+
+    Token i is chosen iff cdf[i-1] <= u * total < cdf[i]; tokens of zero probability are never chosen (their cdf
+    interval is empty). The index is clamped to the last token of positive probability against rounding at the top.
+    A one-hot distribution always yields its token.
+    """
+    cdf = torch.cumsum(probs, dim=-1)  # [..., V]
+    target = (u * cdf[..., -1]).unsqueeze(-1)  # [..., 1]
+    idx = (cdf <= target).sum(-1)  # [...]
+    vocab = torch.arange(probs.shape[-1], device=probs.device)  # [V]
+    last_positive = torch.where(probs > 0, vocab, torch.zeros_like(vocab)).amax(-1)  # [...]
+    return torch.minimum(idx, last_positive)
 
 
 def make_generator(seed: int | None) -> torch.Generator:
@@ -42,8 +87,25 @@ def make_generator(seed: int | None) -> torch.Generator:
     return g
 
 
+def sample_rows(logits: torch.Tensor, configs: Sequence[SamplingConfig], u: torch.Tensor | None) -> torch.Tensor:
+    """Every row in one call: logits [B, V], one SamplingConfig per row, u [B] uniforms (None when all greedy)
+    -> token ids [B] int64."""
+    if all(c.greedy for c in configs):
+        return logits.argmax(-1)  # [B]: the one-hot distributions' only token, without the softmax
+    probs = processed_probs(logits, rows_params(configs), _filters_active(configs))  # [B, V]
+    return sample_from_probs(probs, u)
+
+
+def draw_uniforms(configs: Sequence[SamplingConfig], generators: Sequence[torch.Generator]) -> torch.Tensor | None:
+    """One uniform per row from the row's own generator -> u [B] (None when every row is greedy: no draw, so a
+    greedy request never advances its generator). Rows may share one generator object."""
+    if all(c.greedy for c in configs):
+        return None
+    return torch.cat([torch.rand(1, generator=g) for g in generators])  # [B]
+
+
 def sample(logits: torch.Tensor, cfg: SamplingConfig, gen: torch.Generator) -> torch.Tensor:
-    """logits [B, V] -> token ids [B] (int64)."""
-    if cfg.greedy:
-        return logits.argmax(-1)
-    return torch.multinomial(processed_probs(logits, cfg), 1, generator=gen).squeeze(-1)
+    """Every row with the same settings and one generator: logits [B, V] -> token ids [B] int64."""
+    configs = [cfg] * logits.shape[0]
+    u = None if cfg.greedy else torch.rand(logits.shape[0], generator=gen)  # [B]
+    return sample_rows(logits, configs, u)

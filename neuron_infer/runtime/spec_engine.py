@@ -12,9 +12,8 @@ never writes past the cache. Finished and idle rows are parked at position 1 (th
 """
 from __future__ import annotations
 
-import time
+import copy
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 
 import torch
 
@@ -22,103 +21,14 @@ from neuron_infer.config import SamplingConfig
 from neuron_infer.errors import NeuronInferError
 from neuron_infer.runtime.buckets import pick_bucket
 from neuron_infer.runtime.engine import Engine, graph_name
-from neuron_infer.runtime.generate import Metrics, OnTokens, SequenceResult, _check_prompts, gc_paused
-from neuron_infer.runtime.sampling import make_generator, sample
+from neuron_infer.runtime.sampling import params_tensor
 from neuron_infer.runtime.spec_step import SpecCacheLayout, speculate, uniforms_width, unpack
-from neuron_infer.runtime.speculation import params_tensor
 
 MODES = ("fused", "unfused")
 
 
 def fused_graph_name(k: int, attend: int, sample: bool) -> str:
     return f"fused_{'sample' if sample else 'greedy'}_k{k}_s{attend}"
-
-
-@dataclass
-class SpecMetrics:
-    """Metrics of one speculative generate call: the runtime Metrics plus speculation counters.
-
-    token_latencies_s holds one entry per decode step (a speculative step emits 1..K+1 tokens per row), so
-    tokens_per_s / ms_per_token are computed from the tokens actually emitted, not from the step count.
-    """
-
-    base: Metrics = field(default_factory=Metrics)
-    k: int = 0
-    mode: str = "unfused"
-    spec_steps: int = 0  # speculative steps run (all rows together)
-    tail_steps: int = 0  # plain target steps near max_length
-    drafted: int = 0  # draft tokens proposed to active rows
-    accepted: int = 0  # of those, accepted by the target
-    emitted_per_step: list[int] = field(default_factory=list)  # per (step, active row): tokens the step produced
-    decode_tokens: int = 0  # tokens after each row's first token
-
-    @property
-    def ttft_s(self) -> float:
-        return self.base.ttft_s
-
-    @property
-    def token_latencies_s(self) -> list[float]:
-        return self.base.token_latencies_s
-
-    @property
-    def num_generated(self) -> int:
-        return self.base.num_generated
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.base.tokens_per_s
-
-    @property
-    def ms_per_token(self) -> float:
-        return self.base.ms_per_token
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.accepted / self.drafted if self.drafted else 0.0
-
-    @property
-    def mean_accepted_tokens_per_step(self) -> float:
-        e = self.emitted_per_step
-        return sum(e) / len(e) if e else 0.0
-
-    def finish(self, rows: int) -> None:
-        t = sum(self.base.token_latencies_s)
-        if t > 0 and self.decode_tokens:
-            self.base.tokens_per_s = self.decode_tokens / t
-            self.base.ms_per_token = 1000.0 * t * rows / self.decode_tokens
-
-    def to_dict(self) -> dict:
-        return {**self.base.to_dict(), "speculation": {
-            "k": self.k, "mode": self.mode, "acceptance_rate": self.acceptance_rate,
-            "mean_accepted_tokens_per_step": self.mean_accepted_tokens_per_step, "spec_steps": self.spec_steps,
-            "tail_steps": self.tail_steps, "drafted": self.drafted, "accepted": self.accepted}}
-
-
-@dataclass
-class _Rows:
-    """Per-row host state of one static batch."""
-
-    prompts: list[list[int]]
-    out: list[list[int]]
-    reasons: list[str | None]
-
-    def active(self) -> list[int]:
-        return [r for r in range(len(self.out)) if self.reasons[r] is None]
-
-    def add(self, row: int, toks: list[int], max_new: int, max_length: int, eos: tuple[int, ...],
-            ignore_eos: bool) -> int:
-        """Append tokens to a row in order until it stops; returns how many were kept."""
-        for i, tok in enumerate(toks):
-            self.out[row].append(tok)
-            if not ignore_eos and tok in eos:
-                self.reasons[row] = "eos"
-            elif len(self.out[row]) >= max_new:
-                self.reasons[row] = "max_new_tokens"
-            elif len(self.prompts[row]) + len(self.out[row]) >= max_length:
-                self.reasons[row] = "max_length"
-            if self.reasons[row] is not None:
-                return i + 1
-        return len(toks)
 
 
 class SpecEngine:
@@ -129,7 +39,7 @@ class SpecEngine:
         if mode not in MODES:
             raise NeuronInferError(f"speculation mode {mode!r} is unknown; choose one of {', '.join(MODES)}")
         self.target, self.draft, self.graphs, self.layout, self.k = target, draft, spec_graphs, layout, k
-        self.mode, self.build = mode, target.build
+        self.mode, self.build, self.vocab_size = mode, target.build, target.vocab_size
         self.k_flat, self.v_flat = layout.allocate()
         target.k_cache, draft.k_cache = layout.views(self.k_flat)
         target.v_cache, draft.v_cache = layout.views(self.v_flat)
@@ -220,81 +130,13 @@ class SpecEngine:
         return (torch.zeros(b, dtype=torch.int64), torch.zeros(b, dtype=torch.int64),
                 torch.ones(b, dtype=torch.int64))  # [B] each
 
-    # ---- generation --------------------------------------------------------------------------------------------
-    def prefill(self, prompts: list[list[int]]) -> torch.Tensor:
-        """Encode prompts into both caches -> target next-token logits [B, V]."""
-        self.draft.prefill(prompts)
-        return self.target.prefill(prompts)
-
-    def generate_ids(self, prompts: list[list[int]], max_new_tokens: int,
-                     sampling: SamplingConfig = SamplingConfig(),  # noqa: B008 (frozen, never mutated)
-                     eos_ids: tuple[int, ...] = (), ignore_eos: bool = False, on_tokens: OnTokens | None = None,
-                     mode: str | None = None) -> tuple[list[SequenceResult], SpecMetrics]:
-        """Generate like runtime.generate.generate_ids, K+1 tokens at most per step and row."""
-        build, n = self.build, len(prompts)
-        _check_prompts(prompts, build.batch_size, build.max_context_length)
-        gen, metrics = make_generator(sampling.seed), SpecMetrics(k=self.k, mode=mode or self.mode)
-        rows = _Rows(prompts, [[] for _ in range(n)], [None] * n)
-        stop = (max_new_tokens, build.max_length, eos_ids, ignore_eos)
-        t0 = time.perf_counter()
-        first = sample(self.prefill(prompts), sampling, gen)  # [B]
-        for r in range(n):
-            rows.add(r, [int(first[r])], *stop)
-        metrics.base.ttft_s = time.perf_counter() - t0
-        if on_tokens:
-            on_tokens(rows.out)
-        with gc_paused():
-            tail = False
-            while rows.active():
-                t0 = time.perf_counter()
-                last, prev, pos = self._row_state(rows)
-                tail = tail or int(pos.max()) + self.k + 1 > build.max_length
-                if tail:
-                    self._tail_step(rows, last, pos, sampling, gen, stop, metrics)
-                else:
-                    self._spec_step(rows, last, prev, pos, sampling, gen, stop, metrics, mode)
-                metrics.base.token_latencies_s.append(time.perf_counter() - t0)
-                if on_tokens:
-                    on_tokens(rows.out)
-        metrics.base.num_generated = max(len(o) for o in rows.out)
-        metrics.decode_tokens = sum(len(o) - 1 for o in rows.out)
-        metrics.finish(n)
-        return [SequenceResult(o, r or "max_new_tokens") for o, r in zip(rows.out, rows.reasons)], metrics
-
-    def _row_state(self, rows: _Rows) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """last [B], prev [B], pos [B] from the host lists; finished/idle rows parked at (prev 0, last 0, pos 1)."""
-        last, prev, pos = self._parked()  # [B] each
-        for r in rows.active():
-            seq = rows.prompts[r] + rows.out[r]
-            last[r], prev[r], pos[r] = seq[-1], seq[-2], len(seq) - 1
-        return last, prev, pos
-
-    def _spec_step(self, rows, last, prev, pos, sampling, gen, stop, metrics, mode) -> None:
-        u = None if sampling.greedy else torch.rand(len(pos), uniforms_width(self.k), generator=gen)
-        res = self.step(last, prev, pos, sampling, u, mode)
-        metrics.spec_steps += 1
-        for r in rows.active():
-            c = int(res["counts"][r])
-            metrics.drafted += self.k
-            metrics.accepted += c - 1
-            metrics.emitted_per_step.append(c)
-            rows.add(r, res["tokens"][r, :c].tolist(), *stop)
-
-    def _tail_step(self, rows, last, pos, sampling, gen, stop, metrics) -> None:
-        tokens = sample(self.target.decode(last, pos), sampling, gen)  # [B]
-        metrics.tail_steps += 1
-        for r in rows.active():
-            rows.add(r, [int(tokens[r])], *stop)
-
-
-def summarize(batches: list) -> dict | None:
-    """Speculation summary over the static batches of one request (None when none of them speculated), for
-    `generate --json`: acceptance rate and mean accepted tokens per step pooled over every batch."""
-    spec = [b for b in batches if isinstance(b, SpecMetrics)]
-    if not spec:
-        return None
-    drafted, accepted = sum(b.drafted for b in spec), sum(b.accepted for b in spec)
-    emitted = [e for b in spec for e in b.emitted_per_step]
-    return {"k": spec[0].k, "mode": spec[0].mode, "acceptance_rate": accepted / drafted if drafted else 0.0,
-            "mean_accepted_tokens_per_step": sum(emitted) / len(emitted) if emitted else 0.0,
-            "spec_steps": sum(b.spec_steps for b in spec), "tail_steps": sum(b.tail_steps for b in spec)}
+    # ---- generation ----------------------------------------------------------------------------------------------
+    def with_mode(self, mode: str | None) -> SpecEngine:
+        """This engine (same graphs and caches) running its steps fused or unfused."""
+        if mode is None or mode == self.mode:
+            return self
+        if mode not in MODES:
+            raise NeuronInferError(f"speculation mode {mode!r} is unknown; choose one of {', '.join(MODES)}")
+        other = copy.copy(self)
+        other.mode = mode
+        return other

@@ -30,12 +30,8 @@ import torch
 from torch import nn
 
 from neuron_infer.runtime.engine import CacheShape
-from neuron_infer.runtime.speculation import (
-    greedy_verify,
-    processed_probs_dynamic,
-    sample_from_probs,
-    speculative_verify,
-)
+from neuron_infer.runtime.sampling import processed_probs, sample_from_probs
+from neuron_infer.runtime.speculation import greedy_verify, speculative_verify
 
 RunFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # (ids, pos, logit_index) -> logits
 
@@ -90,7 +86,7 @@ def _propose(run_draft: RunFn, ids2, pos2, k: int, u, params, sample: bool):
     drafts, qs = [], []
     for i in range(k):
         if sample:
-            q = processed_probs_dynamic(logits, params)  # [B, V]
+            q = processed_probs(logits, params)  # [B, V]
             d = sample_from_probs(q, u[:, i])  # [B]
             qs.append(q)
         else:
@@ -113,7 +109,7 @@ def speculate(run_draft: RunFn, run_target: RunFn, ids2: torch.Tensor, pos2: tor
     pos = pos2[:, 1:] + steps  # [B, K+1]
     logits = run_target(ids, pos, steps.expand(b, k + 1))  # [B, K+1, V]
     if sample:
-        p = processed_probs_dynamic(logits, params)  # [B, K+1, V]
+        p = processed_probs(logits, params)  # [B, K+1, V]
         tokens, counts = speculative_verify(draft, q, p, u[:, k: 2 * k], u[:, 2 * k:])
     else:
         tokens, counts = greedy_verify(draft, logits)

@@ -21,21 +21,9 @@ from __future__ import annotations
 
 import torch
 
+from neuron_infer.runtime.sampling import sample_from_probs
+
 PAD = -1
-
-
-def sample_from_probs(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Inverse-CDF sampling: probs [..., V] (non-negative, any positive total), u [...] in [0, 1) -> ids [...].
-
-    Token i is chosen iff cdf[i-1] <= u * total < cdf[i]; tokens of zero probability are never chosen (their cdf
-    interval is empty). The index is clamped to the last token of positive probability against rounding at the top.
-    """
-    cdf = torch.cumsum(probs, dim=-1)  # [..., V]
-    target = (u * cdf[..., -1]).unsqueeze(-1)  # [..., 1]
-    idx = (cdf <= target).sum(-1)  # [...]
-    vocab = torch.arange(probs.shape[-1], device=probs.device)  # [V]
-    last_positive = torch.where(probs > 0, vocab, torch.zeros_like(vocab)).amax(-1)  # [...]
-    return torch.minimum(idx, last_positive)
 
 
 def accepted_prefix(accept: torch.Tensor) -> torch.Tensor:
@@ -92,31 +80,3 @@ def speculative_verify(
     tokens = torch.where(col < n_acc.unsqueeze(1), draft_ext, fix)  # drafts, then the resampled/bonus token
     counts = n_acc + 1
     return _pad_after(tokens, counts), counts
-
-
-def processed_probs_dynamic(logits: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
-    """The processed distribution with sampling parameters as a tensor (for compiled graphs).
-
-    logits [..., V]; params [3] fp32 = (temperature > 0, top_k (0 = off), top_p in (0, 1]). Same definition as
-    `runtime.sampling.processed_probs` (temperature; top-k keeps every logit >= the k-th largest; nucleus keeps every
-    token whose preceding mass is < top_p, then renormalizes), computed with one sort in descending order instead of
-    two. Equal to processed_probs up to float rounding of the softmax sum (tests/speculation/test_rules.py).
-    Greedy (temperature 0) is handled by the greedy rule, not here.
-    """
-    v = logits.shape[-1]
-    z = logits.float() / params[0]
-    ordered, order = torch.sort(z, dim=-1, descending=True)  # [..., V] each
-    k_eff = torch.where(params[1] > 0, torch.clamp(params[1], max=float(v)), torch.full_like(params[1], float(v)))
-    kth = torch.gather(ordered, -1, (k_eff.to(torch.int64) - 1).expand(*z.shape[:-1], 1))  # [..., 1]
-    ordered = ordered.masked_fill(ordered < kth, float("-inf"))  # top-k (ties with the k-th kept)
-    sorted_p = torch.softmax(ordered, dim=-1)  # [..., V] probabilities in descending order
-    before = torch.cumsum(sorted_p, dim=-1) - sorted_p  # mass strictly before each token
-    keep = (before < params[2]) | (params[2] >= 1.0)  # always keeps the top token
-    kept = sorted_p * keep
-    sorted_p = kept / kept.sum(-1, keepdim=True)
-    return torch.zeros_like(sorted_p).scatter(-1, order, sorted_p)  # back to vocabulary order
-
-
-def params_tensor(temperature: float, top_k: int, top_p: float) -> torch.Tensor:
-    """SamplingConfig fields -> the [3] fp32 tensor `processed_probs_dynamic` takes."""
-    return torch.tensor([temperature, float(top_k), top_p], dtype=torch.float32)

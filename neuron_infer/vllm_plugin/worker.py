@@ -99,7 +99,7 @@ class NeuronInferWorker(WorkerBase):
             self.runner = SlotRunner(engine, spec)
         else:  # this rank's shard (the group was initialised in init_device)
             from neuron_infer.parallel.launch import broadcast_from_rank0
-            from neuron_infer.parallel.runtime import load_serving_rank
+            from neuron_infer.runtime.loader import load_serving_rank
 
             manifest, engine = load_serving_rank(Path(root), self.rank, self.tp, expect_checkpoint=expect)
             self.runner = SlotRunner(engine, agree=broadcast_from_rank0)
@@ -129,7 +129,7 @@ class NeuronInferWorker(WorkerBase):
         self.runner.admit("__warmup__", [0], SamplingConfig())
         self.runner.decode(["__warmup__"])
         self.runner.release("__warmup__")
-        self.runner.stats = type(self.runner.stats)()  # count served requests only
+        self.runner.reset_stats()  # count served requests only
         return CompilationTimes(language_model=time.perf_counter() - t0, encoder=0.0)
 
     def _log_stats(self) -> None:

@@ -18,7 +18,7 @@ import torch
 from neuron_infer.api import CompiledModel
 from neuron_infer.compile.builder import compile_model
 from neuron_infer.config import BuildConfig
-from neuron_infer.parallel.tp_loop import tp_generate_ids
+from neuron_infer.runtime.rank_group import tp_generate_ids
 from tests.tiny_checkpoint import TINY_PRESETS, write_tiny_checkpoint
 
 ATOL = 1e-4
@@ -72,16 +72,16 @@ def reference(art) -> tuple[list[list[int]], list[torch.Tensor]]:
 def test_tp_generate_equals_tp1(arts, name, tp):
     ref_tokens, ref_logits = reference(arts(name, 1))
     m = CompiledModel.load(arts(name, tp))
-    assert type(m).__name__ == "TPCompiledModel" and m.plan.tp == tp
+    assert m.engine is None and m.group.plan.tp == tp
     streamed: list[list[list[int]]] = []
     out = m.generate_ids(PROMPTS, NEW, ignore_eos=True, on_tokens=streamed.append, collect_logits=True)
     assert [o.token_ids for o in out.outputs] == ref_tokens
     assert len(streamed) == NEW and streamed[-1] == ref_tokens  # one message per step, streamed from rank 0
-    got = m.last_run["logits"][0]
+    got = m.group.last_run["logits"][0]
     assert len(got) == len(ref_logits) == NEW
     for step, (g, r) in enumerate(zip(got, ref_logits, strict=True)):
         torch.testing.assert_close(g, r, rtol=0, atol=ATOL, msg=lambda s, step=step: f"step {step}: {s}")
-    assert len(set(m.last_run["pids"])) == tp
+    assert len(set(m.group.last_run["pids"])) == tp
 
 
 @pytest.mark.slow
@@ -98,7 +98,7 @@ def test_int8_tp_is_as_close_to_float_as_int8_tp1(arts):
     m = CompiledModel.load(arts("smol_like", 2, quant=q))
     out = m.generate_ids(PROMPTS, NEW, ignore_eos=True, collect_logits=True)
     err_tp1 = (q_logits[0] - float_logits[0]).abs().max().item()
-    err_tp2 = (m.last_run["logits"][0][0] - float_logits[0]).abs().max().item()
+    err_tp2 = (m.group.last_run["logits"][0][0] - float_logits[0]).abs().max().item()
     print(f"int8 vs float prefill max |logit err|: tp1 {err_tp1:.3e}, tp2 {err_tp2:.3e}")
     assert err_tp2 <= 1.5 * err_tp1
     assert [o.token_ids[0] for o in out.outputs] == [t[0] for t in q_tokens]

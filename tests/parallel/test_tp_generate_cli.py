@@ -61,7 +61,7 @@ def test_killing_a_rank_mid_generation_fails_promptly_naming_it(arts):
 
     def kill_rank1(rows):
         if not killed and len(rows[0]) == 2:  # two tokens out: rank 1 is busy decoding
-            os.kill(m.last_run["pids"][1], signal.SIGKILL)
+            os.kill(m.group.last_run["pids"][1], signal.SIGKILL)
             killed.append(time.monotonic())
 
     with pytest.raises(RankFailure) as info:

@@ -10,7 +10,7 @@ import pytest
 
 from neuron_infer.api import CompiledModel, compile_model
 from neuron_infer.config import BuildConfig
-from neuron_infer.parallel.tp_loop import tp_generate_ids
+from neuron_infer.runtime.rank_group import tp_generate_ids
 
 pytestmark = pytest.mark.slow
 BUILD = BuildConfig(dtype="fp32", max_context_length=32, max_length=64, context_buckets=(32,), tokengen_buckets=(64,))
@@ -42,7 +42,7 @@ def test_smollm2_tp_equals_tp1(smol, tp):
         assert abs(rec["sharded_bytes"] * tp / full - 1) < 0.05  # padding/replication overhead (see the plan)
     m = CompiledModel.load(root / f"tp{tp}")
     out = m.generate_ids([ids], NEW, ignore_eos=True, collect_logits=True)
-    diff = max((g - r).abs().max().item() for g, r in zip(m.last_run["logits"][0], ref_logits, strict=True))
+    diff = max((g - r).abs().max().item() for g, r in zip(m.group.last_run["logits"][0], ref_logits, strict=True))
     print(f"SmolLM2 tp={tp}: max |logit diff| vs tp=1 = {diff:.2e}; {out.to_dict()['metrics']['ms_per_token']:.1f} "
           f"ms/token; text {out.outputs[0].text!r}")
     assert out.outputs[0].token_ids == ref_tokens

@@ -12,19 +12,14 @@ import pytest
 from neuron_infer.checkpoint import load_checkpoint
 from neuron_infer.compile.backend import get_backend
 from neuron_infer.compile.builder import cache_shape
-from neuron_infer.compile.spec_builder import (
-    DRAFT_WEIGHTS,
-    build_draft,
-    compile_speculation,
-    eager_spec_engine,
-    load_speculation,
-    spec_cache_layout,
-)
+from neuron_infer.compile.spec_builder import DRAFT_WEIGHTS, build_draft, compile_speculation, spec_cache_layout
 from neuron_infer.compile.weights import build_float_model
 from neuron_infer.config import BuildConfig, ModelConfig, SpeculationConfig
 from neuron_infer.errors import ConfigError
 from neuron_infer.model.llama import BucketStep
 from neuron_infer.runtime.engine import Engine, planned_graphs
+from neuron_infer.runtime.generate import generate_ids
+from neuron_infer.runtime.loader import eager_spec_engine, load_speculation
 from neuron_infer.runtime.spec_step import FusedSpecStep, fused_example_args
 from tests.tiny_checkpoint import TINY_PRESETS, write_tiny_checkpoint
 
@@ -79,8 +74,8 @@ def test_self_draft_artifact_round_trip(tiny_dirs, tmp_path, spec, stored):
     cfg = ModelConfig.from_model_dir(tiny_dirs("gqa"))
     fresh_target = build_float_model(cfg, build, load_checkpoint(tiny_dirs("gqa"), cfg))
     fresh = eager_spec_engine(fresh_target, build_draft(tiny_dirs("gqa"), cfg, build)[0], build)
-    got, m = se.generate_ids([PROMPT], 16, ignore_eos=True)
-    ref, mr = fresh.generate_ids([PROMPT], 16, ignore_eos=True)
+    got, m = generate_ids(se, [PROMPT], 16, ignore_eos=True)
+    ref, mr = generate_ids(fresh, [PROMPT], 16, ignore_eos=True)
     assert got[0].token_ids == ref[0].token_ids and m.emitted_per_step == mr.emitted_per_step
 
 
@@ -121,7 +116,7 @@ def test_missing_fused_graph_names_the_flag(spec_engine):
     se.graphs = {n: g for n, g in saved.items() if not n.startswith("fused_")}
     try:
         with pytest.raises(NeuronInferError, match="--fused-speculation"):
-            se.generate_ids([PROMPT], 4, ignore_eos=True, mode="fused")
+            generate_ids(se.with_mode("fused"), [PROMPT], 4, ignore_eos=True)
     finally:
         se.graphs = saved
 
@@ -142,9 +137,9 @@ def test_fused_graph_goes_through_the_neuron_backend(tiny_dirs, tmp_path, monkey
     eager_build = build.replace(target="cpu")
     ref = eager_spec_engine(build_float_model(cfg, eager_build, load_checkpoint(tiny_dirs("gqa"), cfg)),
                             build_draft(tiny_dirs("gqa"), cfg, eager_build)[0], eager_build)
-    want = ref.generate_ids([PROMPT], 18, ignore_eos=True)[0][0].token_ids
-    assert se.generate_ids([PROMPT], 18, ignore_eos=True, mode="fused")[0][0].token_ids == want
-    assert se.generate_ids([PROMPT], 18, ignore_eos=True, mode="unfused")[0][0].token_ids == want
+    want = generate_ids(ref, [PROMPT], 18, ignore_eos=True)[0][0].token_ids
+    assert generate_ids(se.with_mode("fused"), [PROMPT], 18, ignore_eos=True)[0][0].token_ids == want
+    assert generate_ids(se.with_mode("unfused"), [PROMPT], 18, ignore_eos=True)[0][0].token_ids == want
 
 
 def test_fused_graph_compiled_by_the_cpu_backend_equals_eager(tiny_dirs, tmp_path):
@@ -161,6 +156,6 @@ def test_fused_graph_compiled_by_the_cpu_backend_equals_eager(tiny_dirs, tmp_pat
     se = eager_spec_engine(target, draft, build, mode="fused")
     ref = eager_spec_engine(target, draft, build, mode="fused")
     se.graphs["fused_greedy_k3_s32"] = graph
-    got, m = se.generate_ids([PROMPT], 20, ignore_eos=True)
-    want, mw = ref.generate_ids([PROMPT], 20, ignore_eos=True)
+    got, m = generate_ids(se, [PROMPT], 20, ignore_eos=True)
+    want, mw = generate_ids(ref, [PROMPT], 20, ignore_eos=True)
     assert got[0].token_ids == want[0].token_ids and m.emitted_per_step == mw.emitted_per_step

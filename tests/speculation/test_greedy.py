@@ -23,7 +23,7 @@ CASES += [(d, k) for d in ("int8", "other") for k in (2, 5, 8)]
 @pytest.mark.parametrize("draft, k", CASES)
 def test_greedy_equals_target_for_k_1_to_8(spec_engine, draft, k):
     se = spec_engine(draft=draft, k=k)
-    got, m = se.generate_ids([PROMPT], 60, ignore_eos=True)  # 20 + 60 = 80 <= 96: crosses buckets 32 and 64
+    got, m = generate_ids(se, [PROMPT], 60, ignore_eos=True)  # 20 + 60 = 80 <= 96: crosses buckets 32 and 64
     assert got[0].token_ids == reference(se, [PROMPT], 60)[0].token_ids
     assert m.spec_steps > 0 and m.drafted == k * sum(1 for _ in m.emitted_per_step)
     if draft == "full":
@@ -35,7 +35,7 @@ def test_greedy_equals_target_for_k_1_to_8(spec_engine, draft, k):
 def test_partial_drafts_see_both_rejections_and_full_blocks(spec_engine):
     counts = []
     for k in (1, 2, 3):
-        _, m = spec_engine(draft="int8", k=k).generate_ids([PROMPT], 60, ignore_eos=True)
+        _, m = generate_ids(spec_engine(draft="int8", k=k), [PROMPT], 60, ignore_eos=True)
         counts += [(c, k) for c in m.emitted_per_step]
     assert any(c == k + 1 for c, k in counts) and any(c < k + 1 for c, k in counts)
 
@@ -47,7 +47,7 @@ def test_eos_inside_an_accepted_block(spec_engine, mode, k, eos_index):
     ref = reference(se, [PROMPT], 40)[0].token_ids
     eos = ref[eos_index]
     expected = ref[: ref.index(eos) + 1]
-    got, m = se.generate_ids([PROMPT], 40, eos_ids=(eos,), mode=mode)
+    got, m = generate_ids(se.with_mode(mode), [PROMPT], 40, eos_ids=(eos,))
     assert got[0].token_ids == expected and got[0].finish_reason == "eos"
     assert sum(m.emitted_per_step) + 1 > len(expected)  # the EOS block produced tokens after EOS, dropped
 
@@ -56,7 +56,7 @@ def test_eos_inside_an_accepted_block(spec_engine, mode, k, eos_index):
 @pytest.mark.parametrize("k, max_new", [(4, 8), (5, 3), (8, 12)])
 def test_max_new_tokens_inside_a_block(spec_engine, mode, k, max_new):
     se = spec_engine(draft="full", k=k)
-    got, m = se.generate_ids([PROMPT], max_new, ignore_eos=True, mode=mode)
+    got, m = generate_ids(se.with_mode(mode), [PROMPT], max_new, ignore_eos=True)
     assert got[0].token_ids == reference(se, [PROMPT], max_new)[0].token_ids
     assert got[0].finish_reason == "max_new_tokens" and sum(m.emitted_per_step) + 1 > max_new
 
@@ -66,12 +66,12 @@ def test_max_new_tokens_inside_a_block(spec_engine, mode, k, max_new):
 def test_max_length_inside_a_block_and_the_tail(spec_engine, mode, k, prompt_len):
     se = spec_engine(draft="full", k=k)
     prompt = [(i * 11) % 400 + 5 for i in range(prompt_len)]
-    got, m = se.generate_ids([prompt], 500, ignore_eos=True, mode=mode)
+    got, m = generate_ids(se.with_mode(mode), [prompt], 500, ignore_eos=True)
     ref = reference(se, [prompt], 500)[0]
     assert got[0].token_ids == ref.token_ids and got[0].finish_reason == "max_length" == ref.finish_reason
     assert len(prompt) + len(got[0].token_ids) == 96
-    emitted = 1 + sum(m.emitted_per_step) + m.tail_steps
-    assert emitted > len(got[0].token_ids) or m.tail_steps > 0  # truncated inside a block, or ran the tail
+    emitted = 1 + sum(m.emitted_per_step) + m.plain_steps
+    assert emitted > len(got[0].token_ids) or m.plain_steps > 0  # truncated inside a block, or ran the tail
 
 
 def test_max_length_cases_cover_truncation_and_tail(spec_engine):
@@ -80,9 +80,9 @@ def test_max_length_cases_cover_truncation_and_tail(spec_engine):
     for k, n in ((4, 21), (6, 23)):
         se = spec_engine(draft="full", k=k)
         prompt = [(i * 11) % 400 + 5 for i in range(n)]
-        got, m = se.generate_ids([prompt], 500, ignore_eos=True)
-        cut |= 1 + sum(m.emitted_per_step) + m.tail_steps > len(got[0].token_ids)
-        tail |= m.tail_steps > 0
+        got, m = generate_ids(se, [prompt], 500, ignore_eos=True)
+        cut |= 1 + sum(m.emitted_per_step) + m.plain_steps > len(got[0].token_ids)
+        tail |= m.plain_steps > 0
     assert cut and tail
 
 
@@ -90,7 +90,7 @@ def test_max_length_cases_cover_truncation_and_tail(spec_engine):
 def test_batch_rows_accept_different_counts_and_equal_their_single_runs(spec_engine, mode):
     se = spec_engine(draft="layers1", k=3, batch_size=3)
     prompts = [list(range(3, 13)), list(range(50, 80)), list(range(200, 221))]
-    got, m = se.generate_ids(prompts, 40, ignore_eos=True, mode=mode)
+    got, m = generate_ids(se.with_mode(mode), prompts, 40, ignore_eos=True)
     single = spec_engine(draft="layers1", k=3)
     for p, g in zip(prompts, got):
         assert g.token_ids == reference(single, [p], 40)[0].token_ids
@@ -102,7 +102,7 @@ def test_batch_with_one_row_stopping_early(spec_engine):
     prompts = [list(range(3, 13)), list(range(60, 75))]
     ref0 = reference(se, [prompts[0]], 30)[0].token_ids
     eos = ref0[4]
-    got, _ = se.generate_ids(prompts, 30, eos_ids=(eos,))
+    got, _ = generate_ids(se, prompts, 30, eos_ids=(eos,))
     for p, g in zip(prompts, got):
         want = reference(se, [p], 30, eos=(eos,), ignore_eos=False)[0]
         assert g.token_ids == want.token_ids and g.finish_reason == want.finish_reason
@@ -112,5 +112,5 @@ def test_batch_with_one_row_stopping_early(spec_engine):
 @pytest.mark.parametrize("preset", ["tied", "llama3_rope", "mha"])
 def test_other_presets(spec_engine, preset):
     se = spec_engine(preset=preset, draft="layers1", k=3)
-    got, _ = se.generate_ids([PROMPT], 50, ignore_eos=True, mode="fused")
+    got, _ = generate_ids(se.with_mode("fused"), [PROMPT], 50, ignore_eos=True)
     assert got[0].token_ids == reference(se, [PROMPT], 50)[0].token_ids

@@ -3,16 +3,8 @@ import pytest
 import torch
 
 from neuron_infer.config import SamplingConfig
-from neuron_infer.runtime.sampling import processed_probs
-from neuron_infer.runtime.speculation import (
-    PAD,
-    greedy_verify,
-    params_tensor,
-    processed_probs_dynamic,
-    residual_probs,
-    sample_from_probs,
-    speculative_verify,
-)
+from neuron_infer.runtime.sampling import params_tensor, processed_probs, sample_from_probs
+from neuron_infer.runtime.speculation import PAD, greedy_verify, residual_probs, speculative_verify
 
 
 def one_hot_logits(ids: list[list[int]], v: int = 10) -> torch.Tensor:
@@ -40,12 +32,14 @@ def test_inverse_cdf_sampling_follows_the_probabilities_and_skips_zeros():
 
 @pytest.mark.parametrize("t, k, p", [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.0, 5, 1.0), (1.3, 0, 0.8), (0.9, 10, 0.6),
                                      (0.5, 1, 1.0), (2.0, 40, 0.95)])
-def test_dynamic_processing_equals_processed_probs(t, k, p):
+def test_graph_params_over_positions_equal_each_position_alone(t, k, p):
+    """The fused graph processes [B, K+1, V] with one params [3]: each position equals processing it alone."""
     logits = torch.randn(3, 5, 300, generator=torch.Generator().manual_seed(0)) * 3  # [B, T, V]
-    ref = processed_probs(logits, SamplingConfig(temperature=t, top_k=k, top_p=p))
-    got = processed_probs_dynamic(logits, params_tensor(t, k, p))
+    got = processed_probs(logits, params_tensor(t, k, p))  # [B, T, V]
+    ref = torch.stack([torch.stack([processed_probs(logits[b, i], SamplingConfig(temperature=t, top_k=k, top_p=p))
+                                    for i in range(5)]) for b in range(3)])  # [B, T, V]
     assert torch.equal(got > 0, ref > 0)  # the same support, exactly
-    assert torch.allclose(got, ref, atol=1e-6, rtol=1e-5)  # fp32 softmax summed in another order
+    assert torch.allclose(got, ref, atol=1e-6, rtol=1e-5)  # fp32 softmax of other shapes may sum in another order
 
 
 def test_residual_is_the_normalized_positive_part_and_falls_back_to_p_when_empty():

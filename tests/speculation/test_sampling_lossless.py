@@ -87,7 +87,7 @@ def chi_square_pvalue(pairs: torch.Tensor, joint: dict) -> float:
 def setup(spec_engine):
     def get(draft):
         se = spec_engine(draft=draft, k=K, batch_size=B, **SMALL)
-        se.prefill([PROMPT])
+        se.prefill_row(0, PROMPT)
         broadcast_row0(se)
         model = se.target.graphs["context_t16_s16"].model
         return se, expected_joint(model)

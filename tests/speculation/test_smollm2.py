@@ -6,10 +6,11 @@ fp32 so that the K+1-token verify pass and the 1-token decode pass agree to ~1e-
 import pytest
 
 from neuron_infer.checkpoint import load_checkpoint, load_tokenizer
-from neuron_infer.compile.spec_builder import build_draft, eager_spec_engine
+from neuron_infer.compile.spec_builder import build_draft
 from neuron_infer.compile.weights import build_float_model
 from neuron_infer.config import BuildConfig, ModelConfig, SpeculationConfig
 from neuron_infer.runtime.generate import generate_ids
+from neuron_infer.runtime.loader import eager_spec_engine
 
 pytestmark = pytest.mark.slow
 BUILD = BuildConfig(dtype="fp32", max_context_length=32, max_length=64, context_buckets=(32,), tokengen_buckets=(64,))
@@ -35,7 +36,7 @@ def test_smollm2_greedy_equals_target(smol, spec):
     se = eager_spec_engine(target, build_draft(d, cfg, build)[0], build)
     ref, _ = generate_ids(se.target, [prompt], 24, ignore_eos=True)
     for mode in ("unfused", "fused"):
-        got, m = se.generate_ids([prompt], 24, ignore_eos=True, mode=mode)
+        got, m = generate_ids(se.with_mode(mode), [prompt], 24, ignore_eos=True)
         assert got[0].token_ids == ref[0].token_ids, mode
     assert m.spec_steps > 0
     if spec.draft_quant == "int8":

@@ -3,7 +3,7 @@
 No vLLM needed. The reference for every request is `generate_ids` on that request ALONE (batch-1 artifact); the
 runner serves the same requests interleaved in a batch-4 artifact with joins and leaves at different steps and row
 reuse. fp32 + the tiny checkpoints (spread-out logits): greedy tokens must be identical; seeded sampling draws the
-same numbers (one generator per request, one [1, V] multinomial per token in both paths), so it is identical too.
+same numbers (one generator per request, one uniform per token in both paths), so it is identical too.
 """
 from __future__ import annotations
 

@@ -74,7 +74,7 @@ def test_greedy_equals_non_speculative_generate(vllm_spec, plain):
         assert len(got) == N
         assert got == plain.generate_ids([prompt], N, ignore_eos=True).outputs[0].token_ids
     # the artifact really emits multi-token blocks (else the identity would not exercise them)
-    _, m = art.spec.generate_ids(PROMPTS, N, ignore_eos=True)
+    m = art.generate_ids(PROMPTS, N, ignore_eos=True).metrics[0]
     assert m.acceptance_rate > 0.5 and m.mean_accepted_tokens_per_step > 2
 
 

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from neuron_infer.errors import ConfigError
-from neuron_infer.parallel.capacity import plan_capacity, render_capacity_text
+from neuron_infer.capacity.planner import plan_capacity, render_capacity_text
 from neuron_infer.parallel.plan import ShardPlan
-from neuron_infer.parallel.presets import INSTANCES, MODEL_PRESETS, resolve_model
+from neuron_infer.capacity.presets import INSTANCES, MODEL_PRESETS, resolve_model
 from neuron_infer.parallel.shard import rank_param_counts, rank_weight_bytes, shard_state_dict
 from tests.parallel.test_plan import make_cfg
 from tests.parallel.test_shard import random_state_dict
@@ -147,7 +147,7 @@ def test_every_instance_plans_smollm2_at_tp1():
     ("llama-3.1-405b", "trn2.48xlarge", "fp8"), ("llama-3.2-1b", "inf2.xlarge", "none"),
 ])
 def test_without_tp_degree_the_smallest_fitting_degree_is_chosen(model, instance, quant):
-    from neuron_infer.parallel.capacity import smallest_fitting_plan, tp_candidates
+    from neuron_infer.capacity.planner import smallest_fitting_plan, tp_candidates
 
     cfg = MODEL_PRESETS[model]
     p = smallest_fitting_plan(cfg, instance, quant, 4096, 1, model_name=model)
@@ -160,14 +160,14 @@ def test_without_tp_degree_the_smallest_fitting_degree_is_chosen(model, instance
 
 
 def test_tp_candidates_are_powers_of_two_and_the_core_count():
-    from neuron_infer.parallel.capacity import tp_candidates
+    from neuron_infer.capacity.planner import tp_candidates
 
     assert tp_candidates(2) == (1, 2) and tp_candidates(24) == (1, 2, 4, 8, 16, 24) and tp_candidates(1) == (1,)
 
 
 def test_no_fitting_degree_is_a_clear_error_and_the_cli_picks_without_tp(capsys):
     from neuron_infer.cli import main
-    from neuron_infer.parallel.capacity import smallest_fitting_plan
+    from neuron_infer.capacity.planner import smallest_fitting_plan
 
     with pytest.raises(ConfigError, match=r"does not fit on trn1.2xlarge at any TP degree \[1, 2\].*--quant"):
         smallest_fitting_plan(MODEL_PRESETS["llama-3.1-405b"], "trn1.2xlarge", "none", 4096, 1)

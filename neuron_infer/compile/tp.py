@@ -124,7 +124,7 @@ def compile_tp_model(model_dir: str | Path, out_dir: str | Path, build: BuildCon
         state = load_checkpoint(model_dir, cfg)
         records, quant, graphs = _write_ranks(cfg, build, plan, state, model_dir, tmp, be, say)
         if be_name == "neuron":
-            from neuron_infer.parallel.neuron_tp import compile_neuron_tp_graphs
+            from neuron_infer.compile.neuron_tp import compile_neuron_tp_graphs
 
             graphs = compile_neuron_tp_graphs(tmp, cfg, build, plan, say)
         extra = {
@@ -147,7 +147,7 @@ def compile_tp_model(model_dir: str | Path, out_dir: str | Path, build: BuildCon
 def _tp_graph_builder(be_name: str, get_backend) -> tuple[object | None, str]:
     """(per-rank graph backend or None, note for the log and manifest)."""
     if be_name == "neuron":
-        from neuron_infer.parallel.neuron_tp import NEURON_TP_NOTE, import_nxd
+        from neuron_infer.compile.neuron_tp import NEURON_TP_NOTE, import_nxd
 
         import_nxd()  # fail before any work when neuronx-distributed is absent
         return None, NEURON_TP_NOTE

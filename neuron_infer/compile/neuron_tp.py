@@ -134,7 +134,7 @@ class StepFactory:
         from neuron_infer.compile.quantize_step import quant_structure
         from neuron_infer.compile.weights import empty_model
         from neuron_infer.model.llama import BucketStep
-        from neuron_infer.parallel.compile_tp import rank_layout
+        from neuron_infer.compile.tp import rank_layout
 
         nxd = import_nxd()
         cfg, build = ModelConfig.from_dict(self.model), BuildConfig.from_dict(self.build)
@@ -235,7 +235,7 @@ def rank_weights(root: Path, manifest, plan: ShardPlan, rank: int) -> dict[str, 
     """Rank r's weights named as the SPMD step's parameters (tied and quantized structure as at compile)."""
     from neuron_infer.compile.quantize_step import quant_structure
     from neuron_infer.compile.weights import empty_model, load_rank_weights
-    from neuron_infer.parallel.compile_tp import rank_layout
+    from neuron_infer.compile.tp import rank_layout
 
     model = empty_model(manifest.model, manifest.build, rank_layout(plan.ranks[rank]))
     quant_structure(model, manifest.build)

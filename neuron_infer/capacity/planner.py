@@ -1,7 +1,7 @@
 """Capacity planner behind `neuron-infer plan`: per-rank memory, fit check and roofline lower bounds.
 
 For a model config, a build (tp degree, quantization, batch, max length, buckets) and an instance type
-(neuron_infer.parallel.presets), one rank = one logical NeuronCore (LNC physical cores sharing their HBM):
+(neuron_infer.capacity.presets), one rank = one logical NeuronCore (LNC physical cores sharing their HBM):
 
     weight bytes / rank  from the ShardPlan (padding and KV replication included): decoder linear weights at the
                          quantized width (int8/fp8/w8a8: 1 byte + one fp32 scale per output channel; mxfp8 8.25
@@ -28,7 +28,7 @@ from typing import Any
 from neuron_infer.config import DTYPES, QUANT_SCHEMES, ModelConfig, auto_buckets
 from neuron_infer.errors import ConfigError
 from neuron_infer.parallel.plan import ShardPlan
-from neuron_infer.parallel.presets import Instance, get_instance
+from neuron_infer.capacity.presets import Instance, get_instance
 from neuron_infer.parallel.shard import rank_param_counts
 
 _DTYPE_BYTES = {"bf16": 2, "fp32": 4}

@@ -1,0 +1,154 @@
+"""The one artifact loader: `load_rank(artifact, rank) -> Engine`, used by every path that runs a compiled model.
+
+    engine = load_rank("artifacts/m")             # tp = 1 (CompiledModel.load)
+    engine = load_rank("artifacts/m-tp2", rank=1)  # one CPU rank process of a tensor-parallel artifact
+
+An Engine is one rank's graphs and KV cache. For a tensor-parallel CPU artifact each rank process (the rank group,
+or one vLLM worker per rank) loads only its own shard (weights/rank{r}.safetensors, graphs/rank{r}) and a cache of
+its local KV heads; a Neuron tensor-parallel artifact is loaded once in-process (neuronx-distributed drives every
+NeuronCore of the group). With a draft model compiled in, `engine.spec` is the SpecEngine over the target and draft
+(tp = 1 only); otherwise it is None.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from neuron_infer.compile.artifact import Manifest, read_manifest
+from neuron_infer.config import BuildConfig, ModelConfig, QuantConfig
+from neuron_infer.errors import ArtifactError
+from neuron_infer.model.llama import BucketStep, LlamaModel
+from neuron_infer.parallel.plan import ShardPlan
+from neuron_infer.runtime.engine import Engine, planned_graphs
+from neuron_infer.runtime.spec_engine import SpecEngine
+from neuron_infer.runtime.spec_step import SpecCacheLayout
+
+
+def manifest_plan(manifest: Manifest, where: Path) -> ShardPlan:
+    """The artifact's shard plan, checked against its model and build."""
+    d = manifest.extra.get("tp_plan")
+    if d is None:
+        raise ArtifactError(f"{where}: manifest extra.tp_plan is missing for tp_degree={manifest.build.tp_degree}; "
+                            "recompile the model")
+    plan = ShardPlan.from_dict(d)
+    if plan.tp != manifest.build.tp_degree or plan != ShardPlan.build(manifest.model, plan.tp):
+        raise ArtifactError(f"{where}: the recorded shard plan differs from the one this neuron-infer builds for "
+                            f"tp={manifest.build.tp_degree}; recompile the model")
+    return plan
+
+
+def load_rank(artifact: str | Path, rank: int = 0, manifest: Manifest | None = None, *,
+              spec_mode: str | None = None) -> Engine:
+    """Rank `rank`'s Engine (weights, graphs, cache; `.spec` when a draft model is compiled in). `manifest`: the
+    caller's already verified manifest (read here, without re-hashing the files, when None)."""
+    from neuron_infer.compile.builder import cache_shape
+    from neuron_infer.compile.quantize_step import quant_structure
+    from neuron_infer.compile.tp import rank_layout, tp_ops
+    from neuron_infer.compile.weights import empty_model, load_rank_weights
+
+    root = Path(artifact)
+    manifest = manifest or read_manifest(root, verify_files=False)
+    build, tp = manifest.build, manifest.build.tp_degree
+    if not 0 <= rank < tp:
+        raise ArtifactError(f"{root}: rank {rank} does not exist in an artifact of tp_degree={tp}")
+    if tp == 1:
+        model, graphs_dir = empty_model(manifest.model, build), root / "graphs"
+    else:
+        plan = manifest_plan(manifest, root)
+        if manifest.backend == "neuron":  # NxD runs the ranks on NeuronCores from this one process
+            from neuron_infer.compile.neuron_tp import load_neuron_tp_engine
+
+            return load_neuron_tp_engine(root, manifest, plan)
+        model = empty_model(manifest.model, build, rank_layout(plan.ranks[rank]), tp_ops(build.kernels))
+        graphs_dir = root / "graphs" / f"rank{rank}"
+    quant_structure(model, build)
+    load_rank_weights(model, root / "weights" / f"rank{rank}.safetensors")
+    modules = {s.name: BucketStep(model, s.attend, s.select_rows) for s in planned_graphs(build)}
+    engine = Engine(_load_graphs(manifest.backend, graphs_dir, modules), build, cache_shape(model, build),
+                    manifest.model.vocab_size)
+    if build.speculation is not None:
+        engine.spec = load_speculation(root, manifest, model, engine, spec_mode)
+    return engine
+
+
+def _load_graphs(backend: str, graphs_dir: Path, modules: dict) -> dict:
+    from neuron_infer.compile.backend import get_backend
+
+    be = get_backend(backend)
+    return {name: be.load_graph(graphs_dir, name, module) for name, module in modules.items()}
+
+
+# ---- speculation: the draft model and the extra graphs ---------------------------------------------------------
+def load_draft_weights(draft: LlamaModel, target: LlamaModel, path: Path, shared: list[str]) -> None:
+    """Fill a meta-device draft skeleton: its own file plus the target's tensors named in `shared` (same memory)."""
+    from neuron_infer.compile.weights import assign_state, read_packed
+
+    state = read_packed(path, "draft weights")
+    tstate = target.state_dict()
+    state.update({n: tstate[n] for n in shared})
+    assign_state(draft, state, f"draft weights {path} do not match the manifest's draft model")
+
+
+def load_speculation(root: Path, manifest: Manifest, target: LlamaModel, target_engine: Engine,
+                     mode: str | None = None) -> SpecEngine:
+    """The SpecEngine of an artifact (mode: 'fused' if compiled with --fused-speculation, else 'unfused')."""
+    from neuron_infer.compile.spec_builder import DRAFT_WEIGHTS, planned_spec_graphs
+    from neuron_infer.compile.weights import empty_model
+
+    build, info = manifest.build, manifest.extra.get("speculation")
+    if info is None:
+        raise ArtifactError(f"{root}: manifest extra.speculation is missing; recompile with --draft-model")
+    draft = empty_model(ModelConfig.from_dict(info["config"]), build)
+    if info["quant"]["scheme"] != "none":
+        from neuron_infer.quant import apply_quantization
+
+        apply_quantization(draft, QuantConfig(scheme=info["quant"]["scheme"]), structure_only=True)
+    load_draft_weights(draft, target, Path(root) / DRAFT_WEIGHTS, info["shared"])
+    modules = {name: module for name, (module, _) in planned_spec_graphs(target, draft, build).items()}
+    graphs = _load_graphs(manifest.backend, Path(root) / "graphs", modules)
+    return assemble_spec(target_engine, draft, graphs, build, mode or ("fused" if build.speculation.fused
+                                                                         else "unfused"))
+
+
+def assemble_spec(target_engine: Engine, draft: LlamaModel, graphs: dict, build: BuildConfig,
+                  mode: str) -> SpecEngine:
+    """SpecEngine from loaded graphs (draft_* graphs go to the draft engine under their core names)."""
+    from neuron_infer.compile.builder import cache_shape
+
+    dgraphs = {n[len("draft_"):]: g for n, g in graphs.items() if n.startswith("draft_")}
+    sgraphs = {n: g for n, g in graphs.items() if not n.startswith("draft_")}
+    dshape = cache_shape(draft, build)
+    draft_engine = Engine(dgraphs, build, dshape, draft.cfg.vocab_size)
+    layout = SpecCacheLayout(target_engine.cache_shape, dshape)
+    return SpecEngine(target_engine, draft_engine, sgraphs, layout, build.speculation.length, mode)
+
+
+def eager_spec_engine(target: LlamaModel, draft: LlamaModel, build: BuildConfig, mode: str = "unfused"
+                      ) -> SpecEngine:
+    """A SpecEngine whose graphs are the modules themselves (no backend): for tests and debugging."""
+    from neuron_infer.compile.builder import cache_shape
+    from neuron_infer.compile.spec_builder import planned_spec_graphs
+
+    core = {s.name: BucketStep(target, s.attend, s.select_rows) for s in planned_graphs(build)}
+    engine = Engine(core, build, cache_shape(target, build), target.cfg.vocab_size)
+    graphs = {n: m for n, (m, _) in planned_spec_graphs(target, draft, build).items()}
+    return assemble_spec(engine, draft, graphs, build, mode)
+
+
+def load_serving_rank(root: Path, rank: int, world_size: int, expect_checkpoint: Path | None = None
+                      ) -> tuple[Manifest, Engine]:
+    """Rank `rank`'s manifest and engine, for a long-lived process that already joined a group of `world_size`
+    ranks (one vLLM worker per rank; the model's collectives run on torch.distributed's default group)."""
+    from neuron_infer.compile.artifact import check_checkpoint
+
+    manifest = read_manifest(root, verify_files=True)
+    if expect_checkpoint is not None:
+        check_checkpoint(manifest, root, expect_checkpoint)
+    tp = manifest.build.tp_degree
+    if tp != world_size or not 0 <= rank < tp:
+        raise ArtifactError(f"{root}: artifact of tp_degree={tp} cannot serve rank {rank} of {world_size}; run it "
+                            f"with {tp} ranks (vLLM: --tensor-parallel-size {tp})")
+    if manifest.backend == "neuron" and tp > 1:
+        raise ArtifactError(f"{root}: serving a Neuron tensor-parallel artifact from one process per rank is not "
+                            "supported (neuronx-distributed drives every NeuronCore of the group from one process); "
+                            "load it with CompiledModel.load instead")
+    return manifest, load_rank(root, rank, manifest)

@@ -1,0 +1,141 @@
+"""The Runner: one step — plain or speculative — over the scheduled sequences, through the Engine.
+
+Every caller drives this one runner: `generate_ids` (CompiledModel.generate: add every prompt, step until done),
+each tensor-parallel rank (fed identical decisions), and the vLLM worker (which maps vLLM's scheduler output onto
+it). A step produces 1 token per scheduled sequence, or 1..K+1 with a draft model (`engine.spec`).
+
+Row contents per state, for a plain step (one token-generation graph over every cache row):
+    running, scheduled      its pending token's K/V is written at position len-1 (the real step)
+    running, not scheduled  the same pending token is rewritten at the same position: the same K/V, which the
+                            sequence's next real step writes again anyway
+    free                    token 0 at position 0 (garbage in a row that is re-encoded before any use)
+So a step runs before newly admitted sequences are encoded (`prefill`): it writes every row, and it would otherwise
+overwrite the rows just encoded.
+
+Speculation: one graph serves one sampling rule per step, so a step is plain (and also writes the draft cache, so
+speculation resumes afterwards) when the scheduled sequences mix greedy and sampled or different temperature /
+top-k / top-p, and near max_length where a speculative block would not fit.
+
+Tensor parallelism: `agree` maps each step's sampled tokens to the ones every rank uses (rank 0's, broadcast): the
+logits are identical everywhere (vocab all-gather), but an unseeded generator is seeded from OS entropy per process.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+
+from neuron_infer.config import SamplingConfig
+from neuron_infer.errors import NeuronInferError
+from neuron_infer.runtime.engine import Engine
+from neuron_infer.runtime.metrics import Metrics
+from neuron_infer.runtime.sampling import draw_uniforms, sample_rows
+from neuron_infer.runtime.sequence import Sequence
+from neuron_infer.runtime.spec_engine import SpecEngine
+from neuron_infer.runtime.spec_step import uniforms_width
+
+Agree = Callable[[torch.Tensor], torch.Tensor]  # [n] sampled here -> [n] the tokens every rank uses
+
+
+class Runner:
+    """Runs steps over sequences that hold cache rows; counts what it did in `stats` (one Metrics)."""
+
+    def __init__(self, engine: Engine | SpecEngine, agree: Agree | None = None,
+                 on_logits: Callable[[torch.Tensor], None] | None = None, keep_step_counts: bool = False):
+        """engine: an Engine (speculating when it carries a draft, `engine.spec`) or a SpecEngine."""
+        spec = engine if isinstance(engine, SpecEngine) else engine.spec
+        self.engine = spec.target if spec is not None else engine
+        self.spec, self.agree, self.on_logits = spec, agree, on_logits
+        if self.spec is not None and agree is not None:
+            raise NeuronInferError("speculative decoding runs at tensor-parallel degree 1 only; serve the speculative "
+                                   "artifact with --tensor-parallel-size 1")
+        self.keep_step_counts = keep_step_counts  # per (step, sequence) emitted counts: bounded runs only
+        self.batch, self.max_length = engine.build.batch_size, engine.build.max_length
+        self.stats = Metrics()
+        self.reset_stats()
+
+    def reset_stats(self) -> None:
+        spec = self.spec
+        self.stats = Metrics(k=spec.k if spec is not None else 0, mode=spec.mode if spec is not None else "")
+
+    # ---- prefill: encode newly admitted sequences, each into its own row --------------------------------------
+    def prefill(self, seqs: list[Sequence]) -> dict[Sequence, list[int]]:
+        """Encode each sequence's tokens into its row (other rows untouched) and sample its next token."""
+        if not seqs:
+            return {}
+        encode = self.spec.prefill_row if self.spec is not None else self.engine.prefill_row
+        logits = torch.stack([encode(s.row, s.tokens) for s in seqs])  # [n, V]
+        return self._emit(seqs, logits)
+
+    # ---- one step ------------------------------------------------------------------------------------------------
+    def step(self, scheduled: list[Sequence], live: list[Sequence]) -> dict[Sequence, list[int]]:
+        """One step over every row; the new tokens of each scheduled sequence (after its stop rule). `live`: every
+        sequence holding a row (its pending token is rewritten where it already is)."""
+        if not scheduled:
+            return {}
+        longest = max(len(s) for s in live)
+        if longest > self.max_length:
+            raise NeuronInferError(f"a request reached {longest} tokens, beyond the artifact's max_length="
+                                   f"{self.max_length}; serve with --max-model-len <= {self.max_length}")
+        if self.spec is not None:
+            rule = _shared_rule(scheduled)
+            rows = {s.row: s.tokens for s in live}  # every live row: its real tokens are rewritten
+            if rule is not None and self.spec.can_speculate(rows):
+                return self._speculate(scheduled, rows, rule)
+        return self._plain(scheduled, live)
+
+    def _plain(self, scheduled: list[Sequence], live: list[Sequence]) -> dict[Sequence, list[int]]:
+        self.stats.plain_steps += 1
+        tokens = torch.tensor([s.tokens[-1] for s in live], dtype=torch.int64)  # [n] pending tokens ...
+        positions = torch.tensor([len(s) - 1 for s in live], dtype=torch.int64)  # [n] ... at their own slots
+        rows = [s.row for s in live]
+        if self.spec is None:  # the smallest graph holding the live rows
+            logits = self.engine.decode_rows(rows, tokens, positions)  # [n, V]
+            at = {s: i for i, s in enumerate(live)}
+            return self._emit(scheduled, logits[[at[s] for s in scheduled]])  # [m, V]
+        all_tokens = torch.zeros(self.batch, dtype=torch.int64)  # [B] free rows: token 0 ...
+        all_pos = torch.zeros(self.batch, dtype=torch.int64)  # [B] ... at position 0
+        all_tokens[rows], all_pos[rows] = tokens, positions
+        logits = self.spec.decode_both(all_tokens, all_pos)  # [B, V]: also writes the draft cache
+        return self._emit(scheduled, logits[[s.row for s in scheduled]])  # [m, V]
+
+    def _emit(self, seqs: list[Sequence], logits: torch.Tensor) -> dict[Sequence, list[int]]:
+        """Sample every sequence in one call (logits [n, V]), agree across ranks, append under the stop rules."""
+        if self.on_logits is not None:
+            self.on_logits(logits)
+        configs = [s.sampling for s in seqs]
+        toks = sample_rows(logits, configs, draw_uniforms(configs, [s.generator for s in seqs]))  # [n]
+        if self.agree is not None:
+            toks = self.agree(toks)
+        return {s: s.append([t]) for s, t in zip(seqs, toks.tolist())}
+
+    def _speculate(self, scheduled: list[Sequence], rows: dict[int, list[int]], rule: SamplingConfig
+                   ) -> dict[Sequence, list[int]]:
+        k, u = self.spec.k, None
+        if not rule.greedy:  # each sequence draws its step's uniforms from its own generator
+            u = torch.zeros(self.batch, uniforms_width(k))  # [B, 3K+1]
+            for s in scheduled:
+                u[s.row] = torch.rand(u.shape[1], generator=s.generator)
+        got = self.spec.step_tokens(rows, rule, u)
+        st = self.stats
+        st.spec_steps += 1
+        out = {}
+        for s in scheduled:
+            toks = got[s.row]
+            st.drafted += k
+            st.accepted += len(toks) - 1
+            if self.keep_step_counts:
+                st.emitted_per_step.append(len(toks))
+            out[s] = s.append(toks)
+        return out
+
+
+def _shared_rule(seqs: list[Sequence]) -> SamplingConfig | None:
+    """The one sampling rule of the scheduled sequences (seed aside), or None when they differ."""
+    rules = {(s.sampling.temperature, s.sampling.top_k, s.sampling.top_p) if not s.sampling.greedy else "greedy"
+             for s in seqs}
+    if len(rules) != 1:
+        return None
+    first = seqs[0].sampling
+    return SamplingConfig() if first.greedy else dataclasses.replace(first, seed=None)

@@ -1,0 +1,82 @@
+"""A Sequence: one request's tokens, sampling settings, stop rule and generator — and the prompt checks.
+
+The stop rule and the prompt checks live here once, for `CompiledModel.generate`, tensor-parallel ranks and the vLLM
+worker (which passes vLLM's own stop handling through: its sequences never stop here, vLLM trims the tokens).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from neuron_infer.config import SamplingConfig
+from neuron_infer.errors import NeuronInferError
+
+
+@dataclass(frozen=True)
+class StopRule:
+    """When a sequence stops: an EOS id (unless ignore_eos), max_new_tokens generated, or max_length tokens in all.
+    `max_new_tokens=None` never stops on count (the vLLM worker: vLLM decides)."""
+
+    max_new_tokens: int | None = None
+    eos_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    max_length: int | None = None
+
+
+def check_prompt(name: str, prompt: list[int], max_context: int, vocab_size: int | None = None) -> None:
+    """One clear error for a prompt the artifact cannot encode (ids past the vocabulary would raise IndexError in
+    eager graphs and abort the process in compiled ones)."""
+    if not prompt:
+        raise NeuronInferError(f"{name} is empty after tokenization; give at least one token")
+    if vocab_size is not None:
+        bad = [t for t in prompt if not 0 <= int(t) < vocab_size]
+        if bad:
+            raise NeuronInferError(f"{name} holds token id {bad[0]}, outside this model's vocabulary "
+                                   f"0..{vocab_size - 1}; encode prompts with the artifact's own tokenizer")
+    if len(prompt) > max_context:
+        raise NeuronInferError(
+            f"{name} has {len(prompt)} tokens, more than max_context_length={max_context}; shorten it or recompile "
+            "with a larger max_context_length (--max-context-length)"
+        )
+
+
+@dataclass(eq=False)
+class Sequence:
+    """prompt + output tokens; the last token is not yet in the KV cache. `generator` may be shared by several
+    sequences (one seeded generate call) or be the request's own (vLLM, per-request seeds)."""
+
+    seq_id: object
+    prompt: list[int]
+    sampling: SamplingConfig
+    stop: StopRule
+    generator: torch.Generator
+    output: list[int] = field(default_factory=list)
+    row: int | None = None  # KV-cache row while running
+    finish_reason: str | None = None  # "eos" | "max_new_tokens" | "max_length"
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+    def __len__(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def append(self, tokens: list[int]) -> list[int]:
+        """Append tokens in order until the stop rule fires; returns the tokens kept."""
+        stop = self.stop
+        for i, tok in enumerate(tokens):
+            self.output.append(tok)
+            if not stop.ignore_eos and tok in stop.eos_ids:
+                self.finish_reason = "eos"
+            elif stop.max_new_tokens is not None and len(self.output) >= stop.max_new_tokens:
+                self.finish_reason = "max_new_tokens"
+            elif stop.max_length is not None and len(self) >= stop.max_length:
+                self.finish_reason = "max_length"
+            if self.finish_reason is not None:
+                return tokens[: i + 1]
+        return list(tokens)
