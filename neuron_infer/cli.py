@@ -10,7 +10,7 @@ from pathlib import Path
 
 import click
 
-from neuron_infer.errors import NeuronInferError
+from neuron_infer.errors import NeuronInferError, describe_os_error
 
 
 def _ints(value: str | None) -> list[int] | None:
@@ -88,11 +88,11 @@ def _speculation_overrides(kw: dict) -> dict:
     return spec
 
 
-def _preset(kw: dict):
-    from neuron_infer.presets import DEFAULT_PRESET, load_preset  # noqa: PLC0415
+def _preset(kw: dict, embedded: bool):
+    from neuron_infer.presets import CHECKPOINT_PRESET, EMBEDDED_PRESET, load_preset  # noqa: PLC0415
 
-    config = kw.pop("config")
-    return load_preset(config or DEFAULT_PRESET, _build_overrides(kw))
+    config = kw.pop("config") or (EMBEDDED_PRESET if embedded else CHECKPOINT_PRESET)
+    return load_preset(config, _build_overrides(kw))
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -111,12 +111,19 @@ def compile_cmd(model_dir, output, backend, overwrite, **kw) -> None:
     """Compile MODEL_DIR (a Hugging Face Llama checkpoint; omit for the embedded default) into OUTPUT."""
     from neuron_infer.compile.builder import compile_model  # noqa: PLC0415
 
-    preset = _preset(kw)
-    if model_dir is None or model_dir == "default":
+    embedded = model_dir is None or model_dir == "default"
+    default_limits = kw["config"] is None and kw["max_length"] is None and kw["max_context_length"] is None
+    build = _preset(kw, embedded).build
+    if embedded:
         from neuron_infer.embedded import default_model_dir  # noqa: PLC0415
 
         model_dir = default_model_dir(log=_say)
-    compile_model(model_dir, output, preset.build, backend=backend, overwrite=overwrite, say=_say)
+    elif default_limits:  # the model-independent default, shortened for a model with a shorter context
+        from neuron_infer.config import ModelConfig  # noqa: PLC0415
+        from neuron_infer.presets import fit_to_model  # noqa: PLC0415
+
+        build = fit_to_model(build, ModelConfig.from_model_dir(model_dir).max_position_embeddings)
+    compile_model(model_dir, output, build, backend=backend, overwrite=overwrite, say=_say)
 
 
 @cli.command("generate")
@@ -146,13 +153,16 @@ def generate_cmd(artifacts, prompts, prompt_file, chat, max_new_tokens, temperat
     if threads is not None:
         torch.set_num_threads(threads)
 
-    prompts = list(prompts) + (Path(prompt_file).read_text().splitlines() if prompt_file else [])
+    from neuron_infer.text_input import check_text, read_text_file  # noqa: PLC0415
+
+    prompts = [check_text(p, "--prompt") for p in prompts]
+    prompts += read_text_file(prompt_file, "--prompt-file").splitlines() if prompt_file else []
     prompts = [p for p in prompts if p.strip()] or ["The capital of France is"]
     sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     if artifacts is None:
         from neuron_infer.presets import default_artifact_dir  # noqa: PLC0415
 
-        preset = _preset(kw)
+        preset = _preset(kw, embedded=True)
         if preset.build.batch_size < len(prompts):
             preset = _preset_with_batch(kw, preset, len(prompts))
         artifacts = default_artifact_dir(preset.build, _say)
@@ -253,6 +263,12 @@ def main(argv: list[str] | None = None) -> None:
     except click.ClickException as e:
         e.show()
         sys.exit(e.exit_code)
+    except OSError as e:  # only the user-fixable kinds (full disk, read-only, permissions); others keep a traceback
+        msg = describe_os_error(e)
+        if msg is None:
+            raise
+        click.echo(f"error: {msg}", err=True)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

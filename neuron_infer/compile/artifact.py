@@ -18,12 +18,13 @@ import os
 import shutil
 import tempfile
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
 from neuron_infer.config import BuildConfig, ModelConfig
-from neuron_infer.errors import ArtifactError
+from neuron_infer.errors import ArtifactError, ConfigError
+from neuron_infer.typed import parse_dataclass, read_json
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -56,7 +57,7 @@ class Manifest:
     checkpoint_fingerprint: str
     graphs: dict[str, dict[str, Any]]  # graph name -> backend metadata (files, T, S, compile seconds)
     files: dict[str, str]  # relative path -> sha256
-    extra: dict[str, Any]  # feature records (tp plan, quantization report, speculation, ...)
+    extra: dict[str, Any] = field(default_factory=dict)  # feature records (tp plan, quant report, speculation)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -72,21 +73,19 @@ class Manifest:
         }
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any], where: str) -> "Manifest":
-        if d.get("format_version") != FORMAT_VERSION:
+    def from_dict(cls, d: Any, where: str) -> "Manifest":
+        """Every field type-checked (neuron_infer.typed); a problem raises ArtifactError naming the field."""
+        version = d.get("format_version") if isinstance(d, dict) else FORMAT_VERSION
+        if version != FORMAT_VERSION:  # checked first: another format may have other fields
             raise ArtifactError(
-                f"{where}: manifest format_version={d.get('format_version')!r} but this neuron-infer reads "
+                f"{where}: manifest format_version={version!r} but this neuron-infer reads "
                 f"{FORMAT_VERSION}; recompile the model with this version (neuron-infer compile ...)"
             )
         try:
-            return cls(
-                format_version=d["format_version"], versions=d["versions"], backend=d["backend"],
-                model=ModelConfig.from_dict(d["model"]), build=BuildConfig.from_dict(d["build"]),
-                checkpoint_fingerprint=d["checkpoint_fingerprint"], graphs=d["graphs"], files=d["files"],
-                extra=d.get("extra", {}),
-            )
-        except KeyError as e:
-            raise ArtifactError(f"{where}: manifest field {e.args[0]!r} is missing; recompile the model") from e
+            return parse_dataclass(cls, d, where)
+        except ConfigError as e:
+            raise ArtifactError(f"{e}; the manifest is damaged or was written by another version: recompile "
+                                "the model") from e
 
 
 def hash_tree(root: Path) -> dict[str, str]:
@@ -120,6 +119,24 @@ def atomic_directory(final: Path, overwrite: bool) -> Iterator[Path]:
         raise
 
 
+def check_output_location(final: Path) -> None:
+    """Fail fast (before a long compile) when `final` cannot be created: its nearest existing ancestor must be a
+    directory this process can write into."""
+    final = Path(final).absolute()
+    if final.exists() and not final.is_dir():
+        raise ArtifactError(f"-o {final} is a file, not a directory; choose another -o directory")
+    ancestor = next(p for p in final.parents if p.exists())
+    if not ancestor.is_dir():
+        raise ArtifactError(f"-o {final}: {ancestor} is a file, not a directory; choose another -o directory")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        why = "is on a read-only file system" if _read_only(ancestor) else "is not writable by you"
+        raise ArtifactError(f"-o {final}: {ancestor} {why}; choose another -o directory")
+
+
+def _read_only(path: Path) -> bool:
+    return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+
+
 def write_manifest(root: Path, manifest: Manifest) -> None:
     """Write manifest.json last, through a temporary file and an atomic rename."""
     tmp = root / (MANIFEST + ".tmp")
@@ -131,15 +148,15 @@ def read_manifest(root: Path, verify_files: bool = True) -> Manifest:
     """Read and check an artifact directory; every problem raises ArtifactError naming the field or file."""
     root = Path(root)
     path = root / MANIFEST
+    if not root.is_dir():
+        state = "is a file, not an artifact directory" if root.exists() else "does not exist"
+        raise ArtifactError(f"artifact directory {root} {state}; give the -o directory of an earlier "
+                            f"`neuron-infer compile MODEL_DIR -o DIR`")
     if not path.is_file():
-        hint = " (it looks like an interrupted compile)" if root.is_dir() else ""
+        hint = " (it looks like an interrupted compile)"
         raise ArtifactError(f"{path} not found{hint}: {root} is not a complete neuron-infer artifact; run "
                             f"`neuron-infer compile MODEL_DIR -o {root}` first")
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ArtifactError(f"{path} is not valid JSON ({e}); recompile the model") from e
-    manifest = Manifest.from_dict(data, str(path))
+    manifest = Manifest.from_dict(read_json(path, "recompile the model", ArtifactError), str(path))
     _check_versions(manifest, path)
     if verify_files:
         _check_files(root, manifest)

@@ -11,11 +11,11 @@ import torch
 
 from neuron_infer.checkpoint import checkpoint_fingerprint, load_checkpoint
 from neuron_infer.compile.artifact import FORMAT_VERSION, Manifest, atomic_directory, hash_tree, package_versions
-from neuron_infer.compile.artifact import write_manifest
+from neuron_infer.compile.artifact import check_output_location, write_manifest
 from neuron_infer.compile.quantize_step import quantize_model
 from neuron_infer.compile.weights import build_float_model, save_rank_weights
 from neuron_infer.config import BuildConfig, ModelConfig
-from neuron_infer.errors import ConfigError
+from neuron_infer.errors import ConfigError, writing_to
 from neuron_infer.model.llama import BucketStep, LlamaModel
 from neuron_infer.runtime.engine import CacheShape, GraphSpec, planned_graphs
 
@@ -89,13 +89,23 @@ def _stderr(msg: str) -> None:
 
 def compile_model(model_dir: str | Path, out_dir: str | Path, build: BuildConfig, *, backend: str | None = None,
                   overwrite: bool = False, say: Progress = _stderr) -> Manifest:
-    """Compile `model_dir` into `out_dir` atomically; returns the manifest."""
+    """Compile `model_dir` into `out_dir` atomically; returns the manifest.
+
+    A full disk, a read-only file system or missing permissions at `out_dir` raise one ArtifactError naming it.
+    """
+    check_output_location(Path(out_dir))
+    with writing_to(Path(out_dir)):
+        if build.tp_degree != 1:  # per-rank shards and graphs (neuron_infer.parallel.compile_tp)
+            from neuron_infer.parallel.compile_tp import compile_tp_model  # noqa: PLC0415
+
+            return compile_tp_model(model_dir, out_dir, build, backend=backend, overwrite=overwrite, say=say)
+        return _compile_one_rank(model_dir, out_dir, build, backend, overwrite, say)
+
+
+def _compile_one_rank(model_dir: str | Path, out_dir: str | Path, build: BuildConfig, backend: str | None,
+                      overwrite: bool, say: Progress) -> Manifest:
     from neuron_infer.compile.backend import get_backend  # noqa: PLC0415  (lazy: neuron SDK only when asked)
 
-    if build.tp_degree != 1:  # per-rank shards and graphs (neuron_infer.parallel.compile_tp)
-        from neuron_infer.parallel.compile_tp import compile_tp_model  # noqa: PLC0415
-
-        return compile_tp_model(model_dir, out_dir, build, backend=backend, overwrite=overwrite, say=say)
     t_start = time.perf_counter()
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_model_dir(model_dir)
