@@ -25,9 +25,10 @@ import json
 import math
 import types
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from neuron_infer.errors import ConfigError, NeuronInferError
 

@@ -8,8 +8,9 @@ from __future__ import annotations
 import copy
 import json
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 
@@ -126,7 +127,7 @@ def test_fuzz_manifest_json(artifact, capsys):
     generate = ["generate", artifact, "--prompt", "hi", "--max-new-tokens", "1"]
     named = 0
     try:
-        first_graph = sorted(base["graphs"])[0]
+        first_graph = min(base["graphs"])
         for path in paths(base):
             if path[0] == "graphs" and len(path) > 2 and path[1] != first_graph:
                 continue  # the graph entries all have the same fields: fuzz one
