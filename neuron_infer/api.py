@@ -83,6 +83,9 @@ def _eos_ids(manifest: Manifest, tokenizer, root: Path) -> tuple[int, ...]:
     return tuple(sorted(ids))
 
 
+LOAD_STAGES = ("verifying the files", "weights", "graphs", "tokenizer")
+
+
 class CompiledModel:
     """A loaded artifact: tokenizer + engine (weights and compiled graphs)."""
 
@@ -93,11 +96,14 @@ class CompiledModel:
 
     @classmethod
     def load(cls, artifact_dir: str | Path, verify_files: bool = True,
-             expect_checkpoint: str | Path | None = None) -> "CompiledModel":
-        """Load an artifact; with `expect_checkpoint`, also require that it was compiled from that checkpoint."""
+             expect_checkpoint: str | Path | None = None,
+             on_stage: Callable[[str], None] = lambda _stage: None) -> "CompiledModel":
+        """Load an artifact; with `expect_checkpoint`, also require that it was compiled from that checkpoint.
+        `on_stage` is called with each of LOAD_STAGES as it starts (the CLI shows them as a progress bar)."""
         from neuron_infer.checkpoint import load_tokenizer  # noqa: PLC0415
 
         root = Path(artifact_dir)
+        on_stage(LOAD_STAGES[0])
         manifest = read_manifest(root, verify_files=verify_files)
         if expect_checkpoint is not None:
             check_checkpoint(manifest, root, Path(expect_checkpoint))
@@ -105,9 +111,11 @@ class CompiledModel:
             from neuron_infer.parallel.runtime import TPCompiledModel  # noqa: PLC0415
 
             return TPCompiledModel.from_manifest(root, manifest)
+        on_stage(LOAD_STAGES[1])
         model = empty_model(manifest.model, manifest.build)
         quant_structure(model, manifest.build)
         load_rank_weights(model, root / "weights" / "rank0.safetensors")
+        on_stage(LOAD_STAGES[2])
         engine = Engine(_load_graphs(root, manifest, model), manifest.build, cache_shape(model, manifest.build),
                         manifest.model.vocab_size)
         spec = None
@@ -115,6 +123,7 @@ class CompiledModel:
             from neuron_infer.compile.spec_builder import load_speculation  # noqa: PLC0415
 
             spec = load_speculation(root, manifest, model, engine)
+        on_stage(LOAD_STAGES[3])
         return cls(root, manifest, engine, load_tokenizer(root / "tokenizer"), spec)
 
     def encode(self, prompt: str, chat: bool = False) -> list[int]:

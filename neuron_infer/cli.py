@@ -4,13 +4,15 @@ Every user-fixable problem is a `NeuronInferError`: printed as one `error: ...` 
 """
 from __future__ import annotations
 
+import gc
 import json
 import sys
 from pathlib import Path
 
 import click
 
-from neuron_infer.errors import NeuronInferError, describe_os_error
+from neuron_infer.errors import NeuronInferError
+from neuron_infer.oserrors import describe_os_error
 
 
 def _ints(value: str | None) -> list[int] | None:
@@ -147,11 +149,13 @@ def generate_cmd(artifacts, prompts, prompt_file, chat, max_new_tokens, temperat
     """Generate from ARTIFACTS (omit to compile or reuse the embedded default model)."""
     import torch  # noqa: PLC0415
 
-    from neuron_infer.api import CompiledModel  # noqa: PLC0415
+    from neuron_infer.api import LOAD_STAGES, CompiledModel  # noqa: PLC0415
     from neuron_infer.config import SamplingConfig  # noqa: PLC0415
+    from neuron_infer.progress import set_bars, stages  # noqa: PLC0415
 
     if threads is not None:
         torch.set_num_threads(threads)
+    set_bars(not as_json)
 
     from neuron_infer.text_input import check_text, read_text_file  # noqa: PLC0415
 
@@ -169,7 +173,8 @@ def generate_cmd(artifacts, prompts, prompt_file, chat, max_new_tokens, temperat
     elif any(v is not None for v in kw.values()):
         raise NeuronInferError("build flags (--dtype, --max-length, ...) apply when compiling; pass them to "
                                "`neuron-infer compile`, or omit ARTIFACTS to use the embedded default")
-    model = CompiledModel.load(artifacts)
+    with stages("loading", list(LOAD_STAGES), None, leave=False) as stage:  # a bar on a terminal, else silent
+        model = CompiledModel.load(artifacts, on_stage=stage)
     stream = _Streamer(model.tokenizer) if (len(prompts) == 1 and not as_json) else None
     out = model.generate(prompts, max_new_tokens, sampling, chat=chat, ignore_eos=ignore_eos,
                          on_tokens=stream)
@@ -271,5 +276,16 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
 
 
+def run() -> None:
+    """The `neuron-infer` console script: `main()`, then a quick interpreter exit."""
+    try:
+        main()
+    finally:
+        # The interpreter's shutdown runs full garbage collections over every live object (~350k once torch and
+        # transformers are loaded): seconds of silence after the last token on a busy machine. Frozen objects are
+        # skipped by those passes (they are still released with the process).
+        gc.freeze()
+
+
 if __name__ == "__main__":
-    main()
+    run()

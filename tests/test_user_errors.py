@@ -139,22 +139,26 @@ def test_output_on_a_full_disk(tiny_dirs, tmp_path, monkeypatch, capsys):
 
 
 def test_output_on_a_read_only_file_system(tiny_dirs, tmp_path, monkeypatch, capsys):
-    import neuron_infer.compile.artifact as artifact_mod
+    import tempfile
 
-    def read_only(prefix="", dir=None, **k):  # mkdtemp on a read-only mount: EROFS naming the new directory
-        raise OSError(errno.EROFS, os.strerror(errno.EROFS), os.path.join(dir, prefix + "x"))
-
-    monkeypatch.setattr(artifact_mod.tempfile, "mkdtemp", read_only)
     out = tmp_path / "art"
+    real_mkdtemp = tempfile.mkdtemp
+
+    def mkdtemp(suffix=None, prefix=None, dir=None):  # on a read-only mount: EROFS naming the new directory
+        if dir is not None and Path(dir) == tmp_path:
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), os.path.join(dir, (prefix or "") + "x"))
+        return real_mkdtemp(suffix, prefix, dir)
+
+    monkeypatch.setattr(tempfile, "mkdtemp", mkdtemp)
     one_error(*cli(["compile", tiny_dirs("gqa"), "-o", out, *TINY], capsys),
               f"cannot write {out}", os.strerror(errno.EROFS), "write elsewhere")
 
 
 def test_output_directory_not_writable_fails_before_compiling(tiny_dirs, tmp_path, monkeypatch, capsys):
-    import neuron_infer.compile.artifact as artifact_mod
+    from neuron_infer import oserrors
     from neuron_infer.compile import builder
 
-    monkeypatch.setattr(artifact_mod.os, "access", lambda path, mode: False)  # as a non-root user would see
+    monkeypatch.setattr(oserrors.os, "access", lambda path, mode: False)  # as a non-root user would see
     monkeypatch.setattr(builder, "load_checkpoint", lambda *a: pytest.fail("the check must come first"))
     one_error(*cli(["compile", tiny_dirs("gqa"), "-o", tmp_path / "art", *TINY], capsys),
               str(tmp_path), "choose another -o")

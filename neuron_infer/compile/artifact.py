@@ -119,24 +119,6 @@ def atomic_directory(final: Path, overwrite: bool) -> Iterator[Path]:
         raise
 
 
-def check_output_location(final: Path) -> None:
-    """Fail fast (before a long compile) when `final` cannot be created: its nearest existing ancestor must be a
-    directory this process can write into."""
-    final = Path(final).absolute()
-    if final.exists() and not final.is_dir():
-        raise ArtifactError(f"-o {final} is a file, not a directory; choose another -o directory")
-    ancestor = next(p for p in final.parents if p.exists())
-    if not ancestor.is_dir():
-        raise ArtifactError(f"-o {final}: {ancestor} is a file, not a directory; choose another -o directory")
-    if not os.access(ancestor, os.W_OK | os.X_OK):
-        why = "is on a read-only file system" if _read_only(ancestor) else "is not writable by you"
-        raise ArtifactError(f"-o {final}: {ancestor} {why}; choose another -o directory")
-
-
-def _read_only(path: Path) -> bool:
-    return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
-
-
 def write_manifest(root: Path, manifest: Manifest) -> None:
     """Write manifest.json last, through a temporary file and an atomic rename."""
     tmp = root / (MANIFEST + ".tmp")

@@ -11,12 +11,14 @@ import torch
 
 from neuron_infer.checkpoint import checkpoint_fingerprint, load_checkpoint
 from neuron_infer.compile.artifact import FORMAT_VERSION, Manifest, atomic_directory, hash_tree, package_versions
-from neuron_infer.compile.artifact import check_output_location, write_manifest
+from neuron_infer.compile.artifact import write_manifest
 from neuron_infer.compile.quantize_step import quantize_model
 from neuron_infer.compile.weights import build_float_model, save_rank_weights
 from neuron_infer.config import BuildConfig, ModelConfig
-from neuron_infer.errors import ConfigError, writing_to
+from neuron_infer.errors import ConfigError
 from neuron_infer.model.llama import BucketStep, LlamaModel
+from neuron_infer.oserrors import check_output_location, writing_to
+from neuron_infer.progress import steps
 from neuron_infer.runtime.engine import CacheShape, GraphSpec, planned_graphs
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -65,9 +67,8 @@ def compile_graphs(model: LlamaModel, build: BuildConfig, backend, graphs_dir: P
     """Compile every planned (sub-model, bucket) graph of one rank's model."""
     graphs_dir.mkdir(parents=True, exist_ok=True)
     shape, plan, out = cache_shape(model, build), planned_graphs(build), {}
-    for i, spec in enumerate(plan, 1):
+    for spec in steps(plan, "compiling", say, lambda s: f"{s.name} ({backend.name})", unit="graph"):
         t0 = time.perf_counter()
-        say(f"[{i}/{len(plan)}] compiling {spec.name} ({backend.name})")
         step = BucketStep(model, spec.attend, spec.select_rows)
         with torch.inference_mode():
             meta = backend.compile_graph(step, example_args(shape, spec), graphs_dir, spec.name)
