@@ -10,9 +10,10 @@ import sys
 from pathlib import Path
 
 import click
+from safetensors import SafetensorError
 
 from neuron_infer.errors import NeuronInferError
-from neuron_infer.oserrors import describe_os_error
+from neuron_infer.oserrors import as_os_error, describe_os_error
 
 
 def _ints(value: str | None) -> list[int] | None:
@@ -268,9 +269,10 @@ def main(argv: list[str] | None = None) -> None:
     except click.ClickException as e:
         e.show()
         sys.exit(e.exit_code)
-    except OSError as e:  # only the user-fixable kinds (full disk, read-only, permissions); others keep a traceback
-        msg = describe_os_error(e)
-        if msg is None:
+    except (OSError, SafetensorError) as e:  # only user-fixable kinds (full disk, read-only, permissions)
+        os_error = as_os_error(e)
+        msg = describe_os_error(os_error) if os_error is not None else None
+        if msg is None:  # anything else keeps its traceback
             raise
         click.echo(f"error: {msg}", err=True)
         sys.exit(2)

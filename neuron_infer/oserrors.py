@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+from safetensors import SafetensorError
 
 from neuron_infer.errors import ArtifactError
 
@@ -34,15 +37,24 @@ def describe_os_error(e: OSError) -> str | None:
     return f"{where}{e.strerror or os.strerror(e.errno)}; {fix}"
 
 
+def as_os_error(e: BaseException) -> OSError | None:
+    """`e` as an OSError: itself, or the OS error a safetensors writer reports as text ("... (os error 28)")."""
+    if isinstance(e, OSError):
+        return e
+    found = re.search(r"\(os error (\d+)\)", str(e)) if isinstance(e, SafetensorError) else None
+    return OSError(int(found.group(1)), os.strerror(int(found.group(1)))) if found else None
+
+
 @contextmanager
 def writing_to(out: Path) -> Iterator[None]:
     """User-fixable OSErrors raised while writing the directory `out` (or its temporary siblings) become one
     ArtifactError that names `out`; other errors pass through unchanged."""
     try:
         yield
-    except OSError as e:
-        msg = describe_os_error(e)
-        if msg is None or not _concerns(e, Path(out)):
+    except (OSError, SafetensorError) as e:
+        os_error = as_os_error(e)
+        msg = describe_os_error(os_error) if os_error is not None else None
+        if msg is None or not _concerns(os_error, Path(out)):
             raise
         raise ArtifactError(f"cannot write {out}: {msg}") from e
 

@@ -138,6 +138,21 @@ def test_output_on_a_full_disk(tiny_dirs, tmp_path, monkeypatch, capsys):
     assert list((tmp_path / "out").iterdir()) == [], "the partial compile is removed"
 
 
+def test_output_on_a_full_disk_while_safetensors_writes(tiny_dirs, tmp_path, monkeypatch, capsys):
+    from safetensors import SafetensorError
+
+    from neuron_infer.compile import weights
+
+    def full(*a, **k):  # what safetensors' writer raises on a full disk (its text carries the OS error)
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(weights, "save_file", full)
+    out = tmp_path / "out" / "art"
+    one_error(*cli(["compile", tiny_dirs("gqa"), "-o", out, *TINY], capsys),
+              f"cannot write {out}", os.strerror(errno.ENOSPC))
+    assert list((tmp_path / "out").iterdir()) == []
+
+
 def test_output_on_a_read_only_file_system(tiny_dirs, tmp_path, monkeypatch, capsys):
     import tempfile
 
