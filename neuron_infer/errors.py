@@ -3,13 +3,6 @@
 Each message names the problem (file, field, value) and the fix. The CLI prints the message alone and exits
 non-zero; Python callers can catch `NeuronInferError`.
 """
-from __future__ import annotations
-
-import errno
-import os
-from collections.abc import Iterator
-from contextlib import contextmanager
-from pathlib import Path
 
 
 class NeuronInferError(Exception):
@@ -30,4 +23,3 @@ class ArtifactError(NeuronInferError):
 
 class BackendUnavailableError(NeuronInferError):
     """A backend (e.g. the Neuron SDK) that is not installed on this machine."""
-
