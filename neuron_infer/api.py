@@ -84,6 +84,9 @@ def _eos_ids(manifest: Manifest, tokenizer, root: Path) -> tuple[int, ...]:
     return tuple(sorted(ids))
 
 
+LOAD_STAGES = ("verifying the files", "tokenizer", "weights and graphs")
+
+
 class CompiledModel:
     """A loaded artifact: tokenizer + engine (weights and compiled graphs), or, for a tensor-parallel CPU artifact,
     the rank group whose processes hold the shards."""
@@ -97,23 +100,27 @@ class CompiledModel:
     @classmethod
     def load(cls, artifact_dir: str | Path, verify_files: bool = True,
              expect_checkpoint: str | Path | None = None, threads: int | str | None = None,
-             tokenizer=None) -> CompiledModel:
+             tokenizer=None, on_stage: Callable[[str], None] = lambda _stage: None) -> CompiledModel:
         """Load an artifact; with `expect_checkpoint`, also require that it was compiled from that checkpoint.
 
         threads: CPU threads of the graphs: "auto" follows the CPUs other processes leave free (see
         neuron_infer.cpu_threads), an int fixes the count, None leaves torch's setting alone. Tensor-parallel
         ranks always choose their own ("auto" within their share of the CPUs).
         tokenizer: one already loaded from this artifact's tokenizer/ directory (saves loading it again).
+        on_stage: called with each of LOAD_STAGES as it starts (the CLI shows them as a progress bar).
         """
         from neuron_infer.checkpoint import load_tokenizer  # noqa: PLC0415
 
         if threads is not None:
             cpu_threads.use(threads)  # validated before the slow load
         root = Path(artifact_dir)
+        on_stage(LOAD_STAGES[0])
         manifest = read_manifest(root, verify_files=verify_files)
         if expect_checkpoint is not None:
             check_checkpoint(manifest, root, Path(expect_checkpoint))
+        on_stage(LOAD_STAGES[1])
         tokenizer = tokenizer or load_tokenizer(root / "tokenizer")
+        on_stage(LOAD_STAGES[2])
         if manifest.build.tp_degree != 1 and manifest.backend != "neuron":  # shards live in rank processes
             from neuron_infer.runtime.rank_group import RankGroup  # noqa: PLC0415
 
@@ -127,9 +134,9 @@ class CompiledModel:
 
         `build` defaults to the `smollm2-cpu` preset (the CLI's default); `say` receives progress lines.
         """
-        from neuron_infer.presets import DEFAULT_PRESET, default_artifact_dir, load_preset  # noqa: PLC0415
+        from neuron_infer.presets import EMBEDDED_PRESET, default_artifact_dir, load_preset  # noqa: PLC0415
 
-        build = build or load_preset(DEFAULT_PRESET).build
+        build = build or load_preset(EMBEDDED_PRESET).build
         return cls.load(default_artifact_dir(build, say or (lambda _msg: None)), threads=threads)
 
     def encode(self, prompt: str, chat: bool = False) -> list[int]:

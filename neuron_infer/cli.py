@@ -4,14 +4,17 @@ Every user-fixable problem is a `NeuronInferError`: printed as one `error: ...` 
 """
 from __future__ import annotations
 
+import gc
 import json
 import sys
 from pathlib import Path
 
 import click
+from safetensors import SafetensorError
 
 from neuron_infer.cli_help import SectionedCommand, examples, option_names, sampling_options
 from neuron_infer.errors import NeuronInferError
+from neuron_infer.oserrors import as_os_error, describe_os_error
 
 
 def _ints(value: str | None) -> list[int] | None:
@@ -114,11 +117,11 @@ def _speculation_overrides(kw: dict) -> dict:
     return spec
 
 
-def _preset(kw: dict):
-    from neuron_infer.presets import DEFAULT_PRESET, load_preset  # noqa: PLC0415
+def _preset(kw: dict, embedded: bool):
+    from neuron_infer.presets import CHECKPOINT_PRESET, EMBEDDED_PRESET, load_preset  # noqa: PLC0415
 
-    config = kw.pop("config")
-    return load_preset(config or DEFAULT_PRESET, _build_overrides(kw))
+    config = kw.pop("config") or (EMBEDDED_PRESET if embedded else CHECKPOINT_PRESET)
+    return load_preset(config, _build_overrides(kw))
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -142,12 +145,19 @@ def compile_cmd(model_dir, output, backend, overwrite, **kw) -> None:
     """Compile MODEL_DIR (a Hugging Face Llama checkpoint; omit for the embedded default) into OUTPUT."""
     from neuron_infer.compile.builder import compile_model  # noqa: PLC0415
 
-    preset = _preset(kw)
-    if model_dir is None or model_dir == "default":
+    embedded = model_dir is None or model_dir == "default"
+    default_limits = kw["config"] is None and kw["max_length"] is None and kw["max_context_length"] is None
+    build = _preset(kw, embedded).build
+    if embedded:
         from neuron_infer.embedded import default_model_dir  # noqa: PLC0415
 
         model_dir = default_model_dir(log=_say)
-    compile_model(model_dir, output, preset.build, backend=backend, overwrite=overwrite, say=_say)
+    elif default_limits:  # the model-independent default, shortened for a model with a shorter context
+        from neuron_infer.config import ModelConfig  # noqa: PLC0415
+        from neuron_infer.presets import fit_to_model  # noqa: PLC0415
+
+        build = fit_to_model(build, ModelConfig.from_model_dir(model_dir).max_position_embeddings)
+    compile_model(model_dir, output, build, backend=backend, overwrite=overwrite, say=_say)
 
 
 @cli.command("generate", cls=SectionedCommand, epilog=GENERATE_EXAMPLES,
@@ -173,19 +183,22 @@ def compile_cmd(model_dir, output, backend, overwrite, **kw) -> None:
 def generate_cmd(artifacts, prompts, prompt_file, chat, max_new_tokens, temperature, top_k, top_p, seed,
                  ignore_eos, as_json, stream_json, threads, **kw) -> None:
     """Generate from ARTIFACTS (omit to compile or reuse the embedded default model)."""
-    from neuron_infer.api import CompiledModel, check_request, encode_prompt  # noqa: PLC0415
+    from neuron_infer.api import LOAD_STAGES, CompiledModel, check_request, encode_prompt  # noqa: PLC0415
     from neuron_infer.cli_io import JsonLinesStreamer, TextStreamer, artifact_front  # noqa: PLC0415
     from neuron_infer.cli_io import resolve_stdin_prompts  # noqa: PLC0415
     from neuron_infer.config import SamplingConfig  # noqa: PLC0415
+    from neuron_infer.progress import set_bars, stages  # noqa: PLC0415
     from neuron_infer.prompts import collect_prompts  # noqa: PLC0415
+    from neuron_infer.text_input import check_text  # noqa: PLC0415
 
+    set_bars(not as_json)
     if stream_json and not as_json:
         raise NeuronInferError("--stream selects JSON Lines output and needs --json (text output always streams "
                                "a single prompt)")
     if artifacts is not None and any(v is not None for v in kw.values()):
         raise NeuronInferError("build flags (--dtype, --max-length, ...) apply when compiling; pass them to "
                                "`neuron-infer compile`, or omit ARTIFACTS to use the embedded default")
-    prompts = resolve_stdin_prompts(list(prompts), prompt_file is not None)
+    prompts = resolve_stdin_prompts([check_text(p, "--prompt") for p in prompts], prompt_file is not None)
     prompts = collect_prompts(prompts, prompt_file)  # empty ones refused, never swapped or dropped
     sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     if artifacts is None:
@@ -193,7 +206,7 @@ def generate_cmd(artifacts, prompts, prompt_file, chat, max_new_tokens, temperat
         from neuron_infer.embedded import default_model_dir  # noqa: PLC0415
         from neuron_infer.presets import default_artifact_dir  # noqa: PLC0415
 
-        preset = _preset(kw)
+        preset = _preset(kw, embedded=True)
         if preset.build.batch_size < len(prompts):
             preset = _preset_with_batch(kw, preset, len(prompts))
         tokenizer = load_tokenizer(default_model_dir(log=_say))  # cheap checks before a first-run compile
@@ -202,7 +215,8 @@ def generate_cmd(artifacts, prompts, prompt_file, chat, max_new_tokens, temperat
     manifest, tokenizer = artifact_front(artifacts)  # cheap checks before the slow load of weights and graphs
     ids = [encode_prompt(tokenizer, p, chat) for p in prompts]
     check_request(manifest.build, [len(x) for x in ids], max_new_tokens)
-    model = CompiledModel.load(artifacts, threads=threads or "auto", tokenizer=tokenizer)
+    with stages("loading", list(LOAD_STAGES), None, leave=False) as stage:  # a bar on a terminal, else silent
+        model = CompiledModel.load(artifacts, threads=threads or "auto", tokenizer=tokenizer, on_stage=stage)
     if as_json:
         stream = JsonLinesStreamer(model.tokenizer) if stream_json else None
     else:
@@ -297,7 +311,25 @@ def main(argv: list[str] | None = None) -> None:
     except click.ClickException as e:
         e.show()
         sys.exit(e.exit_code)
+    except (OSError, SafetensorError) as e:  # only user-fixable kinds (full disk, read-only, permissions)
+        os_error = as_os_error(e)
+        msg = describe_os_error(os_error) if os_error is not None else None
+        if msg is None:  # anything else keeps its traceback
+            raise
+        click.echo(f"error: {msg}", err=True)
+        sys.exit(2)
+
+
+def run() -> None:
+    """The `neuron-infer` console script: `main()`, then a quick interpreter exit."""
+    try:
+        main()
+    finally:
+        # The interpreter's shutdown runs full garbage collections over every live object (~350k once torch and
+        # transformers are loaded): seconds of silence after the last token on a busy machine. Frozen objects are
+        # skipped by those passes (they are still released with the process).
+        gc.freeze()
 
 
 if __name__ == "__main__":
-    main()
+    run()

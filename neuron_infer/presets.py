@@ -1,8 +1,9 @@
 """Build presets (`configs/*.json`) and the cached compile of the embedded default model.
 
-A preset file is `{"description": str, "model": str, "build": {BuildConfig fields}}`; `model` is "default" (the
-embedded SmolLM2), a planner preset name (e.g. "llama-3.1-405b") or a checkpoint path. Command-line flags override
-the preset's build fields.
+A preset file is `{"description": str, "model": str, "build": {BuildConfig fields}}`; `model` says what the preset
+is for: "default" (the embedded SmolLM2), a planner preset name (e.g. "llama-3.1-405b"), a checkpoint path, or
+prose. Command-line flags override the preset's build fields. Without --config, a user's checkpoint gets the
+model-independent CHECKPOINT_PRESET and the embedded default model gets EMBEDDED_PRESET.
 """
 from __future__ import annotations
 
@@ -14,9 +15,12 @@ from typing import Any, Callable, Mapping
 
 from neuron_infer.config import BuildConfig
 from neuron_infer.errors import ConfigError
+from neuron_infer.typed import Field, parse_fields, read_json, show
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
-DEFAULT_PRESET = "smollm2-cpu"
+CHECKPOINT_PRESET = "default"  # any user checkpoint: model-independent
+EMBEDDED_PRESET = "smollm2-cpu"  # the embedded default model (its cached compiles are keyed by this build)
+_PRESET_FIELDS = {"description": Field(str, ""), "model": Field(str, "default"), "build": Field(dict[str, Any], {})}
 
 
 @dataclass(frozen=True)
@@ -41,32 +45,50 @@ def preset_path(name_or_path: str) -> Path:
 def load_preset(name_or_path: str, overrides: Mapping[str, Any] | None = None) -> Preset:
     """Read a preset and apply build-field overrides (None values are ignored)."""
     path = preset_path(name_or_path)
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{path} is not valid JSON ({e})") from e
-    unknown = set(data) - {"description", "model", "build"}
+    data = read_json(path, "fix the preset file")
+    v = parse_fields(data, _PRESET_FIELDS, str(path))
+    unknown = set(data) - set(_PRESET_FIELDS)
     if unknown:
         raise ConfigError(f"{path}: unknown preset key(s) {sorted(unknown)}; allowed: description, model, build")
-    build = merge_build(data.get("build", {}), overrides or {})
-    return Preset(path.stem, data.get("description", ""), data.get("model", "default"), build)
+    build = merge_build(v["build"], overrides or {}, where=f"{path}: build")
+    return Preset(path.stem, v["description"], v["model"], build)
 
 
-def merge_build(base: Mapping[str, Any], overrides: Mapping[str, Any]) -> BuildConfig:
-    """BuildConfig from a base dict with top-level and `quant.*` / `speculation.*` overrides (None = unset)."""
+def merge_build(base: Mapping[str, Any], overrides: Mapping[str, Any], where: str = "build config") -> BuildConfig:
+    """BuildConfig from a base dict with top-level and `quant.*` / `speculation.*` overrides (None = unset).
+
+    A limit given without its buckets (`max_context_length` without `context_buckets`, `max_length` without
+    `tokengen_buckets`) replaces a base bucket list that no longer ends at the limit by the automatic one (powers
+    of two up to the limit), so `--max-context-length 128` alone works with any preset.
+    """
     merged: dict[str, Any] = json.loads(json.dumps(dict(base)))  # deep copy
-    for key, value in overrides.items():
-        if value is None:
-            continue
-        if "." in key:
-            group, field = key.split(".", 1)
-            merged.setdefault(group, {})
-            if merged[group] is None:
+    given = {k: v for k, v in overrides.items() if v is not None}
+    for key, value in given.items():
+        group, _, name = key.rpartition(".")
+        target = merged
+        if group:
+            if merged.get(group) is None:
                 merged[group] = {}
-            merged[group][field] = value
-        else:
-            merged[key] = value
-    return BuildConfig.from_dict(merged)
+            if not isinstance(merged[group], dict):
+                raise ConfigError(f"{where}: {group} must be a JSON object {{...}}, not {show(merged[group])}")
+            target = merged[group]
+        target[name] = value
+    for limit, buckets in (("max_context_length", "context_buckets"), ("max_length", "tokengen_buckets")):
+        old = merged.get(buckets)
+        if limit in given and buckets not in given and isinstance(old, list) and old and old[-1] != given[limit]:
+            merged[buckets] = None
+    return BuildConfig.from_dict(merged, where)
+
+
+def fit_to_model(build: BuildConfig, max_position_embeddings: int) -> BuildConfig:
+    """`build` with its limits lowered to a model's max_position_embeddings when that is shorter (the prompt limit
+    to at most half of it) and buckets derived from the new limits; unchanged when the model is long enough.
+    Applied to the model-independent default, never to limits the user chose."""
+    if build.max_length <= max_position_embeddings:
+        return build
+    limits = {"max_length": max_position_embeddings,
+              "max_context_length": min(build.max_context_length, max(1, max_position_embeddings // 2))}
+    return merge_build(build.to_dict(), limits)
 
 
 def all_presets() -> list[Preset]:

@@ -7,9 +7,9 @@ dropping one prompt would shift every later output against its input. Output i a
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from pathlib import Path
 
 from neuron_infer.errors import NeuronInferError
+from neuron_infer.text_input import read_text_file
 
 DEFAULT_PROMPT = "The capital of France is"
 
@@ -18,11 +18,7 @@ def collect_prompts(flags: Sequence[str], prompt_file: str | None) -> list[str]:
     """Every prompt in order (the default prompt when neither --prompt nor --prompt-file is given)."""
     labelled = [(f"--prompt #{i}", p) for i, p in enumerate(flags, 1)]
     if prompt_file is not None:
-        try:
-            lines = Path(prompt_file).read_text(encoding="utf-8").splitlines()
-        except UnicodeDecodeError as e:
-            raise NeuronInferError(f"--prompt-file {prompt_file} is not UTF-8 text (byte {e.start}); give a text "
-                                   "file with one prompt per line") from None
+        lines = read_text_file(prompt_file, f"--prompt-file {prompt_file}").splitlines()
         if not lines:
             raise NeuronInferError(f"--prompt-file {prompt_file} is empty; write one prompt per line")
         labelled += [(f"--prompt-file {prompt_file} line {n}", p) for n, p in enumerate(lines, 1)]

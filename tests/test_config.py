@@ -118,6 +118,84 @@ def test_flags_override_preset_fields():
     assert p.build.dtype == "fp32" and p.build.batch_size == 1 and p.build.quant.scheme == "int8"
 
 
-def test_override_that_breaks_the_preset_is_reported():
+def test_a_limit_alone_derives_its_buckets():
+    # the preset's context list [64, 128, 512] no longer ends at 128: the buckets follow the new limit
+    p = load_preset("smollm2-cpu", {"max_context_length": 128})
+    assert p.build.context_bucket_list == (128,) and p.build.tokengen_bucket_list == (256, 1024)
+    b = merge_build({"max_length": 1024, "tokengen_buckets": [256, 1024]}, {"max_length": 2048})
+    assert b.tokengen_bucket_list == (128, 256, 512, 1024, 2048)
+    same = merge_build({"max_length": 1024, "tokengen_buckets": [256, 1024]}, {"max_length": 1024})
+    assert same.tokengen_buckets == (256, 1024), "a list that still ends at the limit is kept"
+
+
+def test_buckets_given_with_their_limit_are_still_checked():
     with pytest.raises(ConfigError, match="must equal --max-length"):
-        merge_build({"max_length": 1024, "tokengen_buckets": [256, 1024]}, {"max_length": 2048})
+        merge_build({"max_length": 1024}, {"max_length": 2048, "tokengen_buckets": [256, 1024]})
+
+
+def test_the_checkpoint_default_preset_is_model_independent():
+    from neuron_infer.presets import CHECKPOINT_PRESET, EMBEDDED_PRESET, fit_to_model
+
+    default = load_preset(CHECKPOINT_PRESET)
+    assert CHECKPOINT_PRESET != EMBEDDED_PRESET and "smollm" not in (CHECKPOINT_PRESET + default.model).lower()
+    assert load_preset(EMBEDDED_PRESET).model == "default"  # the embedded model keeps its own preset
+    assert fit_to_model(default.build, 131072) == default.build
+    short = fit_to_model(default.build, 300)  # a model with a shorter context than the default's limits
+    assert (short.max_length, short.max_context_length) == (300, 150)
+    assert short.context_bucket_list[-1] == 150 and short.tokengen_bucket_list[-1] == 300
+
+
+@pytest.mark.parametrize("name, value, match", [
+    ("temperature", float("nan"), "temperature=nan"), ("temperature", float("inf"), "temperature=inf"),
+    ("top_p", float("nan"), "top_p=nan"),
+])
+def test_non_finite_sampling_values_are_refused(name, value, match):
+    with pytest.raises(ConfigError, match=match):
+        SamplingConfig(**{name: value})
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"hidden_size": "abc"}, 'hidden_size must be an integer, not "abc"'),
+    ({"hidden_size": None}, "hidden_size must be an integer, not null"),
+    ({"num_hidden_layers": 2.7}, "num_hidden_layers must be an integer, not 2.7"),
+    ({"num_hidden_layers": 2.0}, "num_hidden_layers must be an integer, not 2.0"),
+    ({"num_hidden_layers": True}, "num_hidden_layers must be an integer, not true"),
+    ({"num_hidden_layers": 0}, "num_hidden_layers must be positive"),
+    ({"rms_norm_eps": float("nan")}, "rms_norm_eps must be a finite number"),
+    ({"tie_word_embeddings": "yes"}, "tie_word_embeddings must be true or false"),
+    ({"eos_token_id": [1, "2"]}, "eos_token_id must be an integer or an array of integers"),
+    ({"eos_token_id": -1}, "eos_token_id must be non-negative"),
+    ({"rope_scaling": dict(LLAMA31["rope_scaling"], factor="8")}, "rope_scaling.factor must be a finite number"),
+    ({"rope_scaling": dict(LLAMA31["rope_scaling"], beta=1)}, r"unknown key\(s\) \['beta'\] in rope_scaling"),
+    ({"architectures": "LlamaForCausalLM"}, "architectures must be an array of strings"),
+])
+def test_hf_config_values_of_the_wrong_type_name_the_key(change, match):
+    with pytest.raises(ConfigError, match=match):
+        ModelConfig.from_hf_dict(dict(LLAMA31, **change))
+
+
+@pytest.mark.parametrize("data", [[1, 2], "abc", None, 3])
+def test_a_config_json_that_is_not_an_object_is_refused(data):
+    with pytest.raises(ConfigError, match="must be a JSON object"):
+        ModelConfig.from_hf_dict(data)
+
+
+def test_hf_nulls_mean_the_default():
+    d = dict(LLAMA31, num_key_value_heads=None, head_dim=None, bos_token_id=None, rope_scaling=None)
+    cfg = ModelConfig.from_hf_dict(d)
+    assert (cfg.num_kv_heads, cfg.head_dim, cfg.bos_token_id, cfg.rope_scaling) == (32, 128, None, None)
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"dtype": 16}, 'dtype must be a string, not 16'),
+    ({"max_length": "1024"}, "x.json: max_length must be an integer"),
+    ({"context_buckets": [64, 128.5]}, r"x.json: context_buckets\[1\] must be an integer"),
+    ({"quant": "int8"}, "x.json: quant must be a JSON object"),
+    ({"quant": {"scheme": None}}, "x.json: quant.scheme must be a string, not null"),
+    ({"speculation": {"draft_model": "self", "length": "4"}}, "x.json: speculation.length must be an integer"),
+    ({"speculation": {"draft_model": "self"}}, "required key 'speculation.length' is missing"),
+    ({"batch_size": -1}, "x.json: batch_size=-1 must be >= 1"),
+])
+def test_typed_build_dict_names_the_field(change, match):
+    with pytest.raises(ConfigError, match=match):
+        BuildConfig.from_dict(dict(BuildConfig().to_dict(), **change), where="x.json")

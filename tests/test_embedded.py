@@ -79,7 +79,7 @@ def test_stale_tmp_removed_fresh_kept(tmp_path):
 def test_default_model_dir_converts_once_then_reuses(monkeypatch, tmp_path):
     calls = []
 
-    def fake_convert(gguf, out, gguf_sha256=None):
+    def fake_convert(gguf, out, gguf_sha256=None, stage=None):
         calls.append(gguf_sha256)
         _fake_build(out)
     monkeypatch.setattr(embedded, "convert_gguf", fake_convert)

@@ -121,7 +121,7 @@ def resolve_model(model: str) -> tuple[str, ModelConfig]:
     key = model.lower()
     if key in MODEL_PRESETS:
         return key, MODEL_PRESETS[key]
-    if Path(model).is_dir():
+    if Path(model).exists() or "/" in model:  # a path: ModelConfig says what is wrong with it
         return Path(model).name, ModelConfig.from_model_dir(model)
     raise ConfigError(
         f"model {model!r} is neither a known preset ({', '.join(MODEL_PRESETS)}) nor a checkpoint directory "

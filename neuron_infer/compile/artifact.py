@@ -16,13 +16,14 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from neuron_infer.config import BuildConfig, ModelConfig
-from neuron_infer.errors import ArtifactError
+from neuron_infer.errors import ArtifactError, ConfigError
 from neuron_infer.output_dir import atomic_output
+from neuron_infer.typed import parse_dataclass, read_json
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -55,7 +56,7 @@ class Manifest:
     checkpoint_fingerprint: str
     graphs: dict[str, dict[str, Any]]  # graph name -> backend metadata (files, T, S, compile seconds)
     files: dict[str, str]  # relative path -> sha256
-    extra: dict[str, Any]  # feature records (tp plan, quantization report, speculation, ...)
+    extra: dict[str, Any] = field(default_factory=dict)  # feature records (tp plan, quant report, speculation)
 
     @property
     def neuron_lnc(self) -> int | None:
@@ -79,23 +80,22 @@ class Manifest:
         }
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any], where: str) -> Manifest:
-        if d.get("format_version") != FORMAT_VERSION:
+    def from_dict(cls, d: Any, where: str) -> "Manifest":
+        """Every field type-checked (neuron_infer.typed); a problem raises ArtifactError naming the field."""
+        version = d.get("format_version") if isinstance(d, dict) else FORMAT_VERSION
+        if version != FORMAT_VERSION:  # checked first: another format may have other fields
             raise ArtifactError(
-                f"{where}: manifest format_version={d.get('format_version')!r} but this neuron-infer reads "
+                f"{where}: manifest format_version={version!r} but this neuron-infer reads "
                 f"{FORMAT_VERSION}; recompile the model with this version (neuron-infer compile ...)"
             )
         try:
-            build = dict(d["build"])
-            build.setdefault("tokengen_batch_buckets", [build.get("batch_size", 1)])  # absent: full batch only
-            return cls(
-                format_version=d["format_version"], versions=d["versions"], backend=d["backend"],
-                model=ModelConfig.from_dict(d["model"]), build=BuildConfig.from_dict(build),
-                checkpoint_fingerprint=d["checkpoint_fingerprint"], graphs=d["graphs"], files=d["files"],
-                extra=d.get("extra", {}),
-            )
-        except KeyError as e:
-            raise ArtifactError(f"{where}: manifest field {e.args[0]!r} is missing; recompile the model") from e
+            if isinstance(d, dict) and isinstance(d.get("build"), dict) and "tokengen_batch_buckets" not in d["build"]:
+                build = d["build"]  # written before batch buckets existed: the full-batch graph only
+                d = {**d, "build": {**build, "tokengen_batch_buckets": [build.get("batch_size", 1)]}}
+            return parse_dataclass(cls, d, where)
+        except ConfigError as e:
+            raise ArtifactError(f"{e}; the manifest is damaged or was written by another version: recompile "
+                                "the model") from e
 
 
 def hash_tree_names(root: Path) -> list[str]:
@@ -137,6 +137,10 @@ def read_manifest(root: Path, verify_files: bool = True) -> Manifest:
     """Read and check an artifact directory; every problem raises ArtifactError naming the field or file."""
     root = Path(root)
     path = root / MANIFEST
+    if not root.is_dir():
+        state = "is a file, not an artifact directory" if root.exists() else "does not exist"
+        raise ArtifactError(f"artifact directory {root} {state}; give the -o directory of an earlier "
+                            f"`neuron-infer compile MODEL_DIR -o DIR`")
     if not path.is_file():
         if (root / "config.json").is_file():  # a checkpoint: compile it into a new directory, never into itself
             out = root.parent / f"{root.name}-compiled"
@@ -145,11 +149,7 @@ def read_manifest(root: Path, verify_files: bool = True) -> Manifest:
         hint = " (it looks like an interrupted compile)" if root.is_dir() else ""
         raise ArtifactError(f"{path} not found{hint}: {root} is not a complete neuron-infer artifact; run "
                             f"`neuron-infer compile MODEL_DIR -o {root}` first")
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ArtifactError(f"{path} is not valid JSON ({e}); recompile the model") from e
-    manifest = Manifest.from_dict(data, str(path))
+    manifest = Manifest.from_dict(read_json(path, "recompile the model", ArtifactError), str(path))
     _check_versions(manifest, path)
     if verify_files:
         _check_files(root, manifest)

@@ -17,6 +17,8 @@ from neuron_infer.compile.weights import build_float_model, save_rank_weights
 from neuron_infer.config import BuildConfig, ModelConfig
 from neuron_infer.errors import ConfigError
 from neuron_infer.model.llama import BucketStep, LlamaModel
+from neuron_infer.oserrors import check_output_location, writing_to
+from neuron_infer.progress import steps
 from neuron_infer.runtime.engine import CacheShape, GraphSpec, planned_graphs
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -71,9 +73,8 @@ def compile_graphs(model: LlamaModel, build: BuildConfig, backend, graphs_dir: P
     """Compile every planned (sub-model, bucket) graph of one rank's model."""
     graphs_dir.mkdir(parents=True, exist_ok=True)
     shape, plan, out = cache_shape(model, build), planned_graphs(build), {}
-    for i, spec in enumerate(plan, 1):
+    for spec in steps(plan, "compiling", say, lambda s: f"{s.name} ({backend.name})", unit="graph"):
         t0 = time.perf_counter()
-        say(f"[{i}/{len(plan)}] compiling {spec.name} ({backend.name})")
         step = BucketStep(model, spec.attend, spec.select_rows)
         with torch.inference_mode():
             meta = backend.compile_graph(step, example_args(shape, spec), graphs_dir, spec.name)
@@ -95,13 +96,23 @@ def _stderr(msg: str) -> None:
 
 def compile_model(model_dir: str | Path, out_dir: str | Path, build: BuildConfig, *, backend: str | None = None,
                   overwrite: bool = False, say: Progress = _stderr) -> Manifest:
-    """Compile `model_dir` into `out_dir` atomically; returns the manifest."""
+    """Compile `model_dir` into `out_dir` atomically; returns the manifest.
+
+    A full disk, a read-only file system or missing permissions at `out_dir` raise one ArtifactError naming it.
+    """
+    check_output_location(Path(out_dir))
+    with writing_to(Path(out_dir)):
+        if build.tp_degree != 1:  # per-rank shards and graphs (neuron_infer.compile.tp)
+            from neuron_infer.compile.tp import compile_tp_model  # noqa: PLC0415
+
+            return compile_tp_model(model_dir, out_dir, build, backend=backend, overwrite=overwrite, say=say)
+        return _compile_one_rank(model_dir, out_dir, build, backend, overwrite, say)
+
+
+def _compile_one_rank(model_dir: str | Path, out_dir: str | Path, build: BuildConfig, backend: str | None,
+                      overwrite: bool, say: Progress) -> Manifest:
     from neuron_infer.compile.backend import get_backend  # noqa: PLC0415  (lazy: neuron SDK only when asked)
 
-    if build.tp_degree != 1:  # per-rank shards and graphs (neuron_infer.compile.tp)
-        from neuron_infer.compile.tp import compile_tp_model  # noqa: PLC0415
-
-        return compile_tp_model(model_dir, out_dir, build, backend=backend, overwrite=overwrite, say=say)
     t_start = time.perf_counter()
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_model_dir(model_dir)

@@ -31,6 +31,7 @@ from neuron_infer.checkpoint import load_checkpoint
 from neuron_infer.config import QUANT_SCHEMES, BuildConfig, ModelConfig, QuantConfig
 from neuron_infer.errors import ConfigError
 from neuron_infer.model.llama import BucketStep, LlamaModel
+from neuron_infer.progress import steps
 from neuron_infer.runtime.engine import CacheShape, GraphSpec, graph_name
 from neuron_infer.runtime.spec_engine import fused_graph_name
 from neuron_infer.runtime.spec_step import FusedSpecStep, SpecCacheLayout, fused_example_args
@@ -171,9 +172,9 @@ def compile_speculation(model_dir: Path, cfg: ModelConfig, build: BuildConfig, t
     info["shared"] = save_draft_weights(draft, target, out_dir / DRAFT_WEIGHTS)
     plan, meta = planned_spec_graphs(target, draft, build), {}
     (out_dir / "graphs").mkdir(parents=True, exist_ok=True)
-    for i, (name, (module, args)) in enumerate(plan.items(), 1):
+    for name, (module, args) in steps(plan.items(), "compiling speculation graph", say,
+                                      lambda item: f"{item[0]} ({backend.name})", unit="graph"):
         t0 = time.perf_counter()
-        say(f"[spec {i}/{len(plan)}] compiling {name} ({backend.name})")
         with torch.inference_mode():
             m = backend.compile_graph(module, args, out_dir / "graphs", name)
         meta[name] = {"kind": name.split("_t")[0].split("_k")[0], "seconds": round(time.perf_counter() - t0, 3), **m}

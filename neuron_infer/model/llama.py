@@ -53,7 +53,9 @@ class LocalLayout:
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     """Inverse RoPE frequencies [D/2] in fp32, with Llama 3.1 frequency scaling when configured."""
     d = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))  # [D/2]
+    # on the CPU even inside a meta-device build: a meta-device arange first imports torch's symbolic-shape and
+    # dynamo stack (seconds at every load); the values are tiny and recomputed by materialize_buffers anyway
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64, device="cpu") / d))  # [D/2]
     rs = cfg.rope_scaling
     if rs is None:
         return inv.float()
@@ -71,7 +73,7 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 
 def rope_tables(inv_freq: torch.Tensor, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin [P, D] in fp32 for positions 0..P-1 (half-split layout), computed once at build/load time."""
-    freqs = torch.arange(positions, dtype=torch.float32).unsqueeze(-1) * inv_freq  # [P, D/2]
+    freqs = torch.arange(positions, dtype=torch.float32, device=inv_freq.device).unsqueeze(-1) * inv_freq  # [P, D/2]
     emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
     return emb.cos(), emb.sin()
 
