@@ -22,9 +22,10 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 import nki_kernels  # noqa: E402,F401  (registers the simulator as `nki`)
 
-from scripts.aws_nki_cases import CASES  # noqa: E402
+from aws_nki_cases import CASES  # noqa: E402
 
 
 def load(path: Path, name: str | None = None):

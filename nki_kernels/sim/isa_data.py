@@ -25,6 +25,28 @@ def _copy_values(dst, src, op) -> None:
         C.write(dst, C.read_f32(src))
 
 
+def _converted(dst, src, values):
+    """src storage values -> dst storage values (bit copy for equal dtypes, else through fp32)."""
+    if dst.dtype == src.dtype and dst.np_dtype == src.np_dtype:
+        return values
+    return C.cast_for(dst, D.to_f32(values, src.dtype))
+
+
+def _copy_skipping_oob(dst, src) -> None:
+    """oob_mode.skip with an indirect (vector_offset) side: rows whose index falls outside the tensor are not
+    read (dst keeps its values) or not written."""
+    if src.vector is not None:
+        idx = src.index(oob_skip=True)
+        ok = idx >= 0
+        vals = _converted(dst, src, src.storage.typed(src.np_dtype)[np.where(ok, idx, 0)]).reshape(-1)
+        C.store(dst, np.where(ok.reshape(-1), vals, dst.read().reshape(-1)))
+    else:
+        idx = dst.index(oob_skip=True)
+        ok = idx >= 0
+        vals = _converted(dst, src, src.read()).reshape(idx.shape)
+        dst.storage.typed(dst.np_dtype)[idx[ok]] = vals[ok]
+
+
 def dma_copy(dst, src, priority=None, oob_mode=OOB.error, dge_mode=DGE.unknown, engine=None, name=None):
     """``dst = src`` through a DMA queue; HBM<->SBUF, HBM<->HBM, SBUF<->SBUF; never from PSUM (§5.4)."""
     op = "dma_copy"
@@ -44,7 +66,10 @@ def dma_copy(dst, src, priority=None, oob_mode=OOB.error, dge_mode=DGE.unknown, 
         raise SimulationError(f"{op} with dge_mode=hwdge needs equal dtypes (src {D.dtype_name(src.dtype)}, dst "
                               f"{D.dtype_name(dst.dtype)}); reinterpret with .view() or use another DGE mode")
     if C.executing():
-        _copy_values(dst, src, op)
+        if oob_mode == OOB.skip and (src.vector is not None or dst.vector is not None):
+            _copy_skipping_oob(dst, src)
+        else:
+            _copy_values(dst, src, op)
     side = dst if dst.on_chip else src
     parts = side.shape[0] if side.on_chip else 1
     nbytes = dst.size * max(D.itemsize(dst.dtype), D.itemsize(src.dtype))
@@ -68,9 +93,9 @@ def dma_transpose(dst, src, axes=None, priority=None, dge_mode=DGE.unknown, oob_
     axes = tuple(axes) if axes is not None else _TRANSPOSE_AXES.get(src.ndim, ((),))[0]
     if axes not in _TRANSPOSE_AXES.get(src.ndim, ()):
         raise SimulationError(f"{op} axes {axes} not supported for rank {src.ndim}; allowed {_TRANSPOSE_AXES}")
-    if D.itemsize(src.dtype) != 2 or dst.dtype != src.dtype:
-        raise SimulationError(f"{op} needs equal 2-byte dtypes (bf16/fp16/int16), got src "
-                              f"{D.dtype_name(src.dtype)} dst {D.dtype_name(dst.dtype)}")
+    if dst.dtype != src.dtype or (dge_mode == DGE.hwdge and D.itemsize(src.dtype) != 2):
+        raise SimulationError(f"{op} needs equal dtypes, 2-byte ones with dge_mode=hwdge (bf16/fp16/int16), got "
+                              f"src {D.dtype_name(src.dtype)} dst {D.dtype_name(dst.dtype)}")
     want = tuple(src.shape[a] for a in axes)
     if dst.shape != want:
         raise SimulationError(f"{op} dst shape {dst.shape} must be the permuted src shape {want}")

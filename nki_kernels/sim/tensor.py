@@ -21,13 +21,14 @@ def _is_tensor_like(x) -> bool:
 class NkiTensor:
     """A view of an NKI tensor. Attributes mirror the real ``NkiTensor``: shape, strides, offset, dtype, buffer."""
 
-    __slots__ = ("_idx", "dims", "dtype", "offset", "shape", "storage")
+    __slots__ = ("_idx", "dims", "dtype", "offset", "shape", "storage", "vector")
 
-    def __init__(self, storage, dtype, offset: int, dims):
+    def __init__(self, storage, dtype, offset: int, dims, vector=None):
         self.storage, self.dtype, self.offset = storage, dtype, int(offset)
         self.dims = tuple((int(s), int(c)) for s, c in dims)
         self.shape = tuple(c for _, c in self.dims)
         self._idx = None
+        self.vector = vector   # (index tensor [P, 1], row stride): .ap(vector_offset=...) indirect rows on dim 0
 
     # ---- attributes -------------------------------------------------------------------------------------
     strides = property(lambda self: tuple(s for s, _ in self.dims))
@@ -77,16 +78,41 @@ class NkiTensor:
         return math.prod(st.shape[1:]) * st.backing.itemsize // self.np_dtype.itemsize
 
     # ---- data access -------------------------------------------------------------------------------------
-    def index(self) -> np.ndarray:
+    def index(self, oob_skip: bool = False) -> np.ndarray:
+        """Flat element index of every view element. Indirect (vector_offset) views read their row indices now, as
+        the DMA does when it runs; with ``oob_skip`` out-of-range rows get index -1 instead of raising."""
+        if self.vector is not None:
+            return self._indirect_index(oob_skip)
         if self._idx is None:
             self._check_bounds()
-            idx = np.full((1,) * self.ndim, self.offset, dtype=np.int64)
-            for k, (s, c) in enumerate(self.dims):
-                shape = [1] * self.ndim
-                shape[k] = c
-                idx = idx + (np.arange(c, dtype=np.int64) * s).reshape(shape)
-            self._idx = idx
+            self._idx = self._pattern_index(self.dims, self.offset)
         return self._idx
+
+    def _pattern_index(self, dims, offset) -> np.ndarray:
+        idx = np.full((1,) * len(dims), offset, dtype=np.int64)
+        for k, (s, c) in enumerate(dims):
+            shape = [1] * len(dims)
+            shape[k] = c
+            idx = idx + (np.arange(c, dtype=np.int64) * s).reshape(shape)
+        return idx
+
+    def _indirect_index(self, oob_skip: bool) -> np.ndarray:
+        vec, row_stride = self.vector
+        if vec.storage.raw is None:
+            raise SimulationError("indirect (vector_offset) access needs tensor data (not available in cost-only mode)")
+        rows = np.asarray(vec.read()).reshape(-1).astype(np.int64)          # [P] row numbers
+        if rows.size != self.shape[0]:
+            raise SimulationError(f"vector_offset holds {rows.size} indices but the pattern's first dim has "
+                                  f"{self.shape[0]}")
+        rest = self._pattern_index(((0, 1),) + self.dims[1:], self.offset)   # [1, F...]
+        idx = rest + (rows * row_stride).reshape((-1,) + (1,) * (self.ndim - 1))
+        bad = ((idx < 0) | (idx >= self._limit())).reshape(idx.shape[0], -1).any(axis=1)
+        if bad.any():
+            if not oob_skip:
+                raise SimulationError(f"indirect access of {self.name!r}: vector_offset rows {rows[bad][:8].tolist()} "
+                                      f"reach outside the tensor (use oob_mode=nisa.oob_mode.skip to skip them)")
+            idx = np.where(bad.reshape((-1,) + (1,) * (self.ndim - 1)), -1, idx)
+        return idx
 
     def read(self) -> np.ndarray:
         """Gather the view's stored values (storage dtype) into an array of ``self.shape``."""
@@ -96,6 +122,8 @@ class NkiTensor:
 
     def write(self, values: np.ndarray) -> None:
         """Scatter already-cast values (any shape with the same element count) into the view."""
+        if self.storage.raw is None and self.vector is not None:
+            return
         idx = self.index()   # bounds are checked here, also in cost-only mode
         if self.storage.raw is None:
             return
@@ -106,6 +134,9 @@ class NkiTensor:
 
     # ---- indexing -------------------------------------------------------------------------------------------
     def __getitem__(self, key) -> NkiTensor:
+        if self.vector is not None:
+            raise SimulationError("an indirect (vector_offset) access pattern cannot be indexed further; build the "
+                                  ".ap() with the final pattern")
         key = _normalise_key(key, self.ndim)
         offset, dims, kept, int_dims = self.offset, [], [], []
         for k, (item, (s, c)) in enumerate(zip(key, self.dims)):
@@ -143,9 +174,11 @@ class NkiTensor:
         return True
 
     def ap(self, pattern, offset=0, scalar_offset=None, vector_offset=None, indirect_dim=0, dtype=None):
-        """Raw access pattern over the underlying storage (not composable with the current view, §3.1)."""
-        if vector_offset is not None:
-            raise SimulationError("ap(vector_offset=...) indirect DMA is not implemented in this simulator")
+        """Raw access pattern over the underlying storage (not composable with the current view, §3.1).
+
+        ``vector_offset``: a [P, 1] integer SBUF tensor; row i of the pattern's first dim starts at element
+        ``offset + vector_offset[i] * prod(storage.shape[1:])`` (the row stride comes from the tensor's shape, not
+        the pattern; HBM side of a DMA; ``indirect_dim=0`` only). The indices are read when the DMA runs."""
         dt = D.as_dtype(dtype) if dtype is not None else self.dtype
         base = NkiTensor.__new__(NkiTensor)
         base.storage, base.dtype, base.offset, base.dims, base._idx = self.storage, dt, 0, ((1, 1),), None
@@ -158,7 +191,15 @@ class NkiTensor:
                                   f"partition dim and its stride must be {base.partition_stride()} (the allocation's "
                                   f"free size), got {pattern[0][0]}")
         start = int(offset) + _scalar_offset(scalar_offset, self.storage.shape, indirect_dim)
-        return NkiTensor(self.storage, dt, start, pattern)
+        if vector_offset is None:
+            return NkiTensor(self.storage, dt, start, pattern)
+        if self.on_chip or indirect_dim != 0 or scalar_offset is not None:
+            raise SimulationError("ap(vector_offset=...) addresses an HBM tensor with indirect_dim=0 and no "
+                                  "scalar_offset")
+        if not isinstance(vector_offset, NkiTensor) or not D.is_int(vector_offset.dtype):
+            raise SimulationError("ap vector_offset must be an integer NKI tensor of shape [P, 1]")
+        row = math.prod(self.storage.shape[1:]) * self.storage.backing.itemsize // D.storage_dtype(dt).itemsize
+        return NkiTensor(self.storage, dt, start, pattern, vector=(vector_offset, row))
 
     def view(self, dtype) -> NkiTensor:
         """Bit reinterpretation; the last dim (contiguous) is rescaled by the itemsize ratio (§3.1)."""

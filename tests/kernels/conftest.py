@@ -51,3 +51,9 @@ def check(out, ref, kind):
 
 def kind_of(dtype):
     return "bf16" if np.dtype(dtype) == np.dtype(BF16) else "fp32"
+
+
+def pytest_collection_modifyitems(config, items):
+    """Our kernels must not over-subscribe SBUF/PSUM nor accumulate into unwritten PSUM: SimulatorWarning fails."""
+    for item in items:
+        item.add_marker(pytest.mark.filterwarnings("error::nki_kernels.sim.errors.SimulatorWarning"))

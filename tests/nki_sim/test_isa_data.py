@@ -75,7 +75,7 @@ def test_dma_transpose_2d_and_generation_gate(rng):
     np.testing.assert_array_equal(run(kernel, x).view(np.uint16), x.T.view(np.uint16))
     with pytest.raises(SimulationError, match="requires NeuronCore gen3"):
         run(kernel, x, target="trn1")
-    with pytest.raises(SimulationError, match="2-byte dtypes"):
+    with pytest.raises(SimulationError, match="needs equal dtypes"):
         run(kernel, x.astype(np.float32))
 
 
