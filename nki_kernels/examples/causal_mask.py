@@ -1,4 +1,4 @@
-"""Causal masking of an attention score matrix with GpSimd affine_select (nki-reference.md §5.3, App. B)."""
+"""Causal masking of an attention score matrix with GpSimd affine_select (NKI documentation)."""
 import nki
 import nki.isa as nisa
 import nki.language as nl

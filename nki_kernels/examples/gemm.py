@@ -1,4 +1,4 @@
-"""Tiled GEMM ``out = lhsT.T @ rhs`` with PSUM fp32 accumulation over K (nki-reference.md Appendix B)."""
+"""Tiled GEMM ``out = lhsT.T @ rhs`` with PSUM fp32 accumulation over K (NKI documentation)."""
 import nki
 import nki.isa as nisa
 import nki.language as nl

@@ -1,4 +1,4 @@
-"""Blocked GEMM: the cost model's "fast" calibration kernel (nki-reference.md §9.2: ~85% HFU on Trn1).
+"""Blocked GEMM: the cost model's "fast" calibration kernel (NKI documentation).
 
 Dimensions:
     K: contraction, multiple of 128.  M: rows of the result, multiple of 512.  N: columns, multiple of 1024.

@@ -1,4 +1,4 @@
-"""Naive tiled GEMM: the cost model's "slow" calibration kernel (nki-reference.md §9.2: 11% HFU on Trn1).
+"""Naive tiled GEMM: the cost model's "slow" calibration kernel (NKI documentation).
 
 Dimensions:
     K: contraction, multiple of 128.  M: rows of the result, multiple of 128.  N: columns, multiple of 512.

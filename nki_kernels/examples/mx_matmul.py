@@ -1,4 +1,4 @@
-"""On-device MXFP8 quantisation + MX matmul on NeuronCore-v4 (trn3) (nki-reference.md §5.7)."""
+"""On-device MXFP8 quantisation + MX matmul on NeuronCore-v4 (trn3) (NKI documentation)."""
 import nki
 import nki.isa as nisa
 import nki.language as nl

@@ -1,4 +1,4 @@
-"""RMSNorm ``y = x / sqrt(mean(x^2) + eps) * gamma`` (nki-reference.md Appendix B)."""
+"""RMSNorm ``y = x / sqrt(mean(x^2) + eps) * gamma`` (NKI documentation)."""
 import nki
 import nki.isa as nisa
 import nki.language as nl

@@ -1,4 +1,4 @@
-"""Row softmax with fp32 statistics (nki-reference.md Appendix B)."""
+"""Row softmax with fp32 statistics (NKI documentation)."""
 import nki
 import nki.isa as nisa
 import nki.language as nl

@@ -1,4 +1,4 @@
-"""ALU operators and activation functions (nki-reference.md §4.2, §5.2, §5.3 "ALU operators", A.7).
+"""ALU operators and activation functions (NKI documentation).
 
 Each ``nl.<name>`` is one ``NkiOp`` object: it is the operator identifier passed to ``nisa`` instructions
 (``op=nl.add``) and, called directly, the experimental ``nki.language`` element-wise function (``nl.exp(t)``).

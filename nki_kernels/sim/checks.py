@@ -1,4 +1,4 @@
-"""Shared validation, operand reading and event helpers for the instruction modules (nki-reference.md §5, A.6)."""
+"""Shared validation, operand reading and event helpers for the instruction modules (NKI documentation)."""
 from __future__ import annotations
 
 import math

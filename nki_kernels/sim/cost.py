@@ -2,7 +2,7 @@
 
 ``CostModel(generation)`` is a ``Recorder``: the interpreter calls ``record(InstrEvent)`` once per executed
 instruction and the model adds that instruction's estimated time to its engine (Tensor, Vector, Scalar, GpSimd,
-DMA) with the published rules of ``docs/nki-reference.md`` §9 (see ``cost_rules.py`` and the constants table in
+DMA) with the published rules of the public NKI documentation §9 (see ``cost_rules.py`` and the constants table in
 ``cost_constants.py``). ``report()`` returns a ``CostReport``:
 
 * per-engine busy time, instruction counts, DMA bytes (and the part touching HBM), matmul FLOPs;
@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from . import cost_constants as C
 from . import cost_rules as R
 
-ESTIMATE_LABEL = "ESTIMATE from published figures (nki-reference.md §9); not measured on hardware"
+ESTIMATE_LABEL = "ESTIMATE from published figures (NKI documentation); not measured on hardware"
 
 
 @dataclass(frozen=True)

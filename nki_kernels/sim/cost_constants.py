@@ -1,6 +1,6 @@
 """Every number the NKI cost model uses, in one table, each with its source.
 
-All figures are published vendor figures as collected in ``docs/nki-reference.md`` (section given per entry;
+All figures are published vendor figures as collected in the public NKI documentation (section given per entry;
 "§9.1" = section 9.1 of that file). Entries the reference itself marks UNCERTAIN, and choices that are ours
 rather than the documentation's ("OUR READING"), say so in their comment. Nothing here was measured on hardware.
 

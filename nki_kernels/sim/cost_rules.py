@@ -1,7 +1,7 @@
 """Per-instruction cost rules of the NKI cost model (an ESTIMATE built from published figures, not a measurement).
 
 Each function maps one ``InstrEvent`` to engine cycles (compute engines) or seconds (DMA) using the rules of
-``docs/nki-reference.md`` §9 as collected in ``cost_constants.py``. ``cost.py`` aggregates them into a report.
+the public NKI documentation §9 as collected in ``cost_constants.py``. ``cost.py`` aggregates them into a report.
 
 Conventions the interpreter and this model share:
 * ``free_elems`` = elements per partition processed by the instruction (for matmul: moving free size N).

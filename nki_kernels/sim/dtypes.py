@@ -1,4 +1,4 @@
-"""NKI data types for the simulator (nki-reference.md §6.1) and the cast-on-write rules (§6.2, A.3).
+"""NKI data types for the simulator (NKI documentation) and the cast-on-write rules (§6.2, A.3).
 
 Ordinary types are NumPy / ml_dtypes dtypes, so ``t.dtype == nl.bfloat16`` and ``np.float32`` arguments work.
 Types without a NumPy equivalent (``tfloat32`` and the packed MX "x4" types) are ``SpecialDType`` objects that
@@ -77,7 +77,7 @@ def as_dtype(dt):
     except TypeError as exc:
         raise SimulationError(f"{dt!r} is not a dtype; use an nl.<dtype> constant such as nl.float32") from exc
     if d.kind not in "biuf" and d not in _BY_NAME.values():
-        raise SimulationError(f"dtype {d} is not supported by NKI (see nki-reference.md §6.1)")
+        raise SimulationError(f"dtype {d} is not supported by NKI (NKI documentation)")
     return d
 
 

@@ -1,4 +1,4 @@
-"""``nki.isa`` enumerations with the values of the NKI 0.6 API reference (nki-reference.md §5 intro).
+"""``nki.isa`` enumerations with the values of the NKI 0.6 API reference (NKI documentation).
 
 Raw integers and strings are rejected where an enum is expected, except ``dge_mode``, whose documented integer
 values (0 unknown, 1 swdge, 2 hwdge, 3 none) are accepted. ``nc_version`` members are ordered

@@ -3,7 +3,7 @@
 
 class SimulationError(AssertionError):
     """A kernel broke an NKI rule (shape, buffer, dtype, generation). Subclasses AssertionError like the real
-    simulator's checks (nki-reference.md §7.1)."""
+    simulator's checks (NKI documentation)."""
 
 
 class CapacityError(SimulationError):

@@ -1,5 +1,5 @@
 """Data movement and initialisation instructions: dma_copy, dma_transpose, tensor_copy, memset, iota
-(nki-reference.md §5.3, §5.4, A.5)."""
+(NKI documentation)."""
 from __future__ import annotations
 
 import math

@@ -1,5 +1,5 @@
 """Further documented instructions: tensor_copy_predicated, dma_compute, max8, nc_find_index8, nc_match_replace8,
-bn_stats, bn_aggr, nc_stream_shuffle, tensor_partition_reduce (nki-reference.md §5.3, §5.4)."""
+bn_stats, bn_aggr, nc_stream_shuffle, tensor_partition_reduce (NKI documentation)."""
 from __future__ import annotations
 
 import numpy as np

@@ -1,4 +1,4 @@
-"""Microscaling (MX) instructions of NeuronCore-v4: quantize_mx and nc_matmul_mx (nki-reference.md §5.7).
+"""Microscaling (MX) instructions of NeuronCore-v4: quantize_mx and nc_matmul_mx (NKI documentation).
 
 Layouts: an x4 word packs 4 values of consecutive free positions (slot q in byte q for fp8, nibble q for fp4,
 little-endian). One E8M0 scale covers 8 partitions x one x4 element; logical scale row g (= partition // 8) lives

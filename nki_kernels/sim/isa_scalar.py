@@ -1,4 +1,4 @@
-"""Scalar-engine instructions: activation, activation_reduce (nki-reference.md §5.2, A.4, A.7)."""
+"""Scalar-engine instructions: activation, activation_reduce (NKI documentation)."""
 from __future__ import annotations
 
 import numpy as np

@@ -1,5 +1,5 @@
 """Predicated selection instructions: affine_select (GpSimd), range_select and select_reduce (VectorE)
-(nki-reference.md §5.3, A.5)."""
+(NKI documentation)."""
 from __future__ import annotations
 
 import numpy as np

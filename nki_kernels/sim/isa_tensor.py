@@ -1,5 +1,5 @@
 """Tensor-engine instructions: nc_matmul (accumulate, transpose mode, double_row) and nc_transpose
-(nki-reference.md §2.7, §5.1, A.3)."""
+(NKI documentation)."""
 from __future__ import annotations
 
 import numpy as np

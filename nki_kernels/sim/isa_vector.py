@@ -1,4 +1,4 @@
-"""Vector-engine element-wise and reduction instructions (nki-reference.md §5.3, A.5).
+"""Vector-engine element-wise and reduction instructions (NKI documentation).
 
 Numeric pipeline (A.3): read operands, widen to fp32 (bit-vector ops keep integer bits), compute, cast on write.
 All inputs are read before dst is written, so dst may alias an input.

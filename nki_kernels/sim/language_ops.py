@@ -1,6 +1,6 @@
 """``nki.language`` functions: allocation, SPMD queries, loops and the experimental convenience wrappers
 (nl.load/store/copy/matmul/transpose, element-wise ops, reductions) that allocate their result and lower to
-``nisa`` instructions (nki-reference.md §1.3, §2.5, §3.3, §3.4, §4)."""
+``nisa`` instructions (NKI documentation)."""
 from __future__ import annotations
 
 import builtins

@@ -1,4 +1,4 @@
-"""Kernel launch: ``nki.jit``, ``nki.simulate``, ``nki.simulator.simulate_kernel`` (nki-reference.md §1.3, §7.1, A.1).
+"""Kernel launch: ``nki.jit``, ``nki.simulate``, ``nki.simulator.simulate_kernel`` (NKI documentation).
 
 Arguments: NumPy arrays and torch tensors become ``shared_hbm`` tensors that share memory with the caller where
 possible (so in-place writes are visible); results come back as NumPy arrays, or torch tensors if any argument

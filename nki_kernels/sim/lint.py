@@ -1,4 +1,4 @@
-"""Static check that kernel sources are Python the NKI 0.3-0.6 parser frontend accepts (nki-reference.md §1.3, §1.4).
+"""Static check that kernel sources are Python the NKI 0.3-0.6 parser frontend accepts (NKI documentation).
 
 The simulator runs any Python, so a kernel can pass simulation yet fail to compile (§7.1). This AST scan rejects
 the constructs the parser is documented to reject: ``is`` / ``is not``, keyword-only ``*`` parameters, list-typed

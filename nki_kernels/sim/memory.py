@@ -1,4 +1,4 @@
-"""Buffers, storages and live on-chip allocation accounting (nki-reference.md §2.1, §2.2, §2.7, A.2).
+"""Buffers, storages and live on-chip allocation accounting (NKI documentation).
 
 Lifetime rule (simulator choice, see FIDELITY.md): an SBUF/PSUM allocation is live from ``nl.ndarray`` until the
 last Python reference to its storage (through any view) disappears; CPython refcounting frees it at once, so a

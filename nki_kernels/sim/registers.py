@@ -1,4 +1,4 @@
-"""ScalarE / VectorE accumulator registers and ``reduce_cmd`` (nki-reference.md §5.2, §5.3, A.4)."""
+"""ScalarE / VectorE accumulator registers and ``reduce_cmd`` (NKI documentation)."""
 from __future__ import annotations
 
 import numpy as np

@@ -1,4 +1,4 @@
-"""Target NeuronCore generation and its hardware constants (nki-reference.md §2.2, §2.3, §5.1, A.1)."""
+"""Target NeuronCore generation and its hardware constants (NKI documentation)."""
 from __future__ import annotations
 
 import os

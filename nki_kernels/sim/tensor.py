@@ -1,4 +1,4 @@
-"""NkiTensor: a view (offset + [[stride, count], ...] in element units) over a Storage (nki-reference.md §3.1, A.2).
+"""NkiTensor: a view (offset + [[stride, count], ...] in element units) over a Storage (NKI documentation).
 
 Reading a view gathers ``flat[offset + sum_k stride_k * i_k]`` with one broadcast index array; writing scatters
 to the same indices. Views never copy.

@@ -14,7 +14,7 @@ from neuron_infer.parallel.shard import rank_param_counts, rank_weight_bytes, sh
 from tests.parallel.test_plan import make_cfg
 from tests.parallel.test_shard import random_state_dict
 
-# Published anchors (docs/neuron-stack-facts.md §7.1 / §7.2)
+# Published anchors (AWS Neuron documentation)
 TPOT_405B_TRN2_S = 37.9e-3  # Llama-3.1-405B bf16, trn2.48xlarge TP64 LNC2, seq 12800, 10k in / 1.5k out
 TTFT_405B_TRN2_S = 2442e-3
 TPOT_8B_TRN1_S = 5.86e-3  # Llama-3-8B int8, trn1.32xlarge TP32, seq 4096, 128 in / 3968 out

@@ -1,4 +1,4 @@
-"""Cost-model sanity against the published calibration points (nki-reference.md §9.2), on synthetic event streams.
+"""Cost-model sanity against the published calibration points (NKI documentation), on synthetic event streams.
 
 Published (Trn1, one NeuronCore, bf16 [4096, 8192] @ [8192, 8192]): fully blocked kernel 6.97 ms = 85.2% of
 TensorE peak; naive tiled kernel 51.8 ms = 11%.

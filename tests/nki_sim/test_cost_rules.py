@@ -1,4 +1,4 @@
-"""One test per cost-model rule, each expected value derived by hand in a comment from nki-reference.md §9.
+"""One test per cost-model rule, each expected value derived by hand in a comment from the NKI documentation
 
 Numbers used below (all from §9 via nki_kernels/sim/cost_constants.py):
   clocks: TensorE 2.8 / 2.4 / 2.4 GHz, VectorE 1.12 / 0.96 / 1.2 GHz, ScalarE & GpSimd 1.4 / 1.2 / 1.2 GHz (gen2/3/4)

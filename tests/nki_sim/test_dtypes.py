@@ -1,4 +1,4 @@
-"""Cast-on-write rules (nki-reference.md §6, A.3): fp8 range edges, float->int, tf32, NKI_PRECISE_FP."""
+"""Cast-on-write rules (NKI documentation): fp8 range edges, float->int, tf32, NKI_PRECISE_FP."""
 from __future__ import annotations
 
 import ml_dtypes

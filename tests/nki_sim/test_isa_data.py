@@ -1,4 +1,4 @@
-"""dma_copy, dma_transpose, tensor_copy, memset, iota: semantics and validation (nki-reference.md §5.3, §5.4)."""
+"""dma_copy, dma_transpose, tensor_copy, memset, iota: semantics and validation (NKI documentation)."""
 from __future__ import annotations
 
 import ml_dtypes

@@ -1,4 +1,4 @@
-"""Further documented instructions (nki-reference.md §5.3, §5.4) against NumPy references."""
+"""Further documented instructions (NKI documentation) against NumPy references."""
 from __future__ import annotations
 
 import nki.isa as nisa

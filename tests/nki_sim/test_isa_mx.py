@@ -1,4 +1,4 @@
-"""quantize_mx / nc_matmul_mx hardware semantics (nki-reference.md §5.7) against neuron_infer.quant.mx_golden."""
+"""quantize_mx / nc_matmul_mx hardware semantics (NKI documentation) against neuron_infer.quant.mx_golden."""
 from __future__ import annotations
 
 import ml_dtypes

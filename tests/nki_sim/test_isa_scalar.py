@@ -1,4 +1,4 @@
-"""ScalarE activation table and accumulator registers (nki-reference.md §5.2, A.4, A.7)."""
+"""ScalarE activation table and accumulator registers (NKI documentation)."""
 from __future__ import annotations
 
 import math
@@ -14,7 +14,7 @@ from .conftest import hbm_out, run, sbuf_in
 
 _erf = np.vectorize(math.erf)   # test-side oracle only (slow Python per element is fine for 4 KiB of data)
 _sig = lambda x: 1 / (1 + np.exp(-x))
-A7 = {   # reference formulas of nki-reference.md A.7, evaluated in float64
+A7 = {   # reference formulas of the NKI documentation A.7, evaluated in float64
     "copy": lambda x: x, "square": lambda x: x * x, "sigmoid": _sig, "relu": lambda x: np.maximum(x, 0),
     "gelu": lambda x: 0.5 * x * (1 + _erf(x / np.sqrt(2))),
     "gelu_apprx_tanh": lambda x: 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x ** 3))),

@@ -1,4 +1,4 @@
-"""affine_select, range_select, select_reduce (nki-reference.md §5.3, A.5)."""
+"""affine_select, range_select, select_reduce (NKI documentation)."""
 from __future__ import annotations
 
 import nki.isa as nisa

@@ -1,4 +1,4 @@
-"""Vector-engine instructions against NumPy references (nki-reference.md §5.3, A.5)."""
+"""Vector-engine instructions against NumPy references (NKI documentation)."""
 from __future__ import annotations
 
 import ml_dtypes

@@ -1,5 +1,5 @@
 """Entry points (nki.jit, kernel[lnc], nki.simulate, simulate_kernel), targets, torch I/O, recording, cost-only mode,
-and the nki.language convenience wrappers (nki-reference.md §1.3, §3.4, §4, §7.1, A.1)."""
+and the nki.language convenience wrappers (NKI documentation)."""
 from __future__ import annotations
 
 import time

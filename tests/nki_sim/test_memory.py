@@ -1,4 +1,4 @@
-"""Live SBUF / PSUM allocation accounting against the target's capacity (nki-reference.md §2.2, §2.7)."""
+"""Live SBUF / PSUM allocation accounting against the target's capacity (NKI documentation)."""
 from __future__ import annotations
 
 import nki.isa as nisa

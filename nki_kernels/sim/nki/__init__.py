@@ -1,4 +1,4 @@
-"""Simulator implementation of the top-level ``nki`` package (NKI 0.6/0.7 API subset; nki-reference.md A.1).
+"""Simulator implementation of the top-level ``nki`` package (NKI 0.6/0.7 API subset; the NKI documentation A.1).
 
 Registered as ``sys.modules["nki"]`` by ``import nki_kernels`` when no genuine Neuron ``nki`` is installed. Public
 names are those of the real package (nki_kernels/sim/api_table.json); simulator-only helpers live in

@@ -1,4 +1,4 @@
-"""``nki.collectives`` is not implemented by the CPU simulator (like AWS's, nki-reference.md §5.6, §7.1)."""
+"""``nki.collectives`` is not implemented by the CPU simulator (like AWS's, the NKI documentation)."""
 
 _NAMES = ("all_reduce", "all_gather", "all_gather_v", "reduce_scatter", "all_to_all", "all_to_all_v",
           "collective_permute", "collective_permute_implicit", "collective_permute_implicit_reduce", "rank_id",

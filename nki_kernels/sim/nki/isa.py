@@ -1,4 +1,4 @@
-"""``nki.isa`` for the simulator: dst-first instructions, enums and version queries (nki-reference.md §5)."""
+"""``nki.isa`` for the simulator: dst-first instructions, enums and version queries (NKI documentation)."""
 from ...sim import runtime as _runtime
 from .. import isa_constants as constants  # noqa: F401
 from ..checks import NkiInstruction  # noqa: F401
@@ -60,6 +60,6 @@ _DOCUMENTED_NOT_SIMULATED = frozenset({
 
 def __getattr__(name):
     if name in _DOCUMENTED_NOT_SIMULATED:
-        raise NotImplementedError(f"nisa.{name} is documented (nki-reference.md §5) but not implemented by the "
+        raise NotImplementedError(f"nisa.{name} is documented (NKI documentation) but not implemented by the "
                                   f"neuron-infer NKI simulator; see nki_kernels/sim/FIDELITY.md §10")
     raise AttributeError(f"module 'nki.isa' has no attribute {name!r}")

@@ -119,6 +119,6 @@ _DOCUMENTED_NOT_SIMULATED = frozenset({
 
 def __getattr__(name):
     if name in _DOCUMENTED_NOT_SIMULATED:
-        raise NotImplementedError(f"nl.{name} is documented (nki-reference.md §3-§4) but not implemented by the "
+        raise NotImplementedError(f"nl.{name} is documented (NKI documentation) but not implemented by the "
                                   f"neuron-infer NKI simulator; see nki_kernels/sim/FIDELITY.md §10")
     raise AttributeError(f"module 'nki.language' has no attribute {name!r}")
