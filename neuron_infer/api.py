@@ -86,7 +86,7 @@ def _eos_ids(manifest: Manifest, tokenizer, root: Path) -> tuple[int, ...]:
 
 class CompiledModel:
     """A loaded artifact: tokenizer + engine (weights and compiled graphs), or, for a tensor-parallel CPU artifact,
-    the rank group whose processes hold the shards."""
+    the rank group whose processes hold the shards (started at load; `close()` or `with` stops them)."""
 
     def __init__(self, root: Path, manifest: Manifest, engine: Engine | None, tokenizer, group=None):
         self.root, self.manifest, self.engine, self.tokenizer = root, manifest, engine, tokenizer
@@ -131,6 +131,18 @@ class CompiledModel:
 
         build = build or load_preset(DEFAULT_PRESET).build
         return cls.load(default_artifact_dir(build, say or (lambda _msg: None)), threads=threads)
+
+    def close(self) -> None:
+        """Stop the rank processes of a tensor-parallel CPU artifact (started at load, reused by every generate
+        call; also stopped at garbage collection and interpreter exit). Idempotent; a no-op for other artifacts."""
+        if self.group is not None:
+            self.group.close()
+
+    def __enter__(self) -> CompiledModel:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def encode(self, prompt: str, chat: bool = False) -> list[int]:
         """Token ids of `prompt`; with `chat`, of a one-message conversation through the chat template."""
