@@ -8,6 +8,10 @@
 - Under torchrun-style multi-host rendezvous (MASTER_ADDR, MASTER_PORT, RANK and WORLD_SIZE all set) it spawns
   nothing: this process joins that group as rank RANK and runs `worker_fn` itself.
 
+`RankProcesses(worker_fn, tp, args)` keeps the spawned ranks alive instead: `worker_fn` sets each rank up once
+(e.g. loads its shard) and returns a handler; every `call(request)` runs the handler on every rank. It is the same
+spawn, monitor and stop code as `run_ranks`, which is a one-shot `RankProcesses`.
+
 Rank 0 talks to the parent: its return value is the result of `run_ranks`, and `ctx.emit(obj)` streams objects
 to the parent's `on_emit` callback (e.g. tokens as they are sampled). Other ranks' return values are dropped.
 
