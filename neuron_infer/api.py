@@ -23,6 +23,7 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Self
 
 from neuron_infer import cpu_threads
 from neuron_infer.compile.artifact import Manifest, check_checkpoint, read_manifest
@@ -138,7 +139,7 @@ class CompiledModel:
         if self.group is not None:
             self.group.close()
 
-    def __enter__(self) -> CompiledModel:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -31,10 +31,10 @@ import torch
 from neuron_infer.compile.artifact import Manifest, read_manifest
 from neuron_infer.config import SamplingConfig
 from neuron_infer.parallel.launch import (
+    RankProcesses,
     all_gather_last_dim,
     broadcast_from_rank0,
     broadcast_object_from_rank0,
-    RankProcesses,
     check_cpu_ranks,
     run_ranks,
     torchrun_env_present,
