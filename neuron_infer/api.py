@@ -23,6 +23,7 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Self
 
 from neuron_infer import cpu_threads
 from neuron_infer.compile.artifact import Manifest, check_checkpoint, read_manifest
@@ -89,7 +90,7 @@ LOAD_STAGES = ("verifying the files", "tokenizer", "weights and graphs")
 
 class CompiledModel:
     """A loaded artifact: tokenizer + engine (weights and compiled graphs), or, for a tensor-parallel CPU artifact,
-    the rank group whose processes hold the shards."""
+    the rank group whose processes hold the shards (started at load; `close()` or `with` stops them)."""
 
     def __init__(self, root: Path, manifest: Manifest, engine: Engine | None, tokenizer, group=None):
         self.root, self.manifest, self.engine, self.tokenizer = root, manifest, engine, tokenizer
@@ -138,6 +139,18 @@ class CompiledModel:
 
         build = build or load_preset(EMBEDDED_PRESET).build
         return cls.load(default_artifact_dir(build, say or (lambda _msg: None)), threads=threads)
+
+    def close(self) -> None:
+        """Stop the rank processes of a tensor-parallel CPU artifact (started at load, reused by every generate
+        call; also stopped at garbage collection and interpreter exit). Idempotent; a no-op for other artifacts."""
+        if self.group is not None:
+            self.group.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def encode(self, prompt: str, chat: bool = False) -> list[int]:
         """Token ids of `prompt`; with `chat`, of a one-message conversation through the chat template."""

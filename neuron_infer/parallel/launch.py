@@ -8,6 +8,10 @@
 - Under torchrun-style multi-host rendezvous (MASTER_ADDR, MASTER_PORT, RANK and WORLD_SIZE all set) it spawns
   nothing: this process joins that group as rank RANK and runs `worker_fn` itself.
 
+`RankProcesses(worker_fn, tp, args)` keeps the spawned ranks alive instead: `worker_fn` sets each rank up once
+(e.g. loads its shard) and returns a handler; every `call(request)` runs the handler on every rank. It is the same
+spawn, monitor and stop code as `run_ranks`, which is a one-shot `RankProcesses`.
+
 Rank 0 talks to the parent: its return value is the result of `run_ranks`, and `ctx.emit(obj)` streams objects
 to the parent's `on_emit` callback (e.g. tokens as they are sampled). Other ranks' return values are dropped.
 
@@ -179,26 +183,87 @@ def run_ranks(worker_fn: Callable[..., Any], tp: int, args: tuple = (), *, timeo
     check_cpu_ranks(tp, weight_bytes_per_rank)
     if tp == 1:  # nothing to coordinate: run in this process, collectives are identity
         return worker_fn(RankContext(0, 1, on_emit), *args)
-    store = dist.TCPStore("127.0.0.1", 0, tp + 1, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=start_timeout_s + timeout_s))
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    progress = ctx.Array("q", tp, lock=False)
-    procs = [
-        ctx.Process(target=_rank_entry, name=f"neuron-infer-rank{r}", daemon=True,
-                    args=(r, tp, store.port, worker_fn, args, results, progress, start_timeout_s + timeout_s,
-                          os.getpid()))
-        for r in range(tp)
-    ]
+    ranks = RankProcesses(worker_fn, tp, args, timeout_s=timeout_s, start_timeout_s=start_timeout_s, serve=False)
     try:
-        for p in procs:
-            p.start()
-        return _Monitor(procs, results, progress, timeout_s, start_timeout_s, on_emit).wait()
+        return ranks.wait(on_emit)
     finally:
-        _stop(procs)
-        results.cancel_join_thread()
-        results.close()
-        del store
+        ranks.close()
+
+
+class RankProcesses:
+    """`tp` spawned rank processes joined by gloo (spawn mode of `run_ranks`, or a long-lived group).
+
+    serve=False: each rank runs `worker_fn(ctx, *args)` once; `wait()` returns rank 0's value.
+    serve=True: each rank runs `worker_fn(ctx, *args)` once to set up (e.g. load its shard), which returns a
+    handler; the constructor waits for that set-up. Every `call(request)` then runs `handler(request)` on every
+    rank (each rank receives the request through its own inbox) and returns rank 0's value. Idle ranks wait on
+    their inbox, not in a collective, so a group may stay idle for any time.
+
+    Any failure (a rank raised, died, hung or never joined) raises RankFailure naming the rank and stops every
+    process; the group then refuses further calls. `close()` stops every process (SIGKILL to each rank's process
+    group) and reaps them; ranks also exit by themselves within 0.5 s of this process's death.
+    """
+
+    def __init__(self, worker_fn: Callable[..., Any], tp: int, args: tuple = (), *, timeout_s: float,
+                 start_timeout_s: float, serve: bool = True):
+        self.tp, self.timeout_s = tp, timeout_s
+        self._store = dist.TCPStore("127.0.0.1", 0, tp + 1, is_master=True, wait_for_workers=False,
+                                    timeout=timedelta(seconds=start_timeout_s + timeout_s))
+        ctx = mp.get_context("spawn")
+        self._results = ctx.Queue()
+        self._inboxes = [ctx.Queue() for _ in range(tp)] if serve else [None] * tp
+        progress = ctx.Array("q", tp, lock=False)
+        self.procs = [
+            ctx.Process(target=_rank_entry, name=f"neuron-infer-rank{r}", daemon=True,
+                        args=(r, tp, self._store.port, worker_fn, args, self._results, progress,
+                              start_timeout_s + timeout_s, os.getpid(), self._inboxes[r]))
+            for r in range(tp)
+        ]
+        self._monitor = _Monitor(self.procs, self._results, progress, timeout_s, start_timeout_s)
+        self.stopped: str | None = None  # why the group no longer runs requests (None while it does)
+        try:
+            for p in self.procs:
+                p.start()
+            if serve:
+                self.wait(None)  # every rank set up
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def pids(self) -> list[int]:
+        return [int(p.pid) for p in self.procs]
+
+    def call(self, request: Any, on_emit: Callable[[Any], None] | None = None) -> Any:
+        """Run the handler on every rank with `request` (picklable); rank 0's return value."""
+        if self.stopped is not None:
+            raise RankFailure(f"the {self.tp} rank processes are no longer running ({self.stopped}); "
+                              "load the model again")
+        for box in self._inboxes:
+            box.put(request)
+        return self.wait(on_emit)
+
+    def wait(self, on_emit: Callable[[Any], None] | None) -> Any:
+        """Collect one result from every rank (set-up, one call, or the one-shot run)."""
+        try:
+            return self._monitor.wait(on_emit)
+        except RankFailure as e:
+            lines = str(e).splitlines()
+            self.close(f"stopped after a failure: {lines[1] if len(lines) > 1 else e}")
+            raise
+        except BaseException:  # e.g. KeyboardInterrupt mid-call: the ranks are in an unknown state
+            self.close("stopped after an interrupted call")
+            raise
+
+    def close(self, why: str = "closed") -> None:
+        """Stop and reap every rank process (idempotent)."""
+        if self.stopped is None:
+            self.stopped = why
+        _stop(self.procs)
+        for q in (self._results, *filter(None, self._inboxes)):
+            q.cancel_join_thread()
+            q.close()
+        self._store = None  # the rendezvous store's server thread ends with it
 
 
 def rank_threads(tp: int) -> int:
@@ -217,8 +282,9 @@ def rank_cpu_groups(cpus: list[int], ranks: int) -> list[list[int]]:
 
 
 def _rank_entry(rank: int, tp: int, port: int, worker_fn: Callable[..., Any], args: tuple, results: Any,
-                progress: Any, timeout_s: float, parent_pid: int) -> None:
-    """Body of one spawned rank process."""
+                progress: Any, timeout_s: float, parent_pid: int, inbox: Any = None) -> None:
+    """Body of one spawned rank process: run `worker_fn` once, or (with an inbox) serve requests until told to
+    stop (None) or killed."""
     global _PROGRESS
     os.setsid()  # own process group: the parent kills it (and anything it starts) with one killpg
     threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
@@ -232,7 +298,13 @@ def _rank_entry(rank: int, tp: int, port: int, worker_fn: Callable[..., Any], ar
         results.put(("ready", rank, None))
         emit = (lambda obj: results.put(("emit", 0, _pack(obj)))) if rank == 0 else None
         value = worker_fn(RankContext(rank, tp, emit), *args)
-        results.put(("result", rank, _pack(value if rank == 0 else None)))
+        if inbox is None:
+            results.put(("result", rank, _pack(value if rank == 0 else None)))
+            return
+        results.put(("result", rank, _pack(None)))  # set up
+        while (request := inbox.get()) is not None:
+            out = value(request)
+            results.put(("result", rank, _pack(out if rank == 0 else None)))
     except BaseException as e:  # noqa: BLE001 - everything goes back to the parent, named by rank
         results.put(("error", rank, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
     finally:
@@ -274,9 +346,9 @@ def _stop(procs: list[Any]) -> None:
 class _Monitor:
     """Parent side: collect results, notice errors, deaths and hangs, and describe them."""
 
-    def __init__(self, procs: list[Any], results: Any, progress: Any, timeout_s: float, start_timeout_s: float,
-                 on_emit: Callable[[Any], None] | None):
-        self.procs, self.results, self.progress, self.on_emit = procs, results, progress, on_emit
+    def __init__(self, procs: list[Any], results: Any, progress: Any, timeout_s: float, start_timeout_s: float):
+        self.procs, self.results, self.progress = procs, results, progress
+        self.on_emit: Callable[[Any], None] | None = None
         self.timeout_s, self.start_timeout_s = timeout_s, start_timeout_s
         self.ready: set[int] = set()
         self.finished: set[int] = set()
@@ -284,9 +356,11 @@ class _Monitor:
         self.deaths: dict[int, int] = {}
         self.value: Any = None
 
-    def wait(self) -> Any:
-        deadline = time.monotonic() + self.start_timeout_s  # until every rank has joined the group
-        running = False
+    def wait(self, on_emit: Callable[[Any], None] | None) -> Any:
+        """One result from every rank (rank 0's value), or RankFailure."""
+        self.on_emit, self.finished, self.value = on_emit, set(), None
+        running = len(self.ready) == len(self.procs)
+        deadline = time.monotonic() + (self.timeout_s if running else self.start_timeout_s)
         first_failure: float | None = None
         while True:
             self._drain(0.05)

@@ -1,21 +1,28 @@
-"""Generating from a tensor-parallel artifact on CPU: one rank process per shard, joined by gloo.
+"""Generating from a tensor-parallel artifact on CPU: one long-lived rank process per shard, joined by gloo.
 
-`CompiledModel.load` gives a tp > 1 CPU artifact a `RankGroup` instead of an in-process Engine. Each
-`generate_ids` call:
+`CompiledModel.load` gives a tp > 1 CPU artifact a `RankGroup` instead of an in-process Engine:
 
-1. (at load) checks that this host can run the ranks (`check_cpu_ranks`), before any process starts;
-2. starts `tp` rank processes through `run_ranks` (or, when the torchrun variables MASTER_ADDR / MASTER_PORT / RANK /
-   WORLD_SIZE are set, joins that group as rank RANK: ranks may then span hosts);
-3. every rank loads its own shard through `load_rank` (weights/rank{r}.safetensors, graphs/rank{r}, a KV cache of its
-   local KV heads), receives rank 0's request (broadcast: identical inputs everywhere) and runs `tp_generate_ids`
-   (the token decided on rank 0, broadcast);
-4. rank 0 streams each step's tokens to this process (`on_tokens`) and returns results and metrics; the ranks then
-   leave the group and exit. A rank that raises, dies or hangs fails the call with `RankFailure` naming it, and
-   every rank process is stopped (see neuron_infer.parallel.launch).
+1. at load, it checks that this host can run the ranks (`check_cpu_ranks`) before any process starts, then starts
+   `tp` rank processes (`RankProcesses`); each loads its own shard once through `load_rank`
+   (weights/rank{r}.safetensors, graphs/rank{r}, a KV cache of its local KV heads) and waits for requests;
+2. every `generate_ids` call sends the request to every rank; the ranks run `tp_generate_ids` (the token decided
+   on rank 0, broadcast); rank 0 streams each step's tokens to this process (`on_tokens`) and returns results and
+   metrics. Later calls reuse the same processes and loaded shards: no start-up, no reload;
+3. `close()` (also `CompiledModel.close()`, its `with` block, garbage collection and interpreter exit) stops and
+   reaps the ranks; ranks whose parent died exit by themselves within about half a second.
+
+A rank that raises, dies (also between calls: the next call reports it) or hangs fails the call with `RankFailure`
+naming it, and every rank process is stopped; the group then refuses further calls (load the model again). See
+neuron_infer.parallel.launch for the failure detection.
+
+Under torchrun (MASTER_ADDR / MASTER_PORT / RANK / WORLD_SIZE set) nothing is started at load: each call joins that
+group as rank RANK, loads the shard and generates once (ranks may then span hosts).
 """
 from __future__ import annotations
 
+import functools
 import os
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +31,7 @@ import torch
 from neuron_infer.compile.artifact import Manifest, read_manifest
 from neuron_infer.config import SamplingConfig
 from neuron_infer.parallel.launch import (
+    RankProcesses,
     all_gather_last_dim,
     broadcast_from_rank0,
     broadcast_object_from_rank0,
@@ -54,11 +62,16 @@ def tp_generate_ids(engine: Engine, prompts: list[list[int]], max_new_tokens: in
     return results, metrics, seen
 
 
-def rank_main(ctx, root: str, request: dict) -> dict | None:
-    """Body of every rank (module level: spawned processes import it). Returns the payload on rank 0."""
+def serve_rank(ctx, root: str):
+    """Set-up of every rank (module level: spawned processes import it): load this rank's shard once; returns the
+    handler that serves each request."""
     root_p = Path(root)
     manifest = read_manifest(root_p, verify_files=False)  # the parent verified the files once
-    engine = load_rank(root_p, ctx.rank, manifest)
+    return functools.partial(_serve_request, ctx, load_rank(root_p, ctx.rank, manifest))
+
+
+def _serve_request(ctx, engine: Engine, request: dict) -> dict | None:
+    """One generate request on this rank's engine. Returns the payload on rank 0."""
     req = broadcast_object_from_rank0(request)  # rank 0's request everywhere (torchrun ranks parse their own argv)
     pids = all_gather_last_dim(torch.tensor([os.getpid()], dtype=torch.int64))  # [tp]
     ctx.emit(("pids", pids.tolist()))
@@ -70,6 +83,11 @@ def rank_main(ctx, root: str, request: dict) -> dict | None:
     return {"results": results, "metrics": [metrics], "logits": [seen], "pids": pids.tolist()}
 
 
+def rank_main(ctx, root: str, request: dict) -> dict | None:
+    """One-shot body (torchrun ranks): load the shard, serve one request."""
+    return serve_rank(ctx, root)(request)
+
+
 class RankGroup:
     """The rank processes of a tensor-parallel CPU artifact (the tokenizer stays in the caller's process)."""
 
@@ -79,10 +97,25 @@ class RankGroup:
     def __init__(self, root: Path, manifest: Manifest):
         self.root, self.manifest = root, manifest
         self.plan = manifest_plan(manifest, root)
-        if not torchrun_env_present():  # under torchrun each host launched its own share; nothing to spawn here
+        self.last_run: dict[str, Any] = {}  # pids and (optionally) logits of the last call, for tests/debugging
+        self.procs: RankProcesses | None = None  # None under torchrun: each host launched its own share
+        if not torchrun_env_present():
             per_rank = max(r["bytes"] for r in manifest.extra.get("tp_rank_weights", [{"bytes": 0}]))
             check_cpu_ranks(self.plan.tp, per_rank)
-        self.last_run: dict[str, Any] = {}  # pids and (optionally) logits of the last call, for tests/debugging
+            self.procs = RankProcesses(serve_rank, self.plan.tp, (str(root),), timeout_s=self.timeout_s,
+                                       start_timeout_s=self.start_timeout_s)
+            # stops the ranks when this group is garbage-collected or the interpreter exits (holds no ref to self)
+            self._finalizer = weakref.finalize(self, self.procs.close)
+
+    @property
+    def pids(self) -> list[int]:
+        """The rank processes' pids in rank order ([] under torchrun)."""
+        return self.procs.pids if self.procs is not None else []
+
+    def close(self) -> None:
+        """Stop and reap the rank processes (idempotent)."""
+        if self.procs is not None:
+            self._finalizer()
 
     def generate_ids(self, prompts: list[list[int]], max_new_tokens: int, sampling: SamplingConfig,
                      eos_ids: tuple[int, ...], ignore_eos: bool, on_tokens: OnTokens | None,
@@ -100,10 +133,12 @@ class RankGroup:
             elif on_tokens is not None:
                 on_tokens(payload)
 
-        out = run_ranks(rank_main, self.plan.tp, (str(self.root), request), timeout_s=self.timeout_s,
-                        start_timeout_s=self.start_timeout_s, on_emit=on_emit)
+        if self.procs is not None:
+            out = self.procs.call(request, on_emit)
+        else:
+            out = run_ranks(rank_main, self.plan.tp, (str(self.root), request), timeout_s=self.timeout_s,
+                            start_timeout_s=self.start_timeout_s, on_emit=on_emit)
         if out is None:
             return None
         self.last_run.update(pids=out["pids"], logits=out["logits"])
         return out["results"], out["metrics"]
-

@@ -18,6 +18,7 @@ import torch
 from neuron_infer.errors import ConfigError
 from neuron_infer.parallel.launch import (
     RankFailure,
+    RankProcesses,
     all_gather_last_dim,
     all_reduce_sum,
     broadcast_from_rank0,
@@ -100,6 +101,29 @@ def test_a_rank_killed_with_sigkill_mid_run():
         run_ranks(tw.report_pids_then_loop, 2, (400,), timeout_s=60, on_emit=kill_rank1)
     assert "all 2 rank processes were stopped" in str(info.value)
     assert len(pids) == 2 and not any(psutil.pid_exists(p) for p in pids)
+
+
+def test_a_long_lived_group_serves_every_call_on_the_same_processes():
+    group = RankProcesses(tw.serve_sums, 2, timeout_s=60, start_timeout_s=180)
+    try:
+        first, second = group.call({"x": 1}), group.call({"x": 2})
+        assert first == {"sum": 3.0, "pids": group.pids} and second == {"sum": 6.0, "pids": group.pids}
+    finally:
+        group.close()
+    assert not any(psutil.pid_exists(p) for p in group.pids)
+    with pytest.raises(RankFailure, match="no longer running"):
+        group.call({"x": 1})
+
+
+def test_a_rank_hung_in_a_later_call_is_named_within_the_timeout():
+    group = RankProcesses(tw.serve_sums, 2, timeout_s=4, start_timeout_s=180)
+    assert group.call({"x": 1})["sum"] == 3.0
+    t0 = time.monotonic()
+    with pytest.raises(RankFailure, match=r"rank 1 hung: no result within timeout_s=4 s"):
+        group.call({"x": 1, "hang_rank": 1, "sleep_s": 120.0})
+    assert time.monotonic() - t0 < 4 + SLACK_S
+    with pytest.raises(RankFailure, match=r"no longer running \(stopped after a failure: rank 1 hung"):
+        group.call({"x": 1})
 
 
 @pytest.mark.parametrize("tp", [0, -1, True])

@@ -108,6 +108,7 @@ def test_loading_more_ranks_than_the_host_runs_is_rejected_before_spawning(ckpts
     monkeypatch.setattr(launch, "MAX_RANKS_PER_CPU", 1)
     monkeypatch.setattr(launch.os, "cpu_count", lambda: 1)
     monkeypatch.setattr(launch, "run_ranks", lambda *a, **k: pytest.fail("ranks were started"))
+    monkeypatch.setattr(launch.RankProcesses, "__init__", lambda *a, **k: pytest.fail("ranks were started"))
     with pytest.raises(ConfigError, match="tp degree 2 needs 2 rank processes"):
         CompiledModel.load(tmp_path / "a")
 

@@ -7,7 +7,7 @@ Tolerance: 1e-4 absolute on fp32 logits. TP only reorders sums (o_proj/down_proj
 vocab all-gather is exact), which moves O(1..10) logits by a few ulps (~1e-6 measured in test_tp_model); a wrong
 head, a doubled bias or a non-zero padding slot moves them by > 1e-2. Greedy tokens must be identical.
 
-Every generate call starts `tp` processes (each imports torch): ~5-20 s on this 2-core host, so each case runs
+Loading a tp artifact starts `tp` processes (each imports torch): ~5-20 s on this 2-core host, so each case runs
 once on an artifact compiled once per module.
 """
 from __future__ import annotations

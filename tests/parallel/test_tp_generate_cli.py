@@ -1,5 +1,6 @@
-"""TP generation as users run it: `neuron-infer generate ARTIFACTS` on a tp artifact, a rank killed
-mid-generation, and ranks joined through the torchrun environment over loopback."""
+"""TP generation as users run it: `neuron-infer generate ARTIFACTS` on a tp artifact, the long-lived rank group of
+a loaded model (reused by every call, stopped by close / exit / the parent's death), a rank killed mid-generation or
+between calls, and ranks joined through the torchrun environment over loopback."""
 from __future__ import annotations
 
 import json
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import time
 
+import psutil
 import pytest
 
 from neuron_infer.api import CompiledModel
@@ -53,6 +55,73 @@ def test_cli_generate_on_a_tp_artifact_matches_tp1(arts):
     assert d["outputs"][0]["token_ids"] == ref.outputs[0].token_ids
     assert d["outputs"][0]["text"] == ref.outputs[0].text
     assert len(d["metrics"]["token_latencies_s"]) == 7 and d["metrics"]["ttft_s"] > 0
+
+
+def test_a_loaded_tp_model_serves_every_call_on_the_ranks_started_at_load(arts):
+    ref = CompiledModel.load(arts / "tp1")
+    prompts = [[1, 5, 6, 7], [1, 17, 42, 99, 7]]
+    with CompiledModel.load(arts / "tp2") as m:
+        pids = m.group.pids
+        assert len(set(pids)) == 2 and rank_processes_pids() == set(pids)  # started at load, before any call
+        for p in prompts:
+            out = m.generate_ids([p], max_new_tokens=6, ignore_eos=True)
+            assert m.group.last_run["pids"] == pids  # the same processes, shards loaded once
+            assert out.outputs[0].token_ids == ref.generate_ids([p], max_new_tokens=6, ignore_eos=True).outputs[0].token_ids
+    assert rank_processes() == [] and not any(psutil.pid_exists(p) for p in pids)  # the with block closed them
+    with pytest.raises(RankFailure, match="no longer running"):
+        m.generate_ids([prompts[0]], max_new_tokens=2)
+
+
+def test_a_rank_killed_between_calls_is_reported_on_the_next_call(arts):
+    m = CompiledModel.load(arts / "tp2")
+    m.generate_ids([[1, 5, 6, 7]], max_new_tokens=2)
+    os.kill(m.group.pids[1], signal.SIGKILL)
+    t0 = time.monotonic()
+    with pytest.raises(RankFailure, match="rank 1 died: killed by signal SIGKILL") as info:
+        m.generate_ids([[1, 5, 6, 7]], max_new_tokens=2)
+    assert "all 2 rank processes were stopped" in str(info.value) and time.monotonic() - t0 < SLACK_S
+    m.close()
+
+
+_OWNER = """
+import sys, time
+from neuron_infer.api import CompiledModel
+m = CompiledModel.load(sys.argv[1])
+print(" ".join(map(str, m.group.pids)), flush=True)
+if sys.argv[2] == "exit":
+    sys.exit(0)  # no close(): interpreter exit stops the ranks
+time.sleep(600)  # killed by the test
+"""
+
+
+@pytest.mark.parametrize("how", ["exit", "sigkill"])
+def test_ranks_end_with_the_process_that_loaded_them(arts, how):
+    """Interpreter exit without close(), and SIGKILL of the owner (which can stop nothing): no rank survives."""
+    owner = subprocess.Popen([sys.executable, "-c", _OWNER, str(arts / "tp2"), how], stdout=subprocess.PIPE,
+                             text=True)
+    try:
+        pids = [int(p) for p in owner.stdout.readline().split()]
+        assert len(pids) == 2
+        if how == "sigkill":
+            owner.kill()
+        owner.wait(timeout=60)
+        deadline = time.monotonic() + SLACK_S
+        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(_alive(p) for p in pids), "rank processes outlived their owner"
+    finally:
+        owner.kill()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def rank_processes_pids() -> set[int]:
+    return {p.pid for p in rank_processes()}
 
 
 def test_killing_a_rank_mid_generation_fails_promptly_naming_it(arts):

@@ -91,3 +91,16 @@ def exit0_on(ctx, bad_rank: int) -> None:
     if ctx.rank == bad_rank:
         os._exit(0)
     all_reduce_sum(torch.ones(2))
+
+
+def serve_sums(ctx) -> object:
+    """Long-lived group set-up: returns the handler run for every request (pid and an all-reduce per call; the
+    rank named in `request["hang_rank"]` sleeps `request["sleep_s"]` first)."""
+    def handle(request: dict) -> dict:
+        if ctx.rank == request.get("hang_rank"):
+            time.sleep(request["sleep_s"])
+        total = all_reduce_sum(torch.tensor([float(request["x"] * (ctx.rank + 1))]))
+        pids = all_gather_last_dim(torch.tensor([os.getpid()], dtype=torch.int64))  # [world]
+        return {"sum": total.item(), "pids": pids.tolist()}
+
+    return handle
