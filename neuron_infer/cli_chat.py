@@ -73,7 +73,7 @@ def _read_message(stdin, interactive: bool) -> str | None:
               help="CPU threads for the graphs (default: the usable CPUs that other processes leave free)")
 @click.option("--config", default=None,
               help="without ARTIFACTS: the build preset of the default model (as for generate), e.g. tiny")
-def chat_cmd(artifacts, system, max_new_tokens, temperature, top_k, top_p, seed, threads, config) -> None:
+def chat_cmd(artifacts, system, max_new_tokens, temperature, top_k, top_p, seed, stop, threads, config) -> None:
     """Chat with ARTIFACTS (omit for the embedded default model): one user message per line, answers streamed.
 
     /exit, /quit or end of input ends the chat; /reset forgets the conversation (the system message stays).
@@ -113,8 +113,8 @@ def chat_cmd(artifacts, system, max_new_tokens, temperature, top_k, top_p, seed,
         except NeuronInferError as e:
             say(f"error: {e}")
             continue
-        stream = TextStreamer(model.tokenizer)
-        out = model.generate_ids([ids], max_new_tokens or build.max_length, sampling, on_tokens=stream)
+        stream = TextStreamer(model.tokenizer, stop)
+        out = model.generate_ids([ids], max_new_tokens or build.max_length, sampling, on_tokens=stream, stop=stop)
         stream.finish(out.outputs[0].text)
         click.echo()
         messages.append({"role": "assistant", "content": out.outputs[0].text})

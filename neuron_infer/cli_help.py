@@ -53,6 +53,9 @@ def sampling_options(f: Callable) -> Callable:
         click.option("--top-k", type=int, default=0, show_default=True, help="sample among the k most likely; 0 = all"),
         click.option("--top-p", type=float, default=1.0, show_default=True, help="nucleus sampling mass; 1 = off"),
         click.option("--seed", type=int, default=None, help="sampling seed (same seed, same tokens)"),
+        click.option("--stop", "stop", multiple=True,
+                     help="stop when the output contains this text (cut before it, finish_reason 'stop'); "
+                          "repeatable, e.g. --stop '\\n\\n' --stop 'User:'"),
     ]
     for opt in reversed(opts):
         f = opt(f)
