@@ -172,7 +172,8 @@ def compile_cmd(model_dir, output, backend, overwrite, **kw) -> None:
               help="CPU threads for the graphs (default: the usable CPUs that other processes leave free, "
                    "re-evaluated twice a second)")
 @build_options
-def generate_cmd(artifacts, prompts, prompt_file, chat, max_new_tokens, temperature, top_k, top_p, seed, stop,
+def generate_cmd(artifacts, prompts, prompt_file, chat, max_new_tokens, temperature, top_k, top_p, seed, min_p, repetition_penalty,
+                 presence_penalty, frequency_penalty, stop,
                  ignore_eos, as_json, stream_json, logprobs, threads, **kw) -> None:
     """Generate from ARTIFACTS (omit to compile or reuse the embedded default model)."""
     from neuron_infer.api import CompiledModel, check_request, encode_prompt  # noqa: PLC0415
@@ -191,7 +192,9 @@ def generate_cmd(artifacts, prompts, prompt_file, chat, max_new_tokens, temperat
                                "`neuron-infer compile`, or omit ARTIFACTS to use the embedded default")
     prompts = resolve_stdin_prompts(list(prompts), prompt_file is not None)
     prompts = collect_prompts(prompts, prompt_file)  # empty ones refused, never swapped or dropped
-    sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, min_p=min_p,
+                              repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+                              frequency_penalty=frequency_penalty)
     if artifacts is None:
         from neuron_infer.checkpoint import load_tokenizer  # noqa: PLC0415
         from neuron_infer.embedded import default_model_dir  # noqa: PLC0415
