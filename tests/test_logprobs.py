@@ -71,7 +71,7 @@ def test_cli_json_logprobs_carry_token_text(art, model):
 
 
 def test_cli_logprobs_without_json_is_one_error_line(art):
-    code, out, err = run_main(["generate", str(art), "--prompt", "a", "--logprobs", "2"])
+    code, _, err = run_main(["generate", str(art), "--prompt", "a", "--logprobs", "2"])
     assert code == 2 and err.strip().startswith("error:") and "--json" in err and "Traceback" not in err
 
 
