@@ -35,7 +35,7 @@ from neuron_infer.runtime.engine import Engine
 from neuron_infer.runtime.generate import SequenceResult, generate_ids
 from neuron_infer.runtime.loader import load_rank
 from neuron_infer.runtime.metrics import Metrics, pooled
-from neuron_infer.runtime.sequence import check_prompt
+from neuron_infer.runtime.sequence import Sequence, StopRule, check_prompt, cut_at_stop
 
 OnTokens = Callable[[list[list[int]]], None]
 
@@ -44,10 +44,14 @@ OnTokens = Callable[[list[list[int]]], None]
 class TextOutput:
     token_ids: list[int]
     text: str
-    finish_reason: str
+    finish_reason: str  # "eos" | "stop" (a stop string; text cut before it) | "max_new_tokens" | "max_length"
+    logprobs: list[dict] | None = None  # per token: {"token_id", "token", "logprob", "top": [{"token_id", ...}]}
 
     def to_dict(self) -> dict:
-        return {"token_ids": self.token_ids, "text": self.text, "finish_reason": self.finish_reason}
+        d = {"token_ids": self.token_ids, "text": self.text, "finish_reason": self.finish_reason}
+        if self.logprobs is not None:
+            d["logprobs"] = self.logprobs
+        return d
 
 
 @dataclass
@@ -158,39 +162,74 @@ class CompiledModel:
 
     def generate_chat(self, messages: list[dict[str, str]], max_new_tokens: int = 64,
                       sampling: SamplingConfig = SamplingConfig(), ignore_eos: bool = False,  # noqa: B008
-                      on_tokens: OnTokens | None = None) -> GenerationOutput:
+                      on_tokens: OnTokens | None = None, stop: tuple[str, ...] = (),
+                      logprobs: int | None = None) -> GenerationOutput:
         """The assistant's next message after `messages` ([{"role": "system"|"user"|"assistant", "content"}])."""
         ids = encode_chat(self.tokenizer, messages)
-        return self.generate_ids([ids], max_new_tokens, sampling, ignore_eos, on_tokens)
+        return self.generate_ids([ids], max_new_tokens, sampling, ignore_eos, on_tokens, stop=stop,
+                                 logprobs=logprobs)
 
     def generate(self, prompts: list[str], max_new_tokens: int = 64,
                  sampling: SamplingConfig = SamplingConfig(),  # noqa: B008 (frozen, never mutated)
-                 chat: bool = False, ignore_eos: bool = False, on_tokens: OnTokens | None = None) -> GenerationOutput:
+                 chat: bool = False, ignore_eos: bool = False, on_tokens: OnTokens | None = None,
+                 stop: tuple[str, ...] = (), logprobs: int | None = None) -> GenerationOutput:
+        """Generate text. `stop`: stop strings (a sequence stops when its output contains one; the text is cut
+        before it, finish_reason "stop"); `logprobs`: each output token's logprob and the top-N alternatives."""
         refuse_empty((f"prompt {i}", p) for i, p in enumerate(prompts))
         ids = [self.encode(p, chat) for p in prompts]
-        return self.generate_ids(ids, max_new_tokens, sampling, ignore_eos, on_tokens)
+        return self.generate_ids(ids, max_new_tokens, sampling, ignore_eos, on_tokens, stop=stop, logprobs=logprobs)
 
     def generate_ids(self, prompts: list[list[int]], max_new_tokens: int = 64,
                      sampling: SamplingConfig = SamplingConfig(),  # noqa: B008 (frozen, never mutated)
                      ignore_eos: bool = False, on_tokens: OnTokens | None = None,
-                     collect_logits: bool = False) -> GenerationOutput:
-        """Generate from token ids. `collect_logits` (tensor-parallel rank groups): keep each step's logits in
-        `self.group.last_run["logits"]` (tests compare them against tp = 1). Under torchrun, ranks other than 0
-        return an empty GenerationOutput (rank 0 holds the results)."""
+                     collect_logits: bool = False, stop: tuple[str, ...] = (),
+                     logprobs: int | None = None) -> GenerationOutput:
+        """Generate from token ids (`stop`, `logprobs`: see `generate`). `collect_logits` (tensor-parallel rank
+        groups): keep each step's logits in `self.group.last_run["logits"]` (tests compare them against tp = 1).
+        Under torchrun, ranks other than 0 return an empty GenerationOutput (rank 0 holds the results)."""
         if max_new_tokens < 1:
             raise NeuronInferError(f"max_new_tokens={max_new_tokens} must be >= 1")
+        rule = StopRule(stop_strings=tuple(stop), decode=self._decode)
         if self.group is not None:  # checked here too: a rank's error would name no prompt of the caller
+            if logprobs is not None:
+                raise NeuronInferError("logprobs are not available for tensor-parallel CPU artifacts yet; use a "
+                                       "tp=1 artifact")
             for i, p in enumerate(prompts):
                 check_prompt(f"prompt {i}", p, self.manifest.build.max_context_length, self.manifest.model.vocab_size)
             got = self.group.generate_ids(prompts, max_new_tokens, sampling, self.eos_ids, ignore_eos, on_tokens,
                                           collect_logits)
-            return GenerationOutput([], []) if got is None else GenerationOutput([self._text(r) for r in got[0]],
-                                                                                 got[1])
-        res, m = generate_ids(self.engine, prompts, max_new_tokens, sampling, self.eos_ids, ignore_eos, on_tokens)
-        return GenerationOutput([self._text(r) for r in res], [m])
+            if got is None:
+                return GenerationOutput([], [])
+            return GenerationOutput([self._text(_apply_stop(r, rule), rule) for r in got[0]], got[1])
+        res, m = generate_ids(self.engine, prompts, max_new_tokens, sampling, self.eos_ids, ignore_eos, on_tokens,
+                              stop=rule, logprobs=logprobs)
+        return GenerationOutput([self._text(r, rule) for r in res], [m])
 
-    def _text(self, r: SequenceResult) -> TextOutput:
-        return TextOutput(r.token_ids, self.tokenizer.decode(r.token_ids, skip_special_tokens=True), r.finish_reason)
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _text(self, r: SequenceResult, rule: StopRule) -> TextOutput:
+        text = self._decode(r.token_ids)
+        if r.finish_reason == "stop":
+            text = cut_at_stop(text, rule.stop_strings)
+        lps = None
+        if r.logprobs is not None:
+            def tok(i: int) -> str:
+                return self.tokenizer.decode([i])
+
+            lps = [{"token_id": e["token_id"], "token": tok(e["token_id"]), "logprob": e["logprob"],
+                    "top": [{"token_id": i, "token": tok(i), "logprob": v} for i, v in e["top"]]} for e in r.logprobs]
+        return TextOutput(r.token_ids, text, r.finish_reason, lps)
+
+
+def _apply_stop(r: SequenceResult, rule: StopRule) -> SequenceResult:
+    """A rank group's result under the stop strings (the ranks generate without them): the same stop rule, replayed
+    over the tokens (the tokens after a stop string are dropped)."""
+    if not rule.stop_strings:
+        return r
+    seq = Sequence(0, [], None, rule, None)
+    kept = seq.append(r.token_ids)
+    return SequenceResult(kept, "stop") if seq.finished else r
 
 
 def encode_prompt(tokenizer, prompt: str, chat: bool = False) -> list[int]:

@@ -176,12 +176,15 @@ def compile_cmd(model_dir, output, backend, overwrite, **kw) -> None:
 @click.option("--json", "as_json", is_flag=True, help="print one JSON line: outputs and metrics")
 @click.option("--stream", "stream_json", is_flag=True,
               help="with --json: JSON Lines, one delta record per step, then the result record")
+@click.option("--logprobs", type=click.IntRange(min=0), default=None,
+              help="with --json: each output token's logprob and the top N alternatives (with their text)")
 @click.option("--threads", type=click.IntRange(min=1), default=None,
               help="CPU threads for the graphs (default: the usable CPUs that other processes leave free, "
                    "re-evaluated twice a second)")
 @build_options
-def generate_cmd(artifacts, prompts, prompt_file, chat, max_new_tokens, temperature, top_k, top_p, seed,
-                 ignore_eos, as_json, stream_json, threads, **kw) -> None:
+def generate_cmd(artifacts, prompts, prompt_file, chat, max_new_tokens, temperature, top_k, top_p, seed, min_p, repetition_penalty,
+                 presence_penalty, frequency_penalty, stop,
+                 ignore_eos, as_json, stream_json, logprobs, threads, **kw) -> None:
     """Generate from ARTIFACTS (omit to compile or reuse the embedded default model)."""
     from neuron_infer.api import LOAD_STAGES, CompiledModel, check_request, encode_prompt  # noqa: PLC0415
     from neuron_infer.cli_io import JsonLinesStreamer, TextStreamer, artifact_front  # noqa: PLC0415
@@ -195,12 +198,16 @@ def generate_cmd(artifacts, prompts, prompt_file, chat, max_new_tokens, temperat
     if stream_json and not as_json:
         raise NeuronInferError("--stream selects JSON Lines output and needs --json (text output always streams "
                                "a single prompt)")
+    if logprobs is not None and not as_json:
+        raise NeuronInferError("--logprobs adds per-token logprobs to the JSON output and needs --json")
     if artifacts is not None and any(v is not None for v in kw.values()):
         raise NeuronInferError("build flags (--dtype, --max-length, ...) apply when compiling; pass them to "
                                "`neuron-infer compile`, or omit ARTIFACTS to use the embedded default")
     prompts = resolve_stdin_prompts([check_text(p, "--prompt") for p in prompts], prompt_file is not None)
     prompts = collect_prompts(prompts, prompt_file)  # empty ones refused, never swapped or dropped
-    sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, min_p=min_p,
+                              repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+                              frequency_penalty=frequency_penalty)
     if artifacts is None:
         from neuron_infer.checkpoint import load_tokenizer  # noqa: PLC0415
         from neuron_infer.embedded import default_model_dir  # noqa: PLC0415
@@ -218,10 +225,11 @@ def generate_cmd(artifacts, prompts, prompt_file, chat, max_new_tokens, temperat
     with stages("loading", list(LOAD_STAGES), None, leave=False) as stage:  # a bar on a terminal, else silent
         model = CompiledModel.load(artifacts, threads=threads or "auto", tokenizer=tokenizer, on_stage=stage)
     if as_json:
-        stream = JsonLinesStreamer(model.tokenizer) if stream_json else None
+        stream = JsonLinesStreamer(model.tokenizer, stop) if stream_json else None
     else:
-        stream = TextStreamer(model.tokenizer) if len(prompts) == 1 else None
-    out = model.generate_ids(ids, max_new_tokens or 128, sampling, ignore_eos=ignore_eos, on_tokens=stream)
+        stream = TextStreamer(model.tokenizer, stop) if len(prompts) == 1 else None
+    out = model.generate_ids(ids, max_new_tokens or 128, sampling, ignore_eos=ignore_eos, on_tokens=stream,
+                             stop=stop, logprobs=logprobs)
     _print_result(out, as_json, stream)
 
 

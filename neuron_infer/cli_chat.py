@@ -73,7 +73,8 @@ def _read_message(stdin, interactive: bool) -> str | None:
               help="CPU threads for the graphs (default: the usable CPUs that other processes leave free)")
 @click.option("--config", default=None,
               help="without ARTIFACTS: the build preset of the default model (as for generate), e.g. tiny")
-def chat_cmd(artifacts, system, max_new_tokens, temperature, top_k, top_p, seed, threads, config) -> None:
+def chat_cmd(artifacts, system, max_new_tokens, temperature, top_k, top_p, seed, min_p, repetition_penalty,
+                 presence_penalty, frequency_penalty, stop, threads, config) -> None:
     """Chat with ARTIFACTS (omit for the embedded default model): one user message per line, answers streamed.
 
     /exit, /quit or end of input ends the chat; /reset forgets the conversation (the system message stays).
@@ -85,7 +86,9 @@ def chat_cmd(artifacts, system, max_new_tokens, temperature, top_k, top_p, seed,
     def say(msg: str) -> None:
         click.echo(msg, err=True)
 
-    sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, min_p=min_p,
+                              repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+                              frequency_penalty=frequency_penalty)
     artifacts = _resolve_artifacts(artifacts, config, say)
     manifest, tokenizer = artifact_front(artifacts)  # cheap checks before the slow load
     start = [{"role": "system", "content": system}] if system else []
@@ -113,8 +116,8 @@ def chat_cmd(artifacts, system, max_new_tokens, temperature, top_k, top_p, seed,
         except NeuronInferError as e:
             say(f"error: {e}")
             continue
-        stream = TextStreamer(model.tokenizer)
-        out = model.generate_ids([ids], max_new_tokens or build.max_length, sampling, on_tokens=stream)
+        stream = TextStreamer(model.tokenizer, stop)
+        out = model.generate_ids([ids], max_new_tokens or build.max_length, sampling, on_tokens=stream, stop=stop)
         stream.finish(out.outputs[0].text)
         click.echo()
         messages.append({"role": "assistant", "content": out.outputs[0].text})

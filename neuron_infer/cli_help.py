@@ -53,6 +53,18 @@ def sampling_options(f: Callable) -> Callable:
         click.option("--top-k", type=int, default=0, show_default=True, help="sample among the k most likely; 0 = all"),
         click.option("--top-p", type=float, default=1.0, show_default=True, help="nucleus sampling mass; 1 = off"),
         click.option("--seed", type=int, default=None, help="sampling seed (same seed, same tokens)"),
+        click.option("--min-p", type=float, default=0.0, show_default=True,
+                     help="keep tokens with probability >= MIN_P x the top token's; 0 = off"),
+        click.option("--repetition-penalty", type=float, default=1.0, show_default=True,
+                     help="divide (positive) or multiply (negative) the logits of tokens already in prompt or "
+                          "output; 1 = off, e.g. 1.1"),
+        click.option("--presence-penalty", type=float, default=0.0, show_default=True,
+                     help="subtract from the logits of tokens already generated; 0 = off, range [-2, 2]"),
+        click.option("--frequency-penalty", type=float, default=0.0, show_default=True,
+                     help="subtract this times each token's count in the output; 0 = off, range [-2, 2]"),
+        click.option("--stop", "stop", multiple=True,
+                     help="stop when the output contains this text (cut before it, finish_reason 'stop'); "
+                          "repeatable, e.g. --stop '\\n\\n' --stop 'User:'"),
     ]
     for opt in reversed(opts):
         f = opt(f)

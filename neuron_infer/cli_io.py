@@ -6,7 +6,8 @@ Prompt from stdin (the convention of `ollama run` and `llm`, plus the Unix `-` f
 * with no `--prompt` / `--prompt-file` and a stdin that is not a terminal (a pipe or a file), stdin is the prompt;
   an empty stdin (e.g. `< /dev/null`) then means "no prompt given" and the default prompt is used.
 
-`--json` prints one line: `{"outputs": [{"token_ids", "text", "finish_reason"}, ...], "metrics": {...}}`.
+`--json` prints one line: `{"outputs": [{"token_ids", "text", "finish_reason"}, ...], "metrics": {...}}`; with
+`--logprobs N` each output also holds `logprobs`: one `{"token_id", "token", "logprob", "top": [...]}` per token.
 `--json --stream` prints JSON Lines: one `{"type": "delta", "index": i, "token_ids": [...], "text": "..."}` record
 per sequence and step that produced text (`token_ids` are the step's new ids, `text` the newly decoded text; the
 concatenated `text` of index i equals outputs[i].text), then one `{"type": "result", "outputs": ..., "metrics": ...}`.
@@ -20,6 +21,7 @@ from pathlib import Path
 import click
 
 from neuron_infer.errors import NeuronInferError
+from neuron_infer.runtime.sequence import cut_at_stop
 
 STDIN = "-"
 
@@ -79,20 +81,27 @@ def artifact_front(artifacts: str | Path):
 _INCOMPLETE = "\ufffd"  # what decode() shows for the first bytes of a character whose last bytes are to come
 
 
-def stable_text(tokenizer, ids: list[int]) -> str:
-    """The decoded text minus a trailing incomplete character, so that it only grows as tokens arrive."""
-    return tokenizer.decode(ids, skip_special_tokens=True).rstrip(_INCOMPLETE)
+def stable_text(tokenizer, ids: list[int], stop: tuple[str, ...] = ()) -> str:
+    """The decoded text minus a trailing incomplete character, so that it only grows as tokens arrive. With stop
+    strings: cut before the first one, and hold back a tail that may be the start of one (it is shown once the
+    next tokens rule that out), so the shown text never contains a stop string."""
+    text = tokenizer.decode(ids, skip_special_tokens=True).rstrip(_INCOMPLETE)
+    if not stop:
+        return text
+    text = cut_at_stop(text, stop)
+    held = max((n for s in stop for n in range(1, len(s)) if text.endswith(s[:n])), default=0)
+    return text[: len(text) - held]
 
 
 class TextStreamer:
     """Prints row 0's text as it grows (decoding the whole row each step keeps multi-byte characters intact);
     `finish` prints what was held back, so the printed text equals the final output's text."""
 
-    def __init__(self, tokenizer):
-        self.tok, self.shown = tokenizer, ""
+    def __init__(self, tokenizer, stop: tuple[str, ...] = ()):
+        self.tok, self.shown, self.stop = tokenizer, "", tuple(stop)
 
     def __call__(self, rows: list[list[int]]) -> None:
-        self._show(stable_text(self.tok, rows[0]))
+        self._show(stable_text(self.tok, rows[0], self.stop))
 
     def finish(self, text: str) -> None:
         self._show(text)
@@ -107,15 +116,15 @@ class TextStreamer:
 class JsonLinesStreamer:
     """Prints one `delta` record per row and step with new text (see the module docstring)."""
 
-    def __init__(self, tokenizer):
-        self.tok = tokenizer
+    def __init__(self, tokenizer, stop: tuple[str, ...] = ()):
+        self.tok, self.stop = tokenizer, tuple(stop)
         self.sent_ids: dict[int, int] = {}
         self.sent_text: dict[int, str] = {}
 
     def __call__(self, rows: list[list[int]]) -> None:
         for i, ids in enumerate(rows):
             if len(ids) > self.sent_ids.get(i, 0):
-                self._delta(i, ids, stable_text(self.tok, ids))
+                self._delta(i, ids, stable_text(self.tok, ids, self.stop))
 
     def finish(self, out) -> None:
         """Flush what a row still owes, so the deltas concatenate to the final texts and ids."""

@@ -399,12 +399,19 @@ def _check_buckets(name: str, buckets: tuple[int, ...] | None, limit: int, flag:
 
 @dataclass(frozen=True)
 class SamplingConfig:
-    """temperature 0 = greedy; top_k 0 = off; top_p 1.0 = off; seed None = nondeterministic."""
+    """temperature 0 = greedy; top_k 0 = off; top_p 1.0 = off; seed None = nondeterministic; min_p 0 = off
+    (keep tokens with probability >= min_p x the top token's); repetition_penalty 1 = off (logits of tokens seen in
+    prompt or output divided by it when positive, multiplied when negative); presence_penalty / frequency_penalty
+    0 = off (subtracted from the logits of output tokens: presence once, frequency per occurrence)."""
 
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
     seed: int | None = None
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     def __post_init__(self) -> None:
         if not math.isfinite(self.temperature) or self.temperature < 0:
@@ -413,6 +420,18 @@ class SamplingConfig:
             raise ConfigError(f"top_k={self.top_k} must be >= 0 (0 disables top-k)")
         if not 0.0 < self.top_p <= 1.0:
             raise ConfigError(f"top_p={self.top_p} must be in (0, 1] (1 disables nucleus sampling)")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ConfigError(f"min_p={self.min_p} must be in [0, 1] (0 disables it)")
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+            raise ConfigError(f"repetition_penalty={self.repetition_penalty} must be > 0 (1 disables it)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ConfigError(f"{name}={getattr(self, name)} must be in [-2, 2] (0 disables it)")
+
+    @property
+    def penalized(self) -> bool:
+        """Whether the logits depend on the tokens so far (repetition, presence or frequency penalty)."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     @property
     def greedy(self) -> bool:

@@ -27,7 +27,8 @@ from neuron_infer.runtime.spec_engine import SpecEngine
 @dataclass
 class SequenceResult:
     token_ids: list[int]
-    finish_reason: str  # "eos" | "max_new_tokens" | "max_length"
+    finish_reason: str  # "eos" | "stop" | "max_new_tokens" | "max_length"
+    logprobs: list[dict] | None = None  # per output token (see Sequence.logprobs), when asked for
 
 
 OnTokens = Callable[[list[list[int]]], None]  # called after each step with every sequence's tokens so far
@@ -60,21 +61,26 @@ def generate_ids(
     on_tokens: OnTokens | None = None,
     agree: Agree | None = None,
     on_logits: Callable[[torch.Tensor], None] | None = None,
+    stop: StopRule | None = None,
+    logprobs: int | None = None,
 ) -> tuple[list[SequenceResult], Metrics]:
     """Generate up to `max_new_tokens` per prompt; speculative steps when the engine carries a draft model
     (`engine.spec`) or is a SpecEngine, plain steps otherwise.
 
     All sequences draw from one generator seeded with `sampling.seed`. `agree` maps sampled tokens to the tokens
     actually used (tensor parallelism: rank 0's choice, broadcast); `on_logits` sees the logits [n, V] of every
-    sampled position of a plain step or prefill.
+    sampled position of a plain step or prefill. `stop`: stop strings and their decoder (its count fields are
+    replaced by this call's); `logprobs`: record each output token's log-probability and the top-N alternatives.
     """
     build = engine.build
     if not prompts:
         raise NeuronInferError("got no prompts; pass at least one")
     for i, p in enumerate(prompts):
         check_prompt(f"prompt {i}", p, build.max_context_length, engine.vocab_size)
-    gen, stop = make_generator(sampling.seed), StopRule(max_new_tokens, eos_ids, ignore_eos, build.max_length)
-    seqs = [Sequence(i, list(p), sampling, stop, gen) for i, p in enumerate(prompts)]
+    gen = make_generator(sampling.seed)
+    stop = StopRule(max_new_tokens, eos_ids, ignore_eos, build.max_length,
+                    stop.stop_strings if stop else (), stop.decode if stop else None)
+    seqs = [Sequence(i, list(p), sampling, stop, gen, logprobs=logprobs) for i, p in enumerate(prompts)]
     sched, runner = Scheduler(build.batch_size), Runner(engine, agree, on_logits, keep_step_counts=True)
     for s in seqs:
         sched.add(s)
@@ -97,4 +103,4 @@ def generate_ids(
     metrics.num_generated = max(len(s.output) for s in seqs)
     metrics.decode_tokens = sum(len(s.output) - 1 for s in seqs)
     metrics.finish(min(len(seqs), build.batch_size))
-    return [SequenceResult(s.output, s.finish_reason or "max_new_tokens") for s in seqs], metrics
+    return [SequenceResult(s.output, s.finish_reason or "max_new_tokens", s.output_logprobs) for s in seqs], metrics

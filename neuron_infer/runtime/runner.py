@@ -14,7 +14,7 @@ overwrite the rows just encoded.
 
 Speculation: one graph serves one sampling rule per step, so a step is plain (and also writes the draft cache, so
 speculation resumes afterwards) when the scheduled sequences mix greedy and sampled or different temperature /
-top-k / top-p, and near max_length where a speculative block would not fit.
+top-k / top-p, when a sequence asks for logprobs or uses penalties or min-p, and near max_length where a speculative block would not fit.
 
 Tensor parallelism: `agree` maps each step's sampled tokens to the ones every rank uses (rank 0's, broadcast): the
 logits are identical everywhere (vocab all-gather), but an unseeded generator is seeded from OS entropy per process.
@@ -30,7 +30,7 @@ from neuron_infer.config import SamplingConfig
 from neuron_infer.errors import NeuronInferError
 from neuron_infer.runtime.engine import Engine
 from neuron_infer.runtime.metrics import Metrics
-from neuron_infer.runtime.sampling import draw_uniforms, sample_rows
+from neuron_infer.runtime.sampling import draw_uniforms, sample_rows, token_history, token_logprobs
 from neuron_infer.runtime.sequence import Sequence
 from neuron_infer.runtime.spec_engine import SpecEngine
 from neuron_infer.runtime.spec_step import uniforms_width
@@ -105,9 +105,18 @@ class Runner:
         if self.on_logits is not None:
             self.on_logits(logits)
         configs = [s.sampling for s in seqs]
-        toks = sample_rows(logits, configs, draw_uniforms(configs, [s.generator for s in seqs]))  # [n]
+        history = None
+        if any(c.penalized for c in configs):  # per-row token counts of prompt + output
+            history = token_history([s.prompt for s in seqs], [s.output for s in seqs], logits.shape[-1])
+        toks = sample_rows(logits, configs, draw_uniforms(configs, [s.generator for s in seqs]), history)  # [n]
         if self.agree is not None:
             toks = self.agree(toks)
+        want = [i for i, s in enumerate(seqs) if s.logprobs is not None]
+        if want:
+            got = token_logprobs(logits[want], toks[want], max(seqs[i].logprobs for i in want))
+            for i, rec in zip(want, got):
+                rec["top"] = rec["top"][: seqs[i].logprobs]
+                seqs[i].output_logprobs.append(rec)
         return {s: s.append([t]) for s, t in zip(seqs, toks.tolist())}
 
     def _speculate(self, scheduled: list[Sequence], rows: dict[int, list[int]], rule: SamplingConfig
@@ -132,7 +141,12 @@ class Runner:
 
 
 def _shared_rule(seqs: list[Sequence]) -> SamplingConfig | None:
-    """The one sampling rule of the scheduled sequences (seed aside), or None when they differ."""
+    """The one sampling rule of the scheduled sequences (seed aside), or None when they differ or when a sequence
+    needs what only a plain step gives: logprobs (the host sees the logits of plain steps only), penalties (the
+    target distribution would depend on the tokens accepted earlier in the same block) or min-p (the compiled
+    speculation graphs take temperature / top-k / top-p only)."""
+    if any(s.logprobs is not None or s.sampling.penalized or s.sampling.min_p > 0 for s in seqs):
+        return None
     rules = {(s.sampling.temperature, s.sampling.top_k, s.sampling.top_p) if not s.sampling.greedy else "greedy"
              for s in seqs}
     if len(rules) != 1:

@@ -17,36 +17,73 @@ from neuron_infer.config import SamplingConfig
 
 
 def params_tensor(temperature: float, top_k: int, top_p: float) -> torch.Tensor:
-    """SamplingConfig fields -> params [3] fp32."""
+    """SamplingConfig fields -> params [3] fp32 (the compiled speculation graphs' input)."""
     return torch.tensor([temperature, float(top_k), top_p], dtype=torch.float32)
 
 
+def _row(c: SamplingConfig) -> list[float]:
+    return [c.temperature, float(c.top_k), c.top_p, c.min_p, c.repetition_penalty, c.presence_penalty,
+            c.frequency_penalty]
+
+
 def rows_params(configs: Sequence[SamplingConfig]) -> torch.Tensor:
-    """One SamplingConfig per row -> params [B, 3] fp32."""
-    return torch.tensor([[c.temperature, float(c.top_k), c.top_p] for c in configs], dtype=torch.float32)
+    """One SamplingConfig per row -> params [B, 7] fp32 (temperature, top_k, top_p, min_p, repetition, presence,
+    frequency)."""
+    return torch.tensor([_row(c) for c in configs], dtype=torch.float32)
 
 
 def _filters_active(configs: Sequence[SamplingConfig]) -> bool:
     return any(not c.greedy and (c.top_k or c.top_p < 1.0) for c in configs)
 
 
-def processed_probs(logits: torch.Tensor, params: torch.Tensor | SamplingConfig, filters: bool = True
-                    ) -> torch.Tensor:
-    """logits [..., V] -> probabilities [..., V] fp32 after temperature, top-k and top-p.
+def token_history(prompts: Sequence[list[int]], outputs: Sequence[list[int]], v: int
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row token counts for the penalties -> (seen [B, V] bool: in prompt or output, counts [B, V] fp32: in the
+    output)."""
+    seen = torch.zeros(len(prompts), v, dtype=torch.bool)  # [B, V]
+    counts = torch.zeros(len(prompts), v, dtype=torch.float32)  # [B, V]
+    for i, (p, o) in enumerate(zip(prompts, outputs)):
+        seen[i, torch.tensor(p + o, dtype=torch.int64)] = True
+        if o:
+            counts[i].index_add_(0, torch.tensor(o, dtype=torch.int64), torch.ones(len(o)))
+    return seen, counts
 
-    params: [3] (every row) or [..., 3] (one per row of logits), or a SamplingConfig. Top-k keeps every logit >= the
-    k-th largest (ties kept); top-p keeps every token whose preceding mass (descending order) is < top_p, which
+
+def penalized(logits: torch.Tensor, params: torch.Tensor, seen: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Repetition (HF / vLLM: seen tokens' logits / r when positive, * r when negative), then presence and frequency
+    (OpenAI: - presence * (count > 0) - frequency * count over output tokens). logits, seen, counts [..., V];
+    params [..., 7] (columns 4..6)."""
+    rep, pres, freq = params[..., 4:5], params[..., 5:6], params[..., 6:7]  # [..., 1] each
+    scaled = torch.where(logits > 0, logits / rep, logits * rep)  # [..., V]
+    logits = torch.where(seen, scaled, logits)
+    return logits - pres * (counts > 0).to(logits.dtype) - freq * counts
+
+
+def processed_probs(logits: torch.Tensor, params: torch.Tensor | SamplingConfig, filters: bool = True,
+                    history: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """logits [..., V] -> probabilities [..., V] fp32 after penalties, temperature, min-p, top-k and top-p.
+
+    params: [3] or [7] (every row) or [..., 3] / [..., 7] (one per row of logits), or a SamplingConfig; columns
+    (temperature, top_k, top_p[, min_p, repetition, presence, frequency]); width 3 (the compiled speculation graphs)
+    means no min-p and no penalties. history: (seen, counts) [..., V] from `token_history`, needed by rows with
+    penalties. Min-p keeps every token whose probability is >= min_p x the top token's. Top-k keeps every logit >=
+    the k-th largest (ties kept); top-p keeps every token whose preceding mass (descending order) is < top_p, which
     always keeps the top token, then renormalizes. Greedy rows (temperature 0) get a one-hot distribution on the
-    argmax (ties -> lowest id, like torch.argmax). `filters=False` skips the sort (a static promise, made by the
-    host, that no row uses top-k or top-p; graphs keep the default).
+    argmax of the penalized logits (ties -> lowest id, like torch.argmax). `filters=False` skips the sort (a static
+    promise, made by the host, that no row uses top-k or top-p; graphs keep the default).
     """
     if isinstance(params, SamplingConfig):
-        params = params_tensor(params.temperature, params.top_k, params.top_p)  # [3]
+        params = torch.tensor(_row(params), dtype=torch.float32)  # [7]
     logits = logits.float()
     v = logits.shape[-1]
+    if history is not None and params.shape[-1] > 3:
+        logits = penalized(logits, params, *history)  # [..., V]
     temp, top_k, top_p = params[..., 0:1], params[..., 1:2], params[..., 2:3]  # [..., 1] each
     greedy = temp <= 0  # [..., 1]
     z = logits / torch.where(greedy, torch.ones_like(temp), temp)  # [..., V]
+    if params.shape[-1] > 3:  # min-p: p_i >= min_p * p_max  <=>  z_i >= max z + log(min_p)
+        floor = z.amax(-1, keepdim=True) + torch.log(params[..., 3:4])  # [..., 1] (-inf when min_p = 0)
+        z = z.masked_fill(z < floor, float("-inf"))
     if not filters:
         probs = torch.softmax(z, dim=-1)  # [..., V]
     else:
@@ -78,6 +115,17 @@ def sample_from_probs(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.minimum(idx, last_positive)
 
 
+def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, n: int) -> list[dict]:
+    """The model's log-probabilities (log-softmax of the raw logits, before temperature and filters, as vLLM's
+    default `raw_logprobs`) of the chosen tokens and the top-n alternatives: logits [m, V], ids [m] ->
+    m × {"token_id", "logprob", "top": [[id, logprob], ...] (n, descending)}."""
+    lp = torch.log_softmax(logits.float(), dim=-1)  # [m, V]
+    chosen = lp.gather(-1, ids.view(-1, 1)).squeeze(-1)  # [m]
+    top_v, top_i = lp.topk(min(n, lp.shape[-1]), dim=-1)  # [m, n] each
+    return [{"token_id": int(t), "logprob": float(c), "top": [[int(i), float(v)] for i, v in zip(ti, tv)]}
+            for t, c, ti, tv in zip(ids.tolist(), chosen.tolist(), top_i.tolist(), top_v.tolist())]
+
+
 def make_generator(seed: int | None) -> torch.Generator:
     g = torch.Generator()
     if seed is None:
@@ -87,12 +135,15 @@ def make_generator(seed: int | None) -> torch.Generator:
     return g
 
 
-def sample_rows(logits: torch.Tensor, configs: Sequence[SamplingConfig], u: torch.Tensor | None) -> torch.Tensor:
-    """Every row in one call: logits [B, V], one SamplingConfig per row, u [B] uniforms (None when all greedy)
-    -> token ids [B] int64."""
-    if all(c.greedy for c in configs):
+def sample_rows(logits: torch.Tensor, configs: Sequence[SamplingConfig], u: torch.Tensor | None,
+                history: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """Every row in one call: logits [B, V], one SamplingConfig per row, u [B] uniforms (None when all greedy),
+    history (seen, counts) [B, V] when a row has penalties -> token ids [B] int64."""
+    if all(c.greedy and not c.penalized for c in configs):
         return logits.argmax(-1)  # [B]: the one-hot distributions' only token, without the softmax
-    probs = processed_probs(logits, rows_params(configs), _filters_active(configs))  # [B, V]
+    probs = processed_probs(logits, rows_params(configs), _filters_active(configs), history)  # [B, V]
+    if u is None:  # every row greedy
+        return probs.argmax(-1)
     return sample_from_probs(probs, u)
 
 

@@ -5,6 +5,7 @@ worker (which passes vLLM's own stop handling through: its sequences never stop 
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -15,13 +16,42 @@ from neuron_infer.errors import NeuronInferError
 
 @dataclass(frozen=True)
 class StopRule:
-    """When a sequence stops: an EOS id (unless ignore_eos), max_new_tokens generated, or max_length tokens in all.
-    `max_new_tokens=None` never stops on count (the vLLM worker: vLLM decides)."""
+    """When a sequence stops: an EOS id (unless ignore_eos), a stop string in its decoded output, max_new_tokens
+    generated, or max_length tokens in all. `max_new_tokens=None` never stops on count (the vLLM worker: vLLM
+    decides). `stop_strings` need `decode` (token ids -> text, the artifact's tokenizer)."""
 
     max_new_tokens: int | None = None
     eos_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     max_length: int | None = None
+    stop_strings: tuple[str, ...] = ()
+    decode: Callable[[list[int]], str] | None = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if any(not isinstance(s, str) or not s for s in self.stop_strings):
+            raise NeuronInferError(f"stop strings must be non-empty text, got {list(self.stop_strings)!r}")
+        if self.stop_strings and self.decode is None:
+            raise NeuronInferError("stop strings need a tokenizer to decode the output")
+
+    @property
+    def tail_tokens(self) -> int:
+        """Tokens decoded per check: enough to hold the longest stop string even at one UTF-8 byte per token
+        (4 bytes per character at most), plus a few for a token that starts mid-character."""
+        return 4 * max(len(s) for s in self.stop_strings) + 4
+
+    def hits_stop_string(self, output: list[int]) -> bool:
+        """Whether the output's decoded tail contains a stop string. Checked after every token, so an earlier
+        occurrence has already stopped the sequence: only the tail window is decoded (incremental)."""
+        if not self.stop_strings:
+            return False
+        tail = self.decode(output[-self.tail_tokens:])
+        return any(s in tail for s in self.stop_strings)
+
+
+def cut_at_stop(text: str, stop_strings: tuple[str, ...]) -> str:
+    """The text before the earliest stop string (the whole text when none occurs), as vLLM and OpenAI return it."""
+    cuts = [i for i in (text.find(s) for s in stop_strings) if i >= 0]
+    return text[: min(cuts)] if cuts else text
 
 
 def check_prompt(name: str, prompt: list[int], max_context: int, vocab_size: int | None = None) -> None:
@@ -53,7 +83,15 @@ class Sequence:
     generator: torch.Generator
     output: list[int] = field(default_factory=list)
     row: int | None = None  # KV-cache row while running
-    finish_reason: str | None = None  # "eos" | "max_new_tokens" | "max_length"
+    finish_reason: str | None = None  # "eos" | "stop" (a stop string) | "max_new_tokens" | "max_length"
+    logprobs: int | None = None  # record each output token's logprob and this many top alternatives (None: off)
+    output_logprobs: list[dict] | None = None  # one {"token_id", "logprob", "top": [[id, logprob], ...]} per token
+
+    def __post_init__(self) -> None:
+        if self.logprobs is not None:
+            if self.logprobs < 0:
+                raise NeuronInferError(f"logprobs={self.logprobs} must be >= 0 (the number of top alternatives)")
+            self.output_logprobs = []
 
     @property
     def tokens(self) -> list[int]:
@@ -73,6 +111,8 @@ class Sequence:
             self.output.append(tok)
             if not stop.ignore_eos and tok in stop.eos_ids:
                 self.finish_reason = "eos"
+            elif stop.hits_stop_string(self.output):
+                self.finish_reason = "stop"
             elif stop.max_new_tokens is not None and len(self.output) >= stop.max_new_tokens:
                 self.finish_reason = "max_new_tokens"
             elif stop.max_length is not None and len(self) >= stop.max_length:

@@ -22,11 +22,7 @@ _UNSUPPORTED: dict[str, tuple[Any, str]] = {
     "allowed_token_ids": (None, "allowed_token_ids"),
     "bad_words": (None, "bad_words"),
     "structured_outputs": (None, "structured output (guided decoding / response_format json)"),
-    "min_p": (0.0, "min_p"),
     "min_tokens": (0, "min_tokens"),
-    "presence_penalty": (0.0, "presence_penalty"),
-    "frequency_penalty": (0.0, "frequency_penalty"),
-    "repetition_penalty": (1.0, "repetition_penalty"),
     "thinking_token_budget": (None, "thinking_token_budget"),
     "repetition_detection": (None, "repetition_detection"),
     "trace_decode_token_ids": (None, "trace_decode_token_ids"),
@@ -58,8 +54,8 @@ def check_request(params: Any, prompt_len: int | None = None, max_prompt_len: in
     if found:
         raise UnsupportedRequestError(
             f"the neuron-infer vLLM plugin does not support {', '.join(found)}; remove "
-            f"{'it' if len(found) == 1 else 'them'} from the request (supported: temperature, top_k, top_p, seed, "
-            "max_tokens, stop, stop_token_ids, ignore_eos, n), or serve this model without NEURON_INFER_VLLM=1"
+            f"{'it' if len(found) == 1 else 'them'} from the request (supported: temperature, top_k, top_p, min_p, "
+            "seed, repetition/presence/frequency penalties, max_tokens, stop, stop_token_ids, ignore_eos, n), or serve this model without NEURON_INFER_VLLM=1"
         )
     if prompt_len is not None and max_prompt_len is not None and prompt_len > max_prompt_len:
         raise UnsupportedRequestError(
@@ -69,9 +65,14 @@ def check_request(params: Any, prompt_len: int | None = None, max_prompt_len: in
 
 
 def to_sampling_config(params: Any) -> SamplingConfig:
-    """vLLM SamplingParams -> SamplingConfig (top_k <= 0 and top_p 1.0 mean off in both)."""
+    """vLLM SamplingParams -> SamplingConfig (top_k <= 0 and top_p 1.0 mean off in both). The penalties apply to
+    greedy requests too (as in vLLM); min-p, top-k and top-p only to sampled ones."""
+    penalties = {"repetition_penalty": float(getattr(params, "repetition_penalty", 1.0)),
+                 "presence_penalty": float(getattr(params, "presence_penalty", 0.0)),
+                 "frequency_penalty": float(getattr(params, "frequency_penalty", 0.0))}
     temperature = float(params.temperature)
     if temperature < GREEDY_EPS:
-        return SamplingConfig(temperature=0.0, seed=params.seed)
+        return SamplingConfig(temperature=0.0, seed=params.seed, **penalties)
     top_k = int(params.top_k or 0)
-    return SamplingConfig(temperature=temperature, top_k=max(top_k, 0), top_p=float(params.top_p), seed=params.seed)
+    return SamplingConfig(temperature=temperature, top_k=max(top_k, 0), top_p=float(params.top_p), seed=params.seed,
+                          min_p=float(getattr(params, "min_p", 0.0)), **penalties)

@@ -48,12 +48,17 @@ class SlotRunner:
     def active(self) -> int:
         return len(self.slots)
 
-    def admit(self, req_id: str, token_ids: list[int], sampling: SamplingConfig) -> int:
-        """Give `req_id` a free row, encode `token_ids` into it and return its first sampled token."""
+    def admit(self, req_id: str, token_ids: list[int], sampling: SamplingConfig, prompt_len: int | None = None
+              ) -> int:
+        """Give `req_id` a free row, encode `token_ids` into it and return its first sampled token. `prompt_len`:
+        for a resumed request, how many of `token_ids` are its prompt (the rest is output, which the presence and
+        frequency penalties count); None = all prompt."""
         if req_id in self.slots:
             raise NeuronInferError(f"request {req_id!r} is already in the batch")
         check_prompt(f"request {req_id!r}", token_ids, self.max_context, self.engine_vocab)
-        seq = Sequence(req_id, list(token_ids), sampling, NO_STOP, make_generator(sampling.seed))
+        cut = len(token_ids) if prompt_len is None else prompt_len
+        seq = Sequence(req_id, list(token_ids[:cut]), sampling, NO_STOP, make_generator(sampling.seed),
+                       output=list(token_ids[cut:]))
         self.scheduler.admit_now(seq)
         self.slots[req_id] = seq
         return self.runner.prefill([seq])[seq][0]

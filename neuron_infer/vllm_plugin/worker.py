@@ -63,6 +63,7 @@ class NeuronInferWorker(WorkerBase):
         self._pending: dict[str, tuple[list[int], Any]] = {}  # prompts still arriving in chunks
         self._preempted: dict[str, list[int]] = {}  # tokens of preempted requests (re-encoded on resume)
         self._params: dict[str, Any] = {}  # SamplingParams of admitted requests (needed again on resume)
+        self._prompt_lens: dict[str, int] = {}  # prompt length per request (penalties tell prompt from output)
 
     def _init_group(self) -> None:
         """vLLM's distributed init (its executor builds message queues on these groups), even at world size 1."""
@@ -155,6 +156,7 @@ class NeuronInferWorker(WorkerBase):
             self._pending.pop(req_id, None)
             self._preempted.pop(req_id, None)
             self._params.pop(req_id, None)
+            self._prompt_lens.pop(req_id, None)
         for req_id in so.preempted_req_ids or ():
             tokens = self.runner.release(req_id)
             if tokens is not None:
@@ -183,6 +185,7 @@ class NeuronInferWorker(WorkerBase):
         for new in so.scheduled_new_reqs:
             check_request(new.sampling_params)
             self._pending[new.req_id] = (list(new.prompt_token_ids or []), new.sampling_params)
+            self._prompt_lens[new.req_id] = len(new.prompt_token_ids or [])
             self._progress(new.req_id, new.num_computed_tokens + so.num_scheduled_tokens[new.req_id], out)
         cached = so.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -205,4 +208,4 @@ class NeuronInferWorker(WorkerBase):
             return
         del self._pending[req_id]
         self._params[req_id] = params
-        out[req_id] = [self.runner.admit(req_id, tokens, to_sampling_config(params))]
+        out[req_id] = [self.runner.admit(req_id, tokens, to_sampling_config(params), self._prompt_lens.get(req_id))]

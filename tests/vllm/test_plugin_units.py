@@ -69,10 +69,16 @@ def test_supported_params_map_to_sampling_config():
     check_request(params(temperature=0.5, top_k=10, top_p=0.8, seed=7))  # no error
 
 
+def test_penalties_and_min_p_map_to_sampling_config():
+    kw = {"repetition_penalty": 1.2, "presence_penalty": 0.5, "frequency_penalty": -0.3}
+    check_request(params(min_p=0.1, **kw))  # no error
+    assert to_sampling_config(params(temperature=0.8, min_p=0.1, **kw)) == SamplingConfig(0.8, min_p=0.1, **kw)
+    assert to_sampling_config(params(temperature=0.0, min_p=0.1, **kw)) == SamplingConfig(**kw)  # greedy: no min-p
+
+
 @pytest.mark.parametrize("kw,name", [
     ({"logprobs": 2}, "logprobs"), ({"prompt_logprobs": 1}, "prompt_logprobs"), ({"logit_bias": {5: 1.0}}, "logit_bias"),
-    ({"structured_outputs": object()}, "structured output"), ({"min_p": 0.1}, "min_p"),
-    ({"repetition_penalty": 1.2}, "repetition_penalty"), ({"bad_words": ["x"]}, "bad_words"),
+    ({"structured_outputs": object()}, "structured output"), ({"bad_words": ["x"]}, "bad_words"),
     ({"allowed_token_ids": [1, 2]}, "allowed_token_ids"), ({"min_tokens": 3}, "min_tokens"),
 ])
 def test_unsupported_features_are_named(kw, name):
@@ -81,8 +87,8 @@ def test_unsupported_features_are_named(kw, name):
 
 
 def test_several_unsupported_features_and_long_prompt():
-    with pytest.raises(UnsupportedRequestError, match="logprobs=1, .*presence_penalty=0.5.*remove them"):
-        check_request(params(logprobs=1, presence_penalty=0.5))
+    with pytest.raises(UnsupportedRequestError, match="logprobs=1, .*min_tokens=2.*remove them"):
+        check_request(params(logprobs=1, min_tokens=2))
     check_request(params(logit_bias={}, bad_words=[]))  # empty containers mean "off"
     with pytest.raises(UnsupportedRequestError, match="prompt has 65 tokens .* at most 64"):
         check_request(params(), prompt_len=65, max_prompt_len=64)

@@ -183,3 +183,27 @@ def test_speculative_runner_seeded_sampling_is_reproducible(spec_model):
     greedy = run_schedule(SlotRunner(spec_model.engine, spec_model.spec), [(0, p, n, SamplingConfig())
                                                                              for _, p, n, _ in sampled])
     assert a == b and a != greedy
+
+
+@pytest.mark.parametrize("sampling", [
+    SamplingConfig(repetition_penalty=1.6, presence_penalty=1.5, frequency_penalty=1.0),
+    SamplingConfig(temperature=0.9, min_p=0.05, presence_penalty=2.0, frequency_penalty=1.5, seed=4),
+])
+def test_a_resumed_request_keeps_its_output_apart_for_the_penalties(models, sampling):
+    """Preemption re-admits prompt + output; with `prompt_len` the presence / frequency penalties still count only
+    the output, so the continuation equals the uninterrupted run (greedy; seeded: the generator restarts, so only
+    the greedy case compares tokens after the resume)."""
+    prompt = [5, 9, 9, 14, 3]
+    runner = SlotRunner(models[4].engine)
+    got = [runner.admit("r", prompt, sampling)]
+    for _ in range(3):
+        got += runner.decode(["r"])["r"]
+    tokens = runner.release("r")
+    assert tokens == prompt + got
+    got.append(runner.admit("r", tokens, sampling, prompt_len=len(prompt)))
+    assert runner.slots["r"].prompt == prompt and runner.slots["r"].output == got
+    if not sampling.greedy:
+        return
+    for _ in range(4):
+        got += runner.decode(["r"])["r"]
+    assert got == alone(models[1], prompt, 9, sampling)
