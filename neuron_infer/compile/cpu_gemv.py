@@ -71,8 +71,8 @@ C_SHIMS = {
     torch.ops.neuron_infer.ni_gemv_bf16_v1.default: [
         f"AOTITorchError {_SYMBOLS['bf16']}(AtenTensorHandle x, AtenTensorHandle w, AtenTensorHandle* ret0)"],
     torch.ops.neuron_infer.ni_gemv_int8_v1.default: [
-        f"AOTITorchError {_SYMBOLS['int8']}(AtenTensorHandle x, AtenTensorHandle q, AtenTensorHandle scale, "
-        "AtenTensorHandle* ret0)"],
+        (f"AOTITorchError {_SYMBOLS['int8']}(AtenTensorHandle x, AtenTensorHandle q, AtenTensorHandle scale, "
+         "AtenTensorHandle* ret0)")],
 }
 OPS = {"bf16": torch.ops.neuron_infer.ni_gemv_bf16_v1.default, "int8": torch.ops.neuron_infer.ni_gemv_int8_v1.default}
 
