@@ -9,9 +9,9 @@
 // so the only difference from the reference (fp32 matmul of the same values, times the scale) is the order of the
 // fp32 sums. The activations are not quantized.
 //
-// Why not VNNI (vpdpbusd, 64 int8 products per instruction): it needs the activations quantized to 8 bits per row,
-// an extra error of about 1/254 of each row's absmax per element, and at 1-8 rows the widening loop below already
-// streams the weights at memory speed on two cores (measured; docs/performance-cpu.md).
+// Not VNNI (vpdpbusd, 64 int8 products per instruction): it needs the activations quantized to 8 bits per row, an
+// extra error of about 1/254 of each row's absmax per element; this weight-only kernel keeps the numerics of the
+// eager int8 model. A VNNI variant has not been built or measured against it (docs/performance-cpu.md).
 //
 // Built for AVX-512 (-mavx512f -mavx512bw -mavx512vl: 16 weights per vector, masked K tails) or, on CPUs without
 // it, AVX2 + FMA (8 weights per vector, scalar K tail); the compiler flags pick the path.
