@@ -15,11 +15,17 @@ Variants
     aoti-inlined      aoti-gemv without `computed_once` fusion barriers (Inductor recomputes
                       RMSNorm/RoPE/softmax normalisation inside the reductions reading them), no fused multiply-add
     inductor-freeze   torch.compile(fullgraph) with freezing=True (oneDNN weight prepacking) and cpp_wrapper
+    aoti-int8         aoti-gemv on the int8-quantized model (quant.int8): int8 linears on 1-8 rows call the
+                      int8 GEMV C kernel (compile/cpu_gemv_int8.cpp)
+    aoti-int8-avx2    the same with the kernel forced down to AVX2 (gemv_isa="avx2")
+
+    python scripts/perf_cpu_backends.py --variants aoti-gemv,aoti-int8 --batch 4   # int8 vs bf16, batch 4
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import statistics
 import sys
 import tempfile
@@ -32,11 +38,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from neuron_infer.compile import cpu
 from neuron_infer.compile.cpu import CpuBackend, CpuCompileOptions
-from neuron_infer.config import ModelConfig
+from neuron_infer.config import ModelConfig, QuantConfig
 from neuron_infer.model import ops
 from neuron_infer.model.llama import BucketStep, LlamaModel
+from neuron_infer.quant import apply_quantization
 
-VARIANTS = ("eager", "aoti-gemv", "aoti-reduction", "aoti-gemm", "aoti-inlined", "inductor-freeze")
+VARIANTS = ("eager", "aoti-gemv", "aoti-reduction", "aoti-gemm", "aoti-inlined", "inductor-freeze", "aoti-int8",
+            "aoti-int8-avx2")
 
 
 def smollm2_config(layers: int) -> ModelConfig:
@@ -44,17 +52,17 @@ def smollm2_config(layers: int) -> ModelConfig:
                        num_kv_heads=3, head_dim=64, rope_theta=100000.0, tie_word_embeddings=True)
 
 
-def build(layers: int, attend: int) -> tuple[BucketStep, tuple]:
+def build(layers: int, attend: int, batch: int = 1) -> tuple[BucketStep, tuple]:
     torch.manual_seed(0)
     model = LlamaModel(smollm2_config(layers)).to(torch.bfloat16).eval()
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0.0, 0.02)
     cfg = model.cfg
-    shape = (cfg.num_layers, 1, cfg.num_kv_heads, attend, cfg.head_dim)  # [L, B, Hkv, S, D]
+    shape = (cfg.num_layers, batch, cfg.num_kv_heads, attend, cfg.head_dim)  # [L, B, Hkv, S, D]
     k, v = torch.zeros(shape, dtype=torch.bfloat16), torch.zeros(shape, dtype=torch.bfloat16)
     pos = attend // 2  # attend over half the bucket, as a decode in the middle of it does
-    args = (torch.tensor([[17]]), torch.tensor([[pos]]), k, v, torch.zeros(1, 1, dtype=torch.int64))
+    args = (torch.full((batch, 1), 17), torch.full((batch, 1), pos), k, v, torch.zeros(batch, 1, dtype=torch.int64))
     return BucketStep(model, attend), args
 
 
@@ -74,6 +82,17 @@ def prepare(variant: str, step: BucketStep, args: tuple, workdir: Path):
     """-> (callable, compile seconds, load seconds)."""
     if variant == "eager":
         return step, 0.0, 0.0
+    if variant.startswith("aoti-int8"):
+        model = copy.deepcopy(step.model)
+        apply_quantization(model, QuantConfig(scheme="int8"))
+        step = BucketStep(model, step.attend_len)
+        isa = "avx2" if variant.endswith("avx2") else "auto"
+        be = CpuBackend(CpuCompileOptions(gemv_isa=isa))
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            be.compile_graph(step, args, workdir, variant)
+        t1 = time.perf_counter()
+        return be.load_graph(workdir, variant, step), t1 - t0, time.perf_counter() - t1
     if variant.startswith("aoti"):
         kernel = variant == "aoti-gemv"
         be = CpuBackend(CpuCompileOptions(gemv_max_rows=0 if variant == "aoti-gemm" else 5, gemv_kernel=kernel))
@@ -120,9 +139,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=1, help="sequences per decode step (rows of every linear)")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
-    step, args = build(a.layers, a.attend)
+    step, args = build(a.layers, a.attend, a.batch)
     fns, info = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         with torch.inference_mode():
@@ -136,7 +156,8 @@ def main() -> None:
                   flush=True)
         res = measure(fns, args, a.rounds, a.steps)
     base = statistics.median(res["eager"]) if "eager" in res else None
-    print(f"\nSmolLM2-135M shape, {a.layers} layers, bf16, batch 1, attend {a.attend}, {a.threads} threads, "
+    print(f"\nSmolLM2-135M shape, {a.layers} layers, bf16 activations, batch {a.batch}, attend {a.attend}, "
+          f"{a.threads} threads, "
           f"{a.rounds} interleaved rounds x {a.steps} steps")
     print(f"{'variant':18s} {'median ms':>10s} {'min ms':>8s} {'tok/s':>7s} {'vs eager':>9s} {'compile s':>10s} "
           f"{'load s':>7s}")

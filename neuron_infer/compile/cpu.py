@@ -52,6 +52,7 @@ from neuron_infer import cpu_threads
 from neuron_infer.compile import cpu_gemv
 from neuron_infer.errors import ArtifactError, ConfigError
 from neuron_infer.model.ops import computed_once
+from neuron_infer.quant import int8
 
 GRAPH_FORMAT = "aotinductor-pt2"
 # Weights stay outside the package (shared by every graph); the generated C++ may contract a * b + c into one
@@ -69,22 +70,42 @@ class CpuCompileOptions:
     gemv_max_rows: linear layers whose input has at most this many rows (product of the leading dims) become GEMVs;
         0 keeps every linear a GEMM call.
     gemv_kernel: bf16 GEMVs call the AVX512-BF16 C kernel (cpu_gemv.cpp) where the CPU has it; otherwise, and for
-        fp32, they are fp32 multiply-and-sum reductions Inductor generates.
+        fp32, they are fp32 multiply-and-sum reductions Inductor generates. int8 linears (quant.int8) on 1-8 bf16
+        rows call the int8 C kernel (cpu_gemv_int8.cpp, AVX-512 or AVX2) regardless of gemv_max_rows (> 0).
+    gemv_isa: the highest ISA level the C kernels may use ("auto": the best this CPU has; "avx512" or "avx2"
+        force it down, e.g. to build and test the paths of CPUs without AVX512-BF16).
     """
 
     gemv_max_rows: int = 5
     gemv_kernel: bool = True
+    gemv_isa: str = "auto"
 
     def __post_init__(self) -> None:
         if not isinstance(self.gemv_max_rows, int) or self.gemv_max_rows < 0:
             raise ConfigError(f"gemv_max_rows={self.gemv_max_rows!r} must be an int >= 0 (0 disables the GEMV path)")
         if not isinstance(self.gemv_kernel, bool):
             raise ConfigError(f"gemv_kernel={self.gemv_kernel!r} must be True or False")
+        if self.gemv_isa != "auto" and self.gemv_isa not in cpu_gemv.ISAS:
+            raise ConfigError(f"gemv_isa={self.gemv_isa!r} must be 'auto' or one of {', '.join(cpu_gemv.ISAS)}")
+
+    def kernel_isa(self) -> str | None:
+        """The ISA level the C kernels of graphs compiled on this machine are built for; None: no C kernel."""
+        best = cpu_gemv.cpu_isa()
+        if not self.gemv_kernel or self.gemv_max_rows == 0 or best is None:
+            return None
+        if self.gemv_isa == "auto":
+            return best
+        return cpu_gemv.ISAS[max(cpu_gemv.ISAS.index(self.gemv_isa), cpu_gemv.ISAS.index(best))]
 
     @property
     def uses_kernel(self) -> bool:
         """Whether bf16 GEMVs of graphs compiled on this machine call the C kernel."""
-        return self.gemv_kernel and self.gemv_max_rows > 0 and cpu_gemv.supported()
+        return "bf16" in cpu_gemv.kernels_for(self.kernel_isa())
+
+    @property
+    def uses_int8_kernel(self) -> bool:
+        """Whether int8 linears on 1-8 bf16 rows of graphs compiled on this machine call the C kernel."""
+        return "int8" in cpu_gemv.kernels_for(self.kernel_isa())
 
 
 def gemv_linear(max_rows: int, kernel: bool = False) -> Callable[..., torch.Tensor]:
@@ -125,7 +146,8 @@ def module_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def _export(module: torch.nn.Module, example_args: tuple, options: CpuCompileOptions) -> torch.export.ExportedProgram:
+def _export_linears(module: torch.nn.Module, example_args: tuple,
+                    options: CpuCompileOptions) -> torch.export.ExportedProgram:
     """Export `module` with static shapes; linear layers on few rows become GEMV reductions."""
     # Export records in-place cache writes only outside inference mode; inference tensors are cloned out of it.
     with torch.inference_mode(False), torch.no_grad():
@@ -136,6 +158,13 @@ def _export(module: torch.nn.Module, example_args: tuple, options: CpuCompileOpt
         # Only linear is rewritten here; every other op is left to Inductor's lowering choices.
         linear = gemv_linear(options.gemv_max_rows, options.uses_kernel)
         return program.run_decompositions({torch.ops.aten.linear.default: linear})
+
+
+def _export(module: torch.nn.Module, example_args: tuple, options: CpuCompileOptions) -> torch.export.ExportedProgram:
+    """Export `module`; int8 linears on few rows call the int8 C kernel (when this machine builds one)."""
+    int8_kernel = cpu_gemv.gemv_int8 if options.uses_int8_kernel else None
+    with int8.few_rows_kernel(int8_kernel, cpu_gemv.INT8_MAX_ROWS):
+        return _export_linears(module, example_args, options)
 
 
 @contextlib.contextmanager
@@ -188,7 +217,7 @@ class CpuBackend:
         t1 = time.perf_counter()
         package = out_dir / f"{graph_name}{PACKAGE_SUFFIX}"
         configs = dict(INDUCTOR_CONFIGS)
-        kernel = _gemv_kernel_file(program, out_dir, graph_name)  # None when no linear calls the C kernel
+        kernel = _gemv_kernel_file(program, out_dir, graph_name, self.options.kernel_isa())  # None: no C kernel
         shims = {"aot_inductor.custom_ops_to_c_shims": cpu_gemv.C_SHIMS} if kernel else {}
         with torch.inference_mode(False), torch.no_grad(), _all_cores(), _hide_torch_internal_warnings():
             torch._inductor.aoti_compile_and_package(program, package_path=str(package),
@@ -229,7 +258,8 @@ class CpuBackend:
             constants[fqn] = t.contiguous()
         if sidecar.get("gemv_kernel"):
             kernel = sidecar["gemv_kernel"]
-            cpu_gemv.load(Path(out_dir) / kernel["file"], kernel["sha256"])  # before the graph that calls it
+            lib, isa = Path(out_dir) / kernel["file"], kernel.get("isa", cpu_gemv.LEGACY_ISA)
+            cpu_gemv.load(lib, kernel["sha256"], isa)  # before the graph that calls it
         compiled = _load_package(package, sidecar["package_sha256"])
         try:
             compiled.load_constants(constants, check_full_update=True, user_managed=True)
@@ -238,15 +268,17 @@ class CpuBackend:
         return LoadedGraph(compiled, constants, graph_name)
 
 
-def _gemv_kernel_file(program: torch.export.ExportedProgram, out_dir: Path, graph_name: str) -> dict | None:
-    """Build the C GEMV kernel next to a graph that calls it and load it (the compile test-loads the graph)."""
-    op = torch.ops.neuron_infer.ni_gemv_bf16_v1.default
-    if not any(node.target is op for node in program.graph.nodes):
+def _gemv_kernel_file(program: torch.export.ExportedProgram, out_dir: Path, graph_name: str,
+                      isa: str | None) -> dict | None:
+    """Build the C GEMV kernels a graph calls next to it and load them (the compile test-loads the graph)."""
+    targets = {node.target for node in program.graph.nodes}
+    kernels = tuple(k for k, op in cpu_gemv.OPS.items() if op in targets)
+    if not kernels:
         return None
-    lib = cpu_gemv.build(out_dir / f"{graph_name}{cpu_gemv.LIB_SUFFIX}")
+    lib = cpu_gemv.build(out_dir / f"{graph_name}{cpu_gemv.LIB_SUFFIX}", kernels, isa)
     sha = _sha256(lib)
-    cpu_gemv.load(lib, sha)
-    return {"file": lib.name, "sha256": sha}
+    cpu_gemv.load(lib, sha, isa)
+    return {"file": lib.name, "sha256": sha, "isa": isa}
 
 
 class LoadedGraph:
@@ -291,11 +323,13 @@ def _read_sidecar(path: Path) -> dict:
 
 
 def _kernel_entry_ok(entry: Any) -> bool:
-    """A sidecar's "gemv_kernel": absent/None, or {"file": "<name>.gemv.so", "sha256": hex} naming a sibling file."""
+    """A sidecar's "gemv_kernel": absent/None, or {"file": "<name>.gemv.so", "sha256": hex, "isa": level} naming a
+    sibling file (no "isa": the bf16 kernel's level)."""
     if entry is None:
         return True
     return (isinstance(entry, dict) and isinstance(entry.get("sha256"), str) and isinstance(entry.get("file"), str)
-            and entry["file"].endswith(cpu_gemv.LIB_SUFFIX) and Path(entry["file"]).name == entry["file"])
+            and entry["file"].endswith(cpu_gemv.LIB_SUFFIX) and Path(entry["file"]).name == entry["file"]
+            and entry.get("isa", cpu_gemv.LEGACY_ISA) in cpu_gemv.ISAS)
 
 
 def _sha256(path: Path) -> str:

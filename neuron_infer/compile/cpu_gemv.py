@@ -1,16 +1,19 @@
-"""The bf16 GEMV kernel of the CPU backend: a custom op, its PyTorch twin, and the C library AOTInductor calls.
+"""The GEMV kernels of the CPU backend: custom ops, their PyTorch twins, and the C library AOTInductor calls.
 
-    export:   linear on 1-5 bf16 rows -> torch.ops.neuron_infer.ni_gemv_bf16_v1(x [R, K], w [N, K]) -> [R, N]
-    compile:  aot_inductor.custom_ops_to_c_shims = C_SHIMS: the generated wrapper calls the C function
-              aoti_torch_cpu_ni_gemv_bf16_v1 (cpu_gemv.cpp) directly - no dispatcher, no Python
-    build:    cpu_gemv.cpp -> <graph>.gemv.so next to the graph (g++, the compiler Inductor uses)
-    load:     the .so is loaded with RTLD_GLOBAL before the graph, so the graph's undefined symbol resolves to it
+    export:   bf16 linear on 1-5 rows -> torch.ops.neuron_infer.ni_gemv_bf16_v1(x [R, K], w [N, K]) -> [R, N]
+              int8 linear on 1-8 rows -> torch.ops.neuron_infer.ni_gemv_int8_v1(x [R, K], q [N, K], s [N]) -> [R, N]
+    compile:  aot_inductor.custom_ops_to_c_shims = C_SHIMS: the generated wrapper calls the C functions
+              aoti_torch_cpu_ni_gemv_{bf16,int8}_v1 (cpu_gemv.cpp, cpu_gemv_int8.cpp) directly - no dispatcher
+    build:    the sources a graph calls -> <graph>.gemv.so next to the graph (g++, the compiler Inductor uses),
+              for one ISA level (ISAS); the level is recorded and checked against the CPU at load
+    load:     the .so is loaded with RTLD_GLOBAL before the graph, so the graph's undefined symbols resolve to it
 
-The op's eager implementation is the reference (fp32 matmul of the same bf16 values, rounded once to bf16): the
-slow twin the tests compare the kernel with. The "_v1" is part of the C symbol and must change with the kernel's
-contract (arguments, result, numerics): the first library loaded in a process serves every graph calling that
-symbol, so two libraries under one name must be interchangeable.
-Used only where the CPU has AVX512-BF16 (`supported()`); elsewhere linears stay Inductor-generated reductions.
+Each op's eager implementation is the reference (fp32 matmul of the same values, times the int8 scale, rounded
+once to bf16): the slow twin the tests compare the kernel with. The "_v1" is part of the C symbol and must change
+with the kernel's contract (arguments, result, numerics): the first library loaded in a process serves every graph
+calling that symbol, so two libraries under one name must be interchangeable.
+The bf16 kernel needs AVX512-BF16; the int8 kernel AVX-512 (F, BW, VL) or AVX2 + FMA. Elsewhere linears stay
+Inductor-generated reductions (bf16) or the quantized module's own matmul (int8).
 """
 from __future__ import annotations
 
@@ -26,12 +29,18 @@ import torch
 
 from neuron_infer.errors import ArtifactError, NeuronInferError
 
-MAX_ROWS = 5  # the C kernel is instantiated for 1..5 input rows
-SOURCE = Path(__file__).with_name("cpu_gemv.cpp")
+MAX_ROWS = 5  # the bf16 C kernel is instantiated for 1..5 input rows
+INT8_MAX_ROWS = 8  # the int8 C kernel for 1..8
+SOURCES = {"bf16": Path(__file__).with_name("cpu_gemv.cpp"), "int8": Path(__file__).with_name("cpu_gemv_int8.cpp")}
 LIB_SUFFIX = ".gemv.so"
-_SYMBOL = "aoti_torch_cpu_ni_gemv_bf16_v1"
-_ISA_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma"]
-_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
+_SYMBOLS = {"bf16": "aoti_torch_cpu_ni_gemv_bf16_v1", "int8": "aoti_torch_cpu_ni_gemv_int8_v1"}
+# ISA levels, highest first: the /proc/cpuinfo flags each needs and the compiler flags it is built with.
+ISAS = ("avx512-bf16", "avx512", "avx2")
+_CPU_FLAGS = {"avx512-bf16": ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "fma"),
+              "avx512": ("avx512f", "avx512bw", "avx512vl", "fma"), "avx2": ("avx2", "fma")}
+_CC_FLAGS = {"avx512-bf16": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma"],
+             "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma"], "avx2": ["-mavx2", "-mfma"]}
+LEGACY_ISA = "avx512-bf16"  # sidecars without an "isa" entry hold the bf16 kernel
 
 
 @torch.library.custom_op("neuron_infer::ni_gemv_bf16_v1", mutates_args=())
@@ -45,30 +54,71 @@ def _(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return x.new_empty(x.shape[0], w.shape[0])
 
 
-C_SHIMS = {torch.ops.neuron_infer.ni_gemv_bf16_v1.default: [
-    f"AOTITorchError {_SYMBOL}(AtenTensorHandle x, AtenTensorHandle w, AtenTensorHandle* ret0)"]}
+@torch.library.custom_op("neuron_infer::ni_gemv_int8_v1", mutates_args=())
+def gemv_int8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [R, K] bf16, q [N, K] int8, scale [N] bf16 -> (x @ q.T) * scale [R, N] bf16 (fp32 math, one rounding).
+
+    The reference: the dequantize-then-matmul result with the per-channel scale applied after the fp32 sum."""
+    return ((x.float() @ q.float().t()) * scale.float()).to(torch.bfloat16)
+
+
+@gemv_int8.register_fake
+def _(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], q.shape[0])
+
+
+C_SHIMS = {
+    torch.ops.neuron_infer.ni_gemv_bf16_v1.default: [
+        f"AOTITorchError {_SYMBOLS['bf16']}(AtenTensorHandle x, AtenTensorHandle w, AtenTensorHandle* ret0)"],
+    torch.ops.neuron_infer.ni_gemv_int8_v1.default: [
+        (f"AOTITorchError {_SYMBOLS['int8']}(AtenTensorHandle x, AtenTensorHandle q, AtenTensorHandle scale, "
+         "AtenTensorHandle* ret0)")],
+}
+OPS = {"bf16": torch.ops.neuron_infer.ni_gemv_bf16_v1.default, "int8": torch.ops.neuron_infer.ni_gemv_int8_v1.default}
 
 
 @lru_cache(maxsize=1)
-def supported() -> bool:
-    """True on x86-64 Linux CPUs with AVX512-BF16 (the kernel's instructions)."""
+def _cpu_flags() -> frozenset[str]:
     if platform.system() != "Linux" or platform.machine() != "x86_64":
-        return False
+        return frozenset()
     try:
         flags = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), "")
     except OSError:
-        return False
-    have = set(flags.split(":", 1)[-1].split())
-    return all(f in have for f in _CPU_FLAGS)
+        return frozenset()
+    return frozenset(flags.split(":", 1)[-1].split())
 
 
-def build(out: Path) -> Path:
-    """Compile cpu_gemv.cpp into `out` (written to a temporary name, then renamed)."""
+def has_isa(isa: str) -> bool:
+    """Whether this CPU (x86-64 Linux) has every instruction set the kernels built for `isa` use."""
+    return all(f in _cpu_flags() for f in _CPU_FLAGS[isa])
+
+
+def cpu_isa() -> str | None:
+    """The highest ISA level (ISAS) this CPU has, or None (no kernel can run here)."""
+    return next((isa for isa in ISAS if has_isa(isa)), None)
+
+
+def supported() -> bool:
+    """True on x86-64 Linux CPUs with AVX512-BF16 (the bf16 kernel's instructions)."""
+    return has_isa("avx512-bf16")
+
+
+def kernels_for(isa: str | None) -> tuple[str, ...]:
+    """The kernels ("bf16", "int8") a library built for `isa` provides."""
+    if isa is None:
+        return ()
+    return ("bf16", "int8") if isa == "avx512-bf16" else ("int8",)
+
+
+def build(out: Path, kernels: tuple[str, ...], isa: str = LEGACY_ISA) -> Path:
+    """Compile the sources of `kernels` for `isa` into `out` (written to a temporary name, then renamed)."""
+    if not kernels or any(k not in kernels_for(isa) for k in kernels):
+        raise ValueError(f"kernels {kernels} cannot be built for ISA {isa}")
     torch_dir = Path(torch.__file__).parent
     tmp = out.with_name(out.name + ".tmp")
     cmd = [torch._inductor.cpp_builder.get_cpp_compiler(), "-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp",
-           *_ISA_FLAGS, f"-I{torch_dir / 'include'}", str(SOURCE), f"-L{torch_dir / 'lib'}", "-ltorch_cpu",
-           "-o", str(tmp)]
+           *_CC_FLAGS[isa], f"-I{torch_dir / 'include'}", *(str(SOURCES[k]) for k in kernels),
+           f"-L{torch_dir / 'lib'}", "-ltorch_cpu", "-o", str(tmp)]
     try:
         done = subprocess.run(cmd, check=False, capture_output=True, text=True)
         error = done.stderr[-2000:] if done.returncode else ""
@@ -77,7 +127,7 @@ def build(out: Path) -> Path:
     if error:
         tmp.unlink(missing_ok=True)
         raise NeuronInferError(f"building the CPU GEMV kernel failed ({' '.join(cmd)}):\n{error}\nInstall a C++ "
-                               "compiler with AVX512-BF16 support (g++ >= 10; AOTInductor needs one too)")
+                               f"compiler with {isa} support (g++ >= 10; AOTInductor needs one too)")
     os.replace(tmp, out)
     return out
 
@@ -85,7 +135,7 @@ def build(out: Path) -> Path:
 _loaded: dict[str, ctypes.CDLL] = {}
 
 
-def load(lib: Path, sha256: str) -> None:
+def load(lib: Path, sha256: str, isa: str = LEGACY_ISA) -> None:
     """Make the kernel's symbol visible to graphs loaded afterwards (once per process and file)."""
     key = str(Path(lib).resolve())
     if key in _loaded:
@@ -95,9 +145,10 @@ def load(lib: Path, sha256: str) -> None:
     if hashlib.sha256(lib.read_bytes()).hexdigest() != sha256:
         raise ArtifactError(f"the GEMV kernel {lib} is corrupt (its sha256 differs from the one recorded at compile "
                             "time); recompile the model")
-    if not supported():
-        raise ArtifactError(f"{lib} needs a CPU with {', '.join(_CPU_FLAGS)}, which this machine lacks; compile the "
-                            "model on this machine")
+    if isa not in _CPU_FLAGS or not has_isa(isa):
+        flags = ", ".join(_CPU_FLAGS.get(isa, (repr(isa),)))
+        raise ArtifactError(f"{lib} needs a CPU with {flags}, which this machine lacks; compile the model on this "
+                            "machine")
     try:
         _loaded[key] = ctypes.CDLL(key, mode=os.RTLD_NOW | os.RTLD_GLOBAL)
     except OSError as e:

@@ -132,7 +132,8 @@ def test_options_and_unsupported_cpus_keep_the_inductor_reduction(monkeypatch):
 
     assert calls(CpuCompileOptions(gemv_kernel=False)) == 0
     assert calls(CpuCompileOptions(gemv_max_rows=2)) == (3 if cpu_gemv.supported() else 0)  # the 1- and 2-row ones
-    monkeypatch.setattr(cpu_gemv, "supported", lambda: False)
+    assert calls(CpuCompileOptions(gemv_isa="avx512")) == 0  # forced below AVX512-BF16
+    monkeypatch.setattr(cpu_gemv, "_cpu_flags", lambda: frozenset({"avx512f", "avx512bw", "avx512vl", "fma"}))
     assert calls(CpuCompileOptions()) == 0
     with pytest.raises(ConfigError, match="gemv_kernel"):
         CpuCompileOptions(gemv_kernel=1)
@@ -160,6 +161,6 @@ def test_damaged_kernel_library_is_a_clear_error(linears, tmp_path, damage):
 def test_kernel_refused_on_a_cpu_without_avx512_bf16(monkeypatch, tmp_path):
     lib = tmp_path / "x.gemv.so"
     lib.write_bytes(b"\x7fELF")
-    monkeypatch.setattr(cpu_gemv, "supported", lambda: False)
-    with pytest.raises(ArtifactError, match="AVX|avx512_bf16"):
+    monkeypatch.setattr(cpu_gemv, "_cpu_flags", lambda: frozenset({"avx512f", "avx512bw", "avx512vl", "fma"}))
+    with pytest.raises(ArtifactError, match="avx512_bf16"):
         cpu_gemv.load(lib, hashlib.sha256(lib.read_bytes()).hexdigest())

@@ -1,0 +1,165 @@
+// int8-weight GEMV for linears with 1-8 input rows: y[R, N] = (x[R, K] @ q[N, K]^T) * scale[N], x bf16, q int8,
+// scale bf16 (per output channel), fp32 accumulation, the result rounded once to bf16 (round to nearest even).
+//
+// Called directly from AOTInductor-generated wrappers (a C shim); see neuron_infer/compile/cpu_gemv.py for the op,
+// its PyTorch reference twin and how this file is built.
+//
+// Numerics: weight-only. Each int8 weight is widened to fp32 in registers (vpmovsxbd + vcvtdq2ps, exact) and
+// multiplied by the activation widened from bf16 (exact: an 8-bit by 8-bit significand product fits fp32's 24 bits),
+// so the only difference from the reference (fp32 matmul of the same values, times the scale) is the order of the
+// fp32 sums. The activations are not quantized.
+//
+// Not VNNI (vpdpbusd, 64 int8 products per instruction): it needs the activations quantized to 8 bits per row, an
+// extra error of about 1/254 of each row's absmax per element; this weight-only kernel keeps the numerics of the
+// eager int8 model. A VNNI variant has not been built or measured against it (docs/performance-cpu.md).
+//
+// Built for AVX-512 (-mavx512f -mavx512bw -mavx512vl: 16 weights per vector, masked K tails) or, on CPUs without
+// it, AVX2 + FMA (8 weights per vector, scalar K tail); the compiler flags pick the path.
+#include <torch/csrc/inductor/aoti_torch/c/shim.h>
+
+#include <immintrin.h>
+#include <omp.h>
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+inline uint16_t to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);  // quiet NaN
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+inline float from_bf16(uint16_t b) {
+  const uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+#ifdef __AVX512F__
+constexpr int64_t kLanes = 16;
+using Vec = __m512;
+inline Vec zero() { return _mm512_setzero_ps(); }
+inline Vec widen(const int8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p))); }
+inline Vec fma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline Vec load(const float* p) { return _mm512_loadu_ps(p); }
+inline float hsum(Vec v) { return _mm512_reduce_add_ps(v); }
+#else
+constexpr int64_t kLanes = 8;
+using Vec = __m256;
+inline Vec zero() { return _mm256_setzero_ps(); }
+inline Vec widen(const int8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p))); }
+inline Vec fma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline Vec load(const float* p) { return _mm256_loadu_ps(p); }
+inline float hsum(Vec v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
+}
+#endif
+
+// xf: R fp32 rows of kp >= k floats (zero beyond k); q rows `qs` apart; y rows `n` apart.
+template <int R>
+void gemv_rows(const float* xf, int64_t kp, const int8_t* q, int64_t qs, const uint16_t* scale, uint16_t* y,
+               int64_t n, int64_t k) {
+  constexpr int A = R <= 4 ? 4 : 2;  // independent accumulators per row (FMA latency)
+  const int64_t kv = k / kLanes * kLanes;
+#pragma omp parallel for schedule(static)
+  for (int64_t j = 0; j < n; j++) {
+    const int8_t* qr = q + j * qs;
+    Vec acc[R][A];
+    for (int r = 0; r < R; r++)
+      for (int a = 0; a < A; a++) acc[r][a] = zero();
+    int64_t i = 0;
+    for (; i + A * kLanes <= kv; i += A * kLanes)
+      for (int a = 0; a < A; a++) {
+        const Vec w = widen(qr + i + a * kLanes);
+        for (int r = 0; r < R; r++) acc[r][a] = fma(w, load(xf + r * kp + i + a * kLanes), acc[r][a]);
+      }
+    for (; i < kv; i += kLanes) {
+      const Vec w = widen(qr + i);
+      for (int r = 0; r < R; r++) acc[r][0] = fma(w, load(xf + r * kp + i), acc[r][0]);
+    }
+    float sum[R];
+#ifdef __AVX512F__
+    if (i < k) {  // masked tail: lanes beyond k load 0 (and xf is 0 there)
+      const __mmask16 m = static_cast<__mmask16>((1u << (k - i)) - 1);
+      const Vec w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, qr + i)));
+      for (int r = 0; r < R; r++) acc[r][1] = fma(w, load(xf + r * kp + i), acc[r][1]);
+    }
+    for (int r = 0; r < R; r++) {
+      Vec s = acc[r][0];
+      for (int a = 1; a < A; a++) s = _mm512_add_ps(s, acc[r][a]);
+      sum[r] = hsum(s);
+    }
+#else
+    for (int r = 0; r < R; r++) {
+      Vec s = acc[r][0];
+      for (int a = 1; a < A; a++) s = _mm256_add_ps(s, acc[r][a]);
+      sum[r] = hsum(s);
+      for (int64_t t = i; t < k; t++) sum[r] += static_cast<float>(qr[t]) * xf[r * kp + t];
+    }
+#endif
+    const float sc = from_bf16(scale[j]);
+    for (int r = 0; r < R; r++) y[r * n + j] = to_bf16(sum[r] * sc);
+  }
+}
+
+using Kernel = void (*)(const float*, int64_t, const int8_t*, int64_t, const uint16_t*, uint16_t*, int64_t, int64_t);
+constexpr Kernel kKernels[] = {nullptr,       gemv_rows<1>, gemv_rows<2>, gemv_rows<3>, gemv_rows<4>,
+                               gemv_rows<5>, gemv_rows<6>, gemv_rows<7>, gemv_rows<8>};
+constexpr int64_t kMaxRows = 8;
+
+// A CPU tensor of `dims` dims and dtype `dtype`, unit stride in its last dim -> sizes, leading stride and data.
+bool view(AtenTensorHandle t, int64_t dims, int32_t dtype, int64_t** sizes, int64_t* lead_stride, void** data) {
+  int64_t dim = 0, *strides = nullptr;
+  int32_t dt = 0, device = 0;
+  if (aoti_torch_get_dim(t, &dim) || dim != dims || aoti_torch_get_dtype(t, &dt) || dt != dtype ||
+      aoti_torch_get_device_type(t, &device) || device != aoti_torch_device_type_cpu() ||
+      aoti_torch_get_sizes(t, sizes) || aoti_torch_get_strides(t, &strides) || aoti_torch_get_data_ptr(t, data))
+    return false;
+  *lead_stride = strides[0];
+  return strides[dims - 1] == 1 || (*sizes)[dims - 1] == 1;
+}
+
+}  // namespace
+
+extern "C" {
+
+// x [R, K] bf16, q [N, K] int8, scale [N] bf16 -> *ret0 = new [R, N] bf16 tensor. AOTI_TORCH_FAILURE on any other
+// input (the generated wrapper turns that into a RuntimeError).
+AOTITorchError aoti_torch_cpu_ni_gemv_int8_v1(AtenTensorHandle x, AtenTensorHandle q, AtenTensorHandle scale,
+                                              AtenTensorHandle* ret0) {
+  int64_t *xsz = nullptr, *qsz = nullptr, *ssz = nullptr, xs = 0, qs = 0, ss = 0;
+  void *xd = nullptr, *qd = nullptr, *sd = nullptr, *yd = nullptr;
+  const int32_t bf16 = aoti_torch_dtype_bfloat16();
+  if (!view(x, 2, bf16, &xsz, &xs, &xd) || !view(q, 2, aoti_torch_dtype_int8(), &qsz, &qs, &qd) ||
+      !view(scale, 1, bf16, &ssz, &ss, &sd))
+    return AOTI_TORCH_FAILURE;
+  const int64_t r = xsz[0], k = xsz[1], n = qsz[0];
+  if (qsz[1] != k || ssz[0] != n || r < 1 || r > kMaxRows || k < 1) return AOTI_TORCH_FAILURE;
+  const int64_t sizes[2] = {r, n}, strides[2] = {n, 1};
+  AtenTensorHandle y = nullptr;
+  if (aoti_torch_empty_strided(2, sizes, strides, bf16, aoti_torch_device_type_cpu(), 0, &y)) return AOTI_TORCH_FAILURE;
+  if (aoti_torch_get_data_ptr(y, &yd)) {
+    aoti_torch_delete_tensor_object(y);
+    return AOTI_TORCH_FAILURE;
+  }
+  // The activations widened to fp32 once (R x K, a few KB), zero-padded to whole vectors.
+  const int64_t kp = (k + kLanes - 1) / kLanes * kLanes;
+  std::vector<float> xf(static_cast<size_t>(r * kp), 0.0f);
+  const uint16_t* xb = static_cast<const uint16_t*>(xd);
+  for (int64_t i = 0; i < r; i++)
+    for (int64_t t = 0; t < k; t++) xf[i * kp + t] = from_bf16(xb[i * xs + t]);
+  kKernels[r](xf.data(), kp, static_cast<const int8_t*>(qd), qs, static_cast<const uint16_t*>(sd),
+              static_cast<uint16_t*>(yd), n, k);
+  *ret0 = y;
+  return AOTI_TORCH_SUCCESS;
+}
+
+}  // extern "C"

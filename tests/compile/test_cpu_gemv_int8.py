@@ -1,0 +1,173 @@
+"""The int8-weight GEMV kernel (compile/cpu_gemv_int8.cpp) against its PyTorch twin, inside real AOTInductor graphs.
+
+Numerics: weight-only. The kernel widens int8 weights and bf16 activations to fp32 (both exact), accumulates in
+fp32, multiplies by the per-channel scale and rounds once to bf16; the reference does the same in a different
+summation order (fp32 reassociation, ~1e-6 relative). After the bf16 rounding almost every output is bit-equal and
+the rest differ by one bf16 step: checked as at least 97% bit-equal and all within one step (the bf16 kernel's
+criterion). A kernel dropping a K tail, mixing rows, misreading a stride or a scale is off by far more.
+Both ISA levels are tested on CPUs that have them (AVX-512 and AVX2, the latter forced with gemv_isa="avx2").
+"""
+from __future__ import annotations
+
+import copy
+import json
+import zipfile
+
+import pytest
+import torch
+
+from neuron_infer.compile import cpu, cpu_gemv
+from neuron_infer.compile.cpu import CpuBackend, CpuCompileOptions
+from neuron_infer.config import QuantConfig
+from neuron_infer.errors import ArtifactError, ConfigError
+from neuron_infer.model.llama import BucketStep
+from neuron_infer.quant import apply_quantization
+from neuron_infer.quant.int8 import Int8Linear
+from tests.compile.test_cpu_backend import S, empty_cache, tg_args, tiny_model
+from tests.compile.test_cpu_gemv import assert_one_rounding_apart
+
+ISAS = [isa for isa in ("avx512", "avx2") if cpu_gemv.has_isa(isa)]
+needs_int8 = pytest.mark.skipif(not ISAS, reason="this CPU has neither AVX-512 nor AVX2")
+# (R, N, K): K multiples of 64, of 16 only, 8-element and 4-element tails, K < 8; rows 1..8
+SHAPES = [(1, 70, 64), (2, 33, 96), (3, 17, 100), (4, 130, 600), (5, 48, 576), (6, 9, 1544), (7, 40, 5), (8, 65, 200),
+          (1, 257, 31)]
+
+
+class Int8Linears(torch.nn.Module):
+    """One int8 linear per shape, each fed by its own [R, K] bf16 input (a bias on one)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        lins = [torch.nn.Linear(k, n, bias=i == 1).to(torch.bfloat16) for i, (_, n, k) in enumerate(SHAPES)]
+        for lin in lins:  # per-channel magnitudes spanning 100x, so a wrong scale index shows
+            with torch.no_grad():
+                lin.weight.mul_(torch.logspace(-1, 1, lin.out_features, dtype=torch.bfloat16)[:, None])
+        self.lins = torch.nn.ModuleList(Int8Linear.from_linear(lin) for lin in lins)
+
+    def forward(self, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(lin(x) for lin, x in zip(self.lins, xs))
+
+
+def inputs() -> tuple[torch.Tensor, ...]:
+    torch.manual_seed(1)
+    return tuple(torch.randn(r, k).to(torch.bfloat16) for r, _, k in SHAPES)
+
+
+def reference(module: Int8Linears, xs) -> list[torch.Tensor]:
+    out = []
+    for lin, x in zip(module.lins, xs):
+        y = cpu_gemv.gemv_int8(x, lin.weight, lin.weight_scale)
+        out.append(y if lin.bias is None else y + lin.bias)
+    return out
+
+
+@pytest.fixture(scope="module", params=ISAS)
+def linears(request, tmp_path_factory):
+    out = tmp_path_factory.mktemp(f"gemv8-{request.param}")
+    module = Int8Linears().eval()
+    with torch.inference_mode():
+        meta = CpuBackend(CpuCompileOptions(gemv_isa=request.param)).compile_graph(module, inputs(), out, "lin")
+    return out, module, meta, request.param
+
+
+def test_reference_is_dequantize_then_matmul():
+    torch.manual_seed(2)
+    lin = Int8Linear.from_linear(torch.nn.Linear(100, 20, bias=False))
+    x = torch.randn(3, 100).to(torch.bfloat16)
+    exact = (x.double() @ lin.dequantized_weight().double().t()).to(torch.bfloat16)  # fp64 sum, one rounding
+    assert_one_rounding_apart(cpu_gemv.gemv_int8(x, lin.weight, lin.weight_scale), exact)
+
+
+@needs_int8
+def test_compiled_kernel_equals_reference_on_every_shape(linears):
+    out, module, meta, isa = linears
+    assert meta["gemv_kernel"] and "lin.gemv.so" in meta["files"]
+    assert json.loads((out / "lin.json").read_text())["gemv_kernel"]["isa"] == isa
+    graph = CpuBackend().load_graph(out, "lin", module)
+    with torch.inference_mode():
+        got = graph(*inputs())
+        ref = reference(module, inputs())
+    for g, r in zip(got, ref):
+        assert_one_rounding_apart(g, r)
+
+
+@needs_int8
+def test_graph_calls_the_c_function_not_the_dispatcher(linears):
+    out = linears[0]
+    with zipfile.ZipFile(out / "lin.pt2") as z:
+        wrapper = "".join(z.read(n).decode() for n in z.namelist() if n.endswith("wrapper.cpp"))
+    assert wrapper.count("aoti_torch_cpu_ni_gemv_int8_v1(") >= len(SHAPES)
+    assert "proxy_executor_call_function" not in wrapper
+
+
+@needs_int8
+def test_int8_token_generation_graph_matches_eager(tmp_path):
+    """A whole int8 decode step (2 rows) through the kernel against the same int8 weights dequantized and computed
+    in fp32. Criterion: no further from it than eager int8 is (up to 1.5x; both round activations to bf16 between
+    ops, and eager rounds the matmul before the scale); a broken kernel is off by O(1)."""
+    model = tiny_model().to(torch.bfloat16)
+    apply_quantization(model, QuantConfig(scheme="int8"))
+    exact = copy.deepcopy(model)
+    for name, mod in list(exact.named_modules()):
+        if isinstance(mod, Int8Linear):
+            lin = torch.nn.Linear(mod.in_features, mod.out_features, bias=mod.bias is not None)
+            lin.weight.data = mod.dequantized_weight()
+            if mod.bias is not None:
+                lin.bias.data = mod.bias.float()
+            exact.set_submodule(name, lin)
+    exact.float()
+    k, v = (t.to(torch.bfloat16) for t in empty_cache(model))
+    with torch.inference_mode():
+        meta = CpuBackend().compile_graph(BucketStep(model, S), tg_args(k, v, 0), tmp_path, "tg")
+        graph = CpuBackend().load_graph(tmp_path, "tg", BucketStep(model, S))
+        got = graph(*tg_args(k.clone(), v.clone(), 0)).float()
+        eager = BucketStep(model, S)(*tg_args(k.clone(), v.clone(), 0)).float()
+        ref = BucketStep(exact, S)(*tg_args(k.float(), v.float(), 0))
+    assert meta["gemv_kernel"]
+    with zipfile.ZipFile(tmp_path / "tg.pt2") as z:
+        wrapper = "".join(z.read(n).decode() for n in z.namelist() if n.endswith("wrapper.cpp"))
+    assert "aoti_torch_cpu_ni_gemv_int8_v1(" in wrapper
+    eager_err = (eager - ref).abs().max().item()
+    assert 0 < eager_err < 0.1
+    assert (got - ref).abs().max().item() <= 1.5 * eager_err
+    assert (got.argmax(-1) == ref.argmax(-1)).all()
+
+
+def _calls(options: CpuCompileOptions) -> int:
+    module, xs = Int8Linears().eval(), inputs()
+    program = cpu._export(module, xs, options)
+    return sum(node.target is cpu_gemv.OPS["int8"] for node in program.graph.nodes)
+
+
+def test_options_and_cpus_without_the_isa_keep_the_module_matmul(monkeypatch):
+    assert _calls(CpuCompileOptions(gemv_kernel=False)) == 0
+    assert _calls(CpuCompileOptions(gemv_max_rows=0)) == 0
+    if ISAS:
+        assert _calls(CpuCompileOptions()) == len(SHAPES)  # 1..8 rows, whatever gemv_max_rows (> 0) says
+        assert _calls(CpuCompileOptions(gemv_max_rows=2)) == len(SHAPES)
+    monkeypatch.setattr(cpu_gemv, "_cpu_flags", lambda: frozenset({"sse2", "avx"}))
+    assert CpuCompileOptions().kernel_isa() is None and not CpuCompileOptions().uses_int8_kernel
+    assert _calls(CpuCompileOptions()) == 0
+    monkeypatch.setattr(cpu_gemv, "_cpu_flags", lambda: frozenset({"avx2", "fma"}))
+    assert CpuCompileOptions().kernel_isa() == CpuCompileOptions(gemv_isa="avx512-bf16").kernel_isa() == "avx2"
+    assert CpuCompileOptions().uses_int8_kernel and not CpuCompileOptions().uses_kernel
+    with pytest.raises(ConfigError, match="gemv_isa"):
+        CpuCompileOptions(gemv_isa="sse")
+
+
+def test_forcing_the_isa_down_drops_the_bf16_kernel_only():
+    if not cpu_gemv.supported():
+        pytest.skip("this CPU has no AVX512-BF16")
+    assert CpuCompileOptions().kernel_isa() == "avx512-bf16"
+    low = CpuCompileOptions(gemv_isa="avx2")
+    assert low.kernel_isa() == "avx2" and low.uses_int8_kernel and not low.uses_kernel
+
+
+@needs_int8
+def test_library_refused_on_a_cpu_without_its_isa(linears, monkeypatch, tmp_path):
+    out, module, _, isa = linears
+    cpu_gemv._loaded.clear()  # a library already loaded in this process is not checked again
+    monkeypatch.setattr(cpu_gemv, "_cpu_flags", lambda: frozenset({"sse2"}))
+    with pytest.raises(ArtifactError, match=f"needs a CPU with .*{'avx512f' if isa == 'avx512' else 'avx2'}"):
+        CpuBackend().load_graph(out, "lin", module)
