@@ -30,6 +30,7 @@ from neuron_infer.config import SamplingConfig
 from neuron_infer.errors import NeuronInferError
 from neuron_infer.runtime.engine import Engine
 from neuron_infer.runtime.metrics import Metrics
+from neuron_infer.runtime.ngram_spec import NgramSpec, accept
 from neuron_infer.runtime.sampling import draw_uniforms, sample_rows
 from neuron_infer.runtime.sequence import Sequence
 from neuron_infer.runtime.spec_engine import SpecEngine
@@ -44,7 +45,7 @@ class Runner:
     def __init__(self, engine: Engine | SpecEngine, agree: Agree | None = None,
                  on_logits: Callable[[torch.Tensor], None] | None = None, keep_step_counts: bool = False):
         """engine: an Engine (speculating when it carries a draft, `engine.spec`) or a SpecEngine."""
-        spec = engine if isinstance(engine, SpecEngine) else engine.spec
+        spec = engine if isinstance(engine, (SpecEngine, NgramSpec)) else engine.spec
         self.engine = spec.target if spec is not None else engine
         self.spec, self.agree, self.on_logits = spec, agree, on_logits
         if self.spec is not None and agree is not None:
@@ -78,6 +79,10 @@ class Runner:
         if longest > self.max_length:
             raise NeuronInferError(f"a request reached {longest} tokens, beyond the artifact's max_length="
                                    f"{self.max_length}; serve with --max-model-len <= {self.max_length}")
+        if isinstance(self.spec, NgramSpec):  # prompt lookup: per-sequence drafts, any mix of sampling rules
+            rows = {s.row: s.tokens for s in live}
+            got = self._lookup(scheduled, rows) if self.spec.can_speculate(rows) else None
+            return got if got is not None else self._plain(scheduled, live)
         if self.spec is not None:
             rule = _shared_rule(scheduled)
             rows = {s.row: s.tokens for s in live}  # every live row: its real tokens are rewritten
@@ -90,8 +95,9 @@ class Runner:
         tokens = torch.tensor([s.tokens[-1] for s in live], dtype=torch.int64)  # [n] pending tokens ...
         positions = torch.tensor([len(s) - 1 for s in live], dtype=torch.int64)  # [n] ... at their own slots
         rows = [s.row for s in live]
-        if self.spec is None:  # the smallest graph holding the live rows
-            logits = self.engine.decode_rows(rows, tokens, positions)  # [n, V]
+        if self.spec is None or isinstance(self.spec, NgramSpec):  # the smallest graph holding the live rows
+            decode = self.engine.decode_rows if self.spec is None else self.spec.decode_rows  # (timed)
+            logits = decode(rows, tokens, positions)  # [n, V]
             at = {s: i for i, s in enumerate(live)}
             return self._emit(scheduled, logits[[at[s] for s in scheduled]])  # [m, V]
         all_tokens = torch.zeros(self.batch, dtype=torch.int64)  # [B] free rows: token 0 ...
@@ -109,6 +115,24 @@ class Runner:
         if self.agree is not None:
             toks = self.agree(toks)
         return {s: s.append([t]) for s, t in zip(seqs, toks.tolist())}
+
+    def _lookup(self, scheduled: list[Sequence], rows: dict[int, list[int]]) -> dict[Sequence, list[int]] | None:
+        """A prompt-lookup step (None: no sequence drafts this step, run a plain one)."""
+        drafts = self.spec.plan(scheduled)  # [] per sequence without a draft this step
+        if not any(drafts):
+            return None
+        logits = self.spec.verify_logits(rows, {s.row: d for s, d in zip(scheduled, drafts)})  # [B, K+1, V]
+        st, out = self.stats, {}
+        st.spec_steps += 1
+        for s, d in zip(scheduled, drafts):
+            toks = accept(logits[s.row], d, s.sampling, s.generator)
+            self.spec.state(s).update(len(d), len(toks) - 1)
+            st.drafted += len(d)
+            st.accepted += len(toks) - 1
+            if self.keep_step_counts:
+                st.emitted_per_step.append(len(toks))
+            out[s] = s.append(toks)
+        return out
 
     def _speculate(self, scheduled: list[Sequence], rows: dict[int, list[int]], rule: SamplingConfig
                    ) -> dict[Sequence, list[int]]:
