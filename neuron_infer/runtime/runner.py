@@ -16,6 +16,10 @@ Speculation: one graph serves one sampling rule per step, so a step is plain (an
 speculation resumes afterwards) when the scheduled sequences mix greedy and sampled or different temperature /
 top-k / top-p, and near max_length where a speculative block would not fit.
 
+Prompt lookup (`--draft-model ngram`, an NgramSpec): drafts are copied from each sequence's own tokens, so rows
+may mix sampling rules; `runtime/ngram.py` decides per step which sequences draft how many tokens (all none: a plain
+step through the batch buckets), one verify graph checks them (`_lookup`).
+
 Tensor parallelism: `agree` maps each step's sampled tokens to the ones every rank uses (rank 0's, broadcast): the
 logits are identical everywhere (vocab all-gather), but an unseeded generator is seeded from OS entropy per process.
 """
