@@ -15,8 +15,7 @@ from neuron_infer.config import ModelConfig, SamplingConfig, SpeculationConfig
 from neuron_infer.errors import ConfigError
 from neuron_infer.runtime.generate import generate_ids
 from neuron_infer.runtime.loader import eager_ngram_spec
-from neuron_infer.runtime.ngram import (PROBE_EVERY, RowView, SeqState, adapt_k, expected_tokens, plan_step,
-                                        propose)
+from neuron_infer.runtime.ngram import PROBE_EVERY, RowView, SeqState, adapt_k, expected_tokens, plan_step, propose
 from neuron_infer.runtime.ngram_spec import accept
 from neuron_infer.runtime.sampling import processed_probs
 from tests.speculation.conftest import BASE

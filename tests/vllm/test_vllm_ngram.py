@@ -9,8 +9,8 @@ from tests.vllm.vllm_helpers import require_vllm, run_script
 
 require_vllm()
 
-from neuron_infer.api import CompiledModel  # noqa: E402
-from tests.vllm.test_vllm_speculation import SCRIPT, plain  # noqa: E402,F401  (the plain-artifact fixture)
+from neuron_infer.api import CompiledModel
+from tests.vllm.test_vllm_speculation import SCRIPT, plain  # noqa: F401  (the plain-artifact fixture)
 
 PASSAGE = [11, 40, 7, 93, 250, 31, 64, 12, 99, 180, 5, 77]
 PROMPTS = [PASSAGE + [3] + PASSAGE[:4], [5, 9, 33], list(range(100, 160)), [42] * 7]
