@@ -35,6 +35,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=160)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     if a.model_dir is None:
@@ -42,13 +43,13 @@ def main() -> None:
 
         a.model_dir = str(default_model_dir())
     cfg = ModelConfig.from_model_dir(a.model_dir)
-    build = BuildConfig(dtype="bf16", max_context_length=512, max_length=1024, context_buckets=(512,),
+    build = BuildConfig(dtype=a.dtype, max_context_length=512, max_length=1024, context_buckets=(512,),
                         tokengen_buckets=(1024,),
                         speculation=SpeculationConfig("ngram", a.k, ngram_size=a.ngram_size))
     spec = eager_ngram_spec(build_float_model(cfg, build, load_checkpoint(a.model_dir, cfg)), build)
     tok = load_tokenizer(a.model_dir)
     eos = (tok.eos_token_id,) if tok.eos_token_id is not None else ()
-    print(f"load before: {os.getloadavg()}  K={a.k} n={a.ngram_size} new={a.new_tokens} threads={a.threads}")
+    print(f"load before: {os.getloadavg()}  {a.dtype} K={a.k} n={a.ngram_size} new={a.new_tokens} threads={a.threads}")
     print(f"{'set':9} {'prompt':10} {'plain':>7} {'ngram':>7} {'ratio':>6} {'accept':>6} {'spec/plain':>10} same")
     for group, prompts in (("grounded", GROUNDED), ("open", OPEN_ENDED)):
         for name, text in prompts.items():
