@@ -62,13 +62,16 @@ def build_options(f):
         click.option("--kv-cache-dtype", type=click.Choice(["auto", "fp8"]), default=None,
                      help="KV cache dtype: auto = the model dtype, fp8 halves the cache"),
         click.option("--draft-model", default=None,
-                     help="speculative decoding: a draft checkpoint dir sharing the tokenizer, or 'self'"),
+                     help="speculative decoding: a draft checkpoint dir sharing the tokenizer, 'self', or 'ngram' "
+                          "(prompt lookup: drafts copied from the prompt and output, no draft model)"),
         click.option("--speculation-length", type=int, default=None, help="K tokens drafted per step, e.g. 4"),
         click.option("--fused-speculation/--no-fused-speculation", default=None,
                      help="also compile one graph per bucket holding draft, verify and acceptance"),
         click.option("--draft-quant", type=click.Choice(["none", "int8", "fp8", "mxfp8", "mxfp4", "w8a8"]),
                      default=None, help="self-draft: the target quantized with this scheme"),
         click.option("--draft-layers", type=int, default=None, help="self-draft: the target's first N layers, e.g. 1"),
+        click.option("--ngram-size", type=int, default=None,
+                     help="--draft-model ngram: match the last N tokens, then N-1 ... 1 (default 3)"),
     ]
     for opt in reversed(opts):
         f = opt(f)
@@ -105,14 +108,14 @@ def _build_overrides(kw: dict) -> dict:
 
 def _speculation_overrides(kw: dict) -> dict:
     draft = kw.pop("draft_model")
-    if draft not in (None, "self"):
+    if draft not in (None, "self", "ngram"):
         draft = str(Path(draft).resolve())  # the manifest must not depend on the working directory
     spec = {"speculation.draft_model": draft, "speculation.length": kw.pop("speculation_length"),
             "speculation.fused": kw.pop("fused_speculation"), "speculation.draft_quant": kw.pop("draft_quant"),
-            "speculation.draft_layers": kw.pop("draft_layers")}
+            "speculation.draft_layers": kw.pop("draft_layers"), "speculation.ngram_size": kw.pop("ngram_size")}
     given = [k for k, v in spec.items() if v is not None]
     if given and (spec["speculation.draft_model"] is None or spec["speculation.length"] is None):
-        raise NeuronInferError("speculative decoding needs both --draft-model (a checkpoint dir or 'self') and "
+        raise NeuronInferError("speculative decoding needs both --draft-model (a checkpoint dir, 'self' or 'ngram') and "
                                "--speculation-length K")
     return spec
 

@@ -258,6 +258,7 @@ def _reject_unsupported_hf_values(v: Mapping[str, Any], where: str) -> None:
 TARGETS = ("cpu", "neuron")
 DTYPES = ("fp32", "bf16")
 KERNELS = ("reference", "nki")
+NGRAM_SIZE = 3  # prompt-lookup default: match the last 3 tokens (then 2, then 1)
 QUANT_SCHEMES = ("none", "int8", "fp8", "mxfp8", "mxfp4", "w8a8")
 KV_CACHE_DTYPES = ("auto", "fp8")
 
@@ -288,17 +289,36 @@ class QuantConfig:
 
 @dataclass(frozen=True)
 class SpeculationConfig:
-    """Speculative decoding: a draft model (a path, or 'self' for a self-draft) proposes `length` tokens."""
+    """Speculative decoding: a draft model (a path, 'self' for a self-draft, or 'ngram' for prompt lookup: drafts
+    copied from the prompt and output, matching their last `ngram_size` tokens) proposes `length` tokens."""
 
     draft_model: str
     length: int
     fused: bool = False
     draft_quant: str = "none"
     draft_layers: int | None = None
+    ngram_size: int | None = None  # prompt lookup: longest suffix matched (default NGRAM_SIZE)
 
     def __post_init__(self) -> None:
         if not 1 <= self.length <= 64:
             raise ConfigError(f"speculation length {self.length} must be in 1..64 (published sweet spots are 4-7)")
+        if self.draft_model == "ngram":
+            if self.fused:
+                raise ConfigError("--fused-speculation needs a draft model; n-gram drafts come from the host, so "
+                                  "--draft-model ngram runs the host loop: drop --fused-speculation")
+            if self.ngram_size is not None and not 1 <= self.ngram_size <= 16:
+                raise ConfigError(f"--ngram-size {self.ngram_size} must be in 1..16")
+        elif self.ngram_size is not None:
+            raise ConfigError("--ngram-size describes prompt-lookup drafts; use it with --draft-model ngram")
+
+    @property
+    def is_ngram(self) -> bool:
+        return self.draft_model == "ngram"
+
+    @property
+    def ngram(self) -> int:
+        """The longest suffix prompt lookup matches."""
+        return self.ngram_size or NGRAM_SIZE
         if self.draft_model != "self" and (self.draft_quant != "none" or self.draft_layers is not None):
             raise ConfigError("--draft-quant/--draft-layers describe a self-draft; use them with --draft-model self")
         if self.draft_model == "self" and self.draft_quant == "none" and self.draft_layers is None:

@@ -46,7 +46,7 @@ def check_build_against_model(cfg: ModelConfig, build: BuildConfig) -> None:
 def source_dirs(model_dir: Path, build: BuildConfig) -> list[Path]:
     """The input directories of a compile (which its output must never replace)."""
     draft = build.speculation.draft_model if build.speculation is not None else None
-    return [Path(model_dir)] + ([Path(draft)] if draft not in (None, "self") else [])
+    return [Path(model_dir)] + ([Path(draft)] if draft not in (None, "self", "ngram") else [])
 
 
 def example_args(cache: CacheShape, spec: GraphSpec) -> tuple[torch.Tensor, ...]:

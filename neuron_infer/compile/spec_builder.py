@@ -15,6 +15,7 @@ Artifact additions:
                                       of a float target stores nothing: every tensor is the target's, shared in memory)
     graphs/draft_context_t{T}_s{T}, draft_tokengen_t{1,2}_s{S}, verify_t{K+1}_s{S}   (unfused host loop)
     graphs/fused_{greedy,sample}_k{K}_s{S}                                        (--fused-speculation)
+With `--draft-model ngram` (prompt lookup) only the verify graphs are added: no draft weights, no draft graphs.
     manifest.extra["speculation"]     draft config, quantization report, shared tensor names, graph names
 """
 from __future__ import annotations
@@ -163,14 +164,28 @@ def planned_spec_graphs(target: LlamaModel, draft: LlamaModel, build: BuildConfi
     return out
 
 
+def planned_verify_graphs(target: LlamaModel, build: BuildConfig) -> dict[str, tuple]:
+    """name -> (module, example_args) of the target's verify graphs alone (prompt lookup: no draft model)."""
+    from neuron_infer.compile.builder import cache_shape
+
+    k, cache = build.speculation.length, cache_shape(target, build)
+    return {graph_name("verify", k + 1, s): (BucketStep(target, s), _step_args(cache, k + 1, False, True))
+            for s in build.tokengen_bucket_list if s >= k + 2}
+
+
 def compile_speculation(model_dir: Path, cfg: ModelConfig, build: BuildConfig, target: LlamaModel, backend,
                         out_dir: Path, say: Progress) -> tuple[dict, dict]:
     """Build the draft, save its weights and compile the speculation graphs into `out_dir` (the artifact being
-    written). Returns (graphs metadata to merge into the manifest's graphs, {"speculation": ...} for extra)."""
+    written). Returns (graphs metadata to merge into the manifest's graphs, {"speculation": ...} for extra).
+    Prompt lookup (`--draft-model ngram`) compiles the verify graphs only: no draft, no draft weights."""
     check_speculation(cfg, build)
-    draft, info = build_draft(Path(model_dir), cfg, build)
-    info["shared"] = save_draft_weights(draft, target, out_dir / DRAFT_WEIGHTS)
-    plan, meta = planned_spec_graphs(target, draft, build), {}
+    if build.speculation.is_ngram:
+        info = {"source": "ngram", "ngram_size": build.speculation.ngram}
+        plan, meta = planned_verify_graphs(target, build), {}
+    else:
+        draft, info = build_draft(Path(model_dir), cfg, build)
+        info["shared"] = save_draft_weights(draft, target, out_dir / DRAFT_WEIGHTS)
+        plan, meta = planned_spec_graphs(target, draft, build), {}
     (out_dir / "graphs").mkdir(parents=True, exist_ok=True)
     for name, (module, args) in steps(plan.items(), "compiling speculation graph", say,
                                       lambda item: f"{item[0]} ({backend.name})", unit="graph"):

@@ -19,6 +19,7 @@ from neuron_infer.errors import ArtifactError
 from neuron_infer.model.llama import BucketStep, LlamaModel
 from neuron_infer.parallel.plan import ShardPlan
 from neuron_infer.runtime.engine import Engine, planned_graphs
+from neuron_infer.runtime.ngram_spec import NgramSpec
 from neuron_infer.runtime.spec_engine import SpecEngine
 from neuron_infer.runtime.spec_step import SpecCacheLayout
 
@@ -89,14 +90,23 @@ def load_draft_weights(draft: LlamaModel, target: LlamaModel, path: Path, shared
 
 
 def load_speculation(root: Path, manifest: Manifest, target: LlamaModel, target_engine: Engine,
-                     mode: str | None = None) -> SpecEngine:
-    """The SpecEngine of an artifact (mode: 'fused' if compiled with --fused-speculation, else 'unfused')."""
+                     mode: str | None = None) -> SpecEngine | NgramSpec:
+    """The SpecEngine of an artifact (mode: 'fused' if compiled with --fused-speculation, else 'unfused'), or the
+    NgramSpec of a prompt-lookup artifact (`--draft-model ngram`; mode 'ngram', the host loop)."""
     from neuron_infer.compile.spec_builder import DRAFT_WEIGHTS, planned_spec_graphs
     from neuron_infer.compile.weights import empty_model
 
     build, info = manifest.build, manifest.extra.get("speculation")
     if info is None:
         raise ArtifactError(f"{root}: manifest extra.speculation is missing; recompile with --draft-model")
+    if build.speculation.is_ngram:  # prompt lookup: the target's verify graphs only
+        from neuron_infer.compile.spec_builder import planned_verify_graphs
+
+        modules = {name: module for name, (module, _) in planned_verify_graphs(target, build).items()}
+        graphs = _load_graphs(manifest.backend, Path(root) / "graphs", modules)
+        if mode == "fused":
+            raise ArtifactError(f"{root}: prompt-lookup speculation (--draft-model ngram) runs the host loop only")
+        return NgramSpec(target_engine, graphs, build.speculation.length, build.speculation.ngram)
     draft = empty_model(ModelConfig.from_dict(info["config"]), build)
     if info["quant"]["scheme"] != "none":
         from neuron_infer.quant import apply_quantization
@@ -152,3 +162,14 @@ def load_serving_rank(root: Path, rank: int, world_size: int, expect_checkpoint:
                             "supported (neuronx-distributed drives every NeuronCore of the group from one process); "
                             "load it with CompiledModel.load instead")
     return manifest, load_rank(root, rank, manifest)
+
+
+def eager_ngram_spec(target: LlamaModel, build: BuildConfig) -> NgramSpec:
+    """A prompt-lookup NgramSpec whose graphs are the modules themselves (no backend): for tests and debugging."""
+    from neuron_infer.compile.builder import cache_shape
+    from neuron_infer.compile.spec_builder import planned_verify_graphs
+
+    core = {s.name: BucketStep(target, s.attend, s.select_rows) for s in planned_graphs(build)}
+    engine = Engine(core, build, cache_shape(target, build), target.cfg.vocab_size)
+    graphs = {n: m for n, (m, _) in planned_verify_graphs(target, build).items()}
+    return NgramSpec(engine, graphs, build.speculation.length, build.speculation.ngram)

@@ -14,7 +14,12 @@ overwrite the rows just encoded.
 
 Speculation: one graph serves one sampling rule per step, so a step is plain (and also writes the draft cache, so
 speculation resumes afterwards) when the scheduled sequences mix greedy and sampled or different temperature /
-top-k / top-p, when a sequence asks for logprobs or uses penalties or min-p, and near max_length where a speculative block would not fit.
+top-k / top-p, when a sequence asks for logprobs or uses penalties or min-p, and near max_length where a
+speculative block would not fit.
+
+Prompt lookup (`--draft-model ngram`, an NgramSpec): drafts are copied from each sequence's own tokens, so rows
+may mix sampling rules; `runtime/ngram.py` decides per step which sequences draft how many tokens (all none: a plain
+step through the batch buckets), one verify graph checks them (`_lookup`).
 
 Tensor parallelism: `agree` maps each step's sampled tokens to the ones every rank uses (rank 0's, broadcast): the
 logits are identical everywhere (vocab all-gather), but an unseeded generator is seeded from OS entropy per process.
@@ -30,6 +35,7 @@ from neuron_infer.config import SamplingConfig
 from neuron_infer.errors import NeuronInferError
 from neuron_infer.runtime.engine import Engine
 from neuron_infer.runtime.metrics import Metrics
+from neuron_infer.runtime.ngram_spec import NgramSpec, accept
 from neuron_infer.runtime.sampling import draw_uniforms, sample_rows, token_history, token_logprobs
 from neuron_infer.runtime.sequence import Sequence
 from neuron_infer.runtime.spec_engine import SpecEngine
@@ -44,7 +50,7 @@ class Runner:
     def __init__(self, engine: Engine | SpecEngine, agree: Agree | None = None,
                  on_logits: Callable[[torch.Tensor], None] | None = None, keep_step_counts: bool = False):
         """engine: an Engine (speculating when it carries a draft, `engine.spec`) or a SpecEngine."""
-        spec = engine if isinstance(engine, SpecEngine) else engine.spec
+        spec = engine if isinstance(engine, (SpecEngine, NgramSpec)) else engine.spec
         self.engine = spec.target if spec is not None else engine
         self.spec, self.agree, self.on_logits = spec, agree, on_logits
         if self.spec is not None and agree is not None:
@@ -78,6 +84,11 @@ class Runner:
         if longest > self.max_length:
             raise NeuronInferError(f"a request reached {longest} tokens, beyond the artifact's max_length="
                                    f"{self.max_length}; serve with --max-model-len <= {self.max_length}")
+        if isinstance(self.spec, NgramSpec):  # prompt lookup: per-sequence drafts, any mix of sampling rules
+            rows = {s.row: s.tokens for s in live}
+            lookup = self.spec.can_speculate(rows) and not any(_plain_only(s) for s in scheduled)
+            got = self._lookup(scheduled, rows) if lookup else None
+            return got if got is not None else self._plain(scheduled, live)
         if self.spec is not None:
             rule = _shared_rule(scheduled)
             rows = {s.row: s.tokens for s in live}  # every live row: its real tokens are rewritten
@@ -90,8 +101,9 @@ class Runner:
         tokens = torch.tensor([s.tokens[-1] for s in live], dtype=torch.int64)  # [n] pending tokens ...
         positions = torch.tensor([len(s) - 1 for s in live], dtype=torch.int64)  # [n] ... at their own slots
         rows = [s.row for s in live]
-        if self.spec is None:  # the smallest graph holding the live rows
-            logits = self.engine.decode_rows(rows, tokens, positions)  # [n, V]
+        if self.spec is None or isinstance(self.spec, NgramSpec):  # the smallest graph holding the live rows
+            decode = self.engine.decode_rows if self.spec is None else self.spec.decode_rows  # (timed)
+            logits = decode(rows, tokens, positions)  # [n, V]
             at = {s: i for i, s in enumerate(live)}
             return self._emit(scheduled, logits[[at[s] for s in scheduled]])  # [m, V]
         all_tokens = torch.zeros(self.batch, dtype=torch.int64)  # [B] free rows: token 0 ...
@@ -119,6 +131,24 @@ class Runner:
                 seqs[i].output_logprobs.append(rec)
         return {s: s.append([t]) for s, t in zip(seqs, toks.tolist())}
 
+    def _lookup(self, scheduled: list[Sequence], rows: dict[int, list[int]]) -> dict[Sequence, list[int]] | None:
+        """A prompt-lookup step (None: no sequence drafts this step, run a plain one)."""
+        drafts = self.spec.plan(scheduled)  # [] per sequence without a draft this step
+        if not any(drafts):
+            return None
+        logits = self.spec.verify_logits(rows, {s.row: d for s, d in zip(scheduled, drafts)})  # [B, K+1, V]
+        st, out = self.stats, {}
+        st.spec_steps += 1
+        for s, d in zip(scheduled, drafts):
+            toks = accept(logits[s.row], d, s.sampling, s.generator)
+            self.spec.state(s).update(len(d), len(toks) - 1)
+            st.drafted += len(d)
+            st.accepted += len(toks) - 1
+            if self.keep_step_counts:
+                st.emitted_per_step.append(len(toks))
+            out[s] = s.append(toks)
+        return out
+
     def _speculate(self, scheduled: list[Sequence], rows: dict[int, list[int]], rule: SamplingConfig
                    ) -> dict[Sequence, list[int]]:
         k, u = self.spec.k, None
@@ -145,7 +175,7 @@ def _shared_rule(seqs: list[Sequence]) -> SamplingConfig | None:
     needs what only a plain step gives: logprobs (the host sees the logits of plain steps only), penalties (the
     target distribution would depend on the tokens accepted earlier in the same block) or min-p (the compiled
     speculation graphs take temperature / top-k / top-p only)."""
-    if any(s.logprobs is not None or s.sampling.penalized or s.sampling.min_p > 0 for s in seqs):
+    if any(_plain_only(s) for s in seqs):
         return None
     rules = {(s.sampling.temperature, s.sampling.top_k, s.sampling.top_p) if not s.sampling.greedy else "greedy"
              for s in seqs}
@@ -153,3 +183,8 @@ def _shared_rule(seqs: list[Sequence]) -> SamplingConfig | None:
         return None
     first = seqs[0].sampling
     return SamplingConfig() if first.greedy else dataclasses.replace(first, seed=None)
+
+
+def _plain_only(s: Sequence) -> bool:
+    """Needs what only a plain step gives: logprobs, penalties or min-p (see _shared_rule)."""
+    return s.logprobs is not None or s.sampling.penalized or s.sampling.min_p > 0

@@ -1,0 +1,137 @@
+"""NgramSpec: prompt-lookup speculation over a target Engine and its verify graphs (no draft model).
+
+Per step (host loop; there is no fused graph: the drafts come from the host, see `runtime/ngram.py`):
+    drafts       propose(tokens, n, k) per scheduled sequence; plan_step decides each k (0..K) or a plain step
+    verify       verify_t{K+1}_s{S} over every cache row: [last, d_1..d_k, filler] at p..p+K  -> logits [B, K+1, V]
+    acceptance   per sequence over its own k: greedy_verify, or speculative_verify with the draft distribution a
+                 point mass q = one_hot(d_i): accept d_i with probability p_i(d_i), else sample from
+                 normalize(max(p_i - q_i, 0)) = p_i without d_i, renormalized; the bonus token from p_k.
+Filler tokens past a row's k (and the other rows' slots) write cache slots that no accepted position attends to:
+the next step writes its own position before attending, as in the draft-model host loop (runtime/spec_step.py).
+
+The cost ratio (one verify step / one plain step) is measured from the steps this engine runs (an EWMA of each
+step's wall time, the first of each kind skipped as warm-up) and feeds `plan_step`.
+"""
+from __future__ import annotations
+
+import time
+import weakref
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from neuron_infer.config import SamplingConfig
+from neuron_infer.errors import NeuronInferError
+from neuron_infer.runtime.buckets import pick_bucket
+from neuron_infer.runtime.engine import Engine, graph_name
+from neuron_infer.runtime.ngram import RowView, SeqState, plan_step, propose
+from neuron_infer.runtime.sampling import processed_probs
+from neuron_infer.runtime.speculation import greedy_verify, speculative_verify
+
+PRIOR_COST_RATIO = 1.3  # verify / plain step time assumed until both are measured
+TIME_ALPHA = 0.2  # weight of the newest step time
+
+
+class StepClock:
+    """EWMA wall time of plain and verify steps -> their ratio (the first sample of each kind is warm-up)."""
+
+    def __init__(self) -> None:
+        self.mean: dict[str, float] = {}
+        self.seen: dict[str, int] = {}
+
+    def add(self, kind: str, seconds: float) -> None:
+        n = self.seen.get(kind, 0)
+        self.seen[kind] = n + 1
+        if n == 0:
+            return
+        old = self.mean.get(kind)
+        self.mean[kind] = seconds if old is None else (1 - TIME_ALPHA) * old + TIME_ALPHA * seconds
+
+    @property
+    def ratio(self) -> float:
+        if "plain" in self.mean and "verify" in self.mean and self.mean["plain"] > 0:
+            return self.mean["verify"] / self.mean["plain"]
+        return PRIOR_COST_RATIO
+
+
+class NgramSpec:
+    """Prompt-lookup speculation for the Runner: `plan` drafts, `verify_tokens` checks them."""
+
+    mode = "ngram"
+
+    def __init__(self, target: Engine, graphs: dict, k: int, ngram_size: int):
+        self.target, self.graphs, self.k, self.ngram_size = target, graphs, k, ngram_size
+        self.build, self.vocab_size = target.build, target.vocab_size
+        self.clock = StepClock()
+        self.states: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Sequence -> SeqState
+
+    def prefill_row(self, row: int, prompt: list[int]) -> torch.Tensor:
+        return self.target.prefill_row(row, prompt)
+
+    def can_speculate(self, seqs: Mapping[int, Sequence[int]]) -> bool:
+        """A verify step writes positions p..p+K of every listed row: p + K + 1 <= max_length."""
+        return max(len(t) for t in seqs.values()) + self.k <= self.build.max_length
+
+    def decode_rows(self, rows: list[int], tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """A plain step through the target (timed for the cost ratio)."""
+        t0 = time.perf_counter()
+        out = self.target.decode_rows(rows, tokens, positions)
+        self.clock.add("plain", time.perf_counter() - t0)
+        return out
+
+    # ---- drafting --------------------------------------------------------------------------------------------
+    def state(self, seq) -> SeqState:
+        st = self.states.get(seq)
+        if st is None:
+            st = self.states[seq] = SeqState()
+        return st
+
+    def plan(self, seqs: list) -> list[list[int]]:
+        """Each sequence's drafts for this step ([] = none); all empty means a plain step."""
+        drafts = [propose(s.tokens, self.ngram_size, self.k) for s in seqs]
+        views = [RowView(len(d), self.state(s).rate, self.state(s).idle) for s, d in zip(seqs, drafts)]
+        ks = plan_step(views, self.k, self.clock.ratio)
+        for s, k in zip(seqs, ks):
+            if k == 0:
+                self.state(s).update(0, 0)
+        return [d[:k] for d, k in zip(drafts, ks)]
+
+    # ---- verify ----------------------------------------------------------------------------------------------
+    def verify_logits(self, live: Mapping[int, Sequence[int]], drafts: Mapping[int, list[int]]) -> torch.Tensor:
+        """One target pass over K+1 positions of every row. live: row -> tokens (the last not yet cached); drafts:
+        row -> its draft tokens (<= K) -> logits [B, K+1, V]."""
+        b, k = self.build.batch_size, self.k
+        steps = torch.arange(k + 1, dtype=torch.int64)  # [K+1]
+        ids = torch.zeros(b, k + 1, dtype=torch.int64)  # [B, K+1] free rows: token 0 at 0..K (junk rows)
+        pos = steps.expand(b, k + 1).clone()  # [B, K+1]
+        for row, toks in live.items():
+            d = drafts.get(row, [])
+            ids[row, 0] = toks[-1]
+            ids[row, 1: 1 + len(d)] = torch.tensor(d, dtype=torch.int64)
+            pos[row] = len(toks) - 1 + steps
+        s = pick_bucket(int(pos.max()) + 1, self.build.tokengen_bucket_list, "sequence", "--max-length")
+        name = graph_name("verify", k + 1, s)
+        if name not in self.graphs:
+            raise NeuronInferError(f"compiled graph {name!r} is missing from the artifact; recompile")
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = self.graphs[name](ids, pos, self.target.k_cache, self.target.v_cache, steps.expand(b, k + 1))
+        self.clock.add("verify", time.perf_counter() - t0)
+        return out  # [B, K+1, V]
+
+
+def accept(logits: torch.Tensor, draft: list[int], sampling: SamplingConfig, gen: torch.Generator | None
+           ) -> list[int]:
+    """One sequence's tokens from its verify logits [>= k+1, V] and its k drafts: the accepted drafts and one
+    target token (greedy: the target's argmax; sampling: the point-mass rejection rule, uniforms from `gen`)."""
+    k = len(draft)
+    d = torch.tensor([draft], dtype=torch.int64)  # [1, k]
+    lg = logits[: k + 1].unsqueeze(0)  # [1, k+1, V]
+    if sampling.greedy:
+        tokens, counts = greedy_verify(d, lg)
+    else:
+        p = processed_probs(lg, sampling)  # [1, k+1, V]
+        q = torch.nn.functional.one_hot(d, lg.shape[-1]).to(p.dtype)  # [1, k, V]: the point mass on each draft
+        u = torch.rand(2 * k + 1, generator=gen)  # [2k+1]: k acceptance tests, k+1 resample/bonus draws
+        tokens, counts = speculative_verify(d, q, p, u[None, :k], u[None, k:])
+    return tokens[0, : int(counts[0])].tolist()

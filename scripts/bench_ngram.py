@@ -1,0 +1,73 @@
+"""Prompt-lookup (n-gram) speculation vs plain greedy decoding, same process, interleaved rounds, SmolLM2.
+
+    python scripts/bench_ngram.py --k 6 --ngram-size 3 --new-tokens 160 --rounds 2
+
+For each prompt of scripts/ngram_prompts.py (chat template applied): plain greedy decoding on the target engine,
+then n-gram speculation over the same target weights, `--rounds` times interleaved; prints decode tok/s of both
+(medians), their ratio, the acceptance rate, speculative / plain steps and whether the greedy outputs are identical.
+The graphs run eagerly (the modules themselves, `eager_ngram_spec`): the ratio compares the same graph types.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from neuron_infer.checkpoint import load_checkpoint, load_tokenizer
+from neuron_infer.compile.weights import build_float_model
+from neuron_infer.config import BuildConfig, ModelConfig, SpeculationConfig
+from neuron_infer.runtime.generate import generate_ids
+from neuron_infer.runtime.loader import eager_ngram_spec
+from scripts.ngram_prompts import GROUNDED, OPEN_ENDED
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model-dir", default=None, help="SmolLM2 checkpoint (default: the embedded model)")
+    ap.add_argument("--k", type=int, default=6)
+    ap.add_argument("--ngram-size", type=int, default=3)
+    ap.add_argument("--new-tokens", type=int, default=160)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    if a.model_dir is None:
+        from neuron_infer.embedded import default_model_dir
+
+        a.model_dir = str(default_model_dir())
+    cfg = ModelConfig.from_model_dir(a.model_dir)
+    build = BuildConfig(dtype=a.dtype, max_context_length=512, max_length=1024, context_buckets=(512,),
+                        tokengen_buckets=(1024,),
+                        speculation=SpeculationConfig("ngram", a.k, ngram_size=a.ngram_size))
+    spec = eager_ngram_spec(build_float_model(cfg, build, load_checkpoint(a.model_dir, cfg)), build)
+    tok = load_tokenizer(a.model_dir)
+    eos = (tok.eos_token_id,) if tok.eos_token_id is not None else ()
+    print(f"load before: {os.getloadavg()}  {a.dtype} K={a.k} n={a.ngram_size} new={a.new_tokens} threads={a.threads}")
+    print(f"{'set':9} {'prompt':10} {'plain':>7} {'ngram':>7} {'ratio':>6} {'accept':>6} {'spec/plain':>10} same")
+    for group, prompts in (("grounded", GROUNDED), ("open", OPEN_ENDED)):
+        for name, text in prompts.items():
+            ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
+            ids = tok(ids, add_special_tokens=False)["input_ids"]
+            plain, fast, same, m = [], [], True, None
+            for _ in range(a.rounds):
+                ref, mp = generate_ids(spec.target, [ids], a.new_tokens, eos_ids=eos)
+                got, m = generate_ids(spec, [ids], a.new_tokens, eos_ids=eos)
+                plain.append(mp.tokens_per_s)
+                fast.append(m.tokens_per_s)
+                same = same and got[0].token_ids == ref[0].token_ids
+            p, f = statistics.median(plain), statistics.median(fast)
+            print(f"{group:9} {name:10} {p:7.1f} {f:7.1f} {f / p:6.2f} {m.acceptance_rate:6.2f} "
+                  f"{m.spec_steps:>4}/{m.plain_steps:<5} {same}  ({len(ids)} prompt tokens, "
+                  f"{len(got[0].token_ids)} generated)", flush=True)
+    print(f"load after: {os.getloadavg()}")
+
+
+if __name__ == "__main__":
+    main()

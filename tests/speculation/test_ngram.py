@@ -1,0 +1,247 @@
+"""Prompt-lookup (n-gram) speculation: the draft rule, the step policy (tables), greedy identity with plain decoding
+and Hugging Face (fp32 tiny models, eager graphs), and losslessness of the point-mass rule (chi-square).
+
+The greedy reference is `generate_ids` on the same target engine (plain steps; itself equal to Hugging Face in
+tests/test_generate.py) and Hugging Face directly. Every identity test asserts that speculative steps ran with both
+accepted and rejected drafts, so none passes vacuously.
+"""
+import pytest
+import torch
+
+import neuron_infer.runtime.speculation as rules
+from neuron_infer.checkpoint import load_checkpoint
+from neuron_infer.compile.weights import build_float_model
+from neuron_infer.config import ModelConfig, SamplingConfig, SpeculationConfig
+from neuron_infer.errors import ConfigError
+from neuron_infer.runtime.generate import generate_ids
+from neuron_infer.runtime.loader import eager_ngram_spec
+from neuron_infer.runtime.ngram import PROBE_EVERY, RowView, SeqState, adapt_k, expected_tokens, plan_step, propose
+from neuron_infer.runtime.ngram_spec import accept
+from neuron_infer.runtime.sampling import processed_probs
+from tests.speculation.conftest import BASE
+from tests.speculation.test_sampling_lossless import chi_square_pvalue
+from tests.test_generate import hf_greedy
+
+# ---- the draft rule ----------------------------------------------------------------------------------------------
+PROPOSE = [
+    # tokens, n, k, draft
+    ([1, 2, 3, 9, 1, 2, 3], 3, 4, [9, 1, 2, 3]),  # 3-gram match; continuation runs into the suffix
+    ([1, 2, 3, 9, 1, 2, 3], 3, 2, [9, 1]),  # k caps the draft
+    ([5, 2, 3, 7, 8, 1, 2, 3], 3, 3, [7, 8, 1]),  # no 3-gram [1,2,3] earlier: falls back to the 2-gram [2,3]
+    ([4, 3, 6, 3, 8, 3], 3, 2, [8, 3]),  # 1-gram; the most recent earlier occurrence wins (not [6, 3])
+    ([1, 2, 3, 4], 3, 4, []),  # no match at any n: no draft
+    ([7], 3, 4, []),  # nothing before the suffix
+    ([1, 2, 1, 2], 2, 0, []),  # k = 0
+    ([1, 2, 9, 1, 2], 1, 4, [9, 1, 2]),  # n = 1 only: the last token alone
+]
+
+
+@pytest.mark.parametrize("tokens, n, k, draft", PROPOSE)
+def test_propose(tokens, n, k, draft):
+    assert propose(tokens, n, k) == draft
+
+
+# ---- the policy --------------------------------------------------------------------------------------------------
+def test_expected_tokens_and_adapt_k():
+    assert expected_tokens(0, 0.7) == pytest.approx(1.0)
+    assert expected_tokens(3, 0.5) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
+    assert expected_tokens(4, 1.0) == 5.0
+    assert [adapt_k(a, 6) for a in (0.0, 0.3, 0.5, 0.75, 0.9, 1.0)] == [1, 2, 2, 4, 6, 6]
+
+
+PLAN = [
+    # rows (draft_len, rate, idle), k_max, cost_ratio, expected ks
+    ([(5, 0.9, 0)], 5, 1.3, [5]),  # high acceptance: full K
+    ([(2, 0.9, 0)], 5, 1.3, [2]),  # the draft is shorter than K
+    ([(5, 0.5, 0)], 5, 1.3, [2]),  # K adapts to the acceptance rate
+    ([(0, 0.9, 0)], 5, 1.3, [0]),  # no match: plain
+    ([(5, 0.1, 0)], 5, 1.3, [0]),  # E = 1.11 < 1.3: does not pay, plain
+    ([(5, 0.1, PROBE_EVERY)], 5, 1.3, [2]),  # ... but a probe is due
+    ([(5, 0.6, 0)], 5, 3.0, [0]),  # a verify step costing 3 plain steps never pays at rate 0.6
+    ([(5, 0.6, 0)], 5, 1.1, [3]),  # cheap verify: it pays
+    ([(5, 0.9, 0), (0, 0.5, 0)], 5, 1.3, [5, 0]),  # sum E = 4.7 + 1 > 2.6: speculate, the other row k = 0
+    ([(3, 0.4, 0), (0, 0.5, 0), (0, 0.5, 0)], 5, 1.3, [0, 0, 0]),  # 1.56 + 2 < 3.9: one row cannot carry a batch
+]
+
+
+@pytest.mark.parametrize("rows, k_max, ratio, ks", PLAN)
+def test_plan_step(rows, k_max, ratio, ks):
+    assert plan_step([RowView(*r) for r in rows], k_max, ratio) == ks
+
+
+def test_seq_state_ewma_and_idle():
+    st = SeqState(rate=0.5)
+    st.update(0, 0)
+    st.update(0, 0)
+    assert st.idle == 2 and st.rate == 0.5
+    st.update(4, 4)
+    assert st.idle == 0 and st.rate == pytest.approx(0.7 * 0.5 + 0.3)
+    for _ in range(30):
+        st.update(4, 0)
+    assert st.rate < 0.01  # shrinks towards 0: K falls to 0 (plain steps) until a probe
+
+
+# ---- configuration -----------------------------------------------------------------------------------------------
+def test_config_rules():
+    assert SpeculationConfig("ngram", 4).ngram == 3 and SpeculationConfig("ngram", 4, ngram_size=2).ngram == 2
+    with pytest.raises(ConfigError, match="fused"):
+        SpeculationConfig("ngram", 4, fused=True)
+    with pytest.raises(ConfigError, match="ngram"):
+        SpeculationConfig("self", 4, draft_layers=1, ngram_size=2)
+    with pytest.raises(ConfigError, match="1..16"):
+        SpeculationConfig("ngram", 4, ngram_size=0)
+
+
+# ---- greedy identity ---------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def ngram_spec(tiny_dirs):
+    cache = {}
+
+    def get(preset="gqa", k=4, n=3, **build_kw):
+        key = (preset, k, n, tuple(sorted(build_kw.items())))
+        if key not in cache:
+            d = tiny_dirs(preset)
+            cfg = ModelConfig.from_model_dir(d)
+            build = BASE.replace(speculation=SpeculationConfig("ngram", k, ngram_size=n), **build_kw)
+            cache[key] = eager_ngram_spec(build_float_model(cfg, build, load_checkpoint(d, cfg)), build)
+        return cache[key]
+
+    return get
+
+
+PASSAGE = [11, 40, 7, 93, 250, 31, 64, 12, 99, 180, 5, 77]
+PROMPT = PASSAGE + [3] + PASSAGE[:4]  # a passage, then its start again: the lookup finds continuations
+
+
+def used_both_outcomes(m) -> bool:
+    return m.spec_steps > 0 and 0 < m.accepted < m.drafted
+
+
+@pytest.mark.parametrize("k, n", [(1, 3), (3, 3), (5, 2), (8, 1)])
+def test_greedy_equals_plain(ngram_spec, k, n):
+    spec = ngram_spec(k=k, n=n)
+    got, m = generate_ids(spec, [PROMPT], 60, ignore_eos=True)  # crosses buckets 32 and 64
+    ref, _ = generate_ids(spec.target, [PROMPT], 60, ignore_eos=True)
+    assert got[0].token_ids == ref[0].token_ids
+    assert used_both_outcomes(m)
+
+
+def test_greedy_batch_of_two_equals_plain(ngram_spec):
+    spec = ngram_spec(k=4, batch_size=2)
+    prompts = [PROMPT, list(range(30, 45))]
+    got, m = generate_ids(spec, prompts, 50, ignore_eos=True)
+    ref, _ = generate_ids(spec.target, prompts, 50, ignore_eos=True)
+    assert [r.token_ids for r in got] == [r.token_ids for r in ref]
+    assert used_both_outcomes(m)
+
+
+@pytest.mark.parametrize("preset", ["gqa", "tied"])
+def test_greedy_equals_hugging_face(ngram_spec, tiny_dirs, preset):
+    spec = ngram_spec(preset=preset, k=4)
+    got, m = generate_ids(spec, [PROMPT], 64, ignore_eos=True)
+    assert got[0].token_ids == hf_greedy(tiny_dirs(preset), PROMPT, 64)
+    assert m.spec_steps > 0
+
+
+def test_eos_and_max_new_tokens_inside_a_block(ngram_spec):
+    spec = ngram_spec(k=6)
+    ref, _ = generate_ids(spec.target, [PROMPT], 40, ignore_eos=True)
+    ref = ref[0].token_ids
+    eos = ref[9]
+    got, _ = generate_ids(spec, [PROMPT], 40, eos_ids=(eos,))
+    assert got[0].token_ids == ref[: ref.index(eos) + 1] and got[0].finish_reason == "eos"
+    got, _ = generate_ids(spec, [PROMPT], 7, ignore_eos=True)
+    assert got[0].token_ids == ref[:7]
+
+
+def test_plain_steps_when_nothing_matches(ngram_spec, monkeypatch):
+    import neuron_infer.runtime.ngram_spec as ns
+
+    monkeypatch.setattr(ns, "propose", lambda tokens, n, k: [])
+    spec = ngram_spec(k=4)
+    got, m = generate_ids(spec, [PROMPT], 20, ignore_eos=True)
+    ref, _ = generate_ids(spec.target, [PROMPT], 20, ignore_eos=True)
+    assert got[0].token_ids == ref[0].token_ids
+    assert m.spec_steps == 0 and m.plain_steps == 19
+
+
+# ---- sampling: the point-mass rejection rule is lossless --------------------------------------------------------
+SAMPLING = SamplingConfig(temperature=0.8, top_k=6, top_p=0.9)
+N_DRAWS = 4000
+
+
+def forward_probs(model, seq) -> torch.Tensor:
+    """Logits [T, V] at every position of `seq` (a fresh cache)."""
+    from neuron_infer.runtime.engine import CacheShape
+
+    t = len(seq)
+    k, v = CacheShape(model.cfg.num_layers, 1, model.cfg.num_kv_heads, t, model.cfg.head_dim,
+                      torch.float32).allocate()
+    with torch.inference_mode():
+        return model(torch.tensor([seq]), torch.arange(t).view(1, t), k, v, torch.arange(t).view(1, t), t)[0]
+
+
+def lossless_setup(model, ctx):
+    """Drafts as a deterministic function of the context (the 2nd most likely token, then the argmax), the verify
+    logits for them, and the target-only joint law of (x1, x2)."""
+    def draft(c):
+        lg = forward_probs(model, c)[-1]
+        return [int(lg.topk(2).indices[1])] + [int(lg.argmax())]
+
+    verify = {}
+
+    def logits_after(c):  # logits at the K+1 verify positions for context c (the last token pending)
+        key = tuple(c)
+        if key not in verify:
+            d = draft(c)
+            verify[key] = (d, forward_probs(model, c + d)[len(c) - 1:])  # [K+1, V]
+        return verify[key]
+
+    p1 = processed_probs(forward_probs(model, ctx)[-1], SAMPLING)
+    joint = {}
+    for a in torch.nonzero(p1).flatten().tolist():
+        p2 = processed_probs(forward_probs(model, ctx + [a])[-1], SAMPLING)
+        for b in torch.nonzero(p2).flatten().tolist():
+            joint[(a, b)] = float(p1[a] * p2[b])
+    return logits_after, joint
+
+
+def draw_pairs(logits_after, ctx, seed) -> torch.Tensor:
+    gen, out = torch.Generator().manual_seed(seed), []
+    for _ in range(N_DRAWS):
+        d, lg = logits_after(ctx)
+        toks = accept(lg, d, SAMPLING, gen)
+        if len(toks) < 2:
+            d2, lg2 = logits_after(ctx + toks)
+            toks = toks + accept(lg2, d2, SAMPLING, gen)
+        out.append(toks[:2])
+    return torch.tensor(out)
+
+
+@pytest.fixture(scope="module")
+def lossless(tiny_dirs):
+    d = tiny_dirs("gqa")
+    cfg = ModelConfig.from_model_dir(d)
+    model = build_float_model(cfg, BASE, load_checkpoint(d, cfg))
+    ctx = PROMPT
+    return (*lossless_setup(model, ctx), ctx)
+
+
+def test_sampled_tokens_follow_the_target_distribution(lossless):
+    logits_after, joint, ctx = lossless
+    d, lg = logits_after(ctx)
+    p_d = float(processed_probs(lg[0], SAMPLING)[d[0]])
+    assert 0.05 < p_d < 0.95  # the first draft is sometimes accepted, sometimes rejected
+    assert chi_square_pvalue(draw_pairs(logits_after, ctx, seed=99), joint) >= 1e-3
+
+
+def test_the_test_has_power_against_resampling_from_p(lossless, monkeypatch):
+    logits_after, joint, ctx = lossless
+    monkeypatch.setattr(rules, "residual_probs", lambda p, q: p)  # broken: the rejected draft stays possible
+    assert chi_square_pvalue(draw_pairs(logits_after, ctx, seed=99), joint) < 1e-6
+
+
+def test_the_test_has_power_against_accepting_every_draft(lossless, monkeypatch):
+    logits_after, joint, ctx = lossless
+    monkeypatch.setattr(rules, "accepted_prefix", lambda a: torch.full(a.shape[:1], a.shape[1]))
+    assert chi_square_pvalue(draw_pairs(logits_after, ctx, seed=99), joint) < 1e-6
