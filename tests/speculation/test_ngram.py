@@ -245,3 +245,16 @@ def test_the_test_has_power_against_accepting_every_draft(lossless, monkeypatch)
     logits_after, joint, ctx = lossless
     monkeypatch.setattr(rules, "accepted_prefix", lambda a: torch.full(a.shape[:1], a.shape[1]))
     assert chi_square_pvalue(draw_pairs(logits_after, ctx, seed=99), joint) < 1e-6
+
+
+@pytest.mark.parametrize("sampling,logprobs", [
+    (SamplingConfig(repetition_penalty=1.8, presence_penalty=1.0), None),
+    (SamplingConfig(temperature=0.9, min_p=0.1, seed=3), None),
+    (SamplingConfig(), 2),
+])
+def test_host_only_rules_take_plain_steps_and_equal_plain(ngram_spec, sampling, logprobs):
+    spec = ngram_spec(k=4)
+    got, m = generate_ids(spec, [PROMPT], 30, sampling, (), True, logprobs=logprobs)
+    ref, _ = generate_ids(spec.target, [PROMPT], 30, sampling, (), True, logprobs=logprobs)
+    assert m.spec_steps == 0 and m.plain_steps > 0
+    assert got[0].token_ids == ref[0].token_ids
