@@ -231,8 +231,9 @@ def generate_cmd(artifacts, prompts, prompt_file, chat, max_new_tokens, temperat
         stream = JsonLinesStreamer(model.tokenizer, stop) if stream_json else None
     else:
         stream = TextStreamer(model.tokenizer, stop) if len(prompts) == 1 else None
-    out = model.generate_ids(ids, max_new_tokens or 128, sampling, ignore_eos=ignore_eos, on_tokens=stream,
-                             stop=stop, logprobs=logprobs)
+    with model:  # a tensor-parallel artifact's rank processes stop when generation ends
+        out = model.generate_ids(ids, max_new_tokens or 128, sampling, ignore_eos=ignore_eos, on_tokens=stream,
+                                 stop=stop, logprobs=logprobs)
     _print_result(out, as_json, stream)
 
 

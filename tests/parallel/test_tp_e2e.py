@@ -71,10 +71,10 @@ def reference(art) -> tuple[list[list[int]], list[torch.Tensor]]:
 ])
 def test_tp_generate_equals_tp1(arts, name, tp):
     ref_tokens, ref_logits = reference(arts(name, 1))
-    m = CompiledModel.load(arts(name, tp))
-    assert m.engine is None and m.group.plan.tp == tp
-    streamed: list[list[list[int]]] = []
-    out = m.generate_ids(PROMPTS, NEW, ignore_eos=True, on_tokens=streamed.append, collect_logits=True)
+    with CompiledModel.load(arts(name, tp)) as m:  # stops the ranks at the end (later tests check for orphans)
+        assert m.engine is None and m.group.plan.tp == tp
+        streamed: list[list[list[int]]] = []
+        out = m.generate_ids(PROMPTS, NEW, ignore_eos=True, on_tokens=streamed.append, collect_logits=True)
     assert [o.token_ids for o in out.outputs] == ref_tokens
     assert len(streamed) == NEW and streamed[-1] == ref_tokens  # one message per step, streamed from rank 0
     got = m.group.last_run["logits"][0]
@@ -95,8 +95,8 @@ def test_int8_tp_is_as_close_to_float_as_int8_tp1(arts):
     q = QuantConfig(scheme="int8")
     _, float_logits = reference(arts("smol_like", 1))
     q_tokens, q_logits = reference(arts("smol_like", 1, quant=q))
-    m = CompiledModel.load(arts("smol_like", 2, quant=q))
-    out = m.generate_ids(PROMPTS, NEW, ignore_eos=True, collect_logits=True)
+    with CompiledModel.load(arts("smol_like", 2, quant=q)) as m:
+        out = m.generate_ids(PROMPTS, NEW, ignore_eos=True, collect_logits=True)
     err_tp1 = (q_logits[0] - float_logits[0]).abs().max().item()
     err_tp2 = (m.group.last_run["logits"][0][0] - float_logits[0]).abs().max().item()
     print(f"int8 vs float prefill max |logit err|: tp1 {err_tp1:.3e}, tp2 {err_tp2:.3e}")

@@ -40,8 +40,8 @@ def test_smollm2_tp_equals_tp1(smol, tp):
         print(f"SmolLM2 tp={tp} rank {rec['rank']}: {rec['bytes']} B ({rec['sharded_bytes']} sharded = "
               f"{rec['sharded_bytes'] / full:.4f} of {full} B; {rec['replicated_bytes']} B norms)")
         assert abs(rec["sharded_bytes"] * tp / full - 1) < 0.05  # padding/replication overhead (see the plan)
-    m = CompiledModel.load(root / f"tp{tp}")
-    out = m.generate_ids([ids], NEW, ignore_eos=True, collect_logits=True)
+    with CompiledModel.load(root / f"tp{tp}") as m:  # the ranks stop at the end of the block
+        out = m.generate_ids([ids], NEW, ignore_eos=True, collect_logits=True)
     diff = max((g - r).abs().max().item() for g, r in zip(m.group.last_run["logits"][0], ref_logits, strict=True))
     print(f"SmolLM2 tp={tp}: max |logit diff| vs tp=1 = {diff:.2e}; {out.to_dict()['metrics']['ms_per_token']:.1f} "
           f"ms/token; text {out.outputs[0].text!r}")
