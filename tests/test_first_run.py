@@ -160,7 +160,7 @@ def test_a_meta_model_does_not_import_the_symbolic_shape_stack():
 import sys
 from neuron_infer.compile.weights import empty_model
 from neuron_infer.config import BuildConfig
-from neuron_infer.parallel.presets import MODEL_PRESETS
+from neuron_infer.capacity.presets import MODEL_PRESETS
 empty_model(MODEL_PRESETS["llama-3.1-8b"], BuildConfig())
 print(sorted(m for m in ("sympy", "torch._dynamo") if m in sys.modules))
 """
