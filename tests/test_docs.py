@@ -239,7 +239,7 @@ def test_readme_is_short():
 HISTORY = re.compile("|".join([
     r"(?i:\bsession[ -][0-9])", r"\brun [A-C]\b", r"(?i:\bissue #?[0-9])",
     r"(?i:\bearlier (this|the same) (morning|day|session))", r"(?i:\bthis morning\b)",
-    r"\.\./" + "shared", "/work/" + "shared",
+    r"\.\./" + "shared",
 ]))
 
 

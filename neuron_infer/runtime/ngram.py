@@ -9,7 +9,7 @@ Speculation policy (`plan_step`): each sequence keeps an EWMA of its acceptance 
 the number of steps since it last drafted. With one target pass over k+1 positions costing `cost_ratio` plain
 steps (measured at run time), and drafts accepted independently with probability a, a verify step yields
 E(k, a) = 1 + a + ... + a^k tokens for that sequence. Per sequence
-    k = min(draft length, adapt_k(a, K))     adapt_k: about the expected accepted run a / (1 - a), plus one
+    k = min(draft length, adapt_k(a, K))     adapt_k: about the expected number of accepted tokens a / (1 - a), plus one
     k = 0 when E(k, a) < cost_ratio          (it would not pay on its own), except every `probe_every` idle steps,
                                               when it drafts again (a probe), so a sequence whose text turns
                                               repetitive resumes speculating.
