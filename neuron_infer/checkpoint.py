@@ -153,7 +153,8 @@ def safetensors_files(model_dir: str | Path) -> tuple[list[Path], Path | None]:
     """
     d = Path(model_dir)
     if not d.is_dir():
-        raise CheckpointError(f"model directory {d} does not exist (give the path of a downloaded HF model)")
+        state = "is a file, not a directory" if d.exists() else "does not exist"
+        raise CheckpointError(f"model directory {d} {state} (give the path of a downloaded HF model)")
     index = d / INDEX_FILE
     if index.is_file():
         return _shards_from_index(index), index

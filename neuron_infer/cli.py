@@ -139,7 +139,8 @@ def cli() -> None:
     "neuron-infer compile -o artifacts/tiny-default --config tiny",
 ))
 @click.argument("model_dir", required=False)
-@click.option("-o", "--output", required=True, type=click.Path(file_okay=False), help="artifact directory to write")
+@click.option("-o", "--output", required=True, help="artifact directory to write (new, empty, or with --overwrite a "
+              "previous artifact)")
 @click.option("--backend", default=None,
               help="override the target's backend, e.g. cpu-eager (no graph compile; debugging)")
 @click.option("--overwrite", is_flag=True, help="replace an existing artifact directory")
@@ -170,7 +171,7 @@ def compile_cmd(model_dir, output, backend, overwrite, **kw) -> None:
 @click.option("--prompt", "prompts", multiple=True,
               help="prompt text; repeat for a batch; '-' reads it from stdin (also read when stdin is a pipe and "
                    "no prompt is given)")
-@click.option("--prompt-file", type=click.Path(exists=True, dir_okay=False), help="a file with one prompt per line")
+@click.option("--prompt-file", default=None, help="a UTF-8 text file with one prompt per line, e.g. prompts.txt")
 @click.option("--chat", is_flag=True, help="wrap each prompt as a user message in the tokenizer's chat template")
 @click.option("--max-new-tokens", type=int, default=None,
               help="tokens to generate per prompt  [default: 128, fewer when max_length leaves less room]")

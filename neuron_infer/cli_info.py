@@ -85,7 +85,7 @@ def info_record(m, size: tuple[int, int], problem: str | None) -> dict:
 
 @click.command("info", epilog=examples("neuron-infer info artifacts/llama",
                                        "neuron-infer info artifacts/llama --json | jq .build"))
-@click.argument("artifacts", type=click.Path(file_okay=False))
+@click.argument("artifacts")
 @click.option("--json", "as_json", is_flag=True, help="print the whole manifest and the checks as one JSON line")
 @click.option("--no-verify", is_flag=True, help="skip hashing the files (fast; versions are still compared)")
 def info_cmd(artifacts, as_json, no_verify) -> None:

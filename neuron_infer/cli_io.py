@@ -3,8 +3,9 @@
 Prompt from stdin (the convention of `ollama run` and `llm`, plus the Unix `-` for "standard input"):
 
 * `--prompt -` reads the whole of stdin as one prompt (an empty stdin is an error);
-* with no `--prompt` / `--prompt-file` and a stdin that is not a terminal (a pipe or a file), stdin is the prompt;
-  an empty stdin (e.g. `< /dev/null`) then means "no prompt given" and the default prompt is used.
+* with no `--prompt` / `--prompt-file` and a stdin that is not a terminal (a pipe or a file), stdin is the prompt.
+  A pipe or file with no text (`echo "$UNSET" | ...`, an empty file) is an error, never replaced by the default
+  prompt; only a stdin that is neither (`< /dev/null`, no stdin at all) means "no prompt given": the default.
 
 `--json` prints one line: `{"outputs": [{"token_ids", "text", "finish_reason"}, ...], "metrics": {...}}`; with
 `--logprobs N` each output also holds `logprobs`: one `{"token_id", "token", "logprob", "top": [...]}` per token.
@@ -15,6 +16,8 @@ concatenated `text` of index i equals outputs[i].text), then one `{"type": "resu
 from __future__ import annotations
 
 import json
+import os
+import stat
 import sys
 from pathlib import Path
 
@@ -59,9 +62,22 @@ def resolve_stdin_prompts(prompts: list[str], other_source: bool) -> list[str]:
                                    "`echo 'Hello' | neuron-infer generate --prompt -`")
         return [text if p == STDIN else p for p in prompts]
     if not prompts and not other_source and stdin_is_piped():
-        text = _strip_final_newline(read_stdin())
-        return [text] if text.strip() else []
+        raw = read_stdin()
+        if raw.strip():
+            return [_strip_final_newline(raw)]
+        if raw or _stdin_is_pipe_or_file():
+            raise NeuronInferError("the prompt piped into stdin is empty or only whitespace; pipe some text, or pass "
+                                   "--prompt TEXT")
     return prompts
+
+
+def _stdin_is_pipe_or_file() -> bool:
+    """Whether stdin is a pipe, socket or regular file (text was meant to come from it), not e.g. /dev/null."""
+    try:
+        mode = os.fstat(sys.stdin.fileno()).st_mode
+    except (AttributeError, OSError, ValueError):  # no descriptor (an in-memory stream)
+        return False
+    return stat.S_ISFIFO(mode) or stat.S_ISREG(mode) or stat.S_ISSOCK(mode)
 
 
 def _strip_final_newline(text: str) -> str:

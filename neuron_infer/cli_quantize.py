@@ -157,8 +157,9 @@ def load_quantized_checkpoint(path: str | Path):
 @click.command("quantize", epilog="\b\nExamples:\n"
                "  neuron-infer quantize path/to/Llama-3.2-1B -o llama-int8 --quant int8\n"
                "  neuron-infer quantize path/to/fp8-checkpoint -o fp8-neuron --rescale")
-@click.argument("model_dir", type=click.Path(exists=True, file_okay=False))
-@click.option("-o", "--output", required=True, type=click.Path(file_okay=False), help="directory to write")
+@click.argument("model_dir")
+@click.option("-o", "--output", required=True, help="directory to write (new, empty, or with --overwrite a previous "
+              "quantize output)")
 @click.option("--quant", type=click.Choice(["int8", "fp8", "mxfp8", "mxfp4", "w8a8"]), default=None,
               help="scheme for a float checkpoint (an FP8 checkpoint is only checked/rescaled)")
 @click.option("--modules-to-not-convert", default=None, help="comma list or a file (default: the scheme's recipe)")
@@ -170,7 +171,16 @@ def load_quantized_checkpoint(path: str | Path):
 @click.option("--overwrite", is_flag=True, help="replace a previous quantize output (never other files)")
 def quantize_cmd(model_dir, output, quant, modules_to_not_convert, dtype, rescale, rescale_method, overwrite) -> None:
     """Convert MODEL_DIR offline: quantize a float checkpoint, or check/rescale an FP8 one, into OUTPUT."""
+    from neuron_infer.oserrors import check_output_location, writing_to
+
     src, out = Path(model_dir), Path(output)
+    check_output_location(out)
+    with writing_to(out):  # a full disk or read-only file system: one line naming OUTPUT
+        _quantize(src, out, quant, modules_to_not_convert, dtype, rescale, rescale_method, overwrite)
+
+
+def _quantize(src: Path, out: Path, quant, modules_to_not_convert, dtype, rescale, rescale_method,
+              overwrite) -> None:
     if checkpoint_has_fp8(src):
         if quant not in (None, "fp8") or modules_to_not_convert:
             raise ConfigError(f"{src} is already an FP8 checkpoint: --quant {quant} / --modules-to-not-convert do "

@@ -23,16 +23,17 @@ def check_text(text: str, what: str) -> str:
 
 
 def read_text_file(path: str | Path, what: str) -> str:
-    """The contents of a UTF-8 text file; a binary or non-UTF-8 file raises NeuronInferError naming `what`."""
+    """The contents of a UTF-8 text file; a missing, binary or non-UTF-8 file raises NeuronInferError starting with
+    `what` (which names the file, e.g. "--prompt-file prompts.txt")."""
     try:
         raw = Path(path).read_bytes()
     except OSError as e:
-        raise NeuronInferError(f"{what} {path}: cannot read it ({e.strerror or e})") from e
+        raise NeuronInferError(f"{what}: cannot read it ({e.strerror or e})") from e
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise NeuronInferError(f"{what} {path} is not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start}); "
+        raise NeuronInferError(f"{what} is not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start}); "
                                "give a UTF-8 text file") from e
     if "\x00" in text:
-        raise NeuronInferError(f"{what} {path} is a binary file (it contains NUL bytes); give a UTF-8 text file")
+        raise NeuronInferError(f"{what} is a binary file (it contains NUL bytes); give a UTF-8 text file")
     return text

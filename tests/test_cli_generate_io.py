@@ -55,6 +55,34 @@ def test_prompt_dash_with_empty_stdin_is_an_error(art):
     assert code == 2 and out == "" and err.strip().splitlines()[-1].startswith("error: --prompt -: stdin is empty")
 
 
+@pytest.mark.parametrize("stdin", ["\n", "  \n\t\n"])
+def test_piped_stdin_with_only_whitespace_is_an_error(art, monkeypatch, stdin):
+    """`echo "$UNSET" | neuron-infer generate`: refused, never replaced by the default prompt."""
+    monkeypatch.setattr(CompiledModel, "load", lambda *a, **k: pytest.fail("generated from an empty prompt"))
+    code, out, err = run_main(["generate", str(art)], stdin=stdin)
+    assert code == 2 and out == "" and "stdin is empty or only whitespace" in err.strip().splitlines()[-1]
+
+
+def test_an_empty_pipe_or_file_is_an_error_but_dev_null_means_no_prompt(tmp_path, monkeypatch):
+    import os
+    import sys
+
+    from neuron_infer.cli_io import resolve_stdin_prompts
+    from neuron_infer.errors import NeuronInferError
+
+    r, w = os.pipe()
+    os.close(w)  # `printf '' | neuron-infer generate`
+    (tmp_path / "empty.txt").write_text("")
+    for source in (os.fdopen(r), open(tmp_path / "empty.txt")):  # noqa: SIM115
+        with source:
+            monkeypatch.setattr(sys, "stdin", source)
+            with pytest.raises(NeuronInferError, match="stdin is empty"):
+                resolve_stdin_prompts([], other_source=False)
+    with open(os.devnull) as null:  # `< /dev/null`: no prompt given, the default applies
+        monkeypatch.setattr(sys, "stdin", null)
+        assert resolve_stdin_prompts([], other_source=False) == []
+
+
 def test_stdin_that_is_not_utf8_is_one_error_line(art):
     runner = CliRunner()
     with runner.isolation(input=b"\xff\xfe bad") as (_out, err, _mixed), pytest.raises(SystemExit) as e:

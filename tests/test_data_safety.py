@@ -70,11 +70,16 @@ def test_overwrite_replaces_a_previous_artifact_and_an_empty_dir_is_used(artifac
     assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")], "no lock or temporary left"
 
 
-def test_generate_on_a_checkpoint_suggests_a_new_output_directory(tiny_dirs, capsys):
-    ck = tiny_dirs("gqa")
-    code, msg = run_cli(["generate", str(ck), "--prompt", "hi"], capsys)
-    assert code == 2 and f"neuron-infer compile {ck} -o " in msg
-    assert f"-o {ck}`" not in msg and f"-o {ck} " not in msg
+@pytest.mark.parametrize("spelling", ["{ck}", "{ck}/", ".", "../{name}"])
+def test_generate_on_a_checkpoint_suggests_a_new_output_directory(tiny_dirs, capsys, monkeypatch, spelling):
+    ck = Path(tiny_dirs("gqa"))
+    monkeypatch.chdir(ck)
+    arg = spelling.format(ck=ck, name=ck.name)
+    code, msg = run_cli(["generate", arg, "--prompt", "hi"], capsys)
+    assert code == 2 and f"neuron-infer compile {Path(arg)} -o " in msg
+    suggested = msg.split(" -o ", 1)[1].split("`", 1)[0]
+    out = Path(suggested).resolve()
+    assert not suggested.startswith("-") and out != ck and out not in ck.parents and ck not in out.parents, msg
 
 
 # 2. one writer per output ----------------------------------------------------------------------------------------

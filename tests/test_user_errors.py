@@ -153,6 +153,42 @@ def test_output_on_a_full_disk_while_safetensors_writes(tiny_dirs, tmp_path, mon
     assert list((tmp_path / "out").iterdir()) == []
 
 
+def test_quantize_output_on_a_full_disk(tiny_dirs, tmp_path, monkeypatch, capsys):
+    from safetensors import torch as st_torch
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(st_torch, "save_file", full)
+    out = tmp_path / "out" / "q"
+    one_error(*cli(["quantize", tiny_dirs("gqa"), "-o", out, "--quant", "int8"], capsys),
+              f"cannot write {out}", os.strerror(errno.ENOSPC), "free some space")
+    assert list((tmp_path / "out").iterdir()) == [], "the partial output is removed"
+
+
+@pytest.mark.parametrize("command", [["compile", "{m}", "-o", "{f}", *TINY], ["quantize", "{m}", "-o", "{f}/q", "--quant",
+                                     "int8"], ["info", "{f}"], ["quantize", "{f}", "-o", "{o}", "--quant", "int8"]])
+def test_a_file_where_a_directory_belongs(tiny_dirs, tmp_path, capsys, command):
+    """Our own one-line error (not a usage screen) names the file for every path argument."""
+    (tmp_path / "afile").write_text("x")
+    args = [a.format(m=tiny_dirs("gqa"), f=tmp_path / "afile", o=tmp_path / "out") for a in command]
+    one_error(*cli(args, capsys), "afile", "is a file")
+    assert (tmp_path / "afile").read_text() == "x"
+
+
+@pytest.mark.parametrize("make, words", [(lambda p: None, ("No such file",)), (lambda p: p.mkdir(), ("directory",))])
+def test_prompt_file_that_cannot_be_read(artifact, tmp_path, capsys, make, words):
+    path = tmp_path / "prompts.txt"
+    make(path)
+    line = one_error(*cli(["generate", artifact, "--prompt-file", path], capsys), f"--prompt-file {path}:", *words)
+    assert line.count(str(path)) == 1
+
+
+def test_quantize_of_a_missing_model_dir(tmp_path, capsys):
+    one_error(*cli(["quantize", tmp_path / "no-such-model", "-o", tmp_path / "q", "--quant", "int8"], capsys),
+              "no-such-model", "does not exist")
+
+
 def test_output_on_a_read_only_file_system(tiny_dirs, tmp_path, monkeypatch, capsys):
     import tempfile
 

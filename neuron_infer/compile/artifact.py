@@ -143,7 +143,8 @@ def read_manifest(root: Path, verify_files: bool = True) -> Manifest:
                             f"`neuron-infer compile MODEL_DIR -o DIR`")
     if not path.is_file():
         if (root / "config.json").is_file():  # a checkpoint: compile it into a new directory, never into itself
-            out = root.parent / f"{root.name}-compiled"
+            named = root if root.name not in ("", ".", "..") else root.resolve()  # "." has no name to extend
+            out = named.parent / f"{named.name}-compiled"
             raise ArtifactError(f"{root} is a model checkpoint, not a compiled artifact: run `neuron-infer compile "
                                 f"{root} -o {out}`, then `neuron-infer generate {out}`")
         hint = " (it looks like an interrupted compile)" if root.is_dir() else ""
