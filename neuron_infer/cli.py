@@ -150,17 +150,19 @@ def compile_cmd(model_dir, output, backend, overwrite, **kw) -> None:
     from neuron_infer.compile.builder import compile_model  # noqa: PLC0415
 
     embedded = model_dir is None or model_dir == "default"
-    default_limits = kw["config"] is None and kw["max_length"] is None and kw["max_context_length"] is None
+    default_total = kw["config"] is None and kw["max_length"] is None  # the preset's, not the user's choice
+    user_context = kw["max_context_length"] is not None
     build = _preset(kw, embedded).build
     if embedded:
         from neuron_infer.embedded import default_model_dir  # noqa: PLC0415
 
         model_dir = default_model_dir(log=_say)
-    elif default_limits:  # the model-independent default, shortened for a model with a shorter context
+    elif default_total:  # the model-independent default, shortened for a model with a shorter context
         from neuron_infer.config import ModelConfig  # noqa: PLC0415
         from neuron_infer.presets import fit_to_model  # noqa: PLC0415
 
-        build = fit_to_model(build, ModelConfig.from_model_dir(model_dir).max_position_embeddings)
+        max_pos = ModelConfig.from_model_dir(model_dir).max_position_embeddings
+        build = fit_to_model(build, max_pos, keep_context=user_context)
     compile_model(model_dir, output, build, backend=backend, overwrite=overwrite, say=_say)
 
 

@@ -59,7 +59,9 @@ def merge_build(base: Mapping[str, Any], overrides: Mapping[str, Any], where: st
 
     A limit given without its buckets (`max_context_length` without `context_buckets`, `max_length` without
     `tokengen_buckets`) replaces a base bucket list that no longer ends at the limit by the automatic one (powers
-    of two up to the limit), so `--max-context-length 128` alone works with any preset.
+    of two up to the limit), so `--max-context-length 128` alone works with any preset. A limit given alone also
+    moves the other one when the two would leave no room to generate: `--max-length 256` lowers a longer prompt
+    limit to 128, `--max-context-length 2048` raises a shorter total to 4096.
     """
     merged: dict[str, Any] = json.loads(json.dumps(dict(base)))  # deep copy
     given = {k: v for k, v in overrides.items() if v is not None}
@@ -73,21 +75,43 @@ def merge_build(base: Mapping[str, Any], overrides: Mapping[str, Any], where: st
                 raise ConfigError(f"{where}: {group} must be a JSON object {{...}}, not {show(merged[group])}")
             target = merged[group]
         target[name] = value
+    moved = _keep_room_to_generate(merged, given)
     for limit, buckets in (("max_context_length", "context_buckets"), ("max_length", "tokengen_buckets")):
         old = merged.get(buckets)
-        if limit in given and buckets not in given and isinstance(old, list) and old and old[-1] != given[limit]:
+        if (limit in given or limit in moved) and buckets not in given and isinstance(old, list) and old \
+                and old[-1] != merged[limit]:
             merged[buckets] = None
     return BuildConfig.from_dict(merged, where)
 
 
-def fit_to_model(build: BuildConfig, max_position_embeddings: int) -> BuildConfig:
+def _keep_room_to_generate(merged: dict[str, Any], given: Mapping[str, Any]) -> set[str]:
+    """With only one of the two limits given, move the other so a longest prompt still leaves room to generate
+    (the prompt limit at most half the total, as in the presets); returns the names of the limits moved."""
+    ctx, total = merged.get("max_context_length"), merged.get("max_length")
+    if not (isinstance(ctx, int) and isinstance(total, int)) or isinstance(ctx, bool) or isinstance(total, bool):
+        return set()  # wrong types: BuildConfig.from_dict names them
+    if "max_length" in given and "max_context_length" not in given and ctx >= total:
+        merged["max_context_length"] = max(1, total // 2)
+        return {"max_context_length"}
+    if "max_context_length" in given and "max_length" not in given and total <= ctx:
+        merged["max_length"] = 2 * ctx
+        return {"max_length"}
+    return set()
+
+
+def fit_to_model(build: BuildConfig, max_position_embeddings: int, keep_context: bool = False) -> BuildConfig:
     """`build` with its limits lowered to a model's max_position_embeddings when that is shorter (the prompt limit
-    to at most half of it) and buckets derived from the new limits; unchanged when the model is long enough.
-    Applied to the model-independent default, never to limits the user chose."""
+    to at most half of it, unless `keep_context`: the user chose it) and buckets derived from the new limits;
+    unchanged when the model is long enough. Applied to the model-independent default's limits, never to limits
+    the user chose."""
     if build.max_length <= max_position_embeddings:
         return build
-    limits = {"max_length": max_position_embeddings,
-              "max_context_length": min(build.max_context_length, max(1, max_position_embeddings // 2))}
+    limits = {"max_length": max_position_embeddings}
+    if not keep_context:
+        limits["max_context_length"] = min(build.max_context_length, max(1, max_position_embeddings // 2))
+    elif build.max_context_length >= max_position_embeddings:
+        raise ConfigError(f"--max-context-length {build.max_context_length} leaves no room to generate within the "
+                          f"model's max_position_embeddings={max_position_embeddings}; lower --max-context-length")
     return merge_build(build.to_dict(), limits)
 
 

@@ -128,6 +128,45 @@ def test_a_limit_alone_derives_its_buckets():
     assert same.tokengen_buckets == (256, 1024), "a list that still ends at the limit is kept"
 
 
+def test_a_limit_alone_moves_the_other_to_leave_room_to_generate():
+    base = load_preset("default").build.to_dict()  # prompts up to 512 of 1024 in all
+    short = merge_build(base, {"max_length": 256})
+    assert (short.max_context_length, short.max_length) == (128, 256) and short.context_bucket_list[-1] == 128
+    long = merge_build(base, {"max_context_length": 2048})
+    assert (long.max_context_length, long.max_length) == (2048, 4096) and long.tokengen_bucket_list[-1] == 4096
+    assert merge_build(base, {"max_length": 4096}).max_context_length == 512, "a limit with room is kept"
+    with pytest.raises(ConfigError, match="max_context_length=600 must be in 1..max_length=256"):
+        merge_build(base, {"max_length": 256, "max_context_length": 600})  # both given: the user's, checked
+
+
+@pytest.mark.parametrize("flags, limits", [
+    ([], (256, 512)),  # the default, fitted to the tiny model's max_position_embeddings=512
+    (["--max-context-length", "128"], (128, 512)),
+    (["--max-context-length", "300"], (300, 512)),
+    (["--max-length", "256"], (128, 256)),
+    (["--max-context-length", "64", "--max-length", "200"], (64, 200)),
+])
+def test_compile_with_one_limit_flag_on_a_short_model(tiny_dirs, tmp_path, monkeypatch, flags, limits):
+    from neuron_infer.cli import main
+    from neuron_infer.compile import builder
+
+    seen = []
+    monkeypatch.setattr(builder, "compile_model", lambda model_dir, out, build, **k: seen.append(build))
+    with pytest.raises(SystemExit) as e:
+        main(["compile", str(tiny_dirs("gqa")), "-o", str(tmp_path / "a"), *flags])
+        raise SystemExit(0)
+    assert e.value.code == 0 and (seen[0].max_context_length, seen[0].max_length) == limits
+    assert seen[0].context_bucket_list[-1] == limits[0] and seen[0].tokengen_bucket_list[-1] == limits[1]
+
+
+def test_a_prompt_limit_filling_the_model_is_one_error(tiny_dirs, tmp_path, capsys):
+    from neuron_infer.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["compile", str(tiny_dirs("gqa")), "-o", str(tmp_path / "a"), "--max-context-length", "512"])
+    assert e.value.code == 2 and "leaves no room to generate" in capsys.readouterr().err
+
+
 def test_buckets_given_with_their_limit_are_still_checked():
     with pytest.raises(ConfigError, match="must equal --max-length"):
         merge_build({"max_length": 1024}, {"max_length": 2048, "tokengen_buckets": [256, 1024]})
