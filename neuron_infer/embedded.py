@@ -18,6 +18,7 @@ killed conversion never leaves a directory that loads (its `.tmp-*` leftover is 
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.metadata
 import importlib.util
@@ -180,14 +181,20 @@ def convert_gguf(gguf_path: Path, out_dir: Path, gguf_sha256: str | None = None,
                  stage: Callable[[str], None] = lambda _name: None) -> None:
     """Write the HF-format (fp32 safetensors) conversion of a Llama GGUF file into the existing `out_dir`,
     then verify it: config.json parses as a ModelConfig and the reloaded weights equal the dequantized ones.
-    `stage` is called with each of CONVERSION_STAGES as it starts (transformers' own bars are hidden meanwhile)."""
+    `stage` is called with each of CONVERSION_STAGES as it starts (transformers' own bars are hidden meanwhile,
+    including its GGUF loader's tqdm, which ignores the logging switch)."""
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
     from transformers.utils import logging as hf_logging
 
-    bars = hf_logging.is_progress_bar_enabled()
+    bars, gguf_tqdm = hf_logging.is_progress_bar_enabled(), getattr(gguf_utils, "tqdm", None)
     hf_logging.disable_progress_bar()
+    if gguf_tqdm is not None:
+        gguf_utils.tqdm = functools.partial(gguf_tqdm, disable=True)
     try:
         _convert(gguf_path, out_dir, gguf_sha256, stage)
     finally:
+        if gguf_tqdm is not None:
+            gguf_utils.tqdm = gguf_tqdm
         if bars:
             hf_logging.enable_progress_bar()
 

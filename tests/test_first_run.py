@@ -104,6 +104,23 @@ def test_conversion_reports_each_stage(tmp_path, monkeypatch):
     assert staged == list(embedded.CONVERSION_STAGES), lines
 
 
+def test_conversion_hides_transformers_gguf_bar(tmp_path, monkeypatch, capsys):
+    """transformers' GGUF loader draws its own tqdm bar whatever its logging says; ours replace it."""
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    from neuron_infer import embedded
+
+    def fake_convert(*a):
+        for _ in gguf_utils.tqdm(range(3), desc="Converting and de-quantizing GGUF tensors..."):
+            pass
+
+    monkeypatch.setattr(embedded, "_convert", fake_convert)
+    real = gguf_utils.tqdm
+    embedded.convert_gguf(tmp_path / "m.gguf", tmp_path)
+    assert "de-quantizing" not in capsys.readouterr().err
+    assert gguf_utils.tqdm is real, "restored afterwards"
+
+
 @pytest.fixture(scope="module")
 def cpu_package(tmp_path_factory):
     """One small AOTInductor graph compiled by the CPU backend, with the warnings raised while compiling."""
