@@ -262,3 +262,61 @@ def test_history_patterns_match():
            "as of this morning", "see ../" + "shared/docs")
     assert all(history_mentions(t) for t in bad)
     assert not history_mentions("tests run a real vLLM; issues 4 x 2 matmuls; session-scoped fixture")
+
+
+# ------------------------------------------------------------------------------------------------ the code map
+
+MAP_ROW = re.compile(r"^\|\s*([^|]*`[^|]*)\|", re.MULTILINE)
+
+
+def mapped_files(structure_md: str, package: str = "neuron_infer") -> set[str]:
+    """Files the `## <package>/` table of docs/structure.md names, as paths relative to the package. In a row,
+    a name without a directory (`fp8.py` after `quant/int8.py`) is in the directory of the previous name."""
+    section = structure_md.split(f"## {package}/", 1)[1].split("\n## ", 1)[0]
+    names: set[str] = set()
+    for cell in MAP_ROW.findall(section):
+        folder = ""
+        for name in re.findall(r"`([^`]+)`", cell):
+            if "/" in name:
+                folder = name.rsplit("/", 1)[0] + "/"
+                names.add(name)
+            else:
+                names.add(folder + name)
+    return names
+
+
+def source_files(package: Path) -> set[str]:
+    """Every .py and .cpp file of `package`, except a sub-package's `__init__.py` that holds only a docstring."""
+    found = set()
+    for p in [*package.rglob("*.py"), *package.rglob("*.cpp")]:
+        rel = p.relative_to(package).as_posix()
+        if "__pycache__" in rel:
+            continue
+        if p.name == "__init__.py" and "/" in rel:
+            body = ast.parse(p.read_text(encoding="utf-8")).body
+            if all(isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant) for s in body):
+                continue
+        found.add(rel)
+    return found
+
+
+def code_map_problems(structure_md: str, package: Path) -> list[str]:
+    mapped, actual = mapped_files(structure_md, package.name), source_files(package)
+    return ([f"{package.name}/{f} is missing from docs/structure.md" for f in sorted(actual - mapped)]
+            + [f"docs/structure.md names {package.name}/{f}, which does not exist" for f in sorted(mapped - actual)])
+
+
+def test_code_map_matches_the_files():
+    text = (ROOT / "docs" / "structure.md").read_text(encoding="utf-8")
+    assert code_map_problems(text, ROOT / "neuron_infer") == []
+
+
+def test_code_map_check_finds_missing_and_stale_entries(tmp_path):
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    for f in ("__init__.py", "a.py", "sub/b.py", "sub/c.py", "new.py"):
+        (pkg / f).write_text("x = 1\n")
+    (pkg / "sub" / "__init__.py").write_text('"""Only a docstring."""\n')
+    text = "## pkg/\n\n| file | owns |\n|---|---|\n| `__init__.py`, `a.py` | x |\n| `sub/b.py`, `c.py`, `gone.py` | y |\n"
+    assert code_map_problems(text, pkg) == ["pkg/new.py is missing from docs/structure.md",
+                                            "docs/structure.md names pkg/sub/gone.py, which does not exist"]
