@@ -127,7 +127,12 @@ def _preset(kw: dict, embedded: bool):
     return load_preset(config, _build_overrides(kw))
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(context_settings={"help_option_names": ["-h", "--help"]}, epilog=examples(
+    "neuron-infer generate --prompt 'The capital of France is'",
+    "neuron-infer compile path/to/Llama-3.2-1B -o artifacts/llama",
+    "neuron-infer generate artifacts/llama --chat --prompt 'Name three French cheeses.'",
+    "neuron-infer COMMAND --help",
+))
 @click.version_option(package_name="neuron-infer")
 def cli() -> None:
     """Compile Llama-family checkpoints into per-bucket graphs and generate from them."""
@@ -139,8 +144,8 @@ def cli() -> None:
     "neuron-infer compile -o artifacts/tiny-default --config tiny",
 ))
 @click.argument("model_dir", required=False)
-@click.option("-o", "--output", required=True, help="artifact directory to write (new, empty, or with --overwrite a "
-              "previous artifact)")
+@click.option("-o", "--output", required=True, metavar="DIR",
+              help="artifact directory to write (new, empty, or with --overwrite a previous artifact)")
 @click.option("--backend", default=None,
               help="override the target's backend, e.g. cpu-eager (no graph compile; debugging)")
 @click.option("--overwrite", is_flag=True, help="replace an existing artifact directory")
@@ -173,7 +178,8 @@ def compile_cmd(model_dir, output, backend, overwrite, **kw) -> None:
 @click.option("--prompt", "prompts", multiple=True,
               help="prompt text; repeat for a batch; '-' reads it from stdin (also read when stdin is a pipe and "
                    "no prompt is given)")
-@click.option("--prompt-file", default=None, help="a UTF-8 text file with one prompt per line, e.g. prompts.txt")
+@click.option("--prompt-file", default=None, metavar="FILE",
+              help="a UTF-8 text file with one prompt per line, e.g. prompts.txt")
 @click.option("--chat", is_flag=True, help="wrap each prompt as a user message in the tokenizer's chat template")
 @click.option("--max-new-tokens", type=int, default=None,
               help="tokens to generate per prompt  [default: 128, fewer when max_length leaves less room]")

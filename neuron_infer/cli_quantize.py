@@ -158,8 +158,8 @@ def load_quantized_checkpoint(path: str | Path):
                "  neuron-infer quantize path/to/Llama-3.2-1B -o llama-int8 --quant int8\n"
                "  neuron-infer quantize path/to/fp8-checkpoint -o fp8-neuron --rescale")
 @click.argument("model_dir")
-@click.option("-o", "--output", required=True, help="directory to write (new, empty, or with --overwrite a previous "
-              "quantize output)")
+@click.option("-o", "--output", required=True, metavar="DIR",
+              help="directory to write (new, empty, or with --overwrite a previous quantize output)")
 @click.option("--quant", type=click.Choice(["int8", "fp8", "mxfp8", "mxfp4", "w8a8"]), default=None,
               help="scheme for a float checkpoint (an FP8 checkpoint is only checked/rescaled)")
 @click.option("--modules-to-not-convert", default=None, help="comma list or a file (default: the scheme's recipe)")

@@ -16,6 +16,11 @@ def all_commands(group=cli, prefix=()):
 COMMANDS = list(all_commands())
 
 
+def test_the_top_level_help_has_examples():
+    r = CliRunner().invoke(cli, ["--help"])
+    assert r.exit_code == 0 and "Examples:" in r.output and "neuron-infer generate" in r.output
+
+
 def test_every_command_is_listed():
     names = {" ".join(path) for path, _ in COMMANDS}
     assert {"compile", "generate", "chat", "info", "plan", "quantize", "cache", "cache list", "cache prune"} <= names
