@@ -10,8 +10,9 @@ Prompt from stdin (the convention of `ollama run` and `llm`, plus the Unix `-` f
 `--json` prints one line: `{"outputs": [{"token_ids", "text", "finish_reason"}, ...], "metrics": {...}}`; with
 `--logprobs N` each output also holds `logprobs`: one `{"token_id", "token", "logprob", "top": [...]}` per token.
 `--json --stream` prints JSON Lines: one `{"type": "delta", "index": i, "token_ids": [...], "text": "..."}` record
-per sequence and step that produced text (`token_ids` are the step's new ids, `text` the newly decoded text; the
-concatenated `text` of index i equals outputs[i].text), then one `{"type": "result", "outputs": ..., "metrics": ...}`.
+per sequence and step that produced tokens (`token_ids` are the step's new ids, `text` the newly decoded text, empty
+while a character's bytes are incomplete; a last record may carry held-back text without ids; the concatenated
+`token_ids` and `text` of index i equal outputs[i]), then one `{"type": "result", "outputs": ..., "metrics": ...}`.
 """
 from __future__ import annotations
 
@@ -130,7 +131,7 @@ class TextStreamer:
 
 
 class JsonLinesStreamer:
-    """Prints one `delta` record per row and step with new text (see the module docstring)."""
+    """Prints one `delta` record per row and step with new tokens (see the module docstring)."""
 
     def __init__(self, tokenizer, stop: tuple[str, ...] = ()):
         self.tok, self.stop = tokenizer, tuple(stop)
