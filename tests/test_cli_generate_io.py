@@ -176,7 +176,7 @@ def test_without_artifacts_the_checks_run_before_the_default_compile(tiny_dirs, 
 
 
 def test_a_terminal_stdin_is_never_read(monkeypatch):
-    """No prompt and stdin on a terminal: no read (the default prompt applies), as before stdin prompts."""
+    """No prompt and stdin on a terminal: stdin is never read (the default prompt applies)."""
     import io
     import sys
 
