@@ -57,23 +57,25 @@ def reference(fn: Callable, inputs: dict) -> list:
     return [_to_numpy(result)]
 
 
-def lib(name: str, kernel: str, ref: str, make_inputs: Callable, rtol: float, atol: float, *, lnc: int = 2,
-        platform: str = "trn2", outputs: slice | None = None, compare: Callable | None = None) -> Case:
-    """kernel / ref: "module.path:function" under nkilib. make_inputs(rng) -> kernel keyword arguments.
-    outputs selects which of the kernel's returned tensors (and the reference's, in the same order) are compared."""
+def lib(name: str, kernel: str, ref: str | Callable, make_inputs: Callable, rtol: float, atol: float, *,
+        lnc: int = 2, platform: str = "trn2", outputs: slice | None = None, ref_names: dict | None = None) -> Case:
+    """kernel / ref: "module.path:function" under nkilib (ref may instead be a function of the inputs returning the
+    expected outputs, for kernels whose library test states its reference inline). make_inputs(rng) -> kernel
+    keyword arguments; ref_names renames them for the reference. outputs selects which of the kernel's returned
+    tensors (and the reference's, in the same order) are compared."""
     def run(root, load, rng):
         kmod, kfn = kernel.split(":")
-        rmod, rfn = ref.split(":")
         kernel_fn = getattr(importlib.import_module("nkilib." + kmod), kfn)
-        ref_fn = getattr(importlib.import_module("nkilib." + rmod), rfn)
         inputs = make_inputs(rng)
         with target(platform):
             got = simulate(kernel_fn, lnc=lnc, **inputs)
         got = list(got) if isinstance(got, (tuple, list)) else [got]
-        want = reference(ref_fn, inputs)
-        if compare is not None:
-            compare(got, want, inputs)
-            return
+        if callable(ref):
+            want = ref(inputs)
+        else:
+            rmod, rfn = ref.split(":")
+            ref_fn = getattr(importlib.import_module("nkilib." + rmod), rfn)
+            want = reference(ref_fn, {(ref_names or {}).get(k, k): v for k, v in inputs.items()})
         sel = outputs or slice(None)
         got, want = got[sel], want[sel]
         if len(got) != len(want):
@@ -85,6 +87,88 @@ def lib(name: str, kernel: str, ref: str, make_inputs: Callable, rtol: float, at
 
 def _randn(rng, shape, dtype=np.float32):
     return rng.standard_normal(shape).astype(dtype)
+
+
+def _act(name):
+    return getattr(importlib.import_module("nkilib.core.utils.common_types").ActFnType, name)
+
+
+def _ce_backward_inputs(rng):
+    logits = _randn(rng, (4, 32128), BF16)
+    targets = rng.integers(0, 32128, 4, np.int32)
+    ref = getattr(importlib.import_module("nkilib.experimental.loss.cross_entropy_torch"),
+                  "cross_entropy_forward_torch_ref")
+    _, lse = ref(_to_torch(logits).bfloat16(), _to_torch(targets).long())
+    return {"logits_hbm": logits, "targets_hbm": targets, "lse_state_hbm": _to_numpy(lse).astype(BF16),
+            "reduction": "mean", "positions_per_batch": 4, "chunk_size": 16384}
+
+
+def _ce_forward_ref(inputs):
+    """The library's reference on bf16 logits and int64 targets (as its test converts them)."""
+    import torch
+    ref = getattr(importlib.import_module("nkilib.experimental.loss.cross_entropy_torch"),
+                  "cross_entropy_forward_torch_ref")
+    out = ref(_to_torch(inputs["logits_hbm"]).to(torch.bfloat16), _to_torch(inputs["targets_hbm"]).long())
+    return [_to_numpy(v) for v in out]
+
+
+def _ce_backward_ref(inputs):
+    import torch
+    ref = getattr(importlib.import_module("nkilib.experimental.loss.cross_entropy_torch"),
+                  "cross_entropy_backward_torch_ref")
+    out = ref(_to_torch(inputs["logits_hbm"]).to(torch.bfloat16), _to_torch(inputs["targets_hbm"]).long(), "mean")
+    return [_to_numpy(out)]
+
+
+def _depthwise_ref(inputs):
+    """Depthwise convolution = torch conv2d with groups = channels (the library test's golden)."""
+    import torch
+    x, w = _to_torch(inputs["img_ref"]), _to_torch(inputs["filter_ref"])
+    out = torch.nn.functional.conv2d(x, w, stride=inputs["stride"], padding=(0, inputs["padding"][1][0]),
+                                     groups=x.shape[1])
+    return [_to_numpy(out)]
+
+
+def _topk_reduce_input(rng, src_ranks, t, k, h):
+    """[src_ranks*T, H+2] bf16 rows: T*K real rows (values + the token id as two bf16 halves) scattered among -1."""
+    buf = np.full((src_ranks * t, h + 2), -1, dtype=BF16)
+    vals = rng.standard_normal((t * k, h)).astype(BF16)
+    ids = np.arange(t, dtype=np.int32).repeat(k).reshape(t * k, 1).view(BF16)
+    buf[rng.permutation(src_ranks * t)[: t * k]] = np.concatenate([vals, ids], axis=1)
+    return buf
+
+
+def _rope_hf_inputs(rng, b, hq, hkv, s, d, dtype):
+    q, k = _randn(rng, (b, hq, s, d), dtype), _randn(rng, (b, hkv, s, d), dtype)
+    return {"q": q, "k": k, "q_out": np.zeros_like(q), "k_out": np.zeros_like(k), "cos": _randn(rng, (b, s, d), dtype),
+            "sin": _randn(rng, (b, s, d), dtype), "backward": False}
+
+
+def _norm_inputs(rng, b, s, h, dtype, hidden_actual=None, beta=False):
+    out = {"input": _randn(rng, (b, s, h), dtype), "gamma": _randn(rng, (1, h), dtype),
+           "output": np.zeros((128, b * s, h // 128), dtype)}
+    if beta:
+        out["beta"] = _randn(rng, (1, h), dtype)
+    elif hidden_actual is not None:
+        out["hidden_actual"] = hidden_actual
+    return out
+
+
+def _sparse(rng, t, e, top_k, dtype):
+    """[T, E] routing mask with T*top_k/E nonzeros per column (the library test's sparsity)."""
+    k = t * top_k // e
+    flat = rng.permutation(np.concatenate([np.ones(k * e), np.zeros((t - k) * e)]))
+    out = flat.reshape(e, t).T.astype(dtype)
+    if dtype == np.float32:
+        out[out > 0] = 0.1
+    return out
+
+
+def _flatten_inputs(t, e, f_len):
+    out_len = ((e * t + 1024 + 127) // 128) * 128
+    return {"input_tensor": np.arange(e * t, dtype=np.int32).reshape(e, t), "f_len": f_len, "output_len": out_len,
+            "row_offsets": np.array([t // f_len * i for i in range(e)], np.int32), "row_offsets_start": None,
+            "padding_val": -1}
 
 
 LIB_CASES = [
@@ -126,37 +210,25 @@ LIB_CASES = [
     lib("indexed_flatten", "core.subkernels.indexed_flatten:indexed_flatten",
         "core.subkernels.indexed_flatten_torch:indexed_flatten_torch_ref", lambda rng: _flatten_inputs(4096, 3, 128),
         0, 0),
+    lib("dynamic_elementwise_add", "experimental.dynamic_shapes.dynamic_elementwise_add:dynamic_elementwise_add",
+        "experimental.dynamic_shapes.dynamic_elementwise_add_torch:dynamic_elementwise_add_torch_ref",
+        lambda rng: {"input_a": _randn(rng, (256, 1024), BF16), "input_b": _randn(rng, (256, 1024), BF16),
+                     "num_m_tiles": np.array([[2]], np.int32)}, 1e-2, 1e-3),
+    lib("cross_entropy_forward", "experimental.loss.cross_entropy:cross_entropy_forward", _ce_forward_ref,
+        lambda rng: {"logits_hbm": _randn(rng, (4, 32128), BF16), "targets_hbm": rng.integers(0, 32128, 4, np.int32),
+                     "positions_per_batch": 4, "chunk_size": 32128},
+        1e-2, 1e-2),
+    lib("cross_entropy_backward", "experimental.loss.cross_entropy:cross_entropy_backward", _ce_backward_ref,
+        _ce_backward_inputs, 1e-2, 1e-2),
+    lib("conv1d", "experimental.conv.conv1d:conv1d", "experimental.conv.conv1d_torch:conv1d_torch_ref",
+        lambda rng: {"x_in": _randn(rng, (2, 64, 40)), "filters": _randn(rng, (5, 64, 128)),
+                     "bias": _randn(rng, (128,)), "stride": 2, "padding": (2, 2), "dilation": 2,
+                     "activation_fn": _act("GELU"), "lnc_shard": False}, 1e-3, 1e-3),
+    lib("depthwise_conv1d", "experimental.conv.depthwise_conv1d:depthwise_conv1d_implicit_gemm", _depthwise_ref,
+        lambda rng: {"img_ref": _randn(rng, (1, 256, 1, 512), BF16), "filter_ref": _randn(rng, (256, 1, 1, 64), BF16),
+                     "padding": ((0, 0), (5, 5)), "stride": (1, 2), "rhs_dilation": (1, 1), "lhs_dilation": (1, 1),
+                     "feature_group_count": 256, "batch_group_count": 1}, 1e-2, 1e-2),
+    lib("topk_reduce", "experimental.collectives.topk_reduce:topk_reduce",
+        "experimental.collectives.topk_reduce_torch:topk_reduce_torch_ref",
+        lambda rng: {"input": _topk_reduce_input(rng, 8, 4, 8, 4096), "T": 4, "K": 8}, 5e-2, 5e-2),
 ]
-
-
-def _rope_hf_inputs(rng, b, hq, hkv, s, d, dtype):
-    q, k = _randn(rng, (b, hq, s, d), dtype), _randn(rng, (b, hkv, s, d), dtype)
-    return {"q": q, "k": k, "q_out": np.zeros_like(q), "k_out": np.zeros_like(k), "cos": _randn(rng, (b, s, d), dtype),
-            "sin": _randn(rng, (b, s, d), dtype), "backward": False}
-
-
-def _norm_inputs(rng, b, s, h, dtype, hidden_actual=None, beta=False):
-    out = {"input": _randn(rng, (b, s, h), dtype), "gamma": _randn(rng, (1, h), dtype),
-           "output": np.zeros((128, b * s, h // 128), dtype)}
-    if beta:
-        out["beta"] = _randn(rng, (1, h), dtype)
-    elif hidden_actual is not None:
-        out["hidden_actual"] = hidden_actual
-    return out
-
-
-def _sparse(rng, t, e, top_k, dtype):
-    """[T, E] routing mask with T*top_k/E nonzeros per column (the library test's sparsity)."""
-    k = t * top_k // e
-    flat = rng.permutation(np.concatenate([np.ones(k * e), np.zeros((t - k) * e)]))
-    out = flat.reshape(e, t).T.astype(dtype)
-    if dtype == np.float32:
-        out[out > 0] = 0.1
-    return out
-
-
-def _flatten_inputs(t, e, f_len):
-    out_len = ((e * t + 1024 + 127) // 128) * 128
-    return {"input_tensor": np.arange(e * t, dtype=np.int32).reshape(e, t), "f_len": f_len, "output_len": out_len,
-            "row_offsets": np.array([t // f_len * i for i in range(e)], np.int32), "row_offsets_start": None,
-            "padding_val": -1}
