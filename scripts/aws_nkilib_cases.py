@@ -49,7 +49,8 @@ def check_max(got, ref, rtol, atol, what=""):
 def reference(fn: Callable, inputs: dict) -> list:
     """Call a torch reference with the inputs it names; its outputs in their order (dict values or one tensor)."""
     params = inspect.signature(fn).parameters
-    result = fn(**{k: _to_torch(v) for k, v in inputs.items() if k in params})
+    takes_all = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    result = fn(**{k: _to_torch(v) for k, v in inputs.items() if takes_all or k in params})
     if isinstance(result, dict):
         return [_to_numpy(v) for v in result.values()]
     if isinstance(result, (tuple, list)):
@@ -75,6 +76,8 @@ def lib(name: str, kernel: str, ref: str | Callable, make_inputs: Callable, rtol
         else:
             rmod, rfn = ref.split(":")
             ref_fn = getattr(importlib.import_module("nkilib." + rmod), rfn)
+            if not inspect.isfunction(ref_fn):   # an LNC-subscriptable reference: ref[lnc](...)
+                ref_fn = ref_fn[lnc]
             want = reference(ref_fn, {(ref_names or {}).get(k, k): v for k, v in inputs.items()})
         sel = outputs or slice(None)
         got, want = got[sel], want[sel]
@@ -171,6 +174,14 @@ def _flatten_inputs(t, e, f_len):
             "padding_val": -1}
 
 
+def _mask_inputs(rng, batch, q_head, s_ctx, s_active, block_len=0):
+    """Flat KV cache: every active slot of batch b sits at position cache_len[b] (the library test's layout)."""
+    cache_lens = rng.integers(1, s_ctx, batch)
+    pos = np.repeat(cache_lens, s_active).astype(np.float32).reshape(1, batch * s_active)
+    return {"pos_ids_hbm": pos, "bs": batch, "q_head": q_head, "s_active": s_active, "s_prior": s_ctx,
+            "block_len": block_len}
+
+
 LIB_CASES = [
     lib("cumsum", "core.cumsum.cumsum:cumsum", "core.cumsum.cumsum_torch:cumsum_torch_ref",
         lambda rng: {"x": _randn(rng, (64, 4, 1024), BF16)}, 1e-2, 1e-3),
@@ -210,6 +221,12 @@ LIB_CASES = [
     lib("indexed_flatten", "core.subkernels.indexed_flatten:indexed_flatten",
         "core.subkernels.indexed_flatten_torch:indexed_flatten_torch_ref", lambda rng: _flatten_inputs(4096, 3, 128),
         0, 0),
+    lib("gen_mask_tkg_hbm", "core.attention.gen_mask_tkg:gen_mask_tkg_hbm",
+        "core.attention.gen_mask_tkg_torch:gen_mask_tkg_hbm_torch_ref",
+        lambda rng: _mask_inputs(rng, 4, 2, 4096, 7), 0, 0),
+    lib("gen_mask_tkg_hbm_lnc1", "core.attention.gen_mask_tkg:gen_mask_tkg_hbm",
+        "core.attention.gen_mask_tkg_torch:gen_mask_tkg_hbm_torch_ref",
+        lambda rng: _mask_inputs(rng, 4, 1, 4096, 5), 0, 0, lnc=1),
     lib("dynamic_elementwise_add", "experimental.dynamic_shapes.dynamic_elementwise_add:dynamic_elementwise_add",
         "experimental.dynamic_shapes.dynamic_elementwise_add_torch:dynamic_elementwise_add_torch_ref",
         lambda rng: {"input_a": _randn(rng, (256, 1024), BF16), "input_b": _randn(rng, (256, 1024), BF16),
