@@ -59,18 +59,20 @@ def reference(fn: Callable, inputs: dict) -> list:
 
 
 def lib(name: str, kernel: str, ref: str | Callable, make_inputs: Callable, rtol: float, atol: float, *,
-        lnc: int = 2, platform: str = "trn2", outputs: slice | None = None, ref_names: dict | None = None) -> Case:
+        lnc: int = 2, platform: str = "trn2", outputs: slice | None = None, ref_names: dict | None = None,
+        mutated: tuple[str, ...] = ()) -> Case:
     """kernel / ref: "module.path:function" under nkilib (ref may instead be a function of the inputs returning the
     expected outputs, for kernels whose library test states its reference inline). make_inputs(rng) -> kernel
     keyword arguments; ref_names renames them for the reference. outputs selects which of the kernel's returned
-    tensors (and the reference's, in the same order) are compared."""
+    tensors (and the reference's, in the same order) are compared; a kernel that writes into its arguments instead
+    of returning names them in mutated (the simulator writes them back like the SDK's simulator)."""
     def run(root, load, rng):
         kmod, kfn = kernel.split(":")
         kernel_fn = getattr(importlib.import_module("nkilib." + kmod), kfn)
         inputs = make_inputs(rng)
         with target(platform):
             got = simulate(kernel_fn, lnc=lnc, **inputs)
-        got = list(got) if isinstance(got, (tuple, list)) else [got]
+        got = [inputs[n] for n in mutated] if mutated else list(got) if isinstance(got, (tuple, list)) else [got]
         if callable(ref):
             want = ref(inputs)
         else:
@@ -182,6 +184,12 @@ def _mask_inputs(rng, batch, q_head, s_ctx, s_active, block_len=0):
             "block_len": block_len}
 
 
+def _oproj_inputs(rng, b, n_heads, s, d, h, bias, transpose):
+    return {"attention": _randn(rng, (d, b, n_heads, s), BF16), "weight": _randn(rng, (d * n_heads, h), BF16),
+            "bias": (_randn(rng, (1, h)) * 100).astype(BF16) if bias else None, "TRANSPOSE_OUT": transpose,
+            "OUT_IN_SB": False}
+
+
 LIB_CASES = [
     lib("cumsum", "core.cumsum.cumsum:cumsum", "core.cumsum.cumsum_torch:cumsum_torch_ref",
         lambda rng: {"x": _randn(rng, (64, 4, 1024), BF16)}, 1e-2, 1e-3),
@@ -227,6 +235,12 @@ LIB_CASES = [
     lib("gen_mask_tkg_hbm_lnc1", "core.attention.gen_mask_tkg:gen_mask_tkg_hbm",
         "core.attention.gen_mask_tkg_torch:gen_mask_tkg_hbm_torch_ref",
         lambda rng: _mask_inputs(rng, 4, 1, 4096, 5), 0, 0, lnc=1),
+    lib("output_projection_tkg", "core.output_projection.output_projection_tkg:output_projection_tkg",
+        "core.output_projection.output_projection_tkg_torch:output_projection_tkg_torch_ref",
+        lambda rng: _oproj_inputs(rng, 4, 8, 4, 64, 3072, True, False), 2e-2, 1e-5),
+    lib("output_projection_tkg_transposed", "core.output_projection.output_projection_tkg:output_projection_tkg",
+        "core.output_projection.output_projection_tkg_torch:output_projection_tkg_torch_ref",
+        lambda rng: _oproj_inputs(rng, 4, 2, 4, 128, 8192, True, True), 2e-2, 1e-5),
     lib("dynamic_elementwise_add", "experimental.dynamic_shapes.dynamic_elementwise_add:dynamic_elementwise_add",
         "experimental.dynamic_shapes.dynamic_elementwise_add_torch:dynamic_elementwise_add_torch_ref",
         lambda rng: {"input_a": _randn(rng, (256, 1024), BF16), "input_b": _randn(rng, (256, 1024), BF16),
