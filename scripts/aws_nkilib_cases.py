@@ -101,8 +101,7 @@ def _act(name):
 def _ce_backward_inputs(rng):
     logits = _randn(rng, (4, 32128), BF16)
     targets = rng.integers(0, 32128, 4, np.int32)
-    ref = getattr(importlib.import_module("nkilib.experimental.loss.cross_entropy_torch"),
-                  "cross_entropy_forward_torch_ref")
+    ref = importlib.import_module("nkilib.experimental.loss.cross_entropy_torch").cross_entropy_forward_torch_ref
     _, lse = ref(_to_torch(logits).bfloat16(), _to_torch(targets).long())
     return {"logits_hbm": logits, "targets_hbm": targets, "lse_state_hbm": _to_numpy(lse).astype(BF16),
             "reduction": "mean", "positions_per_batch": 4, "chunk_size": 16384}
@@ -111,16 +110,14 @@ def _ce_backward_inputs(rng):
 def _ce_forward_ref(inputs):
     """The library's reference on bf16 logits and int64 targets (as its test converts them)."""
     import torch
-    ref = getattr(importlib.import_module("nkilib.experimental.loss.cross_entropy_torch"),
-                  "cross_entropy_forward_torch_ref")
+    ref = importlib.import_module("nkilib.experimental.loss.cross_entropy_torch").cross_entropy_forward_torch_ref
     out = ref(_to_torch(inputs["logits_hbm"]).to(torch.bfloat16), _to_torch(inputs["targets_hbm"]).long())
     return [_to_numpy(v) for v in out]
 
 
 def _ce_backward_ref(inputs):
     import torch
-    ref = getattr(importlib.import_module("nkilib.experimental.loss.cross_entropy_torch"),
-                  "cross_entropy_backward_torch_ref")
+    ref = importlib.import_module("nkilib.experimental.loss.cross_entropy_torch").cross_entropy_backward_torch_ref
     out = ref(_to_torch(inputs["logits_hbm"]).to(torch.bfloat16), _to_torch(inputs["targets_hbm"]).long(), "mean")
     return [_to_numpy(out)]
 
