@@ -58,6 +58,31 @@ def reference(fn: Callable, inputs: dict) -> list:
     return [_to_numpy(result)]
 
 
+def _harness_norms() -> None:
+    """Two library references (qkv_tkg, moe_cte) import the norm table of nki-library's test harness, whose other
+    dependencies (neuron_dtypes, scipy) are not needed here: register a module with just that table, built from
+    the library's own norm references."""
+    import sys
+    import types
+    name = "test.integration.nkilib.utils.test_kernel_common"
+    if name in sys.modules:
+        return
+    common = importlib.import_module("nkilib.core.utils.common_types")
+    rms = importlib.import_module("nkilib.core.subkernels.rmsnorm_torch").rms_norm_torch_ref
+    layer = importlib.import_module("nkilib.core.subkernels.layernorm_torch").layer_norm_torch_ref
+    norm = common.NormType
+    table = {norm.NO_NORM: lambda *x, **_: x[0], norm.RMS_NORM: rms, norm.LAYER_NORM: layer,
+             norm.RMS_NORM_SKIP_GAMMA: rms}
+    parts = name.split(".")
+    for i in range(1, len(parts) + 1):
+        mod = types.ModuleType(".".join(parts[:i]))
+        mod.__path__ = []
+        sys.modules[mod.__name__] = mod
+        if i > 1:
+            setattr(sys.modules[".".join(parts[:i - 1])], parts[i - 1], mod)
+    sys.modules[name].norm_name2func_torch = table
+
+
 def lib(name: str, kernel: str, ref: str | Callable, make_inputs: Callable, rtol: float, atol: float, *,
         lnc: int = 2, platform: str = "trn2", outputs: slice | None = None, ref_names: dict | None = None,
         mutated: tuple[str, ...] = ()) -> Case:
@@ -68,6 +93,7 @@ def lib(name: str, kernel: str, ref: str | Callable, make_inputs: Callable, rtol
     of returning names them in mutated (the simulator writes them back like the SDK's simulator)."""
     def run(root, load, rng):
         kmod, kfn = kernel.split(":")
+        _harness_norms()
         kernel_fn = getattr(importlib.import_module("nkilib." + kmod), kfn)
         inputs = make_inputs(rng)
         with target(platform):
@@ -187,6 +213,23 @@ def _oproj_inputs(rng, b, n_heads, s, d, h, bias, transpose):
             "OUT_IN_SB": False}
 
 
+_QKV_REF_NAMES = {"input": "hidden", "fused_qkv_weights": "qkv_w", "gamma_norm_weights": "norm_w",
+                  "fused_residual_add": "fused_add", "attention_prev": "attn_prev", "fused_norm_type": "norm_type",
+                  "norm_eps": "eps", "bias": "qkv_bias", "layer_norm_bias": "norm_bias"}
+
+
+def _qkv_inputs(rng, b, s, h, qkv_dim, n_q, n_kv, d, norm, fused_add, qkv_bias=False):
+    types = importlib.import_module("nkilib.core.utils.common_types")
+    def t(*shape):
+        return _randn(rng, shape, BF16)
+    return {"input": t(b, s, h), "fused_qkv_weights": t(h, qkv_dim), "output_layout": types.QKVOutputLayout.BSD,
+            "bias": t(1, qkv_dim) if qkv_bias else None, "fused_residual_add": fused_add,
+            "mlp_prev": t(b, s, h) if fused_add else None, "attention_prev": t(b, s, h) if fused_add else None,
+            "fused_norm_type": getattr(types.NormType, norm),
+            "gamma_norm_weights": t(1, h) if norm != "NO_NORM" else None, "norm_eps": 1e-6,
+            "d_head": d, "num_q_heads": n_q, "num_kv_heads": n_kv}
+
+
 LIB_CASES = [
     lib("cumsum", "core.cumsum.cumsum:cumsum", "core.cumsum.cumsum_torch:cumsum_torch_ref",
         lambda rng: {"x": _randn(rng, (64, 4, 1024), BF16)}, 1e-2, 1e-3),
@@ -238,6 +281,12 @@ LIB_CASES = [
     lib("output_projection_tkg_transposed", "core.output_projection.output_projection_tkg:output_projection_tkg",
         "core.output_projection.output_projection_tkg_torch:output_projection_tkg_torch_ref",
         lambda rng: _oproj_inputs(rng, 4, 2, 4, 128, 8192, True, True), 2e-2, 1e-5),
+    lib("qkv_tkg", "core.qkv.qkv:qkv", "core.qkv.qkv_tkg_torch:qkv_tkg_torch_ref",
+        lambda rng: _qkv_inputs(rng, 4, 1, 4096, 896, 5, 1, 128, "RMS_NORM", True), 2e-2, 1e-5, lnc=1,
+        ref_names=_QKV_REF_NAMES),
+    lib("qkv_tkg_lnc2_bias", "core.qkv.qkv:qkv", "core.qkv.qkv_tkg_torch:qkv_tkg_torch_ref",
+        lambda rng: _qkv_inputs(rng, 8, 5, 3072, 640, 8, 1, 64, "RMS_NORM", False, qkv_bias=True), 2e-2, 1e-5,
+        ref_names=_QKV_REF_NAMES),
     lib("dynamic_elementwise_add", "experimental.dynamic_shapes.dynamic_elementwise_add:dynamic_elementwise_add",
         "experimental.dynamic_shapes.dynamic_elementwise_add_torch:dynamic_elementwise_add_torch_ref",
         lambda rng: {"input_a": _randn(rng, (256, 1024), BF16), "input_b": _randn(rng, (256, 1024), BF16),
