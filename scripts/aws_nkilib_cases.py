@@ -230,6 +230,14 @@ def _qkv_inputs(rng, b, s, h, qkv_dim, n_q, n_kv, d, norm, fused_add, qkv_bias=F
             "d_head": d, "num_q_heads": n_q, "num_kv_heads": n_kv}
 
 
+def _attn_cte_inputs(rng, bs, sq, skv, d, causal, tp_q, tp_out, bs_kv=None):
+    bs_kv = bs_kv or bs
+    def u(*shape):
+        return rng.random(shape).astype(BF16)
+    return {"q": u(bs, sq, d) if tp_q else u(bs, d, sq), "k": u(bs_kv, d, skv), "v": u(bs_kv, skv, d),
+            "scale": 1.0, "causal_mask": causal, "tp_q": tp_q, "tp_k": False, "tp_out": tp_out}
+
+
 LIB_CASES = [
     lib("cumsum", "core.cumsum.cumsum:cumsum", "core.cumsum.cumsum_torch:cumsum_torch_ref",
         lambda rng: {"x": _randn(rng, (64, 4, 1024), BF16)}, 1e-2, 1e-3),
@@ -287,6 +295,15 @@ LIB_CASES = [
     lib("qkv_tkg_lnc2_bias", "core.qkv.qkv:qkv", "core.qkv.qkv_tkg_torch:qkv_tkg_torch_ref",
         lambda rng: _qkv_inputs(rng, 8, 5, 3072, 640, 8, 1, 64, "RMS_NORM", False, qkv_bias=True), 2e-2, 1e-5,
         ref_names=_QKV_REF_NAMES),
+    lib("qkv_cte", "core.qkv.qkv:qkv", "core.qkv.qkv_tkg_torch:qkv_tkg_torch_ref",
+        lambda rng: _qkv_inputs(rng, 1, 512, 2048, 384, 1, 1, 128, "RMS_NORM", False), 2e-2, 1e-5,
+        ref_names=_QKV_REF_NAMES),
+    lib("attention_cte", "core.attention.attention_cte:attention_cte",
+        "core.attention.attention_cte_torch:attention_cte_torch_ref",
+        lambda rng: _attn_cte_inputs(rng, 2, 512, 512, 128, True, True, False), 2e-2, 1e-5),
+    lib("attention_cte_gqa_lnc1", "core.attention.attention_cte:attention_cte",
+        "core.attention.attention_cte_torch:attention_cte_torch_ref",
+        lambda rng: _attn_cte_inputs(rng, 4, 256, 512, 64, False, False, True, bs_kv=2), 2e-2, 1e-5, lnc=1),
     lib("dynamic_elementwise_add", "experimental.dynamic_shapes.dynamic_elementwise_add:dynamic_elementwise_add",
         "experimental.dynamic_shapes.dynamic_elementwise_add_torch:dynamic_elementwise_add_torch_ref",
         lambda rng: {"input_a": _randn(rng, (256, 1024), BF16), "input_b": _randn(rng, (256, 1024), BF16),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import dataclasses
 import math
 import os
 import sys
@@ -183,9 +184,26 @@ def no_reorder():
         ctx.no_reorder_depth -= 1
 
 
-class NKIObject:
+class _NKIObjectType(type):
+    """A ``@dataclass`` subclass may declare its fields as plain class attributes (``section_idx = None``, no
+    annotation: not a dataclass field); keywords naming such attributes are set after the generated constructor
+    ran, as NKIObject(**kwargs) would set them. Other unknown keywords still raise TypeError."""
+
+    def __call__(cls, *args, **kwargs):
+        if not dataclasses.is_dataclass(cls):
+            return super().__call__(*args, **kwargs)
+        fields = {f.name for f in dataclasses.fields(cls) if f.init}
+        extra = {k: kwargs.pop(k) for k in list(kwargs) if k not in fields and hasattr(cls, k)}
+        obj = super().__call__(*args, **kwargs)
+        for key, value in extra.items():
+            object.__setattr__(obj, key, value)
+        return obj
+
+
+class NKIObject(metaclass=_NKIObjectType):
     """Base class for NKI kernel dataclasses and configuration objects (§1.3): ``NKIObject(**fields)`` sets each
-    keyword as an attribute; ``@dataclass`` subclasses keep their generated constructor."""
+    keyword as an attribute; ``@dataclass`` subclasses keep their generated constructor (and accept keywords for
+    attributes declared without annotation)."""
 
     def __init__(self, **kwargs):
         for key, value in kwargs.items():
