@@ -238,6 +238,36 @@ def _attn_cte_inputs(rng, bs, sq, skv, d, causal, tp_q, tp_out, bs_kv=None):
             "scale": 1.0, "causal_mask": causal, "tp_q": tp_q, "tp_k": False, "tp_out": tp_out}
 
 
+def _mlp_inputs(rng, b, s, h, i, norm):
+    types = importlib.import_module("nkilib.core.utils.common_types")
+    def w(*shape):
+        return (rng.standard_normal(shape) / np.sqrt(shape[0])).astype(BF16)
+    out = {"hidden_tensor": _randn(rng, (b, s, h), BF16), "gate_proj_weights_tensor": w(h, i),
+           "up_proj_weights_tensor": w(h, i), "down_proj_weights_tensor": w(i, h),
+           "activation_fn": types.ActFnType.SiLU, "normalization_type": getattr(types.NormType, norm)}
+    if norm != "NO_NORM":
+        out["normalization_weights_tensor"] = _randn(rng, (1, h), BF16)
+    return out
+
+
+def _mlp_ref(inputs):
+    """The kernel's documented result: down(silu(gate(x')) * up(x')), x' = RMS-normalised x (eps 1e-6) if asked."""
+    f = {k: np.asarray(v, np.float64) for k, v in inputs.items() if isinstance(v, np.ndarray)}
+    x = f["hidden_tensor"]
+    if "normalization_weights_tensor" in f:
+        x = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + 1e-6) * f["normalization_weights_tensor"][0]
+    g, u = x @ f["gate_proj_weights_tensor"], x @ f["up_proj_weights_tensor"]
+    return [(g / (1 + np.exp(-g)) * u) @ f["down_proj_weights_tensor"]]
+
+
+def _oproj_cte_ref(inputs):
+    """The documented result out[b, s] = attention[b, :, :, s] (flattened heads x d_head) @ weight + bias (the
+    library's own torch reference imports neuron_dtypes, which is not a public package)."""
+    att, w = np.asarray(inputs["attention"], np.float64), np.asarray(inputs["weight"], np.float64)
+    b, n, d, s = att.shape
+    return [att.transpose(0, 3, 1, 2).reshape(b, s, n * d) @ w + np.asarray(inputs["bias"], np.float64)]
+
+
 LIB_CASES = [
     lib("cumsum", "core.cumsum.cumsum:cumsum", "core.cumsum.cumsum_torch:cumsum_torch_ref",
         lambda rng: {"x": _randn(rng, (64, 4, 1024), BF16)}, 1e-2, 1e-3),
@@ -304,6 +334,12 @@ LIB_CASES = [
     lib("attention_cte_gqa_lnc1", "core.attention.attention_cte:attention_cte",
         "core.attention.attention_cte_torch:attention_cte_torch_ref",
         lambda rng: _attn_cte_inputs(rng, 4, 256, 512, 64, False, False, True, bs_kv=2), 2e-2, 1e-5, lnc=1),
+    lib("output_projection_cte", "core.output_projection.output_projection_cte.output_projection_cte:output_projection_cte",
+        _oproj_cte_ref,
+        lambda rng: {"attention": rng.random((1, 4, 128, 512)).astype(BF16),
+                     "weight": rng.random((512, 2048)).astype(BF16),
+                     "bias": (_randn(rng, (1, 2048)) * 100).astype(BF16)}, 2e-2, 1e-5),
+    lib("mlp", "core.mlp.mlp:mlp", _mlp_ref, lambda rng: _mlp_inputs(rng, 4, 1, 2048, 1024, "RMS_NORM"), 2e-2, 1e-5),
     lib("dynamic_elementwise_add", "experimental.dynamic_shapes.dynamic_elementwise_add:dynamic_elementwise_add",
         "experimental.dynamic_shapes.dynamic_elementwise_add_torch:dynamic_elementwise_add_torch_ref",
         lambda rng: {"input_a": _randn(rng, (256, 1024), BF16), "input_b": _randn(rng, (256, 1024), BF16),
