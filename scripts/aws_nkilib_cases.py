@@ -268,6 +268,21 @@ def _oproj_cte_ref(inputs):
     return [att.transpose(0, 3, 1, 2).reshape(b, s, n * d) @ w + np.asarray(inputs["bias"], np.float64)]
 
 
+def _sparse_row(rng, t, n_nonzero):
+    x = np.zeros((1, t), np.float32)
+    x[0, rng.choice(t, n_nonzero, replace=False)] = rng.uniform(0.01, 1.0, n_nonzero)
+    return x
+
+
+def _nonzero_with_count_ref(inputs):
+    """Documented output: [1, T+1] int32 - the nonzero indices in order, -1 padding, the count last."""
+    row = inputs["input_tensor"][0]
+    idx = np.nonzero(row)[0]
+    out = np.full((1, row.size + 1), -1, np.int32)
+    out[0, :idx.size], out[0, -1] = idx, idx.size
+    return [out]
+
+
 LIB_CASES = [
     lib("cumsum", "core.cumsum.cumsum:cumsum", "core.cumsum.cumsum_torch:cumsum_torch_ref",
         lambda rng: {"x": _randn(rng, (64, 4, 1024), BF16)}, 1e-2, 1e-3),
@@ -339,6 +354,9 @@ LIB_CASES = [
         lambda rng: {"attention": rng.random((1, 4, 128, 512)).astype(BF16),
                      "weight": rng.random((512, 2048)).astype(BF16),
                      "bias": (_randn(rng, (1, 2048)) * 100).astype(BF16)}, 2e-2, 1e-5),
+    lib("find_nonzero_indices_with_count",
+        "experimental.benchmark.find_nonzero_indices_with_count:find_nonzero_indices_with_count",
+        _nonzero_with_count_ref, lambda rng: {"input_tensor": _sparse_row(rng, 1024, 160)}, 0, 0),
     lib("mlp", "core.mlp.mlp:mlp", _mlp_ref, lambda rng: _mlp_inputs(rng, 4, 1, 2048, 1024, "RMS_NORM"), 2e-2, 1e-5),
     lib("dynamic_elementwise_add", "experimental.dynamic_shapes.dynamic_elementwise_add:dynamic_elementwise_add",
         "experimental.dynamic_shapes.dynamic_elementwise_add_torch:dynamic_elementwise_add_torch_ref",
