@@ -283,6 +283,30 @@ def _nonzero_with_count_ref(inputs):
     return [out]
 
 
+def _rmsnorm_quant_case(root, load, rng):
+    """rmsnorm_quant_kernel, row quantisation: each row RMS-normalised (x / (rms + eps) * gamma), scaled to the fp8
+    range 240 and stored as fp8 e4m3 followed by its fp32 dequantisation scale (max|row| / 240) in 4 fp8 slots.
+    Compared as the library's test does: values rtol 0.072, scales rtol 0.007 of the max (its maxAllClose rule)."""
+    mod = importlib.import_module("nkilib.core.rmsnorm.rmsnorm_quant")
+    types = importlib.import_module("nkilib.core.utils.common_types")
+    b, s, h = 1, 160, 16384
+    x = rng.standard_normal((b, s, h)).astype(BF16)
+    gamma = rng.standard_normal((1, h)).astype(BF16)
+    kargs = mod.RmsNormQuantKernelArgs(quantization_type=types.QuantizationType.ROW, lower_bound=0.0,
+                                       norm_type=types.NormType.RMS_NORM, eps=1e-6)
+    with target("trn2"):
+        out = simulate(mod.rmsnorm_quant_kernel, x, gamma, kargs, None, lnc=2)
+    raw = np.ascontiguousarray(np.asarray(out)).view(np.uint8).reshape(b, s, h + 4)
+    got = raw[:, :, :h].view(ml_dtypes.float8_e4m3).astype(np.float64)
+    got_scale = np.ascontiguousarray(raw[:, :, h:]).view(np.float32).astype(np.float64)
+    xf = x.astype(np.float64)
+    norm = xf / (np.sqrt(np.mean(xf * xf, axis=-1, keepdims=True)) + 1e-6) * gamma.astype(np.float64)
+    scale = np.abs(norm).max(axis=-1, keepdims=True) / 240.0
+    want = (norm / scale).astype(np.float32).astype(ml_dtypes.float8_e4m3).astype(np.float64)
+    check_max(got, want, 0.072, 0, "values")
+    check_max(got_scale, scale, 0.007, 0, "scales")
+
+
 LIB_CASES = [
     lib("cumsum", "core.cumsum.cumsum:cumsum", "core.cumsum.cumsum_torch:cumsum_torch_ref",
         lambda rng: {"x": _randn(rng, (64, 4, 1024), BF16)}, 1e-2, 1e-3),
@@ -357,6 +381,7 @@ LIB_CASES = [
     lib("find_nonzero_indices_with_count",
         "experimental.benchmark.find_nonzero_indices_with_count:find_nonzero_indices_with_count",
         _nonzero_with_count_ref, lambda rng: {"input_tensor": _sparse_row(rng, 1024, 160)}, 0, 0),
+    Case("nki-library/rmsnorm_quant", "nki-library", _rmsnorm_quant_case),
     lib("mlp", "core.mlp.mlp:mlp", _mlp_ref, lambda rng: _mlp_inputs(rng, 4, 1, 2048, 1024, "RMS_NORM"), 2e-2, 1e-5),
     lib("dynamic_elementwise_add", "experimental.dynamic_shapes.dynamic_elementwise_add:dynamic_elementwise_add",
         "experimental.dynamic_shapes.dynamic_elementwise_add_torch:dynamic_elementwise_add_torch_ref",
