@@ -307,6 +307,25 @@ def _rmsnorm_quant_case(root, load, rng):
     check_max(got_scale, scale, 0.007, 0, "scales")
 
 
+def _rotational_topk_case(root, load, rng):
+    """rotational_topk on [B*S, V]: the k largest values of each row (compared sorted, as the library's test does,
+    which leaves tie order free) and indices that point at those values."""
+    mod = importlib.import_module("nkilib.core.topk.rotational_topk")
+    bxs, vocab, k = 8, 2048, 256
+    x = rng.standard_normal((bxs, vocab)).astype(np.float32)
+    cfg = mod.create_topk_config(inp_shape=(bxs, 1, vocab), inp_dtype=np.float32, k=k, sorted=True, num_programs=2)
+    cfg = mod.prepare_rotational_constants(mod.create_rotational_topk_config(inp_shape=x.shape, topk_config=cfg))
+    try:
+        with target("trn2"):
+            values, indices = simulate(mod.rotational_topk, x, cfg, lnc=2)
+    finally:
+        mod.cleanup_rotational_constants()
+    want = -np.sort(-x, axis=-1)[:, :k]
+    check_max(-np.sort(-np.asarray(values, np.float64), axis=-1), want, 1e-3, 1e-5, "values")
+    picked = np.take_along_axis(x, np.asarray(indices).astype(np.int64), axis=-1)
+    check_max(-np.sort(-picked.astype(np.float64), axis=-1), want, 1e-3, 1e-5, "indices")
+
+
 LIB_CASES = [
     lib("cumsum", "core.cumsum.cumsum:cumsum", "core.cumsum.cumsum_torch:cumsum_torch_ref",
         lambda rng: {"x": _randn(rng, (64, 4, 1024), BF16)}, 1e-2, 1e-3),
@@ -382,6 +401,7 @@ LIB_CASES = [
         "experimental.benchmark.find_nonzero_indices_with_count:find_nonzero_indices_with_count",
         _nonzero_with_count_ref, lambda rng: {"input_tensor": _sparse_row(rng, 1024, 160)}, 0, 0),
     Case("nki-library/rmsnorm_quant", "nki-library", _rmsnorm_quant_case),
+    Case("nki-library/rotational_topk", "nki-library", _rotational_topk_case),
     lib("mlp", "core.mlp.mlp:mlp", _mlp_ref, lambda rng: _mlp_inputs(rng, 4, 1, 2048, 1024, "RMS_NORM"), 2e-2, 1e-5),
     lib("dynamic_elementwise_add", "experimental.dynamic_shapes.dynamic_elementwise_add:dynamic_elementwise_add",
         "experimental.dynamic_shapes.dynamic_elementwise_add_torch:dynamic_elementwise_add_torch_ref",
