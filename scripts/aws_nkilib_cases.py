@@ -326,6 +326,18 @@ def _rotational_topk_case(root, load, rng):
     check_max(-np.sort(-picked.astype(np.float64), axis=-1), want, 1e-3, 1e-5, "indices")
 
 
+def _attn_bwd_inputs(rng, b, hq, hkv, s, d, causal):
+    """Gaussian q, k, v, dy and the forward's o and lse from the library's own compute_o_lse."""
+    ref = importlib.import_module("nkilib.core.attention.attention_bwd_torch")
+    q, dy = (_randn(rng, (b, hq, d, s), BF16) for _ in range(2))
+    k, v = (_randn(rng, (b, hkv, d, s), BF16) for _ in range(2))
+    o, lse, _ = ref.compute_o_lse(_to_torch(q), _to_torch(k), _to_torch(v), causal, True, softmax_scale=None,
+                                  sliding_window=-1, sinks=None, bound_min=None, bound_max=None)
+    return {"q_ref": q, "k_ref": k, "v_ref": v, "o_ref": _to_numpy(o).astype(BF16), "dy_ref": dy,
+            "lse_ref": _to_numpy(lse).astype(np.float32), "use_causal_mask": causal, "mixed_precision": True,
+            "softmax_scale": None, "sliding_window": -1}
+
+
 LIB_CASES = [
     lib("cumsum", "core.cumsum.cumsum:cumsum", "core.cumsum.cumsum_torch:cumsum_torch_ref",
         lambda rng: {"x": _randn(rng, (64, 4, 1024), BF16)}, 1e-2, 1e-3),
@@ -402,6 +414,9 @@ LIB_CASES = [
         _nonzero_with_count_ref, lambda rng: {"input_tensor": _sparse_row(rng, 1024, 160)}, 0, 0),
     Case("nki-library/rmsnorm_quant", "nki-library", _rmsnorm_quant_case),
     Case("nki-library/rotational_topk", "nki-library", _rotational_topk_case),
+    lib("attention_bwd", "core.attention.attention_bwd:attention_bwd",
+        "core.attention.attention_bwd_torch:attention_bwd_torch_ref",
+        lambda rng: _attn_bwd_inputs(rng, 1, 2, 1, 512, 128, True), 2e-2, 1e-5),
     lib("mlp", "core.mlp.mlp:mlp", _mlp_ref, lambda rng: _mlp_inputs(rng, 4, 1, 2048, 1024, "RMS_NORM"), 2e-2, 1e-5),
     lib("dynamic_elementwise_add", "experimental.dynamic_shapes.dynamic_elementwise_add:dynamic_elementwise_add",
         "experimental.dynamic_shapes.dynamic_elementwise_add_torch:dynamic_elementwise_add_torch_ref",
