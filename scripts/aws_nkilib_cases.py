@@ -83,6 +83,27 @@ def _harness_norms() -> None:
     sys.modules[name].norm_name2func_torch = table
 
 
+def _absent_neuron_dtypes() -> None:
+    """nki-library's MX torch helpers import ``neuron_dtypes`` (not a public package) at module level; the non-MX
+    references that import them never call it. Register a module whose every attribute access raises, so those
+    references import and any MX use fails loudly instead of silently."""
+    import sys
+    import types
+    try:
+        importlib.import_module("neuron_dtypes")
+        return
+    except ImportError:
+        pass
+
+    class Absent(types.ModuleType):
+        def __getattr__(self, name):
+            if name.startswith("__"):
+                raise AttributeError(name)
+            raise ImportError(f"neuron_dtypes.{name} is needed here and neuron_dtypes is not installed")
+
+    sys.modules["neuron_dtypes"] = Absent("neuron_dtypes")
+
+
 def lib(name: str, kernel: str, ref: str | Callable, make_inputs: Callable, rtol: float, atol: float, *,
         lnc: int = 2, platform: str = "trn2", outputs: slice | None = None, ref_names: dict | None = None,
         mutated: tuple[str, ...] = ()) -> Case:
@@ -93,6 +114,7 @@ def lib(name: str, kernel: str, ref: str | Callable, make_inputs: Callable, rtol
     of returning names them in mutated (the simulator writes them back like the SDK's simulator)."""
     def run(root, load, rng):
         kmod, kfn = kernel.split(":")
+        _absent_neuron_dtypes()
         _harness_norms()
         kernel_fn = getattr(importlib.import_module("nkilib." + kmod), kfn)
         inputs = make_inputs(rng)
@@ -260,14 +282,6 @@ def _mlp_ref(inputs):
     return [(g / (1 + np.exp(-g)) * u) @ f["down_proj_weights_tensor"]]
 
 
-def _oproj_cte_ref(inputs):
-    """The documented result out[b, s] = attention[b, :, :, s] (flattened heads x d_head) @ weight + bias (the
-    library's own torch reference imports neuron_dtypes, which is not a public package)."""
-    att, w = np.asarray(inputs["attention"], np.float64), np.asarray(inputs["weight"], np.float64)
-    b, n, d, s = att.shape
-    return [att.transpose(0, 3, 1, 2).reshape(b, s, n * d) @ w + np.asarray(inputs["bias"], np.float64)]
-
-
 def _sparse_row(rng, t, n_nonzero):
     x = np.zeros((1, t), np.float32)
     x[0, rng.choice(t, n_nonzero, replace=False)] = rng.uniform(0.01, 1.0, n_nonzero)
@@ -338,6 +352,21 @@ def _attn_bwd_inputs(rng, b, hq, hkv, s, d, causal):
             "softmax_scale": None, "sliding_window": -1}
 
 
+def _moe_tkg_inputs(rng, t, h, i, e, k):
+    """Selective (top-k) experts, fp16, POST_SCALE: the library test's layout (gate/up weights [E, H, 2, I])."""
+    types = importlib.import_module("nkilib.core.utils.common_types")
+    idx = np.stack([rng.choice(e, k, replace=False) for _ in range(t)]).astype(np.int32)
+    aff = np.zeros((t, e), np.float16)
+    w = rng.random((t, k))
+    np.put_along_axis(aff, idx, (w / w.sum(axis=1, keepdims=True)).astype(np.float16), axis=1)
+    return {"hidden_input": _randn(rng, (t, h), np.float16),
+            "expert_gate_up_weights": (_randn(rng, (e, h, 2, i)) / np.sqrt(h)).astype(np.float16),
+            "expert_down_weights": (_randn(rng, (e, i, h)) / np.sqrt(i)).astype(np.float16),
+            "expert_affinities": aff, "expert_index": idx, "is_all_expert": False,
+            "expert_affinities_scaling_mode": types.ExpertAffinityScaleMode.POST_SCALE,
+            "activation_fn": types.ActFnType.SiLU}
+
+
 LIB_CASES = [
     lib("cumsum", "core.cumsum.cumsum:cumsum", "core.cumsum.cumsum_torch:cumsum_torch_ref",
         lambda rng: {"x": _randn(rng, (64, 4, 1024), BF16)}, 1e-2, 1e-3),
@@ -405,7 +434,7 @@ LIB_CASES = [
         "core.attention.attention_cte_torch:attention_cte_torch_ref",
         lambda rng: _attn_cte_inputs(rng, 4, 256, 512, 64, False, False, True, bs_kv=2), 2e-2, 1e-5, lnc=1),
     lib("output_projection_cte", "core.output_projection.output_projection_cte.output_projection_cte:output_projection_cte",
-        _oproj_cte_ref,
+        "core.output_projection.output_projection_cte.output_projection_cte_torch:output_projection_cte_torch_ref",
         lambda rng: {"attention": rng.random((1, 4, 128, 512)).astype(BF16),
                      "weight": rng.random((512, 2048)).astype(BF16),
                      "bias": (_randn(rng, (1, 2048)) * 100).astype(BF16)}, 2e-2, 1e-5),
@@ -417,6 +446,10 @@ LIB_CASES = [
     lib("attention_bwd", "core.attention.attention_bwd:attention_bwd",
         "core.attention.attention_bwd_torch:attention_bwd_torch_ref",
         lambda rng: _attn_bwd_inputs(rng, 1, 2, 1, 512, 128, True), 2e-2, 1e-5),
+    lib("moe_tkg", "core.moe.moe_tkg.moe_tkg:moe_tkg", "core.moe.moe_tkg.moe_tkg_torch:moe_tkg_torch_ref",
+        lambda rng: _moe_tkg_inputs(rng, 4, 3072, 192, 8, 4), 2e-2, 1e-5),
+    lib("router_topk", "core.router_topk.router_topk:router_topk",
+        "core.router_topk.router_topk_torch:router_topk_torch_ref", lambda rng: {}, 2e-2, 1e-5),
     lib("mlp", "core.mlp.mlp:mlp", _mlp_ref, lambda rng: _mlp_inputs(rng, 4, 1, 2048, 1024, "RMS_NORM"), 2e-2, 1e-5),
     lib("dynamic_elementwise_add", "experimental.dynamic_shapes.dynamic_elementwise_add:dynamic_elementwise_add",
         "experimental.dynamic_shapes.dynamic_elementwise_add_torch:dynamic_elementwise_add_torch_ref",

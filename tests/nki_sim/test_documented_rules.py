@@ -80,6 +80,11 @@ def test_nkiobject_keyword_constructor_and_dataclasses():
     with pytest.raises(TypeError):
         Section(undeclared=1)
 
+    part = Params(scale=2.0)             # keywords only: a field left out stays unset, as NKIObject(**kw) does
+    assert part.scale == 2.0 and not hasattr(part, "n")
+    with pytest.raises(TypeError):
+        Params(scale=2.0, undeclared=1)
+
 
 def test_nc_stream_shuffle_broadcasts_one_partition_to_a_quadrant(rng):
     x = rng.standard_normal((1, 6)).astype(np.float32)
