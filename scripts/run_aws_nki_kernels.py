@@ -8,7 +8,8 @@ Nothing from those repositories is copied here: each case names a file and a ker
 small random inputs, runs the kernel through ``nki.simulate`` (our simulator registered as ``nki``) and compares
 the result with the reference the repository publishes next to the kernel (its NumPy/torch function) or, where it
 has none, with a NumPy expression of the kernel's documented result. Prints one line per case and a summary;
-exit status 1 if any case failed.
+exit status 1 if any case failed. nki-library's kernels need torch (its references) and SciPy (rotational_topk
+imports it) in the environment.
 """
 from __future__ import annotations
 
