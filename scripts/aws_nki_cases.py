@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import ml_dtypes
 import numpy as np
@@ -45,6 +45,8 @@ def target(name):
 
 def simulate(kernel, *args, lnc=None, **kwargs):
     import nki
+    if lnc is not None and not hasattr(kernel, "__getitem__"):   # a plain (sub)kernel function: wrap it first
+        kernel = nki.jit(kernel)
     k = kernel if lnc is None else kernel[lnc]
     return nki.simulate(k)(*args, **kwargs)
 
@@ -211,4 +213,8 @@ SDK_CASES = [
     Case("sdk/mxfp-matmul/kernel_copy_strided_quantize_matmul_mx_packed_scale", "sdk", _sdk_mx("packed")),
 ]
 
-CASES = SDK_CASES
+
+
+def all_cases():
+    from aws_nkilib_cases import LIB_CASES  # imports this module's Case/check/simulate/target
+    return SDK_CASES + LIB_CASES

@@ -33,9 +33,9 @@ def _converted(dst, src, values):
 
 
 def _copy_skipping_oob(dst, src) -> None:
-    """oob_mode.skip with an indirect (vector_offset) side: rows whose index falls outside the tensor are not
-    read (dst keeps its values) or not written."""
-    if src.vector is not None:
+    """oob_mode.skip: rows of the HBM side (indirect vector_offset rows, or a pattern moved by scalar_offset) that
+    fall outside the tensor are not read (dst keeps its values) or not written."""
+    if not src.on_chip:
         idx = src.index(oob_skip=True)
         ok = idx >= 0
         vals = _converted(dst, src, src.storage.typed(src.np_dtype)[np.where(ok, idx, 0)]).reshape(-1)
@@ -66,7 +66,7 @@ def dma_copy(dst, src, priority=None, oob_mode=OOB.error, dge_mode=DGE.unknown, 
         raise SimulationError(f"{op} with dge_mode=hwdge needs equal dtypes (src {D.dtype_name(src.dtype)}, dst "
                               f"{D.dtype_name(dst.dtype)}); reinterpret with .view() or use another DGE mode")
     if C.executing():
-        if oob_mode == OOB.skip and (src.vector is not None or dst.vector is not None):
+        if oob_mode == OOB.skip and not (src.on_chip and dst.on_chip):
             _copy_skipping_oob(dst, src)
         else:
             _copy_values(dst, src, op)

@@ -1,5 +1,5 @@
-"""Scan, gather and compaction instructions: tensor_tensor_scan (VectorE), nc_n_gather and nonzero_with_count
-(GpSimd) — semantics as written in the NKI 0.6 API reference."""
+"""Scan, gather and compaction instructions: tensor_tensor_scan (VectorE), nc_n_gather, local_gather and
+nonzero_with_count (GpSimd) — semantics as written in the NKI 0.6 API reference."""
 from __future__ import annotations
 
 import numpy as np
@@ -58,6 +58,50 @@ def nc_n_gather(dst, data, indices, name=None):
         if where.size and (where.max() >= table.shape[1]):
             raise SimulationError(f"{iname} index {int(where.max())} out of range [0, {table.shape[1]})")
         C.store(dst, np.take_along_axis(table, where, axis=1))
+    return C.emit("gpsimd", iname, x, dst)
+
+
+_CORE_PARTS = 16   # partitions per GpSimd core
+
+
+def local_gather(dst, src_buffer, index, num_elem_per_idx=1, num_valid_indices=None, name=None):
+    """Per 16-partition GpSimd core: the core's uint16 ``index`` slice flattened partition-first gives element
+    offsets into each partition's flattened free dims; every partition of the core gathers ``num_elem_per_idx``
+    contiguous elements at each of the first ``num_valid_indices`` offsets (the reference's NumPy semantics):
+    ``dst[p, i, e] = flat(src[p])[idx1d(core(p))[i] + e]``. Same dtype in and out; out-of-range offsets raise."""
+    iname = "local_gather"
+    dst, x, idx = C.tensor(dst, iname, "dst"), C.tensor(src_buffer, iname, "src_buffer"), C.tensor(index, iname,
+                                                                                                     "index")
+    for role, t in (("dst", dst), ("src_buffer", x), ("index", idx)):
+        C.buffers(t, ("sbuf",), iname, role)
+    if idx.dtype != D.uint16:
+        raise SimulationError(f"{iname} index must be uint16, got {D.dtype_name(idx.dtype)}")
+    if dst.dtype != x.dtype:
+        raise SimulationError(f"{iname} dst dtype must equal src_buffer dtype ({D.dtype_name(x.dtype)})")
+    if num_elem_per_idx not in (1, 2, 4, 8, 16, 32):
+        raise SimulationError(f"{iname} num_elem_per_idx must be one of 1, 2, 4, 8, 16, 32; got {num_elem_per_idx}")
+    parts = C.same_partitions(iname, dst=dst, src_buffer=x, index=idx)
+    if parts % _CORE_PARTS:
+        raise SimulationError(f"{iname} partition count must be a multiple of {_CORE_PARTS}, got {parts}")
+    per_core = _CORE_PARTS * C.free(idx)
+    n_valid = per_core if num_valid_indices is None else int(num_valid_indices)
+    if not 0 < n_valid <= min(per_core, 4096):
+        raise SimulationError(f"{iname} num_valid_indices must be in [1, {min(per_core, 4096)}], got {n_valid}")
+    if C.free(dst) != n_valid * num_elem_per_idx:
+        raise SimulationError(f"{iname} dst needs {n_valid * num_elem_per_idx} elements per partition, got "
+                              f"{C.free(dst)}")
+    C.writable(dst, iname)
+    if C.executing():
+        table = x.read().reshape(parts, -1)
+        where = idx.read().reshape(parts, -1).astype(np.int64)
+        out = np.empty((parts, n_valid * num_elem_per_idx), dtype=table.dtype)
+        for p0 in range(0, parts, _CORE_PARTS):
+            offs = where[p0:p0 + _CORE_PARTS].flatten(order="F")[:n_valid]
+            cols = (offs[:, None] + np.arange(num_elem_per_idx)).reshape(-1)
+            if cols.size and (cols.min() < 0 or cols.max() >= table.shape[1]):
+                raise SimulationError(f"{iname} offset {int(cols.max())} outside [0, {table.shape[1]})")
+            out[p0:p0 + _CORE_PARTS] = table[p0:p0 + _CORE_PARTS][:, cols]
+        C.store(dst, out)
     return C.emit("gpsimd", iname, x, dst)
 
 

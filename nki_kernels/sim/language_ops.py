@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import dataclasses
 import math
 import os
 import sys
@@ -183,9 +184,48 @@ def no_reorder():
         ctx.no_reorder_depth -= 1
 
 
-class NKIObject:
+class _NKIObjectType(type):
+    """``@dataclass`` subclasses built with keywords follow NKIObject(**kwargs) (each keyword becomes an attribute):
+    keywords may name attributes declared without annotation (``section_idx = None``: not a dataclass field), and a
+    field without default that is not given stays unset (reading it raises AttributeError), as nki-library's
+    kernels rely on. Keywords naming nothing declared still raise TypeError."""
+
+    def __call__(cls, *args, **kwargs):
+        if not dataclasses.is_dataclass(cls):
+            return super().__call__(*args, **kwargs)
+        init = cls.__init__
+        if getattr(getattr(init, "__code__", None), "co_filename", "") != "<string>":   # a hand-written __init__
+            return super().__call__(*args, **kwargs)
+        fields = [f for f in dataclasses.fields(cls) if f.init]
+        names = {f.name for f in fields}
+        extra = {k: kwargs.pop(k) for k in list(kwargs) if k not in names and hasattr(cls, k)}
+        missing = [f for f in fields if f.name not in kwargs and f.default is dataclasses.MISSING
+                   and f.default_factory is dataclasses.MISSING]
+        if args or not missing:
+            obj = super().__call__(*args, **kwargs)
+        else:
+            unknown = set(kwargs) - names
+            if unknown:
+                raise TypeError(f"{cls.__name__}() got unexpected keyword arguments {sorted(unknown)}")
+            obj = cls.__new__(cls)
+            for f in fields:
+                if f.name in kwargs:
+                    object.__setattr__(obj, f.name, kwargs[f.name])
+                elif f.default_factory is not dataclasses.MISSING:
+                    object.__setattr__(obj, f.name, f.default_factory())
+                elif f.default is not dataclasses.MISSING:
+                    object.__setattr__(obj, f.name, f.default)
+            if hasattr(obj, "__post_init__"):
+                obj.__post_init__()
+        for key, value in extra.items():
+            object.__setattr__(obj, key, value)
+        return obj
+
+
+class NKIObject(metaclass=_NKIObjectType):
     """Base class for NKI kernel dataclasses and configuration objects (§1.3): ``NKIObject(**fields)`` sets each
-    keyword as an attribute; ``@dataclass`` subclasses keep their generated constructor."""
+    keyword as an attribute; ``@dataclass`` subclasses keep their generated constructor (and accept keywords for
+    attributes declared without annotation)."""
 
     def __init__(self, **kwargs):
         for key, value in kwargs.items():

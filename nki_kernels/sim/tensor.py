@@ -83,6 +83,8 @@ class NkiTensor:
         the DMA does when it runs; with ``oob_skip`` out-of-range rows get index -1 instead of raising."""
         if self.vector is not None:
             return self._indirect_index(oob_skip)
+        if oob_skip:   # oob_mode.skip (e.g. a scalar_offset past the end): out-of-range rows are skipped
+            return self._rows_in_range(self._pattern_index(self.dims, self.offset))
         if self._idx is None:
             self._check_bounds()
             self._idx = self._pattern_index(self.dims, self.offset)
@@ -106,13 +108,19 @@ class NkiTensor:
                                   f"{self.shape[0]}")
         rest = self._pattern_index(((0, 1),) + self.dims[1:], self.offset)   # [1, F...]
         idx = rest + (rows * row_stride).reshape((-1,) + (1,) * (self.ndim - 1))
-        bad = ((idx < 0) | (idx >= self._limit())).reshape(idx.shape[0], -1).any(axis=1)
-        if bad.any():
-            if not oob_skip:
+        if not oob_skip:
+            bad = ((idx < 0) | (idx >= self._limit())).reshape(idx.shape[0], -1).any(axis=1)
+            if bad.any():
                 raise SimulationError(f"indirect access of {self.name!r}: vector_offset rows {rows[bad][:8].tolist()} "
                                       f"reach outside the tensor (use oob_mode=nisa.oob_mode.skip to skip them)")
-            idx = np.where(bad.reshape((-1,) + (1,) * (self.ndim - 1)), -1, idx)
-        return idx
+        return self._rows_in_range(idx)
+
+    def _rows_in_range(self, idx: np.ndarray) -> np.ndarray:
+        """idx [P, F...] with every row (first-dim entry) that reaches outside the storage set to -1."""
+        if idx.size == 0:
+            return idx
+        bad = ((idx < 0) | (idx >= self._limit())).reshape(idx.shape[0], -1).any(axis=1)
+        return np.where(bad.reshape((-1,) + (1,) * (idx.ndim - 1)), -1, idx)
 
     def read(self) -> np.ndarray:
         """Gather the view's stored values (storage dtype) into an array of ``self.shape``."""

@@ -70,6 +70,21 @@ def test_nkiobject_keyword_constructor_and_dataclasses():
 
     assert Params(4).n == 4 and Params(4, 0.5).scale == 0.5
 
+    @dataclasses.dataclass
+    class Section(nl.NKIObject):   # attributes without annotations are not dataclass fields
+        index = None
+        offset = None
+
+    sec = Section(index=3, offset=256)
+    assert (sec.index, sec.offset) == (3, 256) and Section().index is None
+    with pytest.raises(TypeError):
+        Section(undeclared=1)
+
+    part = Params(scale=2.0)             # keywords only: a field left out stays unset, as NKIObject(**kw) does
+    assert part.scale == 2.0 and not hasattr(part, "n")
+    with pytest.raises(TypeError):
+        Params(scale=2.0, undeclared=1)
+
 
 def test_nc_stream_shuffle_broadcasts_one_partition_to_a_quadrant(rng):
     x = rng.standard_normal((1, 6)).astype(np.float32)
@@ -188,3 +203,25 @@ def test_vector_offset_gathers_and_scatters_rows_with_oob_skip(rng):
     np.testing.assert_array_equal(out, ref)
     with pytest.raises(SimulationError, match="outside the tensor"):
         run(kernel, table, rows, False)
+
+
+def test_scalar_offset_past_the_end_is_skipped_with_oob_skip(rng):
+    """oob_mode.skip also covers a pattern moved out of range by a runtime scalar_offset: nothing is written."""
+    src = rng.standard_normal((2, 4)).astype(np.float32)
+
+    def kernel(s_hbm, offset, skip):
+        tile = sbuf_in(s_hbm)
+        off = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
+        nisa.memset(dst=off, value=offset)
+        out = nl.ndarray((4, 4), nl.float32, buffer=nl.shared_hbm)
+        nisa.dma_copy(dst=out, src=nl.zeros((4, 4), nl.float32, buffer=nl.sbuf))
+        nisa.dma_copy(dst=out.ap([[4, 2], [1, 4]], offset=0, scalar_offset=off, indirect_dim=0), src=tile,
+                      oob_mode=nisa.oob_mode.skip if skip else nisa.oob_mode.error)
+        return out
+
+    ref = np.zeros((4, 4), np.float32)
+    ref[1:3] = src
+    np.testing.assert_array_equal(run(kernel, src, 1, True), ref)
+    np.testing.assert_array_equal(run(kernel, src, -1000, True), np.zeros((4, 4), np.float32))
+    with pytest.raises(SimulationError, match="outside tensor"):
+        run(kernel, src, -1000, False)

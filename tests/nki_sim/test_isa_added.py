@@ -1,5 +1,5 @@
 """Documented APIs added to the simulator, each tested on the semantics the NKI 0.6 API reference states:
-tensor_tensor_scan, nc_n_gather, nonzero_with_count, registers (+ dynamic_range / while_loop / fori_loop bounds),
+tensor_tensor_scan, nc_n_gather, local_gather, nonzero_with_count, registers (+ dynamic_range / while_loop / fori_loop bounds),
 nl.broadcast_to, nl.rand / nl.random_seed, LNC2 sendrecv / core_barrier, nki.isa.constants and nki.dtype."""
 from __future__ import annotations
 
@@ -74,6 +74,28 @@ def test_nc_n_gather_indexes_the_flattened_free_dims_per_partition(rng):
     np.testing.assert_array_equal(run(kernel, data, idx), np.take_along_axis(data.reshape(6, 12), idx.astype(int), 1))
     with pytest.raises(SimulationError, match="out of range"):
         run(kernel, data, np.full((6, 5), 12, np.uint32))
+
+
+def test_local_gather_follows_the_reference_numpy_semantics(rng):
+    """The reference's example: src [128, 512, 4], one [16, 4] uint16 index block per GpSimd core (tiled 8 times),
+    element offsets index * num_elem_per_idx, 64 valid indices, 4 contiguous elements each."""
+    src = (rng.random((128, 512, 4)) * 100).astype(np.float32)
+    per_core = rng.integers(0, 512, size=(16, 4)).astype(np.uint16)
+    index = np.tile(per_core, (8, 1))
+
+    def kernel(s_hbm, i_hbm):
+        s_sb, i_sb = sbuf_in(s_hbm), sbuf_in(i_hbm)
+        out = nl.ndarray((128, 64, 4), nl.float32, buffer=nl.sbuf)
+        nisa.local_gather(dst=out, src_buffer=s_sb, index=i_sb, num_elem_per_idx=4, num_valid_indices=64)
+        return hbm_out(out)
+
+    want = np.empty((128, 64, 4), np.float32)
+    for core in range(8):
+        rows = slice(16 * core, 16 * core + 16)
+        want[rows] = np.take(src[rows], index[rows].flatten(order="F")[:64], axis=1)
+    np.testing.assert_array_equal(run(kernel, src, (index * 4).astype(np.uint16)), want)
+    with pytest.raises(SimulationError, match="uint16"):
+        run(kernel, src, (index * 4).astype(np.uint32))
 
 
 def test_nonzero_with_count_documented_example_on_partitions_0_16_32():

@@ -2,8 +2,8 @@
 from ...sim import runtime as _runtime
 from .. import isa_constants as constants  # noqa: F401
 from ..checks import NkiInstruction  # noqa: F401
-from ..errors import SimulationError as NkiValidationError  # noqa: F401
 from ..enums import dge_mode, dma_engine, engine, matmul_perf_mode, nc_version, oob_mode, reduce_cmd  # noqa: F401
+from ..errors import SimulationError as NkiValidationError  # noqa: F401
 from ..isa_data import dma_copy, dma_transpose, iota, memset, tensor_copy  # noqa: F401
 from ..isa_extra import (  # noqa: F401
     bn_aggr,
@@ -16,7 +16,7 @@ from ..isa_extra import (  # noqa: F401
     tensor_copy_predicated,
     tensor_partition_reduce,
 )
-from ..isa_gather import nc_n_gather, nonzero_with_count, tensor_tensor_scan  # noqa: F401
+from ..isa_gather import local_gather, nc_n_gather, nonzero_with_count, tensor_tensor_scan  # noqa: F401
 from ..isa_lnc import core_barrier, sendrecv  # noqa: F401
 from ..isa_mx import nc_matmul_mx, quantize_mx  # noqa: F401
 from ..isa_registers import (  # noqa: F401
@@ -53,7 +53,7 @@ def get_nc_version():
 
 
 _DOCUMENTED_NOT_SIMULATED = frozenset({
-    "scalar_load", "scalar_store", "tensor_scalar_cumulative", "local_gather", "rng", "rand2", "rand_set_state",
+    "scalar_load", "scalar_store", "tensor_scalar_cumulative", "rng", "rand2", "rand_set_state",
     "rand_get_state", "set_rng_seed", "dropout", "sequence_bounds", "topk", "get_nc_sub_version",
 })
 
