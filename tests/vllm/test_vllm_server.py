@@ -92,6 +92,9 @@ def test_unsupported_request_gets_400_with_reason(setup):
     status, data = post(server.url + "/v1/completions",
                         {"model": "tiny", "prompt": "hi", "max_tokens": 2, "prompt_logprobs": 1})
     assert status == 400 and "does not support prompt_logprobs=1" in json.dumps(data)
+    status, data = post(server.url + "/v1/completions",  # echo + logprobs asks vLLM for the prompt's logprobs
+                        {"model": "tiny", "prompt": "hi", "max_tokens": 2, "logprobs": 2, "echo": True})
+    assert status == 400 and "does not support prompt_logprobs=2" in json.dumps(data)
     ok = complete(server, prompt="hi", max_tokens=2)  # the server keeps serving
     assert ok["finish_reason"] in ("length", "stop")
 
