@@ -3,7 +3,8 @@
 # tests/vllm with the plugin switched on.
 #
 #   bash scripts/ci_vllm.sh                 # create or reuse the venv, run all of tests/vllm (incl. SmolLM2)
-#   VLLM_TESTS="-m 'not slow'" bash scripts/ci_vllm.sh   # skip the SmolLM2 test (~1 min less)
+#   VLLM_TESTS="-m 'not slow'" bash scripts/ci_vllm.sh   # skip the SmolLM2 test and the stock-vLLM logprobs
+#                                                         # comparison (214 s under load here)
 #   NOTEBOOKS=0 bash scripts/ci_vllm.sh     # skip executing notebooks/03_fp8_fused_speculation_vllm.ipynb
 # Measured here (2 cores, shared): fresh venv 126-163 s + neuron-infer install ~15 s + tests ~5 min (312 s under
 # load, SmolLM2 test 97 s of it) + notebook 03 ~2.5 min (133-156 s) = 8-10 min.

@@ -43,6 +43,7 @@ def test_logprobs_match_a_numpy_log_softmax_of_the_sampled_logits(model, samplin
             ref = _np_log_softmax(seen[step][row].numpy())
             # tolerance: fp32 log-softmax in torch vs float64 in NumPy over a small vocabulary
             assert rec["token_id"] == tok and rec["logprob"] == pytest.approx(ref[tok], abs=1e-5)
+            assert rec["rank"] == int((ref >= ref[tok]).sum())  # 1 = most likely (vLLM's rank)
             top = np.argsort(-ref, kind="stable")[:4]
             assert [i for i, _ in rec["top"]] == top.tolist()
             assert [v for _, v in rec["top"]] == pytest.approx(ref[top].tolist(), abs=1e-5)

@@ -118,12 +118,16 @@ def sample_from_probs(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, n: int) -> list[dict]:
     """The model's log-probabilities (log-softmax of the raw logits, before temperature and filters, as vLLM's
     default `raw_logprobs`) of the chosen tokens and the top-n alternatives: logits [m, V], ids [m] ->
-    m × {"token_id", "logprob", "top": [[id, logprob], ...] (n, descending)}."""
+    m × {"token_id", "logprob", "rank", "top": [[id, logprob], ...] (n, descending)}. `rank`: how many tokens have
+    a logprob >= the chosen one's (1 = the most likely; ties count against it), vLLM's definition."""
     lp = torch.log_softmax(logits.float(), dim=-1)  # [m, V]
-    chosen = lp.gather(-1, ids.view(-1, 1)).squeeze(-1)  # [m]
+    chosen = lp.gather(-1, ids.view(-1, 1))  # [m, 1]
+    ranks = (lp >= chosen).sum(-1)  # [m]
     top_v, top_i = lp.topk(min(n, lp.shape[-1]), dim=-1)  # [m, n] each
-    return [{"token_id": int(t), "logprob": float(c), "top": [[int(i), float(v)] for i, v in zip(ti, tv)]}
-            for t, c, ti, tv in zip(ids.tolist(), chosen.tolist(), top_i.tolist(), top_v.tolist())]
+    return [{"token_id": int(t), "logprob": float(c), "rank": int(r),
+             "top": [[int(i), float(v)] for i, v in zip(ti, tv)]}
+            for t, c, r, ti, tv in zip(ids.tolist(), chosen.squeeze(-1).tolist(), ranks.tolist(), top_i.tolist(),
+                                       top_v.tolist())]
 
 
 def make_generator(seed: int | None) -> torch.Generator:

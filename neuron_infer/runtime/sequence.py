@@ -85,7 +85,8 @@ class Sequence:
     row: int | None = None  # KV-cache row while running
     finish_reason: str | None = None  # "eos" | "stop" (a stop string) | "max_new_tokens" | "max_length"
     logprobs: int | None = None  # record each output token's logprob and this many top alternatives (None: off)
-    output_logprobs: list[dict] | None = None  # one {"token_id", "logprob", "top": [[id, logprob], ...]} per token
+    # one {"token_id", "logprob", "rank", "top": [[id, logprob], ...]} per output token (see token_logprobs)
+    output_logprobs: list[dict] | None = None
 
     def __post_init__(self) -> None:
         if self.logprobs is not None:

@@ -2,7 +2,9 @@
 
 Pure functions over duck-typed `SamplingParams` (attribute access only), so they are unit-tested without vLLM.
 Stop strings, stop token ids, EOS, ignore_eos, max_tokens and `n` are handled by vLLM's scheduler and detokenizer
-and work unchanged; everything that would need this runner to change or report logits is refused up front.
+and work unchanged. Sample logprobs (`logprobs`) are computed by the runtime's Runner from the logits it samples
+from (raw log-softmax, vLLM's default `logprobs_mode`); everything else that would need this runner to change or
+report logits (prompt logprobs, logit bias, ...) is refused up front.
 """
 from __future__ import annotations
 
@@ -14,7 +16,6 @@ GREEDY_EPS = 1e-5  # vLLM treats temperature below this as greedy
 
 # attribute -> (value that means "off", what to tell the user)
 _UNSUPPORTED: dict[str, tuple[Any, str]] = {
-    "logprobs": (None, "logprobs"),
     "prompt_logprobs": (None, "prompt_logprobs"),
     "logprob_token_ids": (None, "logprob_token_ids"),
     "prompt_logprob_token_ids": (None, "prompt_logprob_token_ids"),
@@ -55,7 +56,8 @@ def check_request(params: Any, prompt_len: int | None = None, max_prompt_len: in
         raise UnsupportedRequestError(
             f"the neuron-infer vLLM plugin does not support {', '.join(found)}; remove "
             f"{'it' if len(found) == 1 else 'them'} from the request (supported: temperature, top_k, top_p, min_p, "
-            "seed, repetition/presence/frequency penalties, max_tokens, stop, stop_token_ids, ignore_eos, n), or serve this model without NEURON_INFER_VLLM=1"
+            "seed, repetition/presence/frequency penalties, logprobs (sampled tokens), max_tokens, stop, "
+            "stop_token_ids, ignore_eos, n), or serve this model without NEURON_INFER_VLLM=1"
         )
     if prompt_len is not None and max_prompt_len is not None and prompt_len > max_prompt_len:
         raise UnsupportedRequestError(
@@ -76,3 +78,12 @@ def to_sampling_config(params: Any) -> SamplingConfig:
     top_k = int(params.top_k or 0)
     return SamplingConfig(temperature=temperature, top_k=max(top_k, 0), top_p=float(params.top_p), seed=params.seed,
                           min_p=float(getattr(params, "min_p", 0.0)), **penalties)
+
+
+def requested_logprobs(params: Any, vocab_size: int) -> int | None:
+    """How many top alternatives to report per sampled token (None: no logprobs; vLLM's -1 = the whole
+    vocabulary). vLLM's front end has already bounded the number by its --max-logprobs."""
+    n = getattr(params, "logprobs", None)
+    if n is None:
+        return None
+    return vocab_size if int(n) == -1 else int(n)

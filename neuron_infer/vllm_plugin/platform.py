@@ -6,6 +6,8 @@ Neuron backend, while vLLM itself only sees a CPU host. Hooks used:
   check_and_update_config  worker class, one contiguous cache row per request (no prefix caching, no chunked
                            prefill), early validation of the artifact/build against vLLM's limits
   validate_request         refuses request features the runner does not implement (HTTP 400 with the reason)
+Sample logprobs are the raw log-softmax of the logits (vLLM's default --logprobs-mode raw_logprobs); other modes
+are refused at startup.
 
 Tensor parallelism on CPU: vLLM starts one worker process per rank and, by default (VLLM_CPU_OMP_THREADS_BIND=auto),
 binds each rank's OpenMP threads to its own NUMA node, refusing more ranks than nodes. Our ranks need no node of
@@ -35,6 +37,7 @@ from neuron_infer.vllm_plugin.params import UnsupportedRequestError, check_reque
 
 WORKER_CLASS = "neuron_infer.vllm_plugin.worker.NeuronInferWorker"
 BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
+RAW_LOGPROBS = "raw_logprobs"  # vLLM's default logprobs_mode: what the runtime's Runner computes
 
 
 def rank_cpu_binding(ranks: int) -> str:
@@ -74,6 +77,10 @@ class NeuronInferPlatform(CpuPlatform):
                 "vLLM's --speculative-config is not used by the neuron-infer plugin: compile the artifact with fused "
                 "speculation (neuron-infer compile --draft-model ... --fused-speculation) and serve that artifact"
             )
+        mode = getattr(vllm_config.model_config, "logprobs_mode", RAW_LOGPROBS)
+        if mode != RAW_LOGPROBS:
+            raise ValueError(f"the neuron-infer vLLM plugin returns raw logprobs only (log-softmax of the model's "
+                             f"logits, vLLM's default); drop --logprobs-mode {mode}")
         # One contiguous cache row per request: nothing to share between requests, prompts encoded whole.
         vllm_config.cache_config.enable_prefix_caching = False
         sched = vllm_config.scheduler_config

@@ -5,6 +5,8 @@ runtime: a joining request becomes a `Sequence` admitted into a free row (`Sched
 (`Runner.prefill`), each step is `Runner.step` over the scheduled requests (plain, or speculative with a draft model:
 1..K+1 tokens per request), and a finished request frees its row. vLLM applies its own stop rules (EOS, stop ids,
 max_tokens, max_model_len) and trims a speculative block, so the Sequences here never stop by themselves.
+A request asking for logprobs keeps its tokens' records (logprob, rank, top-n) on its Sequence until `take_logprobs`;
+the Runner makes every step that schedules it plain.
 No vLLM types here: `worker.py` adapts SchedulerOutput / ModelRunnerOutput to these calls, so this file is tested
 directly against `generate_ids` (tests/vllm/test_runner.py).
 
@@ -48,17 +50,18 @@ class SlotRunner:
     def active(self) -> int:
         return len(self.slots)
 
-    def admit(self, req_id: str, token_ids: list[int], sampling: SamplingConfig, prompt_len: int | None = None
-              ) -> int:
+    def admit(self, req_id: str, token_ids: list[int], sampling: SamplingConfig, prompt_len: int | None = None,
+              logprobs: int | None = None) -> int:
         """Give `req_id` a free row, encode `token_ids` into it and return its first sampled token. `prompt_len`:
         for a resumed request, how many of `token_ids` are its prompt (the rest is output, which the presence and
-        frequency penalties count); None = all prompt."""
+        frequency penalties count); None = all prompt. `logprobs`: record each new token's logprob, rank and this
+        many top alternatives (read them with `take_logprobs`); such a request makes every step plain."""
         if req_id in self.slots:
             raise NeuronInferError(f"request {req_id!r} is already in the batch")
         check_prompt(f"request {req_id!r}", token_ids, self.max_context, self.engine_vocab)
         cut = len(token_ids) if prompt_len is None else prompt_len
         seq = Sequence(req_id, list(token_ids[:cut]), sampling, NO_STOP, make_generator(sampling.seed),
-                       output=list(token_ids[cut:]))
+                       output=list(token_ids[cut:]), logprobs=logprobs)
         self.scheduler.admit_now(seq)
         self.slots[req_id] = seq
         return self.runner.prefill([seq])[seq][0]
@@ -70,6 +73,15 @@ class SlotRunner:
             return None
         self.scheduler.release(seq)
         return seq.tokens
+
+    def take_logprobs(self, req_id: str) -> list[dict]:
+        """The logprob records (see runtime `token_logprobs`) of the tokens `req_id` received since the last call,
+        one per token, in order; [] for a request without logprobs."""
+        seq = self.slots.get(req_id)
+        if seq is None or seq.output_logprobs is None:
+            return []
+        got, seq.output_logprobs = seq.output_logprobs, []
+        return got
 
     def decode(self, req_ids: list[str]) -> dict[str, list[int]]:
         """One step over every row; the new tokens of each request in `req_ids` (one, or 1..K+1 speculating)."""

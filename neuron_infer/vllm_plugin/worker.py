@@ -6,7 +6,9 @@ load_model (find or compile the artifact, load it, allocate the engine's static 
 (no-op) -> compile_or_warm_up_model (one prefill + decode so the first request does not pay graph loading).
 Per step: execute_model(SchedulerOutput) -> ModelRunnerOutput with the new tokens of each request whose prompt is
 fully encoded: one, or 1..K+1 when the artifact has a draft model (speculative decoding; vLLM appends them in order
-and trims at a stop), and `[]` for a request whose prompt is still arriving in chunks.
+and trims at a stop), and `[]` for a request whose prompt is still arriving in chunks; plus, for requests asking for
+`logprobs`, each new token's logprob, rank and top-n (`LogprobsLists`, see logprobs.py; such requests make the step
+plain, one token each).
 
 Tensor parallelism (`--tensor-parallel-size N`, artifact compiled with tp_degree N): vLLM's executor starts one
 worker per rank and sends every rank the same SchedulerOutput. Worker r loads only shard r (weights/rank{r},
@@ -27,12 +29,13 @@ from typing import Any
 import torch
 from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
 from vllm.logger import init_logger
-from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
+from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, LogprobsLists, ModelRunnerOutput
 from vllm.v1.worker.gpu_worker import init_worker_distributed_environment
 from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 
 from neuron_infer.vllm_plugin.artifacts import ensure_artifact, plugin_options, resolve_model_dir
-from neuron_infer.vllm_plugin.params import check_request, to_sampling_config
+from neuron_infer.vllm_plugin.logprobs import logprobs_arrays
+from neuron_infer.vllm_plugin.params import check_request, requested_logprobs, to_sampling_config
 from neuron_infer.vllm_plugin.platform import engine_args
 from neuron_infer.vllm_plugin.runner import SlotRunner
 
@@ -166,8 +169,19 @@ class NeuronInferWorker(WorkerBase):
         sampled = self._decode_running(so)
         sampled.update(self._admit_new(so))
         req_ids = list(so.num_scheduled_tokens)
+        tokens = [sampled.get(r, []) for r in req_ids]
         return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
-                                 sampled_token_ids=[sampled.get(r, []) for r in req_ids])
+                                 sampled_token_ids=tokens, logprobs=self._logprobs(req_ids, tokens))
+
+    def _logprobs(self, req_ids: list[str], tokens: list[list[int]]) -> LogprobsLists | None:
+        """This step's sample logprobs of the requests asking for them (one record per new token)."""
+        per_request = [self.runner.take_logprobs(r) for r in req_ids]
+        for r, toks, recs in zip(req_ids, tokens, per_request):
+            asked = r in self._params and getattr(self._params[r], "logprobs", None) is not None
+            if asked and len(recs) != len(toks):
+                raise RuntimeError(f"request {r!r} got {len(toks)} tokens but {len(recs)} logprob records this step")
+        arrays = logprobs_arrays(per_request)
+        return LogprobsLists(*arrays) if arrays is not None else None
 
     def _decode_running(self, so: Any) -> dict[str, list[int]]:
         """Requests already in the batch: one decode step over all rows (before any new prefill, see runner)."""
@@ -208,4 +222,5 @@ class NeuronInferWorker(WorkerBase):
             return
         del self._pending[req_id]
         self._params[req_id] = params
-        out[req_id] = [self.runner.admit(req_id, tokens, to_sampling_config(params), self._prompt_lens.get(req_id))]
+        out[req_id] = [self.runner.admit(req_id, tokens, to_sampling_config(params), self._prompt_lens.get(req_id),
+                                         requested_logprobs(params, self.runner.engine_vocab))]

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 from neuron_infer.config import BuildConfig, SamplingConfig
@@ -21,7 +22,13 @@ from neuron_infer.vllm_plugin.artifacts import (
     plugin_options,
     ranks_in_one_process,
 )
-from neuron_infer.vllm_plugin.params import UnsupportedRequestError, check_request, to_sampling_config
+from neuron_infer.vllm_plugin.logprobs import logprobs_arrays
+from neuron_infer.vllm_plugin.params import (
+    UnsupportedRequestError,
+    check_request,
+    requested_logprobs,
+    to_sampling_config,
+)
 
 
 def params(**kw):
@@ -77,7 +84,8 @@ def test_penalties_and_min_p_map_to_sampling_config():
 
 
 @pytest.mark.parametrize("kw,name", [
-    ({"logprobs": 2}, "logprobs"), ({"prompt_logprobs": 1}, "prompt_logprobs"), ({"logit_bias": {5: 1.0}}, "logit_bias"),
+    ({"prompt_logprobs": 1}, "prompt_logprobs"), ({"prompt_logprobs": 0}, "prompt_logprobs"),
+    ({"logprob_token_ids": [3, 4]}, "logprob_token_ids"), ({"logit_bias": {5: 1.0}}, "logit_bias"),
     ({"structured_outputs": object()}, "structured output"), ({"bad_words": ["x"]}, "bad_words"),
     ({"allowed_token_ids": [1, 2]}, "allowed_token_ids"), ({"min_tokens": 3}, "min_tokens"),
 ])
@@ -87,13 +95,43 @@ def test_unsupported_features_are_named(kw, name):
 
 
 def test_several_unsupported_features_and_long_prompt():
-    with pytest.raises(UnsupportedRequestError, match="logprobs=1, .*min_tokens=2.*remove them"):
-        check_request(params(logprobs=1, min_tokens=2))
+    with pytest.raises(UnsupportedRequestError, match="prompt_logprobs=1, .*min_tokens=2.*remove them"):
+        check_request(params(prompt_logprobs=1, min_tokens=2))
     check_request(params(logit_bias={}, bad_words=[]))  # empty containers mean "off"
     with pytest.raises(UnsupportedRequestError, match="prompt has 65 tokens .* at most 64"):
         check_request(params(), prompt_len=65, max_prompt_len=64)
     with pytest.raises(UnsupportedRequestError, match="text generation only"):
         check_request(None)
+
+
+def test_sample_logprobs_are_accepted():
+    for n in (0, 3, -1):
+        check_request(params(logprobs=n))  # no error
+    assert requested_logprobs(params(logprobs=None), 500) is None
+    assert requested_logprobs(params(logprobs=0), 500) == 0 and requested_logprobs(params(logprobs=4), 500) == 4
+    assert requested_logprobs(params(logprobs=-1), 500) == 500  # vLLM's "whole vocabulary"
+
+
+def rec(tok, lp, rank, top):
+    return {"token_id": tok, "logprob": lp, "rank": rank, "top": top}
+
+
+def test_logprobs_arrays_follow_vllm_layout():
+    """Rows [sampled, top-1..top-n] per token, n = the step's largest; `cu` locates each request's rows the way
+    vLLM's LogprobsLists.slice_request reads them (requests without logprobs or a token carry no rows)."""
+    a = [rec(5, -0.5, 1, [[5, -0.5], [9, -1.5]])]
+    b = [rec(7, -2.0, 3, [[1, -0.25]])]
+    ids, lps, ranks, cu = logprobs_arrays([a, [], b])
+    assert ids.dtype == np.int32 and lps.dtype == np.float32 and ranks.dtype == np.int64
+    assert cu == [0, 1, 1, 2]
+    assert ids.tolist() == [[5, 5, 9], [7, 1, 0]] and ranks.tolist() == [1, 3]
+    assert lps[0].tolist() == [-0.5, -0.5, -1.5] and lps[1, :2].tolist() == [-2.0, -0.25]
+    assert lps[1, 2] == -np.inf  # padding of the request that asked for one alternative (vLLM keeps its first 2)
+    # request r's rows: cu[r] .. cu[r] + its token count
+    assert ids[cu[2]: cu[2] + 1].tolist() == [[7, 1, 0]]
+    assert logprobs_arrays([[], []]) is None
+    ids, _, ranks, cu = logprobs_arrays([[rec(4, -1.0, 2, []), rec(6, -0.1, 1, [])]])  # logprobs=0, two tokens
+    assert ids.tolist() == [[4], [6]] and ranks.tolist() == [2, 1] and cu == [0, 2]
 
 
 ARGS = EngineArgs(model="/m", dtype="bfloat16", max_model_len=256, max_num_seqs=4)

@@ -207,3 +207,68 @@ def test_a_resumed_request_keeps_its_output_apart_for_the_penalties(models, samp
     for _ in range(4):
         got += runner.decode(["r"])["r"]
     assert got == alone(models[1], prompt, 9, sampling)
+
+
+# ---- logprobs: records per request, taken every step like the worker does ---------------------------------------
+LOGPROB_SCHEDULE = [  # (join step, prompt, tokens, sampling, logprobs)
+    (0, list(range(7, 27)), 8, SamplingConfig(), 3),
+    (0, [3, 99, 150, 4], 6, SamplingConfig(temperature=0.8, top_k=50, seed=11), 1),
+    (1, list(range(40, 60)), 7, SamplingConfig(), None),
+    (2, [12, 13], 5, SamplingConfig(temperature=1.1, seed=4), 0),
+]
+
+
+def test_logprob_records_equal_each_request_alone(models):
+    runner = SlotRunner(models[4].engine)
+    got: dict[int, list[int]] = {}
+    recs: dict[int, list[dict]] = {}
+    waiting, step = list(enumerate(LOGPROB_SCHEDULE)), 0
+    while waiting or runner.active:
+        running = [str(i) for i in got if str(i) in runner.slots]
+        for rid, toks in runner.decode(running).items():
+            got[int(rid)].extend(toks)
+        for i, (join, prompt, n, s, lp) in list(waiting):
+            if join <= step and runner.active < runner.batch:
+                got[i] = [runner.admit(str(i), prompt, s, logprobs=lp)]
+                waiting.remove((i, (join, prompt, n, s, lp)))
+        for i in list(got):
+            new = runner.take_logprobs(str(i))
+            assert len(new) == (1 if LOGPROB_SCHEDULE[i][4] is not None and str(i) in runner.slots else 0)
+            recs.setdefault(i, []).extend(new)
+            if str(i) in runner.slots and len(got[i]) >= LOGPROB_SCHEDULE[i][2]:
+                runner.release(str(i))
+        step += 1
+    for i, (_, prompt, n, s, lp) in enumerate(LOGPROB_SCHEDULE):
+        (want,), _ = generate_ids(models[1].engine, [prompt], n, s, ignore_eos=True, logprobs=lp)
+        assert got[i] == want.token_ids, f"request {i}"
+        if lp is None:
+            assert recs[i] == []
+            continue
+        assert [r["token_id"] for r in recs[i]] == got[i] and [r["rank"] for r in recs[i]] == [
+            r["rank"] for r in want.logprobs]
+        for r, w in zip(recs[i], want.logprobs):  # batch-4 vs batch-1 graphs: fp32 sums may round differently
+            assert len(r["top"]) == lp and [t for t, _ in r["top"]] == [t for t, _ in w["top"]]
+            assert r["logprob"] == pytest.approx(w["logprob"], abs=1e-5)
+            assert [v for _, v in r["top"]] == pytest.approx([v for _, v in w["top"]], abs=1e-5)
+
+
+def test_a_logprobs_request_makes_speculative_steps_plain(spec_model, models):
+    runner = SlotRunner(spec_model.engine, spec_model.spec)
+    prompt = list(range(7, 27))
+    got = {"a": [runner.admit("a", [3, 99, 150, 4], SamplingConfig())],
+           "b": [runner.admit("b", prompt, SamplingConfig(), logprobs=2)]}
+    recs = runner.take_logprobs("b")
+    for _ in range(6):
+        out = runner.decode(["a", "b"])
+        assert [len(out["a"]), len(out["b"])] == [1, 1]  # plain: one token each, though "a" could speculate
+        recs += runner.take_logprobs("b")
+        for r in out:
+            got[r] += out[r]
+    assert runner.stats.spec_steps == 0 and runner.take_logprobs("a") == []
+    (want,), _ = generate_ids(models[1].engine, [prompt], 7, SamplingConfig(), ignore_eos=True, logprobs=2)
+    assert got["b"] == want.token_ids and [r["token_id"] for r in recs] == got["b"]
+    assert [r["rank"] for r in recs] == [1] * 7  # greedy: the sampled token is the most likely
+    runner.release("b")
+    for _ in range(3):
+        runner.decode(["a"])
+    assert runner.stats.spec_steps > 0  # without it, "a" speculates again

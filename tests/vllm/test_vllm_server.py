@@ -90,10 +90,55 @@ def test_chat_completion(setup):
 def test_unsupported_request_gets_400_with_reason(setup):
     server, _ = setup
     status, data = post(server.url + "/v1/completions",
-                        {"model": "tiny", "prompt": "hi", "max_tokens": 2, "logprobs": 1})
-    assert status == 400 and "does not support logprobs" in json.dumps(data)
+                        {"model": "tiny", "prompt": "hi", "max_tokens": 2, "prompt_logprobs": 1})
+    assert status == 400 and "does not support prompt_logprobs=1" in json.dumps(data)
+    status, data = post(server.url + "/v1/completions",  # echo + logprobs asks vLLM for the prompt's logprobs
+                        {"model": "tiny", "prompt": "hi", "max_tokens": 2, "logprobs": 2, "echo": True})
+    assert status == 400 and "does not support prompt_logprobs=2" in json.dumps(data)
     ok = complete(server, prompt="hi", max_tokens=2)  # the server keeps serving
     assert ok["finish_reason"] in ("length", "stop")
+
+
+def token_id(placeholder: str) -> int:
+    """`return_tokens_as_token_ids` names tokens "token_id:<id>" (exact ids, no text collisions)."""
+    assert placeholder.startswith("token_id:"), placeholder
+    return int(placeholder.removeprefix("token_id:"))
+
+
+def test_completion_logprobs(setup):
+    """`logprobs: 3` on /v1/completions: per token its logprob and a dict of the top 3 (+ the sampled token), equal
+    to neuron-infer's own generate on the same artifact (same fp32 graphs, another batch row: 1e-5)."""
+    server, ours = setup
+    prompt = list(range(7, 27))
+    got = complete(server, prompt=prompt, max_tokens=8, ignore_eos=True, logprobs=3, return_token_ids=True,
+                   return_tokens_as_token_ids=True)
+    want = ours.generate_ids([prompt], 8, ignore_eos=True, logprobs=3).outputs[0]
+    lp = got["logprobs"]
+    assert [token_id(t) for t in lp["tokens"]] == got["token_ids"] == want.token_ids
+    assert lp["token_logprobs"] == pytest.approx([w["logprob"] for w in want.logprobs], abs=1e-5)
+    assert len(lp["text_offset"]) == len(lp["top_logprobs"]) == 8
+    for top, w in zip(lp["top_logprobs"], want.logprobs):
+        expect = {t["token_id"]: t["logprob"] for t in w["top"]} | {w["token_id"]: w["logprob"]}
+        assert {token_id(t): v for t, v in top.items()} == pytest.approx(expect, abs=1e-5)
+
+
+def test_chat_completion_logprobs(setup):
+    """`logprobs: true, top_logprobs: 2` on /v1/chat/completions: each content entry carries its token's logprob
+    and exactly 2 alternatives, most likely first."""
+    server, ours = setup
+    status, data = post(server.url + "/v1/chat/completions",
+                        {"model": "tiny", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 6,
+                         "temperature": 0.0, "ignore_eos": True, "return_token_ids": True, "logprobs": True,
+                         "top_logprobs": 2, "return_tokens_as_token_ids": True})
+    assert status == 200, data
+    choice = data["choices"][0]
+    want = ours.generate_ids([ours.encode("Hello", chat=True)], 6, ignore_eos=True, logprobs=2).outputs[0]
+    content = choice["logprobs"]["content"]
+    assert [token_id(c["token"]) for c in content] == choice["token_ids"] == want.token_ids
+    for c, w in zip(content, want.logprobs):
+        assert c["logprob"] == pytest.approx(w["logprob"], abs=1e-5) and c["logprob"] <= 0
+        assert [token_id(t["token"]) for t in c["top_logprobs"]] == [t["token_id"] for t in w["top"]]
+        assert [t["logprob"] for t in c["top_logprobs"]] == pytest.approx([t["logprob"] for t in w["top"]], abs=1e-5)
 
 
 def test_load_32_mixed_requests_concurrency_8_equal_alone(setup):

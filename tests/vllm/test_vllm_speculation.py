@@ -43,6 +43,12 @@ if __name__ == "__main__":
     seeded = SamplingParams(temperature=0.8, top_k=40, seed=7, max_tokens=n, ignore_eos=True)
     res["seeded"] = [llm.generate([{"prompt_token_ids": prompts[1]}], seeded)[0].outputs[0].token_ids
                      for _ in range(2)]
+    with_lp = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=2),
+               SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)]
+    outs = llm.generate([{"prompt_token_ids": prompts[0]}, {"prompt_token_ids": prompts[2]}], with_lp)
+    res["logprobs"] = [{"ids": list(o.outputs[0].token_ids), "logprobs": None if o.outputs[0].logprobs is None else
+                        [{str(t): lp.logprob for t, lp in pos.items()} for pos in o.outputs[0].logprobs]}
+                       for o in outs]
     print("RESULT:" + json.dumps(res), flush=True)
 """
 
@@ -82,6 +88,20 @@ def test_max_tokens_inside_an_accepted_block_is_trimmed(vllm_spec, plain):
     res, _ = vllm_spec
     want = plain.generate_ids([PROMPTS[0]], 6, ignore_eos=True).outputs[0].token_ids
     assert res["short"] == [want[:1], want[:2], want[:5], want[:6]]
+
+
+def test_logprobs_request_takes_plain_steps_and_matches(vllm_spec, plain):
+    """A request asking for logprobs next to one that does not: the steps they share are plain (the worker fails
+    when a request gets more tokens than logprob records), and both still equal non-speculative generate."""
+    res, _ = vllm_spec
+    with_lp, without = res["logprobs"]
+    want = plain.generate_ids([PROMPTS[0]], N, ignore_eos=True, logprobs=2).outputs[0]
+    assert with_lp["ids"] == want.token_ids and len(with_lp["logprobs"]) == N
+    assert without["ids"] == plain.generate_ids([PROMPTS[2]], N, ignore_eos=True).outputs[0].token_ids
+    assert without["logprobs"] is None
+    for pos, w in zip(with_lp["logprobs"], want.logprobs):  # batch-4 target graph vs batch-1: fp32 rounding
+        expect = {str(t["token_id"]): t["logprob"] for t in w["top"]} | {str(w["token_id"]): w["logprob"]}
+        assert pos == pytest.approx(expect, abs=1e-5)
 
 
 def test_seeded_sampling_is_reproducible(vllm_spec):

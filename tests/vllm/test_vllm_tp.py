@@ -5,7 +5,7 @@ fp32, where tensor parallelism only reorders sums, so tokens must equal neuron-i
 against Hugging Face in test_vllm_offline.py). The plugin compiles the tp-2 artifact on first use (both workers race
 for it; the cache lock makes one compile and the other load). Checked: greedy and seeded sampling equal tp 1;
 several requests decoded together (continuous batching over the shards) equal each request alone; an artifact whose
-tp degree differs from vLLM's is refused with the fix. The OpenAI server serving an explicitly compiled tp-2
+tp degree differs from vLLM's is refused with the fix; greedy logprobs equal tp 1. The OpenAI server serving an explicitly compiled tp-2
 artifact: greedy completions equal tp 1, mixed concurrent requests equal each alone, and SIGTERM stops every rank.
 That ranks use rank 0's tokens (an unseeded request samples from OS entropy per process) is tested on the runner
 (tests/vllm/test_runner.py). On Neuron one worker drives the whole group; only the engine configuration of that
@@ -44,6 +44,10 @@ if __name__ == "__main__":
     res["alone"] = [llm.generate([{"prompt_token_ids": p}], greedy)[0].outputs[0].token_ids for p in prompts[:2]]
     seeded = SamplingParams(temperature=0.9, top_k=40, top_p=0.95, seed=77, max_tokens=n, ignore_eos=True)
     res["seeded"] = llm.generate([{"prompt_token_ids": prompts[0]}], seeded)[0].outputs[0].token_ids
+    lp = llm.generate([{"prompt_token_ids": prompts[1]}], SamplingParams(temperature=0.0, max_tokens=n,
+                                                                         ignore_eos=True, logprobs=3))[0].outputs[0]
+    res["logprobs"] = {"ids": list(lp.token_ids), "logprobs": [{str(t): [e.logprob, e.rank] for t, e in pos.items()}
+                                                               for pos in lp.logprobs]}
     print("RESULT:" + json.dumps(res), flush=True)
 """
 
@@ -98,6 +102,17 @@ def test_seeded_sampling_at_tp2_equals_tp1(served, reference):
     want = reference.generate_ids([PROMPTS[0]], N, SEEDED, ignore_eos=True).outputs[0].token_ids
     assert served["seeded"] == want
     assert want != served["together"][0]  # really sampled
+
+
+def test_logprobs_at_tp2_equal_tp1(served, reference):
+    """Rank 0's logprobs come from its all-gathered logits; tensor parallelism reorders fp32 sums (1e-4)."""
+    got = served["logprobs"]
+    want = reference.generate_ids([PROMPTS[1]], N, ignore_eos=True, logprobs=3).outputs[0]
+    assert got["ids"] == want.token_ids and len(got["logprobs"]) == N
+    for pos, w in zip(got["logprobs"], want.logprobs):
+        assert [int(t) for t in pos] == [t["token_id"] for t in w["top"]]  # greedy: the sampled token is the top-1
+        assert [r for _, r in pos.values()] == [1, 2, 3]
+        assert [v for v, _ in pos.values()] == pytest.approx([t["logprob"] for t in w["top"]], abs=1e-4)
 
 
 def test_artifact_of_another_tp_degree_is_refused(reference, tiny):
