@@ -3,6 +3,8 @@
 
     python scripts/bench_serving.py --base-url http://127.0.0.1:8000 --num-requests 50 --concurrency 4 \
         --input-len 128 --output-len 64 [--endpoint completions|chat] [--no-stream] [--json results.json]
+    python scripts/bench_serving.py --compare stock=http://127.0.0.1:8001 --compare plugin=http://127.0.0.1:8002 \
+        --rounds 3 -n 16 -c 4      # alternating rounds (order reversed every round), medians per server
 
 The measurements of docs/case-studies.md CS3 (LLMPerf-style): per request
   TTFT  time from sending the request to the first streamed content chunk,
@@ -26,12 +28,13 @@ import argparse
 import http.client
 import json
 import math
+import os
 import random
 import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from urllib.parse import urlsplit
 
 PERCENTILES = (50, 90, 99)
@@ -328,6 +331,65 @@ def format_table(summary: dict) -> str:
     return "\n".join(rows)
 
 
+# ---------------------------------------------------------------------------------------------------- comparison
+
+COMPARE_METRICS = (("itl_s", "p50"), ("itl_s", "p90"), ("ttft_s", "p50"), ("ttft_s", "p90"))
+
+
+def compare(cfg: BenchConfig, servers: dict[str, str], rounds: int, run=None) -> dict[str, list[dict]]:
+    """The same workload against every server, `rounds` times, the order reversed every round (a, b | b, a | ...)
+    so drifting background load hits both sides alike; each summary records the 1-minute load average before it."""
+    run = run or run_benchmark
+    names = list(servers)
+    out: dict[str, list[dict]] = {n: [] for n in names}
+    for r in range(rounds):
+        for name in names if r % 2 == 0 else names[::-1]:
+            load = os.getloadavg()[0] if hasattr(os, "getloadavg") else math.nan
+            summary, _ = run(replace(cfg, base_url=servers[name]))
+            summary["load1"] = load
+            out[name].append(summary)
+    return out
+
+
+def median_of_runs(runs: list[dict]) -> dict:
+    """Per-run values and their median: ITL / TTFT p50 and p90 (s), output tok/s, load; errors summed."""
+    def med(xs: list[float]) -> float:
+        return percentile(xs, 50)
+
+    out = {f"{k}_{q}": med([r[k][q] for r in runs]) for k, q in COMPARE_METRICS}
+    out["output_tok_per_s"] = med([r["output_tok_per_s"] for r in runs])
+    out["load1"] = med([r.get("load1", math.nan) for r in runs])
+    out["errors"] = sum(r["errors"] for r in runs)
+    out["rounds"] = len(runs)
+    return out
+
+
+def format_compare(results: dict[str, list[dict]]) -> str:
+    """A Markdown table: one row per server, medians over its rounds (milliseconds for latencies)."""
+    head = ("| server | rounds | ITL p50 (ms) | ITL p90 (ms) | TTFT p50 (ms) | TTFT p90 (ms) | output tok/s | errors "
+            "| load (1 min) |")
+    rows = [head, "|---|---|---|---|---|---|---|---|---|"]
+    for name, runs in results.items():
+        m = median_of_runs(runs)
+        lat = " | ".join(f"{1000 * m[f'{k}_{q}']:.1f}" for k, q in COMPARE_METRICS)
+        rows.append(f"| {name} | {m['rounds']} | {lat} | {m['output_tok_per_s']:.1f} | {m['errors']} | "
+                    f"{m['load1']:.1f} |")
+    return "\n".join(rows)
+
+
+def parse_servers(items: list[str]) -> dict[str, str]:
+    """["name=http://host:port", ...] -> {name: url} (names unique)."""
+    out: dict[str, str] = {}
+    for item in items:
+        name, sep, url = item.partition("=")
+        if not sep or not name or not url:
+            raise ValueError(f"--compare {item!r}: give NAME=URL, e.g. stock=http://127.0.0.1:8001")
+        if name in out:
+            raise ValueError(f"--compare names must be unique; {name!r} is given twice")
+        out[name] = url
+    return out
+
+
 def parse_args(argv: list[str] | None = None) -> tuple[BenchConfig, argparse.Namespace]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--base-url", default="http://127.0.0.1:8000")
@@ -347,7 +409,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[BenchConfig, argparse.Nam
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--json", dest="json_out", default=None, help="write the summary (and per-request records) here")
+    p.add_argument("--compare", action="append", default=[], metavar="NAME=URL",
+                   help="repeat for each server: alternating rounds against all of them (--base-url is ignored)")
+    p.add_argument("--rounds", type=int, default=3, help="rounds per server with --compare")
     a = p.parse_args(argv)
+    if a.rounds < 1:
+        p.error("--rounds must be >= 1")
     cfg = BenchConfig(a.base_url, a.model, a.endpoint, a.num_requests, a.concurrency, a.input_len, a.output_len,
                       a.input_len_max, a.output_len_max, a.stream, a.prompt_style, tuple(a.token_range),
                       a.temperature, a.ignore_eos, a.seed, a.timeout)
@@ -356,6 +423,19 @@ def parse_args(argv: list[str] | None = None) -> tuple[BenchConfig, argparse.Nam
 
 def main(argv: list[str] | None = None) -> int:
     cfg, args = parse_args(argv)
+    if args.compare:
+        try:
+            servers = parse_servers(args.compare)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        results = compare(cfg, servers, args.rounds)
+        print(format_compare(results))
+        if args.json_out:
+            with open(args.json_out, "w") as f:
+                json.dump({"rounds": results, "median": {n: median_of_runs(r) for n, r in results.items()}}, f,
+                          indent=1)
+        return 1 if any(r["errors"] for runs in results.values() for r in runs) else 0
     summary, records = run_benchmark(cfg)
     print(format_table(summary))
     if args.json_out:

@@ -177,3 +177,31 @@ def test_cli_writes_json(fake_server, tmp_path, capsys):
     data = json.loads(out.read_text())
     assert data["summary"]["completed"] == 4 and len(data["records"]) == 4
     assert "| TTFT (ms) |" in capsys.readouterr().out
+
+
+def test_compare_alternates_order_and_takes_medians(fake_server):
+    calls = []
+
+    def run(cfg):  # records which server each run hit; the ITL it reports tells the runs apart
+        calls.append(cfg.base_url)
+        summary, _ = bench.run_benchmark(cfg)
+        summary["itl_s"]["p50"] = float(len(calls))
+        return summary, _
+
+    cfg = bench.BenchConfig(num_requests=2, concurrency=1, input_len=3, output_len=2, timeout_s=30)
+    servers = {"a": fake_server + "/", "b": fake_server}  # two URLs of one fake server
+    results = bench.compare(cfg, servers, rounds=3, run=run)
+    assert calls == [servers["a"], servers["b"], servers["b"], servers["a"], servers["a"], servers["b"]]
+    assert [r["itl_s"]["p50"] for r in results["a"]] == [1.0, 4.0, 5.0]
+    assert [r["itl_s"]["p50"] for r in results["b"]] == [2.0, 3.0, 6.0]
+    med = bench.median_of_runs(results["a"])
+    assert med["itl_s_p50"] == 4.0 and med["rounds"] == 3 and med["errors"] == 0
+    assert med["output_tok_per_s"] > 0
+    table = bench.format_compare(results)
+    assert "| a | 3 | 4000.0 |" in table and "| b | 3 | 3000.0 |" in table
+
+
+def test_compare_cli_rejects_bad_server_spec(capsys):
+    assert bench.main(["--compare", "no-url-here"]) == 2
+    assert capsys.readouterr().err.startswith("error: --compare 'no-url-here': give NAME=URL")
+    assert bench.main(["--compare", "a=http://x:1", "--compare", "a=http://y:2"]) == 2
