@@ -27,6 +27,13 @@ different step shapes are compared in one process:
     @t5       one sequence, 5 tokens with logits at every one (a speculative verify of 4 drafts; 5 rows)
     @rows4    one sequence on a cache of 4 rows, named by seq_ids (the batch-1 bucket graph of a batch-4 artifact)
     python scripts/perf_cpu_backends.py --variants aoti-gemv,aoti-gemv@b4,aoti-gemv@t5,aoti-gemv@rows4
+
+--graph-dir DIR keeps the compiled graphs in DIR and loads a variant's graph from there when it exists (same
+--layers, --attend and shape: the random weights are seeded, so every run builds the same model). On a busy
+machine compile each variant in its own process with --compile-only, then time them all in one process:
+    for v in aoti-gemv aoti-gemv@b4; do python scripts/perf_cpu_backends.py --graph-dir G --variants $v \
+        --compile-only & done; wait
+    python scripts/perf_cpu_backends.py --graph-dir G --variants aoti-gemv,aoti-gemv@b4
 """
 from __future__ import annotations
 
@@ -106,8 +113,15 @@ def inlined_producers():
 
 
 def prepare(variant: str, step: BucketStep, args: tuple, workdir: Path, graph: str | None = None):
-    """-> (callable, compile seconds, load seconds); `graph`: the compiled graph's file name (default: variant)."""
+    """-> (callable, compile seconds, load seconds); `graph`: the compiled graph's file name (default: variant).
+    A graph already in workdir is loaded, not compiled again (0 compile seconds)."""
     graph = graph or variant
+    cached = variant.startswith("aoti") and (workdir / f"{graph}.json").is_file()
+    with mock_compile(workdir, graph) if cached else contextlib.nullcontext():
+        return _prepare(variant, step, args, workdir, graph)
+
+
+def _prepare(variant: str, step: BucketStep, args: tuple, workdir: Path, graph: str):
     if variant == "eager":
         return step, 0.0, 0.0
     if variant.startswith("aoti-int8"):
@@ -143,6 +157,23 @@ def prepare(variant: str, step: BucketStep, args: tuple, workdir: Path, graph: s
     raise SystemExit(f"unknown variant {variant!r}; choose from {', '.join(VARIANTS)}")
 
 
+@contextlib.contextmanager
+def mock_compile(workdir: Path, graph: str):
+    """While active, CpuBackend.compile_graph of `graph` into `workdir` does nothing (the graph is there)."""
+    real = CpuBackend.compile_graph
+
+    def reuse(self, module, example_args, out_dir, graph_name):
+        if Path(out_dir) == workdir and graph_name == graph:
+            return {}
+        return real(self, module, example_args, out_dir, graph_name)
+
+    CpuBackend.compile_graph = reuse
+    try:
+        yield
+    finally:
+        CpuBackend.compile_graph = real
+
+
 def measure(fns: dict, calls: dict, rounds: int, steps: int) -> dict[str, list[float]]:
     """Interleaved timing: each round runs `steps` decode steps of every variant; returns ms/step per round."""
     out = {name: [] for name in fns}
@@ -169,22 +200,31 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--batch", type=int, default=1, help="sequences per decode step (rows of every linear)")
+    ap.add_argument("--graph-dir", default=None, help="keep compiled graphs here and reuse them (see above)")
+    ap.add_argument("--compile-only", action="store_true", help="compile (into --graph-dir) and exit")
     a = ap.parse_args()
+    if a.compile_only and not a.graph_dir:
+        ap.error("--compile-only needs --graph-dir")
     torch.set_num_threads(a.threads)
     model = build_model(a.layers)
     fns, info, calls = {}, {}, {}
     with tempfile.TemporaryDirectory() as tmp:
+        workdir = Path(a.graph_dir or tmp)
+        workdir.mkdir(parents=True, exist_ok=True)
         for spec in a.variants.split(","):
             name, _, shape = spec.partition("@")
             step, args = build(model, a.attend, parse_shape(shape, a.batch))
             with torch.inference_mode():
                 ref = step(*[x.clone() for x in args])
-            fns[spec], c, ld = prepare(name, step, args, Path(tmp), graph=spec.replace("@", "_"))
+            graph = f"{spec.replace('@', '_')}_L{a.layers}_S{a.attend}_B{a.batch}"
+            fns[spec], c, ld = prepare(name, step, args, workdir, graph=graph)
             with torch.inference_mode():
                 diff = (fns[spec](*[x.clone() for x in args]).float() - ref.float()).abs().max().item()
             info[spec], calls[spec] = (c, ld, diff), args
             print(f"prepared {spec}: compile {c:.1f} s, load {ld:.2f} s, max |logit diff| vs eager {diff:.3g}",
                   flush=True)
+        if a.compile_only:
+            return
         res = measure(fns, calls, a.rounds, a.steps)
     base = statistics.median(res["eager"]) if "eager" in res else None
     first = next(iter(res))
