@@ -20,6 +20,20 @@ Variants
     aoti-int8-avx2    the same with the kernel forced down to AVX2 (gemv_isa="avx2")
 
     python scripts/perf_cpu_backends.py --variants aoti-gemv,aoti-int8 --batch 4   # int8 vs bf16, batch 4
+
+A variant may carry a shape after "@" (default: --batch rows, one token each, a cache of as many rows), so
+different step shapes are compared in one process:
+    @b4       4 sequences (rows of every linear: 4)
+    @t5       one sequence, 5 tokens with logits at every one (a speculative verify of 4 drafts; 5 rows)
+    @rows4    one sequence on a cache of 4 rows, named by seq_ids (the batch-1 bucket graph of a batch-4 artifact)
+    python scripts/perf_cpu_backends.py --variants aoti-gemv,aoti-gemv@b4,aoti-gemv@t5,aoti-gemv@rows4
+
+--graph-dir DIR keeps the compiled graphs in DIR and loads a variant's graph from there when it exists (same
+--layers, --attend and shape: the random weights are seeded, so every run builds the same model). On a busy
+machine compile each variant in its own process with --compile-only, then time them all in one process:
+    for v in aoti-gemv aoti-gemv@b4; do python scripts/perf_cpu_backends.py --graph-dir G --variants $v \
+        --compile-only & done; wait
+    python scripts/perf_cpu_backends.py --graph-dir G --variants aoti-gemv,aoti-gemv@b4
 """
 from __future__ import annotations
 
@@ -52,18 +66,38 @@ def smollm2_config(layers: int) -> ModelConfig:
                        num_kv_heads=3, head_dim=64, rope_theta=100000.0, tie_word_embeddings=True)
 
 
-def build(layers: int, attend: int, batch: int = 1) -> tuple[BucketStep, tuple]:
+def build_model(layers: int) -> LlamaModel:
     torch.manual_seed(0)
     model = LlamaModel(smollm2_config(layers)).to(torch.bfloat16).eval()
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0.0, 0.02)
+    return model
+
+
+def parse_shape(shape: str, batch: int) -> tuple[int, int, int, bool]:
+    """"" | "b4" | "t5" | "rows4" -> (sequences, tokens per sequence, cache rows, select rows by seq_ids)."""
+    if not shape:
+        return batch, 1, batch, False
+    for prefix, make in (("rows", lambda n: (1, 1, n, True)), ("b", lambda n: (n, 1, n, False)),
+                         ("t", lambda n: (1, n, 1, False))):
+        if shape.startswith(prefix) and shape[len(prefix):].isdigit() and int(shape[len(prefix):]) >= 1:
+            return make(int(shape[len(prefix):]))
+    raise SystemExit(f"unknown shape @{shape}: use @b<N>, @t<N> or @rows<N>")
+
+
+def build(model: LlamaModel, attend: int, shape: tuple[int, int, int, bool]) -> tuple[BucketStep, tuple]:
+    batch, tokens, rows, select = shape
     cfg = model.cfg
-    shape = (cfg.num_layers, batch, cfg.num_kv_heads, attend, cfg.head_dim)  # [L, B, Hkv, S, D]
-    k, v = torch.zeros(shape, dtype=torch.bfloat16), torch.zeros(shape, dtype=torch.bfloat16)
+    cache = (cfg.num_layers, rows, cfg.num_kv_heads, attend, cfg.head_dim)  # [L, rows, Hkv, S, D]
+    k, v = torch.zeros(cache, dtype=torch.bfloat16), torch.zeros(cache, dtype=torch.bfloat16)
     pos = attend // 2  # attend over half the bucket, as a decode in the middle of it does
-    args = (torch.full((batch, 1), 17), torch.full((batch, 1), pos), k, v, torch.zeros(batch, 1, dtype=torch.int64))
-    return BucketStep(model, attend), args
+    positions = (pos + torch.arange(tokens)).expand(batch, tokens).contiguous()  # [B, T]
+    idx = torch.arange(tokens).expand(batch, tokens).contiguous()  # [B, T]: logits at every token
+    args = (torch.full((batch, tokens), 17), positions, k, v, idx)
+    if select:
+        args += (torch.arange(rows - batch, rows),)  # [B]: the last cache rows
+    return BucketStep(model, attend, select), args
 
 
 @contextlib.contextmanager
@@ -78,30 +112,38 @@ def inlined_producers():
         cpu.computed_once, ops.computed_once, cpu.INDUCTOR_CONFIGS = saved
 
 
-def prepare(variant: str, step: BucketStep, args: tuple, workdir: Path):
-    """-> (callable, compile seconds, load seconds)."""
+def prepare(variant: str, step: BucketStep, args: tuple, workdir: Path, graph: str | None = None):
+    """-> (callable, compile seconds, load seconds); `graph`: the compiled graph's file name (default: variant).
+    A graph already in workdir is loaded, not compiled again (0 compile seconds)."""
+    graph = graph or variant
+    cached = variant.startswith("aoti") and (workdir / f"{graph}.json").is_file()
+    with mock_compile(workdir, graph) if cached else contextlib.nullcontext():
+        return _prepare(variant, step, args, workdir, graph)
+
+
+def _prepare(variant: str, step: BucketStep, args: tuple, workdir: Path, graph: str):
     if variant == "eager":
         return step, 0.0, 0.0
     if variant.startswith("aoti-int8"):
         model = copy.deepcopy(step.model)
         apply_quantization(model, QuantConfig(scheme="int8"))
-        step = BucketStep(model, step.attend_len)
+        step = BucketStep(model, step.attend_len, step.select_rows)
         isa = "avx2" if variant.endswith("avx2") else "auto"
         be = CpuBackend(CpuCompileOptions(gemv_isa=isa))
         t0 = time.perf_counter()
         with torch.inference_mode():
-            be.compile_graph(step, args, workdir, variant)
+            be.compile_graph(step, args, workdir, graph)
         t1 = time.perf_counter()
-        return be.load_graph(workdir, variant, step), t1 - t0, time.perf_counter() - t1
+        return be.load_graph(workdir, graph, step), t1 - t0, time.perf_counter() - t1
     if variant.startswith("aoti"):
         kernel = variant == "aoti-gemv"
         be = CpuBackend(CpuCompileOptions(gemv_max_rows=0 if variant == "aoti-gemm" else 5, gemv_kernel=kernel))
         codegen = inlined_producers() if variant == "aoti-inlined" else contextlib.nullcontext()
         t0 = time.perf_counter()
         with torch.inference_mode(), codegen:
-            be.compile_graph(step, args, workdir, variant)
+            be.compile_graph(step, args, workdir, graph)
         t1 = time.perf_counter()
-        fn = be.load_graph(workdir, variant, step)
+        fn = be.load_graph(workdir, graph, step)
         return fn, t1 - t0, time.perf_counter() - t1
     if variant == "inductor-freeze":
         import torch._inductor.config as inductor_config
@@ -115,15 +157,33 @@ def prepare(variant: str, step: BucketStep, args: tuple, workdir: Path):
     raise SystemExit(f"unknown variant {variant!r}; choose from {', '.join(VARIANTS)}")
 
 
-def measure(fns: dict, args: tuple, rounds: int, steps: int) -> dict[str, list[float]]:
+@contextlib.contextmanager
+def mock_compile(workdir: Path, graph: str):
+    """While active, CpuBackend.compile_graph of `graph` into `workdir` does nothing (the graph is there)."""
+    real = CpuBackend.compile_graph
+
+    def reuse(self, module, example_args, out_dir, graph_name):
+        if Path(out_dir) == workdir and graph_name == graph:
+            return {}
+        return real(self, module, example_args, out_dir, graph_name)
+
+    CpuBackend.compile_graph = reuse
+    try:
+        yield
+    finally:
+        CpuBackend.compile_graph = real
+
+
+def measure(fns: dict, calls: dict, rounds: int, steps: int) -> dict[str, list[float]]:
     """Interleaved timing: each round runs `steps` decode steps of every variant; returns ms/step per round."""
     out = {name: [] for name in fns}
     with torch.inference_mode():
-        for fn in fns.values():
+        for name, fn in fns.items():
             for _ in range(3):
-                fn(*args)
+                fn(*calls[name])
         for _ in range(rounds):
             for name, fn in fns.items():
+                args = calls[name]
                 t0 = time.perf_counter()
                 for _ in range(steps):
                     fn(*args)
@@ -140,32 +200,46 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--batch", type=int, default=1, help="sequences per decode step (rows of every linear)")
+    ap.add_argument("--graph-dir", default=None, help="keep compiled graphs here and reuse them (see above)")
+    ap.add_argument("--compile-only", action="store_true", help="compile (into --graph-dir) and exit")
     a = ap.parse_args()
+    if a.compile_only and not a.graph_dir:
+        ap.error("--compile-only needs --graph-dir")
     torch.set_num_threads(a.threads)
-    step, args = build(a.layers, a.attend, a.batch)
-    fns, info = {}, {}
+    model = build_model(a.layers)
+    fns, info, calls = {}, {}, {}
     with tempfile.TemporaryDirectory() as tmp:
-        with torch.inference_mode():
-            ref = step(*[x.clone() for x in args])
-        for name in a.variants.split(","):
-            fns[name], c, ld = prepare(name, step, args, Path(tmp))
+        workdir = Path(a.graph_dir or tmp)
+        workdir.mkdir(parents=True, exist_ok=True)
+        for spec in a.variants.split(","):
+            name, _, shape = spec.partition("@")
+            step, args = build(model, a.attend, parse_shape(shape, a.batch))
             with torch.inference_mode():
-                diff = (fns[name](*[x.clone() for x in args]).float() - ref.float()).abs().max().item()
-            info[name] = (c, ld, diff)
-            print(f"prepared {name}: compile {c:.1f} s, load {ld:.2f} s, max |logit diff| vs eager {diff:.3g}",
+                ref = step(*[x.clone() for x in args])
+            graph = f"{spec.replace('@', '_')}_L{a.layers}_S{a.attend}_B{a.batch}"
+            fns[spec], c, ld = prepare(name, step, args, workdir, graph=graph)
+            with torch.inference_mode():
+                diff = (fns[spec](*[x.clone() for x in args]).float() - ref.float()).abs().max().item()
+            info[spec], calls[spec] = (c, ld, diff), args
+            print(f"prepared {spec}: compile {c:.1f} s, load {ld:.2f} s, max |logit diff| vs eager {diff:.3g}",
                   flush=True)
-        res = measure(fns, args, a.rounds, a.steps)
+        if a.compile_only:
+            return
+        res = measure(fns, calls, a.rounds, a.steps)
     base = statistics.median(res["eager"]) if "eager" in res else None
+    first = next(iter(res))
     print(f"\nSmolLM2-135M shape, {a.layers} layers, bf16 activations, batch {a.batch}, attend {a.attend}, "
           f"{a.threads} threads, "
           f"{a.rounds} interleaved rounds x {a.steps} steps")
-    print(f"{'variant':18s} {'median ms':>10s} {'min ms':>8s} {'tok/s':>7s} {'vs eager':>9s} {'compile s':>10s} "
-          f"{'load s':>7s}")
+    print(f"time vs {first}: median over rounds of (variant ms / {first} ms) in the same round; lower is faster")
+    print(f"{'variant':20s} {'median ms':>10s} {'min ms':>8s} {'tok/s':>7s} {'vs eager':>9s} {'time vs first':>14s} "
+          f"{'compile s':>10s} {'load s':>7s}")
     for name, ts in res.items():
         md = statistics.median(ts)
         ratio = f"x{base / md:.2f}" if base else "-"
+        rel = statistics.median(x / y for x, y in zip(ts, res[first]))
         c, ld, _ = info[name]
-        print(f"{name:18s} {md:10.2f} {min(ts):8.2f} {1e3 / md:7.1f} {ratio:>9s} {c:10.1f} {ld:7.2f}")
+        print(f"{name:20s} {md:10.2f} {min(ts):8.2f} {1e3 / md:7.1f} {ratio:>9s} {rel:13.2f}x {c:10.1f} {ld:7.2f}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,154 @@
+#!/usr/bin/env python
+"""Compiled-artifact costs measured in one process with the peers interleaved round by round (the machine is
+shared and drifts between minutes: compare the ratios of one run, not absolute numbers across runs).
+
+    # decode-step graphs of compiled artifacts: ms per call, ratio to the first graph listed (lower is better)
+    python scripts/bench_engine.py graphs b4=ART_B4:tokengen_t1_s256 b1=ART_B4:tokengen_b1_t1_s256 \\
+        verify=ART_NGRAM:verify_t5_s256 --rounds 9 --steps 10
+    # one request through `CompiledModel.generate_ids`: decode tokens/s, ratio to the first (higher is better)
+    python scripts/bench_engine.py generate bf16=ART_BF16 int8=ART_INT8 --rounds 7 --new-tokens 64
+    # a tensor-parallel artifact: load, then the first and later `generate` calls on the loaded model (seconds)
+    python scripts/bench_engine.py tp-calls ART_TP2 --calls 4 --new-tokens 8
+
+`graphs` feeds each graph its compile-time example inputs (builder.example_args: token 0 at positions 0..T-1;
+every step computes over all S slots of its bucket, so the cost does not depend on the position) and the
+artifact's own KV cache; `verify_t{T}_s{S}` graphs (speculation) get logits at all T positions, as the runtime asks.
+"""
+from __future__ import annotations
+
+import argparse
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+PROMPT = "The quick brown fox jumps over the lazy dog near the river bank, and then"
+_NAME = re.compile(r"^(?P<kind>context|tokengen|verify)(_b(?P<b>\d+))?_t(?P<t>\d+)_s(?P<s>\d+)$")
+
+
+def load(path: str, threads: int):
+    from neuron_infer.api import CompiledModel
+
+    return CompiledModel.load(path, threads=threads)
+
+
+def graph_call(model, name: str):
+    """(callable, args) for graph `name` of a loaded (tp = 1) model."""
+    from neuron_infer.compile.builder import example_args
+    from neuron_infer.runtime.engine import GraphSpec
+
+    m = _NAME.match(name)
+    if m is None:
+        sys.exit(f"error: graph name {name!r} is not <kind>[_b<B>]_t<T>_s<S>")
+    engine = model.engine
+    graphs = dict(engine.graphs)
+    if engine.spec is not None:
+        graphs.update(engine.spec.graphs)
+    if name not in graphs:
+        sys.exit(f"error: {model.root} has no graph {name!r}; it has {sorted(graphs)}")
+    t, s, kind = int(m["t"]), int(m["s"]), m["kind"]
+    rows = kind == "context" or m["b"] is not None
+    batch = int(m["b"]) if m["b"] else (1 if kind == "context" else engine.build.batch_size)
+    args = example_args(engine.cache_shape, GraphSpec(kind, t, s, batch, rows))
+    idx = torch.arange(t, dtype=torch.int64).expand(batch, t).contiguous() if kind == "verify" else args[4]
+    return graphs[name], (args[0], args[1], engine.k_cache, engine.v_cache, idx, *args[5:])
+
+
+def cmd_graphs(a) -> None:
+    models, calls = {}, {}
+    for item in a.items:
+        label, _, rest = item.partition("=")
+        path, _, name = rest.rpartition(":")
+        if not (label and path and name):
+            sys.exit(f"error: {item!r} is not LABEL=ARTIFACT:GRAPH")
+        models.setdefault(path, load(path, a.threads))
+        calls[label] = graph_call(models[path], name)
+    ms = {k: [] for k in calls}
+    with torch.inference_mode():
+        for fn, args in calls.values():
+            for _ in range(3):
+                fn(*args)
+        for _ in range(a.rounds):
+            for label, (fn, args) in calls.items():
+                t0 = time.perf_counter()
+                for _ in range(a.steps):
+                    fn(*args)
+                ms[label].append((time.perf_counter() - t0) / a.steps * 1e3)
+    base = next(iter(calls))
+    print(f"\n{a.threads} threads, {a.rounds} interleaved rounds x {a.steps} calls; ms per call (lower is better); "
+          f"ratio = median over rounds of (graph / {base}) in the same round")
+    print("| graph | median ms | min ms | vs " + base + " |\n|---|---|---|---|")
+    for label, ts in ms.items():
+        ratio = statistics.median(x / y for x, y in zip(ts, ms[base]))
+        print(f"| {label} | {statistics.median(ts):.2f} | {min(ts):.2f} | {ratio:.2f}x |")
+
+
+def cmd_generate(a) -> None:
+    runs = {}
+    for item in a.items:
+        label, _, path = item.partition("=")
+        if not (label and path):
+            sys.exit(f"error: {item!r} is not LABEL=ARTIFACT")
+        runs[label] = load(path, a.threads)
+    tps = {k: [] for k in runs}
+    for rnd in range(a.rounds + 1):  # round 0 warms up, not recorded
+        for label, m in runs.items():
+            ids = m.encode(PROMPT)
+            out = m.generate_ids([ids], a.new_tokens, ignore_eos=True)
+            if rnd:
+                tps[label].append(out.tokens_per_s)
+    base = next(iter(runs))
+    print(f"\n{a.threads} threads, one request, {a.new_tokens} new tokens, {a.rounds} interleaved rounds; decode "
+          f"tokens/s (higher is better); ratio = median over rounds of ({base} / artifact) time per token")
+    print("| artifact | median tok/s | max tok/s | time per token vs " + base + " |\n|---|---|---|---|")
+    for label, ts in tps.items():
+        ratio = statistics.median(y / x for x, y in zip(ts, tps[base]))
+        print(f"| {label} | {statistics.median(ts):.1f} | {max(ts):.1f} | {ratio:.2f}x |")
+
+
+def cmd_tp_calls(a) -> None:
+    t0 = time.perf_counter()
+    m = load(a.artifact, a.threads)
+    print(f"load (starts {m.manifest.build.tp_degree} rank processes): {time.perf_counter() - t0:.2f} s")
+    try:
+        ids = m.encode(PROMPT)
+        for i in range(a.calls):
+            t0 = time.perf_counter()
+            out = m.generate_ids([ids], a.new_tokens, ignore_eos=True)
+            wall = time.perf_counter() - t0
+            print(f"generate call {i + 1}: {wall:.3f} s wall, TTFT {out.ttft_s * 1e3:.0f} ms, "
+                  f"rank pids {m.group.last_run.get('pids') if m.group else '-'}")
+    finally:
+        m.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, default=2)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    g = sub.add_parser("graphs", help="ms per call of compiled graphs: LABEL=ARTIFACT:GRAPH ...")
+    g.add_argument("items", nargs="+")
+    g.add_argument("--rounds", type=int, default=9)
+    g.add_argument("--steps", type=int, default=10)
+    g.set_defaults(fn=cmd_graphs)
+    r = sub.add_parser("generate", help="decode tokens/s of one request: LABEL=ARTIFACT ...")
+    r.add_argument("items", nargs="+")
+    r.add_argument("--rounds", type=int, default=7)
+    r.add_argument("--new-tokens", type=int, default=64)
+    r.set_defaults(fn=cmd_generate)
+    t = sub.add_parser("tp-calls", help="seconds of the first and later generate calls on a loaded tp artifact")
+    t.add_argument("artifact")
+    t.add_argument("--calls", type=int, default=4)
+    t.add_argument("--new-tokens", type=int, default=8)
+    t.set_defaults(fn=cmd_tp_calls)
+    a = ap.parse_args()
+    a.fn(a)
+
+
+if __name__ == "__main__":
+    main()
