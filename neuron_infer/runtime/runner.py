@@ -132,7 +132,7 @@ class Runner:
         return {s: s.append([t]) for s, t in zip(seqs, toks.tolist())}
 
     def _lookup(self, scheduled: list[Sequence], rows: dict[int, list[int]]) -> dict[Sequence, list[int]] | None:
-        """A prompt-lookup step (None: no sequence drafts this step, run a plain one)."""
+        """A prompt-lookup step (None: no sequence drafts this step, take a plain step)."""
         drafts = self.spec.plan(scheduled)  # [] per sequence without a draft this step
         if not any(drafts):
             return None

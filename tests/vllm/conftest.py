@@ -1,4 +1,4 @@
-"""Fixtures shared by the tests that run a real vLLM (their modules skip when vLLM is absent)."""
+"""Fixtures shared by the tests that start a real vLLM (their modules skip when vLLM is absent)."""
 import pytest
 
 from tests.tiny_checkpoint import write_tiny_checkpoint
