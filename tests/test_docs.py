@@ -262,7 +262,7 @@ def test_history_patterns_match():
     bad = ("measured in sess" + "ion 5", "run " + "B was slower", "see issue 20", "earlier the " + "same morning",
            "as of this morning", "see ../" + "shared/docs")
     assert all(history_mentions(t) for t in bad)
-    assert not history_mentions("tests " + "run a real vLLM; issues 4 x 2 matmuls; session-scoped fixture")
+    assert not history_mentions("tests ru" + "n a real vLLM; issues 4 x 2 matmuls; session-scoped fixture")
 
 
 # ------------------------------------------------------------------------------------------------ the code map
