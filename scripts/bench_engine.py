@@ -59,6 +59,16 @@ def graph_call(model, name: str):
     return graphs[name], (args[0], args[1], engine.k_cache, engine.v_cache, idx, *args[5:])
 
 
+def print_rounds(samples: dict[str, list[float]], header: tuple[str, str, str, str], best, time_like: bool) -> None:
+    """A Markdown table of per-round samples: median, best, and the median over rounds of each entry's time relative
+    to the first entry's in the same round (samples are times when time_like, else rates)."""
+    base = samples[next(iter(samples))]
+    print("| " + " | ".join(header) + " |\n|---|---|---|---|")
+    for label, xs in samples.items():
+        ratio = statistics.median(x / y if time_like else y / x for x, y in zip(xs, base))
+        print(f"| {label} | {statistics.median(xs):.2f} | {best(xs):.2f} | {ratio:.2f}x |")
+
+
 def cmd_graphs(a) -> None:
     models, calls = {}, {}
     for item in a.items:
@@ -82,10 +92,7 @@ def cmd_graphs(a) -> None:
     base = next(iter(calls))
     print(f"\n{a.threads} threads, {a.rounds} interleaved rounds x {a.steps} calls; ms per call (lower is better); "
           f"ratio = median over rounds of (graph / {base}) in the same round")
-    print("| graph | median ms | min ms | vs " + base + " |\n|---|---|---|---|")
-    for label, ts in ms.items():
-        ratio = statistics.median(x / y for x, y in zip(ts, ms[base]))
-        print(f"| {label} | {statistics.median(ts):.2f} | {min(ts):.2f} | {ratio:.2f}x |")
+    print_rounds(ms, ("graph", "median ms", "min ms", f"vs {base}"), best=min, time_like=True)
 
 
 def cmd_generate(a) -> None:
@@ -105,10 +112,8 @@ def cmd_generate(a) -> None:
     base = next(iter(runs))
     print(f"\n{a.threads} threads, one request, {a.new_tokens} new tokens, {a.rounds} interleaved rounds; decode "
           f"tokens/s (higher is better); ratio = median over rounds of ({base} / artifact) time per token")
-    print("| artifact | median tok/s | max tok/s | time per token vs " + base + " |\n|---|---|---|---|")
-    for label, ts in tps.items():
-        ratio = statistics.median(y / x for x, y in zip(ts, tps[base]))
-        print(f"| {label} | {statistics.median(ts):.1f} | {max(ts):.1f} | {ratio:.2f}x |")
+    print_rounds(tps, ("artifact", "median tok/s", "max tok/s", f"time per token vs {base}"), best=max,
+                 time_like=False)
 
 
 def cmd_tp_calls(a) -> None:
