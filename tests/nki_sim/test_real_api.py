@@ -1,6 +1,6 @@
 """Kernels and the simulator use only the real NKI API (nki_kernels/sim/api_table.json, from the NKI 0.6 reference
 stubs): every nl.* / nisa.* name our kernels use exists there with the keywords they pass, and every public name the
-simulator exposes as nki, nki.language, nki.isa is a real one (simulator-only helpers live in nki.simulator)."""
+simulator exposes as nki, nki.language, nki.isa, nki.collectives is a real one (simulator-only helpers live in nki.simulator)."""
 from __future__ import annotations
 
 import enum
@@ -62,7 +62,10 @@ def _public(module):
     return [n for n in dir(module) if not n.startswith("_")]
 
 
-@pytest.mark.parametrize("modname", ["nki", "nki.language", "nki.isa"])
+MODULES = ["nki", "nki.language", "nki.isa", "nki.collectives"]
+
+
+@pytest.mark.parametrize("modname", MODULES)
 def test_simulator_exposes_only_real_names(modname):
     mod = importlib.import_module(modname)
     real = real_api.names(modname)
@@ -71,7 +74,7 @@ def test_simulator_exposes_only_real_names(modname):
     assert extra == []
 
 
-@pytest.mark.parametrize("modname", ["nki", "nki.language", "nki.isa"])
+@pytest.mark.parametrize("modname", MODULES)
 def test_simulator_functions_take_the_real_parameters(modname):
     mod = importlib.import_module(modname)
     wrong = {}
@@ -82,6 +85,23 @@ def test_simulator_functions_take_the_real_parameters(modname):
         got = [("**" + p.name) if p.kind is p.VAR_KEYWORD else p.name for p in inspect.signature(fn).parameters.values()]
         if got != entry["params"]:
             wrong[name] = (got, entry["params"])
+    assert wrong == {}
+
+
+def test_collectives_are_complete_with_the_real_defaults():
+    """Every public name of the real nki.collectives exists in the simulator, and each function's defaults are the
+    ones the reference lists (priority=None, channel_ids=[0], ...)."""
+    import nki.collectives as ncc
+    real = real_api.names("nki.collectives")
+    assert sorted(_public(ncc)) == sorted(real)
+    wrong = {}
+    for name, entry in real.items():
+        if entry["kind"] != "function":
+            continue
+        got = {p.name: repr(p.default) for p in inspect.signature(getattr(ncc, name)).parameters.values()
+               if p.default is not p.empty}
+        if got != entry.get("defaults", {}):
+            wrong[name] = (got, entry.get("defaults"))
     assert wrong == {}
 
 
