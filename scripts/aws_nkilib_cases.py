@@ -138,6 +138,66 @@ def lib(name: str, kernel: str, ref: str | Callable, make_inputs: Callable, rtol
     return Case("nki-library/" + name, "nki-library", run)
 
 
+def ranks(name: str, kernel: str, make_inputs: Callable, golden: Callable, rtol: float, atol: float, *,
+          lnc: int, platform: str = "trn2") -> Case:
+    """A collective kernel run once per rank of a simulated group (``nki.simulator.simulate_ranks``).
+    make_inputs(rng) -> one kwargs dict per rank; golden(inputs) -> each rank's expected output, the result the
+    library's own test states for it."""
+    def run(root, load, rng):
+        from nki.simulator import simulate_ranks
+        kmod, kfn = kernel.split(":")
+        kernel_fn = getattr(importlib.import_module("nkilib." + kmod), kfn)
+        inputs = make_inputs(rng)
+        with target(platform):
+            got = simulate_ranks(kernel_fn, inputs, lnc=lnc)
+        want = golden(inputs)
+        if len(got) != len(want):
+            raise AssertionError(f"mismatch: {len(got)} ranks returned, {len(want)} expected")
+        for r, (g, w) in enumerate(zip(got, want)):
+            check_max(g, w, rtol, atol, f"rank {r}")
+    return Case("nki-library/" + name, "nki-library", run)
+
+
+def _replica_group(n):
+    return importlib.import_module("nki.collectives").ReplicaGroup([list(range(n))])
+
+
+def _sb2sb_inputs(rng, m, k, tp):
+    """Each rank holds a different [m, k] bf16 block (the library test's layout)."""
+    group = _replica_group(tp)
+    return [{"inp": _randn(rng, (m, k), BF16), "replica_groups": group, "tp_degree": tp} for _ in range(tp)]
+
+
+def _sb2sb_golden(inputs):
+    """Every rank ends with the blocks of all ranks concatenated along k, in rank order."""
+    gathered = np.concatenate([kw["inp"] for kw in inputs], axis=1)
+    return [gathered] * len(inputs)
+
+
+def _fg_inputs(rng, m, k, tp, n=None):
+    """Rank r holds rows [r*m, (r+1)*m) of a global lhs (and, with n, columns [r*n/tp, (r+1)*n/tp) of rhs)."""
+    lhs = _randn(rng, (m * tp, k), BF16)
+    rhs = _randn(rng, (k, n), BF16) if n else None
+    out = []
+    for r in range(tp):
+        kw = {"lhs": lhs[r * m:(r + 1) * m], "tp_degree": tp, "num_groups": 1, "force_hbm_cc": False}
+        if n:
+            kw["rhs"] = rhs[:, r * (n // tp):(r + 1) * (n // tp)]
+        out.append(kw)
+    return out
+
+
+def _fg_allgather_golden(inputs):
+    """Every rank ends with the full global lhs."""
+    return [np.concatenate([kw["lhs"] for kw in inputs], axis=0)] * len(inputs)
+
+
+def _fgcc_golden(inputs):
+    """Rank r ends with its column shard of lhs_global @ rhs_global (fp32 product cast to the input dtype)."""
+    lhs = np.concatenate([kw["lhs"] for kw in inputs], axis=0).astype(np.float32)
+    return [(lhs @ kw["rhs"].astype(np.float32)).astype(BF16) for kw in inputs]
+
+
 def _randn(rng, shape, dtype=np.float32):
     return rng.standard_normal(shape).astype(dtype)
 
@@ -472,4 +532,12 @@ LIB_CASES = [
     lib("topk_reduce", "experimental.collectives.topk_reduce:topk_reduce",
         "experimental.collectives.topk_reduce_torch:topk_reduce_torch_ref",
         lambda rng: {"input": _topk_reduce_input(rng, 8, 4, 8, 4096), "T": 4, "K": 8}, 5e-2, 5e-2),
+    ranks("allgather_sb2sb", "experimental.collectives.sb2sb_allgather:allgather_sb2sb",
+          lambda rng: _sb2sb_inputs(rng, 128, 512, 8), _sb2sb_golden, 1e-3, 1e-3, lnc=1),
+    ranks("allgather_sb2sb_tiled", "experimental.collectives.sb2sb_allgather:allgather_sb2sb_tiled",
+          lambda rng: _sb2sb_inputs(rng, 256, 512, 4), _sb2sb_golden, 1e-3, 1e-3, lnc=2),
+    ranks("fine_grained_allgather", "experimental.collectives.fg_allgather:fine_grained_allgather",
+          lambda rng: _fg_inputs(rng, 1024, 4096, 4), _fg_allgather_golden, 1e-3, 1e-3, lnc=2),
+    ranks("allgather_compute_matmul", "experimental.collectives.fgcc:allgather_compute_matmul",
+          lambda rng: _fg_inputs(rng, 256, 1024, 4, n=1024), _fgcc_golden, 1e-2, 1e-2, lnc=2),
 ]
