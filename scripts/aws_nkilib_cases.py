@@ -106,12 +106,13 @@ def _absent_neuron_dtypes() -> None:
 
 def lib(name: str, kernel: str, ref: str | Callable, make_inputs: Callable, rtol: float, atol: float, *,
         lnc: int = 2, platform: str = "trn2", outputs: slice | None = None, ref_names: dict | None = None,
-        mutated: tuple[str, ...] = ()) -> Case:
+        mutated: tuple[str, ...] = (), same_kernel_as: str = "") -> Case:
     """kernel / ref: "module.path:function" under nkilib (ref may instead be a function of the inputs returning the
     expected outputs, for kernels whose library test states its reference inline). make_inputs(rng) -> kernel
     keyword arguments; ref_names renames them for the reference. outputs selects which of the kernel's returned
     tensors (and the reference's, in the same order) are compared; a kernel that writes into its arguments instead
-    of returning names them in mutated (the simulator writes them back like the SDK's simulator)."""
+    of returning names them in mutated (the simulator writes them back like the SDK's simulator). same_kernel_as
+    names the case whose kernel this one runs again (another LNC, layout or shape): it counts as that kernel."""
     def run(root, load, rng):
         kmod, kfn = kernel.split(":")
         _absent_neuron_dtypes()
@@ -135,7 +136,7 @@ def lib(name: str, kernel: str, ref: str | Callable, make_inputs: Callable, rtol
             raise AssertionError(f"mismatch: kernel returned {len(got)} outputs, reference {len(want)}")
         for i, (g, w) in enumerate(zip(got, want)):
             check_max(g, w, rtol, atol, f"output {i}")
-    return Case("nki-library/" + name, "nki-library", run)
+    return Case("nki-library/" + name, "nki-library", run, "nki-library/" + same_kernel_as if same_kernel_as else "")
 
 
 def ranks(name: str, kernel: str, make_inputs: Callable, golden: Callable, rtol: float, atol: float, *,
@@ -433,7 +434,7 @@ LIB_CASES = [
     lib("cascaded_max", "core.max.cascaded_max:cascaded_max", "core.max.cascaded_max_torch:cascaded_max_torch_ref",
         lambda rng: {"input_tensor": _randn(rng, (4, 5, 4058))}, 1e-5, 1e-5, lnc=1),
     lib("cascaded_max_lnc2", "core.max.cascaded_max:cascaded_max", "core.max.cascaded_max_torch:cascaded_max_torch_ref",
-        lambda rng: {"input_tensor": _randn(rng, (8, 5, 4058))}, 1e-5, 1e-5, lnc=2),
+        lambda rng: {"input_tensor": _randn(rng, (8, 5, 4058))}, 1e-5, 1e-5, lnc=2, same_kernel_as="cascaded_max"),
     lib("rope", "core.embeddings.rope:RoPE", "core.embeddings.rope_torch:rope_torch_ref",
         lambda rng: {"x_in": _randn(rng, (64, 1, 8, 16), BF16), "cos": _randn(rng, (32, 1, 16), BF16),
                      "sin": _randn(rng, (32, 1, 16), BF16), "lnc_shard": True, "contiguous_layout": True,
@@ -441,7 +442,7 @@ LIB_CASES = [
     lib("rope_interleaved", "core.embeddings.rope:RoPE", "core.embeddings.rope_torch:rope_torch_ref",
         lambda rng: {"x_in": _randn(rng, (128, 8, 1, 128), BF16), "cos": _randn(rng, (64, 8, 128), BF16),
                      "sin": _randn(rng, (64, 8, 128), BF16), "lnc_shard": True, "contiguous_layout": False,
-                     "relayout_in_sbuf": True}, 2**-7, 1e-3),
+                     "relayout_in_sbuf": True}, 2**-7, 1e-3, same_kernel_as="rope"),
     lib("rope_hf", "core.embeddings.rope_hf:rope_hf", "core.embeddings.rope_hf_torch:rope_hf_torch_ref",
         lambda rng: _rope_hf_inputs(rng, 1, 4, 2, 256, 128, np.float32), 1e-6, 1e-6),
     lib("rmsnorm_tkg", "core.subkernels.rmsnorm_tkg:rmsnorm_tkg",
@@ -449,20 +450,22 @@ LIB_CASES = [
         lambda rng: _norm_inputs(rng, 2, 8, 8192, np.float16), 2e-2, 1e-5),
     lib("rmsnorm_tkg_lnc1", "core.subkernels.rmsnorm_tkg:rmsnorm_tkg",
         "core.subkernels.rmsnorm_torch:rmsnorm_tkg_torch_ref_lnc1",
-        lambda rng: _norm_inputs(rng, 1, 4, 2048, np.float16, hidden_actual=1920), 2e-2, 1e-5, lnc=1),
+        lambda rng: _norm_inputs(rng, 1, 4, 2048, np.float16, hidden_actual=1920), 2e-2, 1e-5, lnc=1,
+        same_kernel_as="rmsnorm_tkg"),
     lib("layernorm_tkg", "core.subkernels.layernorm_tkg:layernorm_tkg",
         "core.subkernels.layernorm_torch:layernorm_tkg_torch_ref",
         lambda rng: _norm_inputs(rng, 2, 8, 8192, np.float16, beta=True), 2e-2, 1e-5),
     lib("layernorm_tkg_lnc1", "core.subkernels.layernorm_tkg:layernorm_tkg",
         "core.subkernels.layernorm_torch:layernorm_tkg_torch_ref_lnc1",
-        lambda rng: _norm_inputs(rng, 1, 8, 8192, np.float16, beta=True), 2e-2, 1e-5, lnc=1),
+        lambda rng: _norm_inputs(rng, 1, 8, 8192, np.float16, beta=True), 2e-2, 1e-5, lnc=1,
+        same_kernel_as="layernorm_tkg"),
     lib("find_nonzero_indices", "core.subkernels.find_nonzero_indices:find_nonzero_indices",
         "core.subkernels.find_nonzero_indices_torch:find_nonzero_indices_torch_ref",
         lambda rng: {"input_tensor": _sparse(rng, 4096, 128, 8, np.float32), "chunk_size": 4096}, 0, 0),
     lib("find_nonzero_indices_cols", "core.subkernels.find_nonzero_indices:find_nonzero_indices",
         "core.subkernels.find_nonzero_indices_torch:find_nonzero_indices_torch_ref",
         lambda rng: {"input_tensor": _sparse(rng, 4096, 128, 8, np.int32), "col_start_id": np.array([16], np.int32),
-                     "n_cols": 16, "chunk_size": 4096}, 0, 0),
+                     "n_cols": 16, "chunk_size": 4096}, 0, 0, same_kernel_as="find_nonzero_indices"),
     lib("indexed_flatten", "core.subkernels.indexed_flatten:indexed_flatten",
         "core.subkernels.indexed_flatten_torch:indexed_flatten_torch_ref", lambda rng: _flatten_inputs(4096, 3, 128),
         0, 0),
@@ -471,19 +474,20 @@ LIB_CASES = [
         lambda rng: _mask_inputs(rng, 4, 2, 4096, 7), 0, 0),
     lib("gen_mask_tkg_hbm_lnc1", "core.attention.gen_mask_tkg:gen_mask_tkg_hbm",
         "core.attention.gen_mask_tkg_torch:gen_mask_tkg_hbm_torch_ref",
-        lambda rng: _mask_inputs(rng, 4, 1, 4096, 5), 0, 0, lnc=1),
+        lambda rng: _mask_inputs(rng, 4, 1, 4096, 5), 0, 0, lnc=1, same_kernel_as="gen_mask_tkg_hbm"),
     lib("output_projection_tkg", "core.output_projection.output_projection_tkg:output_projection_tkg",
         "core.output_projection.output_projection_tkg_torch:output_projection_tkg_torch_ref",
         lambda rng: _oproj_inputs(rng, 4, 8, 4, 64, 3072, True, False), 2e-2, 1e-5),
     lib("output_projection_tkg_transposed", "core.output_projection.output_projection_tkg:output_projection_tkg",
         "core.output_projection.output_projection_tkg_torch:output_projection_tkg_torch_ref",
-        lambda rng: _oproj_inputs(rng, 4, 2, 4, 128, 8192, True, True), 2e-2, 1e-5),
+        lambda rng: _oproj_inputs(rng, 4, 2, 4, 128, 8192, True, True), 2e-2, 1e-5,
+        same_kernel_as="output_projection_tkg"),
     lib("qkv_tkg", "core.qkv.qkv:qkv", "core.qkv.qkv_tkg_torch:qkv_tkg_torch_ref",
         lambda rng: _qkv_inputs(rng, 4, 1, 4096, 896, 5, 1, 128, "RMS_NORM", True), 2e-2, 1e-5, lnc=1,
         ref_names=_QKV_REF_NAMES),
     lib("qkv_tkg_lnc2_bias", "core.qkv.qkv:qkv", "core.qkv.qkv_tkg_torch:qkv_tkg_torch_ref",
         lambda rng: _qkv_inputs(rng, 8, 5, 3072, 640, 8, 1, 64, "RMS_NORM", False, qkv_bias=True), 2e-2, 1e-5,
-        ref_names=_QKV_REF_NAMES),
+        ref_names=_QKV_REF_NAMES, same_kernel_as="qkv_tkg"),
     lib("qkv_cte", "core.qkv.qkv:qkv", "core.qkv.qkv_tkg_torch:qkv_tkg_torch_ref",
         lambda rng: _qkv_inputs(rng, 1, 512, 2048, 384, 1, 1, 128, "RMS_NORM", False), 2e-2, 1e-5,
         ref_names=_QKV_REF_NAMES),
@@ -492,7 +496,8 @@ LIB_CASES = [
         lambda rng: _attn_cte_inputs(rng, 2, 512, 512, 128, True, True, False), 2e-2, 1e-5),
     lib("attention_cte_gqa_lnc1", "core.attention.attention_cte:attention_cte",
         "core.attention.attention_cte_torch:attention_cte_torch_ref",
-        lambda rng: _attn_cte_inputs(rng, 4, 256, 512, 64, False, False, True, bs_kv=2), 2e-2, 1e-5, lnc=1),
+        lambda rng: _attn_cte_inputs(rng, 4, 256, 512, 64, False, False, True, bs_kv=2), 2e-2, 1e-5, lnc=1,
+        same_kernel_as="attention_cte"),
     lib("output_projection_cte", "core.output_projection.output_projection_cte.output_projection_cte:output_projection_cte",
         "core.output_projection.output_projection_cte.output_projection_cte_torch:output_projection_cte_torch_ref",
         lambda rng: {"attention": rng.random((1, 4, 128, 512)).astype(BF16),
