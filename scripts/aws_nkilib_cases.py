@@ -199,6 +199,51 @@ def _fgcc_golden(inputs):
     return [(lhs @ kw["rhs"].astype(np.float32)).astype(BF16) for kw in inputs]
 
 
+def _attention_tkg_case(root, load, rng):
+    """attention_tkg is a sub-kernel: it takes an SBUF allocator and its output tensors from the caller. A small
+    jit wrapper of our own allocates them (flat KV cache in HBM, outputs in shared HBM, mask generated in-kernel from
+    position ids, RoPE fused) and the result is compared with the library's attention_tkg_torch_ref at the
+    tolerances of its test (rtol 1e-2, atol 1e-5)."""
+    import nki
+    import nki.language as nl
+    mod = importlib.import_module("nkilib.core.attention.attention_tkg")
+    alloc = importlib.import_module("nkilib.core.utils.allocator")
+    logging = importlib.import_module("nkilib.core.utils.logging")
+    ref = importlib.import_module("nkilib.core.attention.attention_tkg_torch").attention_tkg_torch_ref
+    lnc, bs, heads, s_act, s_prior, full, d = 2, 4, 2, 7, 256, 16384, 128
+    cfg = mod.AttnTKGConfig(bs, heads, s_act, s_prior, full, d, 0, use_pos_id=True, fuse_rope=True)
+    out_shape, k_out_shape = (bs, heads, d, s_act), (bs, 1, d, s_act)
+
+    @nki.jit
+    def wrapper(q, k_active, v_active, k_prior, v_prior, mask, inv_freqs, rope_pos_ids):
+        sbm = alloc.SbufManager(0, nl.tile_size.total_available_sbuf_size - 16 * 1024, logging.Logger("SBM"))
+        sbm.open_scope()
+        out = nl.ndarray(out_shape, dtype=q.dtype, buffer=nl.shared_hbm)
+        k_out = nl.ndarray(k_out_shape, dtype=q.dtype, buffer=nl.shared_hbm)
+        result = mod.attention_tkg(q, k_active, v_active, k_prior, v_prior, mask, out, cfg, sbm, inv_freqs,
+                                   rope_pos_ids, None, None, None, k_out)
+        sbm.close_scope()
+        return result
+
+    def u(*shape):
+        return rng.random(shape).astype(BF16)
+    pos = rng.integers(0, s_prior - s_act, (bs, 1))
+    causal = np.tril(np.ones((s_act, s_act), np.uint8))            # [query, key]
+    inputs = {"q": u(bs, heads, s_act, d), "k_active": u(bs, 1, s_act, d), "v_active": u(bs, 1, s_act, d),
+              "k_prior": u(bs, 1, d, full), "v_prior": u(bs, 1, full, d),
+              "mask": np.ascontiguousarray(np.broadcast_to(causal.T[:, None, None, :], (s_act, bs, heads, s_act))),
+              "inv_freqs": rng.random((d // 2, 1)).astype(np.float32),
+              "rope_pos_ids": np.broadcast_to(pos, (bs, s_act)).astype(np.float32)}
+    with target("trn2"):
+        got = simulate(wrapper, lnc=lnc, **inputs)
+    import torch
+    want = ref[lnc](**{k: _to_torch(v) for k, v in inputs.items()}, out=torch.zeros(out_shape),
+                    cfg=cfg, sbm=None, start_pos_ids=None, sink=None, active_blocks_table=None,
+                    k_out=torch.zeros(k_out_shape), DBG_TENSORS=None)
+    for i, (g, w) in enumerate(zip(got, want)):
+        check_max(g, _to_numpy(w), 1e-2, 1e-5, f"output {i}")
+
+
 def _randn(rng, shape, dtype=np.float32):
     return rng.standard_normal(shape).astype(dtype)
 
@@ -537,6 +582,7 @@ LIB_CASES = [
     lib("topk_reduce", "experimental.collectives.topk_reduce:topk_reduce",
         "experimental.collectives.topk_reduce_torch:topk_reduce_torch_ref",
         lambda rng: {"input": _topk_reduce_input(rng, 8, 4, 8, 4096), "T": 4, "K": 8}, 5e-2, 5e-2),
+    Case("nki-library/attention_tkg", "nki-library", _attention_tkg_case),
     ranks("allgather_sb2sb", "experimental.collectives.sb2sb_allgather:allgather_sb2sb",
           lambda rng: _sb2sb_inputs(rng, 128, 512, 8), _sb2sb_golden, 1e-3, 1e-3, lnc=1),
     ranks("allgather_sb2sb_tiled", "experimental.collectives.sb2sb_allgather:allgather_sb2sb_tiled",
