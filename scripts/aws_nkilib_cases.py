@@ -3,8 +3,10 @@
 torch reference the library publishes next to the kernel (``*_torch.py``). No nki-library code is copied here."""
 from __future__ import annotations
 
+import enum
 import importlib
 import inspect
+import math
 from collections.abc import Callable
 
 import ml_dtypes
@@ -58,12 +60,28 @@ def reference(fn: Callable, inputs: dict) -> list:
     return [_to_numpy(result)]
 
 
+def _harness_module(name: str, **attrs) -> None:
+    """Register module ``name`` of nki-library's test harness (and its missing parents) holding just ``attrs``."""
+    import sys
+    import types
+    parts = name.split(".")
+    for i in range(1, len(parts) + 1):
+        full = ".".join(parts[:i])
+        if full not in sys.modules:
+            mod = types.ModuleType(full)
+            mod.__path__ = []
+            sys.modules[full] = mod
+            if i > 1:
+                setattr(sys.modules[".".join(parts[:i - 1])], parts[i - 1], mod)
+    for key, value in attrs.items():
+        setattr(sys.modules[name], key, value)
+
+
 def _harness_norms() -> None:
     """Two library references (qkv_tkg, moe_cte) import the norm table of nki-library's test harness, whose other
     dependencies (neuron_dtypes, scipy) are not needed here: register a module with just that table, built from
     the library's own norm references."""
     import sys
-    import types
     name = "test.integration.nkilib.utils.test_kernel_common"
     if name in sys.modules:
         return
@@ -73,14 +91,17 @@ def _harness_norms() -> None:
     norm = common.NormType
     table = {norm.NO_NORM: lambda *x, **_: x[0], norm.RMS_NORM: rms, norm.LAYER_NORM: layer,
              norm.RMS_NORM_SKIP_GAMMA: rms}
-    parts = name.split(".")
-    for i in range(1, len(parts) + 1):
-        mod = types.ModuleType(".".join(parts[:i]))
-        mod.__path__ = []
-        sys.modules[mod.__name__] = mod
-        if i > 1:
-            setattr(sys.modules[".".join(parts[:i - 1])], parts[i - 1], mod)
-    sys.modules[name].norm_name2func_torch = table
+    _harness_module(name, norm_name2func_torch=table)
+
+
+class BlockwiseVariant(enum.Enum):
+    """The blockwise-matmul variant names moe_cte's torch reference compares its ``bwmm_func`` against (it imports
+    them from nki-library's test harness, registered here with just this enum)."""
+
+    SHARD_ON_BLOCK = 1
+    SHARD_ON_INTERMEDIATE = 3
+    SHARD_ON_INTERMEDIATE_HW = 5
+    SHARD_ON_INTERMEDIATE_DROPPING = 6
 
 
 def _absent_neuron_dtypes() -> None:
@@ -242,6 +263,68 @@ def _attention_tkg_case(root, load, rng):
                     k_out=torch.zeros(k_out_shape), DBG_TENSORS=None)
     for i, (g, w) in enumerate(zip(got, want)):
         check_max(g, _to_numpy(w), 1e-2, 1e-5, f"output {i}")
+
+
+def _moe_blocks(rng, t, e, b, top_k, blocks_multiple, skip_token):
+    """Blockwise MoE routing as the kernels take it: each token picks top_k distinct experts; expert x owns
+    ceil(tokens_x / b) consecutive blocks of b token slots (the last expert also the padding blocks, so that
+    n = ceil((t*top_k - (e-1)) / b) + e - 1, rounded up to ``blocks_multiple``); token_position_to_id[slot] is the
+    token in that slot, empty slots hold -1 (skip_token) or t (the zero padding token)."""
+    mask = np.zeros((t, e), np.float32)
+    for tok in range(t):
+        mask[tok, rng.choice(e, top_k, replace=False)] = 1
+    n = math.ceil((t * top_k - (e - 1)) / b) + e - 1
+    n = blocks_multiple * math.ceil(n / blocks_multiple)
+    per_expert = np.ceil(mask.sum(0) / b).astype(np.int64)
+    per_expert[-1] += n - per_expert.sum()
+    slots = np.full(n * b, -1 if skip_token else t, np.int32)
+    start = np.concatenate([[0], np.cumsum(per_expert)[:-1]]) * b
+    for x in range(e):
+        toks = np.nonzero(mask[:, x])[0]
+        slots[start[x]:start[x] + toks.size] = toks
+    return mask, slots, np.repeat(np.arange(e), per_expert).astype(np.int32)
+
+
+def _moe_cte_case(kernel: str, variant: str, t, h, i, e, b, top_k, skip_token, act, clamps=(None,) * 4):
+    """One blockwise-matmul kernel of moe_cte (bias on, POST_SCALE affinities, bf16) at LNC2 against the library's
+    moe_cte_torch_ref, at its test's tolerances (rtol 2e-2, atol 1e-5)."""
+    def run(root, load, rng):
+        import torch
+        types = importlib.import_module("nkilib.core.utils.common_types")
+        utils = importlib.import_module("nkilib.core.moe.moe_cte.moe_cte_utils")
+        kmod, kfn = kernel.split(":")
+        kernel_fn = getattr(importlib.import_module("nkilib." + kmod), kfn)
+        _harness_module("test.integration.nkilib.core.moe.moe_cte.test_moe_cte_common", BWMMFunc=BlockwiseVariant)
+        ref = importlib.import_module("nkilib.core.moe.moe_cte.moe_cte_torch").moe_cte_torch_ref
+        block_parallel = variant == "SHARD_ON_BLOCK"
+        mask, slots, block_to_expert = _moe_blocks(rng, t, e, b, top_k, 2 if block_parallel else 1, skip_token)
+        rows = t if skip_token else t + 1
+        hidden = np.zeros((rows, h), BF16)
+        hidden[:t] = rng.random((t, h))
+        aff = np.zeros((rows, e), np.float32)
+        aff[:t] = rng.random((t, e)) * mask
+        inputs = {"hidden_states": hidden, "expert_affinities_masked": aff.astype(BF16).reshape(-1, 1),
+                  "gate_up_proj_weight": rng.uniform(-0.1, 0.1, (e, h, 2, i)).astype(BF16),
+                  "down_proj_weight": rng.uniform(-0.1, 0.1, (e, math.ceil(i / 16) * 16, h)).astype(BF16),
+                  "token_position_to_id": slots, "block_to_expert": block_to_expert, "block_size": b,
+                  "gate_and_up_proj_bias": rng.uniform(-1, 1, (e, 2, i)).astype(BF16),
+                  "down_proj_bias": rng.uniform(-1.6, 1.4, (e, h)).astype(BF16),
+                  "activation_function": getattr(types.ActFnType, act),
+                  "skip_dma": utils.SkipMode(skip_token, False), "compute_dtype": BF16,
+                  "is_tensor_update_accumulating": top_k != 1,
+                  "expert_affinities_scaling_mode": types.ExpertAffinityScaleMode.POST_SCALE}
+        for name, value in zip(("gate_clamp_upper_limit", "gate_clamp_lower_limit", "up_clamp_upper_limit",
+                                "up_clamp_lower_limit"), clamps):
+            if value is not None:
+                inputs[name] = value
+        with target("trn2"):
+            got = simulate(kernel_fn, lnc=2, **inputs)
+        ref_in = {k: _to_torch(v) if isinstance(v, np.ndarray) else v for k, v in inputs.items()}
+        want = ref(**ref_in, bwmm_func=getattr(BlockwiseVariant, variant), lnc_degree=2, top_k=top_k)["output"]
+        got = got[0] if isinstance(got, (tuple, list)) else got
+        check_max(got, _to_numpy(want if isinstance(want, torch.Tensor) else torch.as_tensor(want)), 2e-2, 1e-5,
+                  "output")
+    return run
 
 
 def _randn(rng, shape, dtype=np.float32):
@@ -583,6 +666,12 @@ LIB_CASES = [
         "experimental.collectives.topk_reduce_torch:topk_reduce_torch_ref",
         lambda rng: {"input": _topk_reduce_input(rng, 8, 4, 8, 4096), "T": 4, "K": 8}, 5e-2, 5e-2),
     Case("nki-library/attention_tkg", "nki-library", _attention_tkg_case),
+    Case("nki-library/moe_cte_bwmm_shard_on_block", "nki-library",
+         _moe_cte_case("core.moe.moe_cte.bwmm_shard_on_block:bwmm_shard_on_block", "SHARD_ON_BLOCK", 256, 3072,
+                       384, 8, 256, 4, True, "Swish", (7.0, None, 8.0, -9.0))),
+    Case("nki-library/moe_cte_bwmm_shard_on_I", "nki-library",
+         _moe_cte_case("core.moe.moe_cte.bwmm_shard_on_I:blockwise_mm_baseline_shard_intermediate",
+                       "SHARD_ON_INTERMEDIATE", 256, 3072, 768, 8, 512, 4, False, "SiLU")),
     ranks("allgather_sb2sb", "experimental.collectives.sb2sb_allgather:allgather_sb2sb",
           lambda rng: _sb2sb_inputs(rng, 128, 512, 8), _sb2sb_golden, 1e-3, 1e-3, lnc=1),
     ranks("allgather_sb2sb_tiled", "experimental.collectives.sb2sb_allgather:allgather_sb2sb_tiled",
