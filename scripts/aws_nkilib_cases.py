@@ -285,9 +285,11 @@ def _moe_blocks(rng, t, e, b, top_k, blocks_multiple, skip_token):
     return mask, slots, np.repeat(np.arange(e), per_expert).astype(np.int32)
 
 
-def _moe_cte_case(kernel: str, variant: str, t, h, i, e, b, top_k, skip_token, act, clamps=(None,) * 4):
+def _moe_cte_case(kernel: str, variant: str, t, h, i, e, b, top_k, skip_token, act, clamps=(None,) * 4,
+                  spec: str = ""):
     """One blockwise-matmul kernel of moe_cte (bias on, POST_SCALE affinities, bf16) at LNC2 against the library's
-    moe_cte_torch_ref, at its test's tolerances (rtol 2e-2, atol 1e-5)."""
+    moe_cte_torch_ref, at its test's tolerances (rtol 2e-2, atol 1e-5). spec: call the unified ``moe_cte`` entry
+    with ``MoECTESpec(implementation=spec)`` instead of the variant's own kernel."""
     def run(root, load, rng):
         import torch
         types = importlib.import_module("nkilib.core.utils.common_types")
@@ -317,8 +319,12 @@ def _moe_cte_case(kernel: str, variant: str, t, h, i, e, b, top_k, skip_token, a
                                 "up_clamp_lower_limit"), clamps):
             if value is not None:
                 inputs[name] = value
+        kernel_args = dict(inputs)
+        if spec:
+            cte = importlib.import_module("nkilib.core.moe.moe_cte")
+            kernel_args["spec"] = cte.MoECTESpec(implementation=getattr(cte.MoECTEImplementation, spec))
         with target("trn2"):
-            got = simulate(kernel_fn, lnc=2, **inputs)
+            got = simulate(kernel_fn, lnc=2, **kernel_args)
         ref_in = {k: _to_torch(v) if isinstance(v, np.ndarray) else v for k, v in inputs.items()}
         want = ref(**ref_in, bwmm_func=getattr(BlockwiseVariant, variant), lnc_degree=2, top_k=top_k)["output"]
         got = got[0] if isinstance(got, (tuple, list)) else got
@@ -672,6 +678,9 @@ LIB_CASES = [
     Case("nki-library/moe_cte_bwmm_shard_on_I", "nki-library",
          _moe_cte_case("core.moe.moe_cte.bwmm_shard_on_I:blockwise_mm_baseline_shard_intermediate",
                        "SHARD_ON_INTERMEDIATE", 256, 3072, 768, 8, 512, 4, False, "SiLU")),
+    Case("nki-library/moe_cte", "nki-library",
+         _moe_cte_case("core.moe.moe_cte.moe_cte:moe_cte", "SHARD_ON_BLOCK", 256, 3072, 384, 8, 256, 4, True,
+                       "Swish", (7.0, None, 8.0, -9.0), spec="shard_on_block")),
     ranks("allgather_sb2sb", "experimental.collectives.sb2sb_allgather:allgather_sb2sb",
           lambda rng: _sb2sb_inputs(rng, 128, 512, 8), _sb2sb_golden, 1e-3, 1e-3, lnc=1),
     ranks("allgather_sb2sb_tiled", "experimental.collectives.sb2sb_allgather:allgather_sb2sb_tiled",
