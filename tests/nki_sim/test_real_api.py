@@ -115,9 +115,9 @@ def test_simulator_enums_have_the_real_members():
 
 def test_prefill_kernel_masks_with_its_own_fp32_min():
     """nki.language has no FP32_MIN: the prefill kernel defines the most negative finite fp32 itself."""
+    import nki.language as nl
     import numpy as np
 
-    import nki.language as nl
     from nki_kernels.attention_prefill import kernel as prefill
 
     assert prefill.FP32_MIN == float(np.finfo(np.float32).min)
