@@ -98,10 +98,10 @@ class BlockwiseVariant(enum.Enum):
     """The blockwise-matmul variant names moe_cte's torch reference compares its ``bwmm_func`` against (it imports
     them from nki-library's test harness, registered here with just this enum)."""
 
-    SHARD_ON_BLOCK = 1
-    SHARD_ON_INTERMEDIATE = 3
-    SHARD_ON_INTERMEDIATE_HW = 5
-    SHARD_ON_INTERMEDIATE_DROPPING = 6
+    SHARD_ON_BLOCK = enum.auto()
+    SHARD_ON_INTERMEDIATE = enum.auto()
+    SHARD_ON_INTERMEDIATE_HW = enum.auto()
+    SHARD_ON_INTERMEDIATE_DROPPING = enum.auto()
 
 
 def _absent_neuron_dtypes() -> None:
