@@ -315,6 +315,9 @@ def _moe_cte_case(kernel: str, variant: str, t, h, i, e, b, top_k, skip_token, a
                   "skip_dma": utils.SkipMode(skip_token, False), "compute_dtype": BF16,
                   "is_tensor_update_accumulating": top_k != 1,
                   "expert_affinities_scaling_mode": types.ExpertAffinityScaleMode.POST_SCALE}
+        if variant == "SHARD_ON_INTERMEDIATE_HW":   # [N+1]: 1 for each block that holds tokens, then 0s
+            used = int(np.ceil(mask.sum(0) / b).sum())
+            inputs["conditions"] = (np.arange(block_to_expert.size + 1) < used).astype(np.int32)
         for name, value in zip(("gate_clamp_upper_limit", "gate_clamp_lower_limit", "up_clamp_upper_limit",
                                 "up_clamp_lower_limit"), clamps):
             if value is not None:
@@ -678,6 +681,9 @@ LIB_CASES = [
     Case("nki-library/moe_cte_bwmm_shard_on_I", "nki-library",
          _moe_cte_case("core.moe.moe_cte.bwmm_shard_on_I:blockwise_mm_baseline_shard_intermediate",
                        "SHARD_ON_INTERMEDIATE", 256, 3072, 768, 8, 512, 4, False, "SiLU")),
+    Case("nki-library/moe_cte_bwmm_shard_on_I_hybrid", "nki-library",
+         _moe_cte_case("core.moe.moe_cte.bwmm_shard_on_I:blockwise_mm_baseline_shard_intermediate_hybrid",
+                       "SHARD_ON_INTERMEDIATE_HW", 256, 3072, 768, 8, 512, 4, False, "SiLU")),
     Case("nki-library/moe_cte", "nki-library",
          _moe_cte_case("core.moe.moe_cte.moe_cte:moe_cte", "SHARD_ON_BLOCK", 256, 3072, 384, 8, 256, 4, True,
                        "Swish", (7.0, None, 8.0, -9.0), spec="shard_on_block")),
