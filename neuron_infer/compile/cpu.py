@@ -67,11 +67,14 @@ SIDECAR_SUFFIX = ".json"
 class CpuCompileOptions:
     """How the CPU backend compiles a graph.
 
-    gemv_max_rows: linear layers whose input has at most this many rows (product of the leading dims) become GEMVs;
-        0 keeps every linear a GEMM call.
-    gemv_kernel: bf16 GEMVs call the AVX512-BF16 C kernel (cpu_gemv.cpp) where the CPU has it; otherwise, and for
-        fp32, they are fp32 multiply-and-sum reductions Inductor generates. int8 linears (quant.int8) on 1-8 bf16
-        rows call the int8 C kernel (cpu_gemv_int8.cpp, AVX-512 or AVX2) regardless of gemv_max_rows (> 0).
+    gemv_max_rows: linear layers whose input has at most this many rows (product of the leading dims) and that no
+        C kernel takes become GEMV reductions Inductor generates; 0 keeps every linear a GEMM call (no C kernel
+        either). Default 5: the fused reductions lose to the GEMM at 8 rows.
+    gemv_kernel: bf16 linears on 1-8 bf16 rows (cpu_gemv.MAX_ROWS) call the bf16 C kernel (cpu_gemv.cpp: AVX512-BF16
+        or AVX2 + FMA) where the CPU has AVX2 + FMA, and int8 linears (quant.int8) on 1-8 bf16 rows the int8 C
+        kernel (cpu_gemv_int8.cpp, AVX-512 or AVX2), both regardless of gemv_max_rows (> 0): a kernel streams the
+        weights once for all 8 rows at any ISA level, and beyond 5 rows the only alternative is the GEMM, slow in
+        bf16 without AVX512-BF16. Elsewhere, and for fp32, GEMVs are the reductions above.
     gemv_isa: the highest ISA level the C kernels may use ("auto": the best this CPU has; "avx512" or "avx2"
         force it down, e.g. to build and test the paths of CPUs without AVX512-BF16).
     """
@@ -111,12 +114,13 @@ class CpuCompileOptions:
 def gemv_linear(max_rows: int, kernel: bool = False) -> Callable[..., torch.Tensor]:
     """A decomposition of aten.linear: GEMVs for inputs with <= max_rows rows, else x @ w.T (+ b).
 
-    kernel: bf16 x bf16 GEMVs of at most cpu_gemv.MAX_ROWS rows become calls of the C kernel (cpu_gemv).
+    kernel: bf16 x bf16 linears of at most cpu_gemv.MAX_ROWS rows become calls of the C kernel (cpu_gemv), also
+        beyond max_rows (the kernel streams the weights once for all its rows; see CpuCompileOptions).
     """
 
     def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
-        if kernel and rows <= min(max_rows, cpu_gemv.MAX_ROWS) and x.dtype == weight.dtype == torch.bfloat16:
+        if kernel and rows <= cpu_gemv.MAX_ROWS and x.dtype == weight.dtype == torch.bfloat16:
             # [R, K] x [N, K] -> [R, N]; contiguous() is free for parameters, a copy only for computed views
             y = cpu_gemv.gemv_bf16(x.reshape(rows, x.shape[-1]).contiguous(), weight.contiguous())
             y = y.view(*x.shape[:-1], weight.shape[0])
