@@ -102,7 +102,7 @@ inline void widen(__m256i v, __m256* lo, __m256* hi) {
 
 // Accumulators per row: enough independent FMA chains for the FMA latency, few enough for 16 ymm registers.
 template <int R>
-constexpr int kAcc = R <= 2 ? 4 : R <= 4 ? 2 : 1;
+constexpr int kAcc = R <= 2 ? 4 : R <= 6 ? 2 : 1;
 
 // One 16-weight block into row r's accumulators: the even elements into acc[a0], the odd ones into acc[a1].
 template <int R>
