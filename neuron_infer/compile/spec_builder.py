@@ -13,8 +13,11 @@ The draft is either
 Artifact additions:
     weights/draft_rank0.safetensors   the draft tensors that differ from the target's (a float truncated self-draft
                                       of a float target stores nothing: every tensor is the target's, shared in memory)
+                                      At tp > 1 the draft is replicated: this one file serves every rank, and only
+                                      the norms (whole on every rank) are shared with the target's shard.
     graphs/draft_context_t{T}_s{T}, draft_tokengen_t{1,2}_s{S}, verify_t{K+1}_s{S}   (unfused host loop)
     graphs/fused_{greedy,sample}_k{K}_s{S}                                        (--fused-speculation)
+    (at tp > 1 under graphs/rank{r}/ on CPU: rank r's target shard with the whole draft, which has no collectives)
 With `--draft-model ngram` (prompt lookup) only the verify graphs are added: no draft weights, no draft graphs.
     manifest.extra["speculation"]     draft config, quantization report, shared tensor names, graph names
 """
@@ -51,8 +54,6 @@ def check_speculation(cfg: ModelConfig, build: BuildConfig) -> None:
         raise ConfigError(f"--draft-layers {spec.draft_layers} must be in 1..{cfg.num_layers} (the target's layers)")
     if spec.length + 1 > build.max_length:
         raise ConfigError(f"--speculation-length {spec.length} needs --max-length >= {spec.length + 1}")
-    if build.tp_degree != 1:
-        raise ConfigError("speculative decoding is implemented for --tp-degree 1; drop --tp-degree or --draft-model")
 
 
 def check_same_vocab(target_dir: Path, draft_dir: Path, cfg: ModelConfig, dcfg: ModelConfig) -> None:
@@ -109,11 +110,13 @@ def build_draft(model_dir: Path, cfg: ModelConfig, build: BuildConfig) -> tuple[
 
 
 # ---- draft weights: stored once, tensors equal to the target's shared ---------------------------------------------
-def save_draft_weights(draft: LlamaModel, target: LlamaModel, path: Path) -> list[str]:
-    """Write the draft tensors that differ from the target's; return the names taken from the target."""
+def save_draft_weights(draft: LlamaModel, target: LlamaModel, path: Path,
+                       shareable: Callable[[str], bool] = lambda name: True) -> list[str]:
+    """Write the draft tensors that differ from the target's; return the names taken from the target. At tp > 1
+    `target` is rank 0's shard and `shareable` admits only tensors every rank holds whole (the norms)."""
     tstate, shared, own = target.state_dict(), [], {}
     for name, t in draft.state_dict().items():
-        ref = tstate.get(name)
+        ref = tstate.get(name) if shareable(name) else None
         if ref is not None and ref.dtype == t.dtype and ref.shape == t.shape and torch.equal(ref, t):
             shared.append(name)
         else:
@@ -173,25 +176,50 @@ def planned_verify_graphs(target: LlamaModel, build: BuildConfig) -> dict[str, t
             for s in build.tokengen_bucket_list if s >= k + 2}
 
 
-def compile_speculation(model_dir: Path, cfg: ModelConfig, build: BuildConfig, target: LlamaModel, backend,
-                        out_dir: Path, say: Progress) -> tuple[dict, dict]:
-    """Build the draft, save its weights and compile the speculation graphs into `out_dir` (the artifact being
-    written). Returns (graphs metadata to merge into the manifest's graphs, {"speculation": ...} for extra).
-    Prompt lookup (`--draft-model ngram`) compiles the verify graphs only: no draft, no draft weights."""
+def prepare_speculation(model_dir: Path, cfg: ModelConfig, build: BuildConfig, target: LlamaModel, out_dir: Path,
+                        shareable: Callable[[str], bool] = lambda name: True) -> tuple[LlamaModel | None, dict]:
+    """Check the config, build the draft and save its weights into `out_dir` (the artifact being written) ->
+    (draft, manifest info); (None, info) for prompt lookup (`--draft-model ngram`: no draft, no draft weights).
+    `target`: the target model (rank 0's shard at tp > 1, see save_draft_weights)."""
     check_speculation(cfg, build)
     if build.speculation.is_ngram:
-        info = {"source": "ngram", "ngram_size": build.speculation.ngram}
-        plan, meta = planned_verify_graphs(target, build), {}
-    else:
-        draft, info = build_draft(Path(model_dir), cfg, build)
-        info["shared"] = save_draft_weights(draft, target, out_dir / DRAFT_WEIGHTS)
-        plan, meta = planned_spec_graphs(target, draft, build), {}
-    (out_dir / "graphs").mkdir(parents=True, exist_ok=True)
-    for name, (module, args) in steps(plan.items(), "compiling speculation graph", say,
+        return None, {"source": "ngram", "ngram_size": build.speculation.ngram}
+    draft, info = build_draft(Path(model_dir), cfg, build)
+    info["shared"] = save_draft_weights(draft, target, out_dir / DRAFT_WEIGHTS, shareable)
+    return draft, info
+
+
+def planned_speculation(target: LlamaModel, draft: LlamaModel | None, build: BuildConfig) -> dict[str, tuple]:
+    """name -> (module, example_args) of every speculation graph: the verify graphs alone without a draft."""
+    return planned_verify_graphs(target, build) if draft is None else planned_spec_graphs(target, draft, build)
+
+
+def compile_spec_graphs(target: LlamaModel, draft: LlamaModel | None, build: BuildConfig, backend,
+                        graphs_dir: Path, say: Progress) -> dict:
+    """Compile the speculation graphs of one rank's target (and the whole draft) into `graphs_dir` -> metadata."""
+    meta = {}
+    graphs_dir.mkdir(parents=True, exist_ok=True)
+    for name, (module, args) in steps(planned_speculation(target, draft, build).items(),
+                                      "compiling speculation graph", say,
                                       lambda item: f"{item[0]} ({backend.name})", unit="graph"):
         t0 = time.perf_counter()
         with torch.inference_mode():
-            m = backend.compile_graph(module, args, out_dir / "graphs", name)
+            m = backend.compile_graph(module, args, graphs_dir, name)
         meta[name] = {"kind": name.split("_t")[0].split("_k")[0], "seconds": round(time.perf_counter() - t0, 3), **m}
-    info.update({"length": build.speculation.length, "fused": build.speculation.fused, "graphs": sorted(meta)})
-    return meta, {"speculation": info}
+    return meta
+
+
+def speculation_extra(info: dict, build: BuildConfig, graph_names) -> dict:
+    """The manifest's extra["speculation"] entry."""
+    return {"speculation": {**info, "length": build.speculation.length, "fused": build.speculation.fused,
+                            "graphs": sorted(graph_names)}}
+
+
+def compile_speculation(model_dir: Path, cfg: ModelConfig, build: BuildConfig, target: LlamaModel, backend,
+                        out_dir: Path, say: Progress) -> tuple[dict, dict]:
+    """tp = 1: build the draft, save its weights and compile the speculation graphs into `out_dir` (the artifact
+    being written). Returns (graphs metadata to merge into the manifest's graphs, {"speculation": ...} for extra).
+    Prompt lookup (`--draft-model ngram`) compiles the verify graphs only: no draft, no draft weights."""
+    draft, info = prepare_speculation(model_dir, cfg, build, target, out_dir)
+    meta = compile_spec_graphs(target, draft, build, backend, out_dir / "graphs", say)
+    return meta, speculation_extra(info, build, meta)
