@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -129,6 +130,16 @@ def save_draft_weights(draft: LlamaModel, target: LlamaModel, path: Path,
     return sorted(shared)
 
 
+def load_draft_weights(draft: LlamaModel, target: LlamaModel, path: Path, shared: list[str]) -> None:
+    """Fill a meta-device draft skeleton: its own file plus the target's tensors named in `shared` (same memory)."""
+    from neuron_infer.compile.weights import assign_state, read_packed
+
+    state = read_packed(path, "draft weights")
+    tstate = target.state_dict()
+    state.update({n: tstate[n] for n in shared})
+    assign_state(draft, state, f"draft weights {path} do not match the manifest's draft model")
+
+
 # ---- graphs ---------------------------------------------------------------------------------------------------
 def spec_cache_layout(target: LlamaModel, draft: LlamaModel, build: BuildConfig) -> SpecCacheLayout:
     from neuron_infer.compile.builder import cache_shape
@@ -147,23 +158,48 @@ def _step_args(cache: CacheShape, t: int, rows: bool, idx_all: bool) -> tuple[to
     return args
 
 
-def planned_spec_graphs(target: LlamaModel, draft: LlamaModel, build: BuildConfig) -> dict[str, tuple]:
-    """name -> (module, example_args) of every speculation graph a build compiles."""
-    k, layout, out = build.speculation.length, spec_cache_layout(target, draft, build), {}
-    for t in build.context_bucket_list:
-        step = BucketStep(draft, t, True)
-        out["draft_" + graph_name("context", t, t)] = (step, _step_args(layout.draft, t, True, False))
+@dataclass(frozen=True)
+class SpecGraph:
+    """One speculation graph of a build: which model runs (role) on what static shapes."""
+
+    name: str
+    role: str  # "draft" (the draft alone) | "verify" (the target over K+1 tokens) | "fused" (the whole step)
+    tokens: int  # T (fused: K)
+    attend: int  # S
+    batch: int
+    select_rows: bool = False  # takes seq_ids (draft context encoding into one cache row)
+    sample: bool = False  # fused: the sampling rule (else greedy)
+
+
+def spec_graph_list(build: BuildConfig, draft: bool = True) -> list[SpecGraph]:
+    """Every speculation graph a build compiles (draft=False: prompt lookup, the verify graphs only)."""
+    k, b, out = build.speculation.length, build.batch_size, []
+    if draft:
+        out += [SpecGraph("draft_" + graph_name("context", t, t), "draft", t, t, 1, True)
+                for t in build.context_bucket_list]
     for s in build.tokengen_bucket_list:
         if s < k + 2:
             continue  # a step at position >= 1 needs p + K + 1 <= s slots
-        for t in (1, 2):
-            step = BucketStep(draft, s)
-            out["draft_" + graph_name("tokengen", t, s)] = (step, _step_args(layout.draft, t, False, False))
-        out[graph_name("verify", k + 1, s)] = (BucketStep(target, s), _step_args(layout.target, k + 1, False, True))
-        if build.speculation.fused:
-            for sample in (False, True):
-                out[fused_graph_name(k, s, sample)] = (FusedSpecStep(target, draft, k, s, layout, sample),
-                                                       fused_example_args(layout, k))
+        if draft:
+            out += [SpecGraph("draft_" + graph_name("tokengen", t, s), "draft", t, s, b) for t in (1, 2)]
+        out.append(SpecGraph(graph_name("verify", k + 1, s), "verify", k + 1, s, b))
+        if draft and build.speculation.fused:
+            out += [SpecGraph(fused_graph_name(k, s, sample), "fused", k, s, b, sample=sample)
+                    for sample in (False, True)]
+    return out
+
+
+def planned_spec_graphs(target: LlamaModel, draft: LlamaModel, build: BuildConfig) -> dict[str, tuple]:
+    """name -> (module, example_args) of every speculation graph a build compiles."""
+    k, layout, out = build.speculation.length, spec_cache_layout(target, draft, build), {}
+    for g in spec_graph_list(build):
+        if g.role == "draft":
+            out[g.name] = (BucketStep(draft, g.attend, g.select_rows),
+                           _step_args(layout.draft, g.tokens, g.select_rows, False))
+        elif g.role == "verify":
+            out[g.name] = (BucketStep(target, g.attend), _step_args(layout.target, g.tokens, False, True))
+        else:
+            out[g.name] = (FusedSpecStep(target, draft, k, g.attend, layout, g.sample), fused_example_args(layout, k))
     return out
 
 
@@ -171,9 +207,9 @@ def planned_verify_graphs(target: LlamaModel, build: BuildConfig) -> dict[str, t
     """name -> (module, example_args) of the target's verify graphs alone (prompt lookup: no draft model)."""
     from neuron_infer.compile.builder import cache_shape
 
-    k, cache = build.speculation.length, cache_shape(target, build)
-    return {graph_name("verify", k + 1, s): (BucketStep(target, s), _step_args(cache, k + 1, False, True))
-            for s in build.tokengen_bucket_list if s >= k + 2}
+    cache = cache_shape(target, build)
+    return {g.name: (BucketStep(target, g.attend), _step_args(cache, g.tokens, False, True))
+            for g in spec_graph_list(build, draft=False)}
 
 
 def prepare_speculation(model_dir: Path, cfg: ModelConfig, build: BuildConfig, target: LlamaModel, out_dir: Path,

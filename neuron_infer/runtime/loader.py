@@ -59,7 +59,7 @@ def load_rank(artifact: str | Path, rank: int = 0, manifest: Manifest | None = N
         if manifest.backend == "neuron":  # NxD runs the ranks on NeuronCores from this one process
             from neuron_infer.compile.neuron_tp import load_neuron_tp_engine
 
-            return load_neuron_tp_engine(root, manifest, plan)
+            return load_neuron_tp_engine(root, manifest, plan, spec_mode)
         model = empty_model(manifest.model, build, rank_layout(plan.ranks[rank]), tp_ops(build.kernels))
         graphs_dir = root / "graphs" / f"rank{rank}"
     quant_structure(model, build)
@@ -80,22 +80,12 @@ def _load_graphs(backend: str, graphs_dir: Path, modules: dict) -> dict:
 
 
 # ---- speculation: the draft model and the extra graphs ---------------------------------------------------------
-def load_draft_weights(draft: LlamaModel, target: LlamaModel, path: Path, shared: list[str]) -> None:
-    """Fill a meta-device draft skeleton: its own file plus the target's tensors named in `shared` (same memory)."""
-    from neuron_infer.compile.weights import assign_state, read_packed
-
-    state = read_packed(path, "draft weights")
-    tstate = target.state_dict()
-    state.update({n: tstate[n] for n in shared})
-    assign_state(draft, state, f"draft weights {path} do not match the manifest's draft model")
-
-
 def load_speculation(root: Path, manifest: Manifest, target: LlamaModel, target_engine: Engine,
                      mode: str | None = None, graphs_dir: Path | None = None) -> SpecEngine | NgramSpec:
     """The SpecEngine of an artifact (mode: 'fused' if compiled with --fused-speculation, else 'unfused'), or the
     NgramSpec of a prompt-lookup artifact (`--draft-model ngram`; mode 'ngram', the host loop). `target`: this
     rank's target model; `graphs_dir`: this rank's graphs (root/graphs at tp = 1)."""
-    from neuron_infer.compile.spec_builder import DRAFT_WEIGHTS, planned_spec_graphs
+    from neuron_infer.compile.spec_builder import DRAFT_WEIGHTS, load_draft_weights, planned_spec_graphs
     from neuron_infer.compile.weights import empty_model
 
     build, info = manifest.build, manifest.extra.get("speculation")

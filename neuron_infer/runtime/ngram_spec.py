@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -86,11 +86,14 @@ class NgramSpec:
             st = self.states[seq] = SeqState()
         return st
 
-    def plan(self, seqs: list) -> list[list[int]]:
-        """Each sequence's drafts for this step ([] = none); all empty means a plain step."""
+    def plan(self, seqs: list, agree: Callable[[torch.Tensor], torch.Tensor] | None = None) -> list[list[int]]:
+        """Each sequence's drafts for this step ([] = none); all empty means a plain step. The draft lengths depend
+        on this process's measured step times, so tensor-parallel ranks use rank 0's (`agree`)."""
         drafts = [propose(s.tokens, self.ngram_size, self.k) for s in seqs]
         views = [RowView(len(d), self.state(s).rate, self.state(s).idle) for s, d in zip(seqs, drafts)]
         ks = plan_step(views, self.k, self.clock.ratio)
+        if agree is not None:
+            ks = agree(torch.tensor(ks, dtype=torch.int64)).tolist()  # [m] rank 0's draft lengths
         for s, k in zip(seqs, ks):
             if k == 0:
                 self.state(s).update(0, 0)

@@ -30,11 +30,13 @@ rank by `agree` (rank 0's tensor, broadcast):
                            the target's input on every rank, so they must be equal before the target pass runs;
                            agreeing on the accepted tokens afterwards would come too late (a rank that drafted
                            other tokens has already fed them to the collectives and written their K/V)
-    prompt-lookup step     each sequence's acceptance uniforms [m, 2K+1]: the drafts come from the sequence's own
-                           tokens (equal everywhere), so equal uniforms give equal accepted tokens
+    prompt-lookup step     the draft lengths [m] (`NgramSpec.plan` weighs measured step times, which differ per
+                           process), then each sequence's acceptance uniforms [m, 2K+1]: the drafts come from the
+                           sequence's own tokens (equal everywhere), so equal uniforms give equal accepted tokens
 Greedy steps draw nothing (argmax of equal logits). Uniforms rather than tokens for both kinds of speculative step:
-one rule, and with a seed every rank's generator already draws rank 0's numbers, so a seeded run emits the tokens of
-tp = 1 up to the float differences of the sharded sums (see docs/tensor-parallelism.md).
+one rule, and with a seed every rank's generator already draws rank 0's numbers, so a seeded draft-model run emits
+the tokens of tp = 1 up to the float differences of the sharded sums. (A seeded prompt-lookup run is not
+reproducible even at tp = 1: its draft lengths, and so the uniforms it draws, follow measured step times.)
 """
 from __future__ import annotations
 
@@ -142,7 +144,7 @@ class Runner:
 
     def _lookup(self, scheduled: list[Sequence], rows: dict[int, list[int]]) -> dict[Sequence, list[int]] | None:
         """A prompt-lookup step (None: no sequence drafts this step, take a plain step)."""
-        drafts = self.spec.plan(scheduled)  # [] per sequence without a draft this step
+        drafts = self.spec.plan(scheduled, self.agree)  # [] per sequence without a draft this step
         if not any(drafts):
             return None
         logits = self.spec.verify_logits(rows, {s.row: d for s, d in zip(scheduled, drafts)})  # [B, K+1, V]

@@ -1,8 +1,9 @@
 """Speculative decoding at tp > 1 (the draft whole on every rank, the target sharded): CPU rank processes.
 
 Greedy: the tokens of a tp = 2 / 3 speculative artifact equal the same artifact at tp = 1 and Hugging Face fp32
-greedy generation, for the fused graph, the unfused host loop and prompt lookup. Sampled: with a seed the tokens
-equal tp = 1 (every rank's generator draws tp = 1's numbers and the logits differ only by sharded-sum rounding);
+greedy generation, for the fused graph, the unfused host loop and prompt lookup. Sampled: with a seed the tokens of a
+draft model equal tp = 1 (every rank's generator draws tp = 1's numbers and the logits differ only by sharded-sum
+rounding; prompt lookup sizes its drafts from measured step times, so it makes no such promise);
 without a seed every rank emits the same tokens because the runner agrees on each speculative step's uniforms
 (runtime/runner.py), and the same run without that agreement diverges (so the check has power).
 
@@ -77,7 +78,8 @@ def test_tp_speculation_equals_tp1_and_hugging_face(arts, hf_tokens, spec, tp):
     assert metrics.spec_steps > 0 and metrics.mode == ("ngram" if spec == "ngram" else spec)
     if spec == "fused":
         assert metrics.accepted > 0                     # multi-token blocks ran through the ranks
-    assert sampled == ref_sampled
+    if spec != "ngram":  # prompt lookup's draft lengths follow measured step times: seeded runs differ even at tp 1
+        assert sampled == ref_sampled
 
 
 @pytest.mark.parametrize("spec", ["fused", "ngram"])
