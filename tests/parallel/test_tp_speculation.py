@@ -5,7 +5,7 @@ greedy generation, for the fused graph, the unfused host loop and prompt lookup.
 draft model equal tp = 1 (every rank's generator draws tp = 1's numbers and the logits differ only by sharded-sum
 rounding; prompt lookup sizes its drafts from measured step times, so it makes no such promise);
 without a seed every rank emits the same tokens because the runner agrees on each speculative step's uniforms
-(runtime/runner.py), and the same run without that agreement diverges (so the check has power).
+(runtime/runner.py), and the same run without that agreement diverges or hangs (so the check has power).
 
 Checkpoint: SmolLM2-shaped heads (9 query / 3 KV heads): tp = 2 pads a query head, tp = 3 splits the KV heads.
 """
@@ -16,7 +16,7 @@ import pytest
 from neuron_infer.api import CompiledModel
 from neuron_infer.compile.builder import compile_model
 from neuron_infer.config import BuildConfig, SamplingConfig, SpeculationConfig
-from neuron_infer.parallel.launch import run_ranks
+from neuron_infer.parallel.launch import RankFailure, run_ranks
 from tests.parallel import toy_workers as tw
 from tests.parallel.test_tp_e2e import SMOL_LIKE
 from tests.test_generate import hf_greedy
@@ -91,6 +91,12 @@ def test_unseeded_sampling_gives_every_rank_the_same_tokens(arts, spec):
 
 
 def test_without_agreeing_on_the_uniforms_the_ranks_diverge(arts):
-    out = run_ranks(tw.rank_sampled_tokens, 2, (str(arts("fused", 2)), PROMPTS, NEW, False), timeout_s=300)
+    """Each rank drafts from its own uniforms: their tokens differ or, once their steps stop lining up (one rank
+    accepts more tokens and stops earlier, or takes a plain step), their collectives hang (RankFailure)."""
+    try:
+        out = run_ranks(tw.rank_sampled_tokens, 2, (str(arts("fused", 2)), PROMPTS, NEW, False), timeout_s=90)
+    except RankFailure as e:
+        assert "hung" in str(e)
+        return
     first, second = out["tokens"]
     assert first != second
