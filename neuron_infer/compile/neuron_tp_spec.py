@@ -93,12 +93,11 @@ class SpecStepFactory:
     k: int
 
     def __call__(self) -> SpecSPMDStep:
-        from neuron_infer.compile.neuron_tp import import_nxd, rank_cache
+        from neuron_infer.compile.neuron_tp import rank_cache
         from neuron_infer.parallel.plan import ShardPlan
 
         t = self.target
-        import_nxd()
-        target_step = t()  # an SPMDStep of this bucket: the target shard, materialized as without a draft
+        target_step = t()  # an SPMDStep of this bucket (imports NxD): the target shard, materialized as without a draft
         build = BuildConfig.from_dict(t.build)
         draft = draft_skeleton(ModelConfig.from_dict(self.draft_model), build, self.draft_quant)
         tcache = rank_cache(ModelConfig.from_dict(t.model), build, ShardPlan.from_dict(t.plan))
