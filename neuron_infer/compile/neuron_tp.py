@@ -12,7 +12,7 @@ neuronx-distributed-inference compiles with) and exercised in CI through a recor
              torch.jit.save(builder.trace(initialize_model_weights=False), graphs/nxd_model.pt)
     load:    traced = torch.jit.load(graphs/nxd_model.pt)
              traced.nxd_model.initialize([rank 0 weights, ..., rank tp-1 weights], torch.tensor([0], int32))
-             traced(input_ids, positions, logit_index, attend_rows, *seq_ids) -> logits
+             traced(input_ids, positions, logit_index, attend_rows, block_table) -> logits
 
 One traced model holds every bucket's NEFF; its weights are one set per rank, loaded once by `initialize` and
 shared by all buckets (none is inlined into a NEFF), as NxDI does. The weights are the artifact's
@@ -96,18 +96,18 @@ class SPMDStep(torch.nn.Module):
     def __init__(self, step: torch.nn.Module, cache: CacheShape, lnc: int):
         super().__init__()
         self.step, self.lnc = step, lnc
-        shape = (cache.layers, cache.batch, cache.kv_heads, cache.max_length, cache.head_dim)  # [L, B, Hkv, S, D]
+        shape = cache.dims  # [L, N, Hkv, bs, D]: the block count is fixed at compile time on the device
         self.k_cache = torch.nn.Parameter(torch.empty(shape, dtype=cache.dtype, device="meta"), requires_grad=False)
         self.v_cache = torch.nn.Parameter(torch.empty(shape, dtype=cache.dtype, device="meta"), requires_grad=False)
 
     def aliases(self) -> dict:
         return {self.k_cache: K_OUT, self.v_cache: V_OUT}
 
-    def forward(self, input_ids, positions, logit_index, attend_rows, *seq_ids):
+    def forward(self, input_ids, positions, logit_index, attend_rows, block_table):
         del attend_rows  # [S]: names the bucket for NxD's shape routing
-        k, v = self.k_cache.clone(), self.v_cache.clone()  # [L, B, Hkv, S, D]
+        k, v = self.k_cache.clone(), self.v_cache.clone()  # [L, N, Hkv, bs, D]
         with neuron_target(lnc=self.lnc):  # kernels="nki": the SDK's nki.jit with the compiled LNC grid
-            logits = self.step(input_ids, positions, k, v, logit_index, *seq_ids)  # [B, n, V]
+            logits = self.step(input_ids, positions, k, v, logit_index, block_table)  # [B, n, V]
         return logits, k, v
 
 
@@ -127,7 +127,6 @@ class StepFactory:
     build: dict
     plan: dict
     attend: int
-    select_rows: bool
     lnc: int
 
     def __call__(self) -> SPMDStep:
@@ -142,7 +141,7 @@ class StepFactory:
         model = empty_model(cfg, build, rank_layout(plan.ranks[0]), nxd_ops(nxd, build.kernels))
         quant_structure(model, build)
         _start_as_weight(model)
-        module = SPMDStep(BucketStep(model, self.attend, self.select_rows), rank_cache(cfg, build, plan), self.lnc)
+        module = SPMDStep(BucketStep(model, self.attend), rank_cache(cfg, build, plan), self.lnc)
         module.to_empty(device="cpu")  # host tensors to trace with; the values arrive with nxd_model.initialize
         model.tie_weights()
         model.materialize_buffers()  # RoPE tables and head maps: graph constants, equal on every rank
@@ -177,16 +176,16 @@ def rank_cache(cfg: ModelConfig, build: BuildConfig, plan: ShardPlan) -> DeviceC
     from neuron_infer.compile.weights import DTYPES
 
     dtype = torch.float8_e4m3fn if build.quant.kv_cache_dtype == "fp8" else DTYPES[build.dtype]
-    return DeviceCacheShape(cfg.num_layers, build.batch_size, plan.local_num_kv_heads, build.max_length,
+    return DeviceCacheShape(cfg.num_layers, build.default_kv_blocks, plan.local_num_kv_heads, build.block_size,
                             cfg.head_dim, dtype, plan.tp)
 
 
 def example_args(build: BuildConfig, spec) -> tuple[torch.Tensor, ...]:
-    """(input_ids, positions, logit_index, attend_rows [S], *seq_ids) of one planned graph."""
+    """(input_ids, positions, logit_index, attend_rows [S], block_table [B, S/bs]) of one planned graph."""
     from neuron_infer.compile.builder import example_args as single
 
-    ids, pos, _, _, idx, *rest = single(CacheShape(1, 1, 1, 1, 1, torch.float32), spec)
-    return (ids, pos, idx, torch.zeros(spec.attend, dtype=torch.int32), *rest)
+    ids, pos, _, _, idx, table = single(CacheShape(1, 2, 1, build.block_size, 1, torch.float32), spec)
+    return (ids, pos, idx, torch.zeros(spec.attend, dtype=torch.int32), table)
 
 
 def check_spmd(plan: ShardPlan) -> None:
@@ -213,8 +212,7 @@ def compile_neuron_tp_graphs(root: Path, cfg: ModelConfig, build: BuildConfig, p
         compiler_workdir=str(root / "graphs" / "nxd.workdir"), logical_nc_config=target.lnc)
     specs = planned_graphs(build)
     for spec in specs:
-        factory = StepFactory(cfg.to_dict(), build.to_dict(), plan.to_dict(), spec.attend, spec.select_rows,
-                              target.lnc)
+        factory = StepFactory(cfg.to_dict(), build.to_dict(), plan.to_dict(), spec.attend, target.lnc)
         builder.add(key=spec.name, model_instance=model_instance(nxd, factory),
                     example_inputs=[example_args(build, spec)],
                     compiler_args=" ".join([*COMPILER_ARGS, *target.compiler_args()]))
@@ -269,8 +267,8 @@ def device_step(traced, attend: int):
     """The engine's step signature over the NxD model: the host caches are placeholders (the device holds them)."""
     attend_rows = torch.zeros(attend, dtype=torch.int32)
 
-    def run(input_ids, positions, k_cache, v_cache, logit_index, *seq_ids):
-        out = traced(input_ids, positions, logit_index, attend_rows, *seq_ids)
+    def run(input_ids, positions, k_cache, v_cache, logit_index, block_table):
+        out = traced(input_ids, positions, logit_index, attend_rows, block_table)
         return out[0] if isinstance(out, (list, tuple)) else out  # logits [B, n, V]; the caches stay aliased
 
     return run

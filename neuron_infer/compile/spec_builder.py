@@ -133,12 +133,11 @@ def spec_cache_layout(target: LlamaModel, draft: LlamaModel, build: BuildConfig)
     return SpecCacheLayout(cache_shape(target, build), cache_shape(draft, build))
 
 
-def _step_args(cache: CacheShape, t: int, rows: bool, idx_all: bool) -> tuple[torch.Tensor, ...]:
-    """Example inputs of a BucketStep graph with T tokens (logits at every token when idx_all)."""
+def _step_args(cache: CacheShape, t: int, attend: int, b: int, idx_all: bool) -> tuple[torch.Tensor, ...]:
+    """Example inputs of a BucketStep graph with T tokens over b rows (logits at every token when idx_all)."""
     from neuron_infer.compile.builder import example_args
 
-    b = 1 if rows else cache.batch
-    args = example_args(cache, GraphSpec("x", t, 1, b, rows))
+    args = example_args(cache, GraphSpec("x", t, attend, b))
     if idx_all:
         args = args[:4] + (torch.arange(t, dtype=torch.int64).expand(b, t).contiguous(),) + args[5:]  # [B, T]
     return args
@@ -146,21 +145,21 @@ def _step_args(cache: CacheShape, t: int, rows: bool, idx_all: bool) -> tuple[to
 
 def planned_spec_graphs(target: LlamaModel, draft: LlamaModel, build: BuildConfig) -> dict[str, tuple]:
     """name -> (module, example_args) of every speculation graph a build compiles."""
-    k, layout, out = build.speculation.length, spec_cache_layout(target, draft, build), {}
+    k, layout, out, b = build.speculation.length, spec_cache_layout(target, draft, build), {}, build.batch_size
     for t in build.context_bucket_list:
-        step = BucketStep(draft, t, True)
-        out["draft_" + graph_name("context", t, t)] = (step, _step_args(layout.draft, t, True, False))
+        step = BucketStep(draft, t)
+        out["draft_" + graph_name("context", t, t)] = (step, _step_args(layout.draft, t, t, 1, False))
     for s in build.tokengen_bucket_list:
         if s < k + 2:
             continue  # a step at position >= 1 needs p + K + 1 <= s slots
         for t in (1, 2):
             step = BucketStep(draft, s)
-            out["draft_" + graph_name("tokengen", t, s)] = (step, _step_args(layout.draft, t, False, False))
-        out[graph_name("verify", k + 1, s)] = (BucketStep(target, s), _step_args(layout.target, k + 1, False, True))
+            out["draft_" + graph_name("tokengen", t, s)] = (step, _step_args(layout.draft, t, s, b, False))
+        out[graph_name("verify", k + 1, s)] = (BucketStep(target, s), _step_args(layout.target, k + 1, s, b, True))
         if build.speculation.fused:
             for sample in (False, True):
                 out[fused_graph_name(k, s, sample)] = (FusedSpecStep(target, draft, k, s, layout, sample),
-                                                       fused_example_args(layout, k))
+                                                       fused_example_args(layout, k, b, s))
     return out
 
 
@@ -169,7 +168,8 @@ def planned_verify_graphs(target: LlamaModel, build: BuildConfig) -> dict[str, t
     from neuron_infer.compile.builder import cache_shape
 
     k, cache = build.speculation.length, cache_shape(target, build)
-    return {graph_name("verify", k + 1, s): (BucketStep(target, s), _step_args(cache, k + 1, False, True))
+    return {graph_name("verify", k + 1, s): (BucketStep(target, s),
+                                             _step_args(cache, k + 1, s, build.batch_size, True))
             for s in build.tokengen_bucket_list if s >= k + 2}
 
 

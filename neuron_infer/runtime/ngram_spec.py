@@ -65,8 +65,8 @@ class NgramSpec:
         self.clock = StepClock()
         self.states: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Sequence -> SeqState
 
-    def prefill_row(self, row: int, prompt: list[int]) -> torch.Tensor:
-        return self.target.prefill_row(row, prompt)
+    def prefill_row(self, row: int, prompt: list[int], start: int = 0) -> torch.Tensor:
+        return self.target.prefill_row(row, prompt, start)
 
     def can_speculate(self, seqs: Mapping[int, Sequence[int]]) -> bool:
         """A verify step writes positions p..p+K of every listed row: p + K + 1 <= max_length."""
@@ -115,7 +115,8 @@ class NgramSpec:
             raise NeuronInferError(f"compiled graph {name!r} is missing from the artifact; recompile")
         t0 = time.perf_counter()
         with torch.inference_mode():
-            out = self.graphs[name](ids, pos, self.target.k_cache, self.target.v_cache, steps.expand(b, k + 1))
+            table = self.target.table(range(b), s)  # [B, S/bs]
+            out = self.graphs[name](ids, pos, self.target.k_cache, self.target.v_cache, steps.expand(b, k + 1), table)
         self.clock.add("verify", time.perf_counter() - t0)
         return out  # [B, K+1, V]
 

@@ -81,6 +81,6 @@ def test_decode_both_writes_the_draft_cache(spec_engine):
         seq.append(int(se.decode_both(tokens, pos)[0].argmax()))
     cached = len(seq) - 1  # the newest token is not in the cache yet
     se.prefill_row(1, seq[:cached])
-    for c in (se.draft.k_cache, se.draft.v_cache):  # [L, B, Hkv, S, D]
+    for a, b in zip(se.draft.slot_kv(0), se.draft.slot_kv(1)):  # K, V [L, Hkv, S, D] of slots 0 and 1
         # fp32, one-token vs whole-prompt graphs: same math, different reduction order -> ~1e-6 differences
-        torch.testing.assert_close(c[:, 0, :, :cached], c[:, 1, :, :cached], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(a[:, :, :cached], b[:, :, :cached], rtol=1e-4, atol=1e-5)
