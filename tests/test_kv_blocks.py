@@ -207,3 +207,14 @@ def test_a_request_whose_prefix_was_evicted_equals_its_solo_run(artifact):
     assert m.engine.pool.hits == hits  # evicted: nothing of the prefix was found
     solo = _solo(artifact, [target], 10)[0]
     assert before.outputs[0].token_ids == after.outputs[0].token_ids == solo
+
+
+def test_a_new_runner_frees_every_block_and_keeps_the_cached_prefixes():
+    pool = BlockPool(5, 4, prefix_caching=True)
+    a, b = pool.allocate(), pool.allocate()
+    (h,) = block_hashes([1, 2, 3, 4], 4)
+    pool.register(a, h)
+    pool.reserved = 2
+    pool.release_all()
+    assert pool.in_use == 0 and pool.reserved == 0 and pool.lookup([h]) == [a]
+    assert [pool.allocate() for _ in range(4)] == [3, 4, b, a]  # the cached block is evicted last

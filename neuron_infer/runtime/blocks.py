@@ -103,6 +103,14 @@ class BlockPool:
             self._cached[h] = block
             self._hash_of[block] = h
 
+    def release_all(self) -> None:
+        """No block is held any more (a new runner takes over the cache): cached prefixes stay cached."""
+        for b in range(1, self.num_blocks):
+            if self.refs[b]:
+                self.refs[b] = 0
+                (self._evictable if b in self._hash_of else self._plain)[b] = None
+        self.reserved = 0
+
     def forget_prefixes(self) -> None:
         """Drop every cached prefix (free cached blocks become plain free blocks)."""
         self._plain.update(self._evictable)

@@ -150,8 +150,8 @@ def eager_spec_engine(target: LlamaModel, draft: LlamaModel, build: BuildConfig,
     return assemble_spec(engine, draft, graphs, build, mode)
 
 
-def load_serving_rank(root: Path, rank: int, world_size: int, expect_checkpoint: Path | None = None
-                      ) -> tuple[Manifest, Engine]:
+def load_serving_rank(root: Path, rank: int, world_size: int, expect_checkpoint: Path | None = None,
+                      kv_cache_gib: float | None = None) -> tuple[Manifest, Engine]:
     """Rank `rank`'s manifest and engine, for a long-lived process that already joined a group of `world_size`
     ranks (one vLLM worker per rank; the model's collectives run on torch.distributed's default group)."""
     from neuron_infer.compile.artifact import check_checkpoint
@@ -167,7 +167,7 @@ def load_serving_rank(root: Path, rank: int, world_size: int, expect_checkpoint:
         raise ArtifactError(f"{root}: serving a Neuron tensor-parallel artifact from one process per rank is not "
                             "supported (neuronx-distributed drives every NeuronCore of the group from one process); "
                             "load it with CompiledModel.load instead")
-    return manifest, load_rank(root, rank, manifest)
+    return manifest, load_rank(root, rank, manifest, kv_cache_gib=kv_cache_gib)
 
 
 def eager_ngram_spec(target: LlamaModel, build: BuildConfig) -> NgramSpec:

@@ -2,7 +2,7 @@
 
 Per step (host loop; there is no fused graph: the drafts come from the host, see `runtime/ngram.py`):
     drafts       propose(tokens, n, k) per scheduled sequence; plan_step decides each k (0..K) or a plain step
-    verify       verify_t{K+1}_s{S} over every cache row: [last, d_1..d_k, filler] at p..p+K  -> logits [B, K+1, V]
+    verify       verify_t{K+1}_s{S} over every batch slot: [last, d_1..d_k, filler] at p..p+K  -> logits [B, K+1, V]
     acceptance   per sequence over its own k: greedy_verify, or speculative_verify with the draft distribution a
                  point mass q = one_hot(d_i): accept d_i with probability p_i(d_i), else sample from
                  normalize(max(p_i - q_i, 0)) = p_i without d_i, renormalized; the bonus token from p_k.

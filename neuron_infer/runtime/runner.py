@@ -37,8 +37,8 @@ from neuron_infer.errors import NeuronInferError
 from neuron_infer.runtime.engine import Engine
 from neuron_infer.runtime.metrics import Metrics
 from neuron_infer.runtime.ngram_spec import NgramSpec, accept
-from neuron_infer.runtime.scheduler import Scheduler
 from neuron_infer.runtime.sampling import draw_uniforms, sample_rows, token_history, token_logprobs
+from neuron_infer.runtime.scheduler import Scheduler
 from neuron_infer.runtime.sequence import Sequence
 from neuron_infer.runtime.spec_engine import SpecEngine
 from neuron_infer.runtime.spec_step import uniforms_width
@@ -47,7 +47,7 @@ Agree = Callable[[torch.Tensor], torch.Tensor]  # [n] sampled here -> [n] the to
 
 
 class Runner:
-    """Runs steps over sequences that hold cache rows; counts what it did in `stats` (one Metrics)."""
+    """Runs steps over sequences that hold batch slots and cache blocks; counts what it did in `stats` (one Metrics)."""
 
     def __init__(self, engine: Engine | SpecEngine, agree: Agree | None = None,
                  on_logits: Callable[[torch.Tensor], None] | None = None, keep_step_counts: bool = False,
@@ -63,6 +63,7 @@ class Runner:
         self.keep_step_counts = keep_step_counts  # per (step, sequence) emitted counts: bounded runs only
         self.batch, self.max_length = engine.build.batch_size, engine.build.max_length
         pool = self.engine.pool
+        pool.release_all()  # one runner drives an engine at a time: earlier runners' sequences are gone
         pool.prefix_caching = prefix_caching and not isinstance(self.spec, SpecEngine)
         self.lookahead = self.spec.k if self.spec is not None else 0
         self.scheduler = Scheduler(self.batch, pool, self.lookahead, self.max_length)

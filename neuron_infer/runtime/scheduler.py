@@ -53,7 +53,7 @@ class Scheduler:
         """Admit one sequence at once (the vLLM worker: vLLM's scheduler already decided), or fail clearly."""
         if not self._free:
             raise NeuronInferError(
-                f"all {self.batch_size} cache rows are busy: vLLM scheduled more concurrent requests than the "
+                f"all {self.batch_size} batch slots are busy: vLLM scheduled more concurrent requests than the "
                 f"artifact's batch_size; serve with --max-num-seqs <= {self.batch_size} or recompile with a larger "
                 "batch_size")
         if not self._fits(seq):

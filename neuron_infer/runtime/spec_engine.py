@@ -71,6 +71,9 @@ class SpecEngine:
         params = params_tensor(sampling.temperature, sampling.top_k, sampling.top_p)  # [3]
         with torch.inference_mode():
             if mode == "fused":
+                if self.layout.target.blocks != self.build.default_kv_blocks:
+                    raise NeuronInferError("fused speculation graphs hold the artifact's default KV cache; load "
+                                           "without --kv-cache-gib, or run the speculation unfused")
                 fn = self._graph(self.graphs, fused_graph_name(k, s, not sampling.greedy))
                 packed = fn(ids2, pos2, self.k_flat, self.v_flat, u, params, self._table(s))
             else:
@@ -94,7 +97,7 @@ class SpecEngine:
         eng, fn, table = self.target, self._graph(self.graphs, graph_name("verify", self.k + 1, s)), self._table(s)
         return lambda ids, pos, li: fn(ids, pos, eng.k_cache, eng.v_cache, li, table)
 
-    # ---- continuous batching: one request per cache row, one step at a time (the vLLM runner) -------------------
+    # ---- continuous batching: one request per batch slot, one step at a time (the vLLM runner) ------------------
     def prefill_row(self, row: int, prompt: list[int], start: int = 0) -> torch.Tensor:
         """Encode one prompt into the blocks of slot `row` of both models (other slots untouched) -> target logits
         [V]. The whole prompt: the draft has no context graphs that start past position 0."""

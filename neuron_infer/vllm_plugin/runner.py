@@ -1,4 +1,4 @@
-"""vLLM requests on the runtime's Runner: request ids <-> Sequences in KV-cache rows.
+"""vLLM requests on the runtime's Runner: request ids <-> Sequences in batch slots and KV-cache blocks.
 
 vLLM's scheduler decides which requests run, join and leave; this adapter only maps its decisions onto the one
 runtime: a joining request becomes a `Sequence` admitted into a free slot and KV-cache blocks (`Scheduler.admit_now`;

@@ -89,9 +89,9 @@ def test_the_kv_cache_is_aliased_device_state_not_an_input_or_output(ckpt, tmp_p
     assert not any(w.endswith("_cache") for w in trace["weights"])
     adds = [c for name, c in nxd.calls if name == "ModelBuilder.add"]
     cache_elems = 2 * BUILD.max_length                     # any input as large as a cache row set would show here
-    for add in adds:                                       # inputs: ids, positions, logit index, attend rows, seq ids
+    for add in adds:                                       # inputs: ids, positions, logit index, attend rows, table
         (shapes,) = add["shapes"]
-        assert len(shapes) in (4, 5) and all(len(s) <= 2 for s in shapes)
+        assert len(shapes) == 5 and all(len(s) <= 2 for s in shapes)
         assert max(x for s in shapes for x in s) < cache_elems
     model = CompiledModel.load(tmp_path / "n")
     assert model.engine.k_cache.numel() == 0                # the host holds no cache
