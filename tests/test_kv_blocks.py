@@ -218,3 +218,21 @@ def test_a_new_runner_frees_every_block_and_keeps_the_cached_prefixes():
     pool.release_all()
     assert pool.in_use == 0 and pool.reserved == 0 and pool.lookup([h]) == [a]
     assert [pool.allocate() for _ in range(4)] == [3, 4, b, a]  # the cached block is evicted last
+
+
+def test_an_artifact_from_before_the_block_cache_asks_for_a_recompile(artifact, tmp_path):
+    import json
+    import shutil
+
+    from neuron_infer.compile.artifact import MANIFEST, read_manifest
+    from neuron_infer.errors import ArtifactError
+
+    old = tmp_path / "old"
+    shutil.copytree(artifact, old)
+    d = json.loads((old / MANIFEST).read_text())
+    assert d["build"]["kv_block_size"] == 16  # recorded in the manifest
+    d["format_version"] = 1
+    d["build"].pop("kv_block_size")
+    (old / MANIFEST).write_text(json.dumps(d))
+    with pytest.raises(ArtifactError, match="format_version=1 .*recompile"):
+        read_manifest(old, verify_files=False)
