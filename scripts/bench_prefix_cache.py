@@ -3,6 +3,8 @@
     python scripts/bench_prefix_cache.py ARTIFACT [--prefix 224 --suffix 16 --rounds 5]
     python scripts/bench_prefix_cache.py --compile DIR     # compile the embedded SmolLM2 (bf16, batch 1,
                                                            # context buckets 32,256, max_length 512) into DIR first
+    python scripts/bench_prefix_cache.py --compile DIR --backend cpu-eager   # the same graphs run eagerly (no
+                                                           # compile: the torch modules themselves)
 
 Each round times three one-token generations on one loaded model (prefix caching on): a cold prompt (a fresh
 random prefix + suffix: nothing cached), then two prompts that share that prefix with new suffixes (the first
@@ -37,12 +39,14 @@ def main() -> None:
     ap.add_argument("--prefix", type=int, default=224, help="shared prefix tokens")
     ap.add_argument("--suffix", type=int, default=16, help="tokens after the prefix")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--backend", default=None, help="with --compile: cpu (default) or cpu-eager")
     args = ap.parse_args()
     if args.compile:
         from neuron_infer.embedded import default_model_dir
 
         if not (Path(args.compile) / "manifest.json").is_file():
-            compile_model(default_model_dir(), args.compile, BUILD, say=lambda m: print(m, file=sys.stderr))
+            compile_model(default_model_dir(), args.compile, BUILD, backend=args.backend,
+                          say=lambda m: print(m, file=sys.stderr))
         args.artifact = args.compile
     if not args.artifact:
         sys.exit("error: give an ARTIFACT or --compile DIR")
