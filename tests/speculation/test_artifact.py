@@ -129,7 +129,7 @@ def test_fused_graph_goes_through_the_neuron_backend(tiny_dirs, tmp_path, monkey
     build = SMALL.replace(target="neuron", speculation=SpeculationConfig("self", 3, fused=True, draft_layers=1))
     meta, _, se = compile_and_load(tiny_dirs("gqa"), build, tmp_path, backend="neuron")
     traced = [c["shapes"] for name, c in sdk.calls if name == "trace"]
-    fused = [s for s in traced if len(s) == 6 and s[4] == (1, 10)]  # uniforms [B, 3K+1] mark a fused graph
+    fused = [s for s in traced if len(s) == 7 and s[4] == (1, 10)]  # uniforms [B, 3K+1] mark a fused graph
     assert len(fused) == 2 and all(m["files"] for n, m in meta.items() if n.startswith("fused_"))
     loads = [c["keys"] for name, c in sdk.calls if name == "replace_weights"]
     assert any("step.draft.model.embed_tokens.weight" in k and "step.target.lm_head.weight" in k for k in loads)
