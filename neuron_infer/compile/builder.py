@@ -101,6 +101,7 @@ def compile_model(model_dir: str | Path, out_dir: str | Path, build: BuildConfig
     A full disk, a read-only file system or missing permissions at `out_dir` raise one ArtifactError naming it.
     """
     check_output_location(Path(out_dir))
+    build = build.replace(kv_block_size=build.block_size)  # the manifest records the block size it was built with
     with writing_to(Path(out_dir)):
         if build.tp_degree != 1:  # per-rank shards and graphs (neuron_infer.compile.tp)
             from neuron_infer.compile.tp import compile_tp_model  # noqa: PLC0415
