@@ -73,7 +73,7 @@ def test_one_model_builder_shares_one_weight_set_across_every_bucket(ckpt, tmp_p
     assert builder["tp_degree"] == 2 and builder["router"] is None
     (trace,) = [c for name, c in nxd.calls if name == "ModelBuilder.trace"]
     assert trace["initialize_model_weights"] is False and sorted(trace["keys"]) == sorted(m.graphs) and \
-        len(m.graphs) == 4                                    # 2 context + 2 decode buckets
+        len(m.graphs) == 5                                    # 2 context + 1 after a cached prefix + 2 decode
     assert "step.model.model.embed_tokens.start" in trace["weights"]   # the rank's vocab start is a weight
     assert {g["files"][0] for g in m.graphs.values()} == {"nxd_model.pt"}
     CompiledModel.load(tmp_path / "n")
