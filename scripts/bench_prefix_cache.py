@@ -21,8 +21,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from neuron_infer.api import CompiledModel, compile_model  # noqa: E402
-from neuron_infer.config import BuildConfig  # noqa: E402
+from neuron_infer.api import CompiledModel, compile_model
+from neuron_infer.config import BuildConfig
 
 BUILD = BuildConfig(dtype="bf16", batch_size=1, max_context_length=256, max_length=512, context_buckets=(32, 256),
                     tokengen_buckets=(256, 512))

@@ -35,8 +35,13 @@ from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, LogprobsLists, ModelRunne
 from vllm.v1.worker.gpu_worker import init_worker_distributed_environment
 from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 
-from neuron_infer.vllm_plugin.artifacts import (ensure_artifact, kv_cache_gib, plugin_options, prefix_caching,
-                                                 resolve_model_dir)
+from neuron_infer.vllm_plugin.artifacts import (
+    ensure_artifact,
+    kv_cache_gib,
+    plugin_options,
+    prefix_caching,
+    resolve_model_dir,
+)
 from neuron_infer.vllm_plugin.logprobs import logprobs_arrays
 from neuron_infer.vllm_plugin.params import check_request, requested_logprobs, to_sampling_config
 from neuron_infer.vllm_plugin.platform import engine_args
