@@ -310,6 +310,10 @@ class SpeculationConfig:
                 raise ConfigError(f"--ngram-size {self.ngram_size} must be in 1..16")
         elif self.ngram_size is not None:
             raise ConfigError("--ngram-size describes prompt-lookup drafts; use it with --draft-model ngram")
+        if self.draft_model != "self" and (self.draft_quant != "none" or self.draft_layers is not None):
+            raise ConfigError("--draft-quant/--draft-layers describe a self-draft; use them with --draft-model self")
+        if self.draft_model == "self" and self.draft_quant == "none" and self.draft_layers is None:
+            raise ConfigError("--draft-model self needs --draft-quant or --draft-layers (else the draft is the target)")
 
     @property
     def is_ngram(self) -> bool:
@@ -319,10 +323,6 @@ class SpeculationConfig:
     def ngram(self) -> int:
         """The longest suffix prompt lookup matches."""
         return self.ngram_size or NGRAM_SIZE
-        if self.draft_model != "self" and (self.draft_quant != "none" or self.draft_layers is not None):
-            raise ConfigError("--draft-quant/--draft-layers describe a self-draft; use them with --draft-model self")
-        if self.draft_model == "self" and self.draft_quant == "none" and self.draft_layers is None:
-            raise ConfigError("--draft-model self needs --draft-quant or --draft-layers (else the draft is the target)")
 
 
 DEFAULT_BLOCK_SIZE = 128  # tokens per KV-cache block when every bucket allows it (as vendors' paged caches)

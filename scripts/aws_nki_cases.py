@@ -18,6 +18,11 @@ class Case:
     name: str
     repo: str                       # "sdk" | "nki-library"
     run: Callable                   # run(root, load, rng): raises AssertionError("mismatch ...") on a wrong result
+    kernel: str = ""                # the kernel this case exercises when several cases share one ("" = name)
+
+    @property
+    def kernel_name(self) -> str:
+        return self.kernel or self.name
 
 
 def check(got, ref, rtol, atol, what=""):

@@ -3,8 +3,10 @@
 torch reference the library publishes next to the kernel (``*_torch.py``). No nki-library code is copied here."""
 from __future__ import annotations
 
+import enum
 import importlib
 import inspect
+import math
 from collections.abc import Callable
 
 import ml_dtypes
@@ -58,12 +60,28 @@ def reference(fn: Callable, inputs: dict) -> list:
     return [_to_numpy(result)]
 
 
+def _harness_module(name: str, **attrs) -> None:
+    """Register module ``name`` of nki-library's test harness (and its missing parents) holding just ``attrs``."""
+    import sys
+    import types
+    parts = name.split(".")
+    for i in range(1, len(parts) + 1):
+        full = ".".join(parts[:i])
+        if full not in sys.modules:
+            mod = types.ModuleType(full)
+            mod.__path__ = []
+            sys.modules[full] = mod
+            if i > 1:
+                setattr(sys.modules[".".join(parts[:i - 1])], parts[i - 1], mod)
+    for key, value in attrs.items():
+        setattr(sys.modules[name], key, value)
+
+
 def _harness_norms() -> None:
     """Two library references (qkv_tkg, moe_cte) import the norm table of nki-library's test harness, whose other
     dependencies (neuron_dtypes, scipy) are not needed here: register a module with just that table, built from
     the library's own norm references."""
     import sys
-    import types
     name = "test.integration.nkilib.utils.test_kernel_common"
     if name in sys.modules:
         return
@@ -73,14 +91,17 @@ def _harness_norms() -> None:
     norm = common.NormType
     table = {norm.NO_NORM: lambda *x, **_: x[0], norm.RMS_NORM: rms, norm.LAYER_NORM: layer,
              norm.RMS_NORM_SKIP_GAMMA: rms}
-    parts = name.split(".")
-    for i in range(1, len(parts) + 1):
-        mod = types.ModuleType(".".join(parts[:i]))
-        mod.__path__ = []
-        sys.modules[mod.__name__] = mod
-        if i > 1:
-            setattr(sys.modules[".".join(parts[:i - 1])], parts[i - 1], mod)
-    sys.modules[name].norm_name2func_torch = table
+    _harness_module(name, norm_name2func_torch=table)
+
+
+class BlockwiseVariant(enum.Enum):
+    """The blockwise-matmul variant names moe_cte's torch reference compares its ``bwmm_func`` against (it imports
+    them from nki-library's test harness, registered here with just this enum)."""
+
+    SHARD_ON_BLOCK = enum.auto()
+    SHARD_ON_INTERMEDIATE = enum.auto()
+    SHARD_ON_INTERMEDIATE_HW = enum.auto()
+    SHARD_ON_INTERMEDIATE_DROPPING = enum.auto()
 
 
 def _absent_neuron_dtypes() -> None:
@@ -106,12 +127,13 @@ def _absent_neuron_dtypes() -> None:
 
 def lib(name: str, kernel: str, ref: str | Callable, make_inputs: Callable, rtol: float, atol: float, *,
         lnc: int = 2, platform: str = "trn2", outputs: slice | None = None, ref_names: dict | None = None,
-        mutated: tuple[str, ...] = ()) -> Case:
+        mutated: tuple[str, ...] = (), same_kernel_as: str = "") -> Case:
     """kernel / ref: "module.path:function" under nkilib (ref may instead be a function of the inputs returning the
     expected outputs, for kernels whose library test states its reference inline). make_inputs(rng) -> kernel
     keyword arguments; ref_names renames them for the reference. outputs selects which of the kernel's returned
     tensors (and the reference's, in the same order) are compared; a kernel that writes into its arguments instead
-    of returning names them in mutated (the simulator writes them back like the SDK's simulator)."""
+    of returning names them in mutated (the simulator writes them back like the SDK's simulator). same_kernel_as
+    names the case whose kernel this one runs again (another LNC, layout or shape): it counts as that kernel."""
     def run(root, load, rng):
         kmod, kfn = kernel.split(":")
         _absent_neuron_dtypes()
@@ -135,7 +157,183 @@ def lib(name: str, kernel: str, ref: str | Callable, make_inputs: Callable, rtol
             raise AssertionError(f"mismatch: kernel returned {len(got)} outputs, reference {len(want)}")
         for i, (g, w) in enumerate(zip(got, want)):
             check_max(g, w, rtol, atol, f"output {i}")
+    return Case("nki-library/" + name, "nki-library", run, "nki-library/" + same_kernel_as if same_kernel_as else "")
+
+
+def ranks(name: str, kernel: str, make_inputs: Callable, golden: Callable, rtol: float, atol: float, *,
+          lnc: int, platform: str = "trn2") -> Case:
+    """A collective kernel run once per rank of a simulated group (``nki.simulator.simulate_ranks``).
+    make_inputs(rng) -> one kwargs dict per rank; golden(inputs) -> each rank's expected output, the result the
+    library's own test states for it."""
+    def run(root, load, rng):
+        from nki.simulator import simulate_ranks
+        kmod, kfn = kernel.split(":")
+        kernel_fn = getattr(importlib.import_module("nkilib." + kmod), kfn)
+        inputs = make_inputs(rng)
+        with target(platform):
+            got = simulate_ranks(kernel_fn, inputs, lnc=lnc)
+        want = golden(inputs)
+        if len(got) != len(want):
+            raise AssertionError(f"mismatch: {len(got)} ranks returned, {len(want)} expected")
+        for r, (g, w) in enumerate(zip(got, want)):
+            check_max(g, w, rtol, atol, f"rank {r}")
     return Case("nki-library/" + name, "nki-library", run)
+
+
+def _replica_group(n):
+    return importlib.import_module("nki.collectives").ReplicaGroup([list(range(n))])
+
+
+def _sb2sb_inputs(rng, m, k, tp):
+    """Each rank holds a different [m, k] bf16 block (the library test's layout)."""
+    group = _replica_group(tp)
+    return [{"inp": _randn(rng, (m, k), BF16), "replica_groups": group, "tp_degree": tp} for _ in range(tp)]
+
+
+def _sb2sb_golden(inputs):
+    """Every rank ends with the blocks of all ranks concatenated along k, in rank order."""
+    gathered = np.concatenate([kw["inp"] for kw in inputs], axis=1)
+    return [gathered] * len(inputs)
+
+
+def _fg_inputs(rng, m, k, tp, n=None):
+    """Rank r holds rows [r*m, (r+1)*m) of a global lhs (and, with n, columns [r*n/tp, (r+1)*n/tp) of rhs)."""
+    lhs = _randn(rng, (m * tp, k), BF16)
+    rhs = _randn(rng, (k, n), BF16) if n else None
+    out = []
+    for r in range(tp):
+        kw = {"lhs": lhs[r * m:(r + 1) * m], "tp_degree": tp, "num_groups": 1, "force_hbm_cc": False}
+        if n:
+            kw["rhs"] = rhs[:, r * (n // tp):(r + 1) * (n // tp)]
+        out.append(kw)
+    return out
+
+
+def _fg_allgather_golden(inputs):
+    """Every rank ends with the full global lhs."""
+    return [np.concatenate([kw["lhs"] for kw in inputs], axis=0)] * len(inputs)
+
+
+def _fgcc_golden(inputs):
+    """Rank r ends with its column shard of lhs_global @ rhs_global (fp32 product cast to the input dtype)."""
+    lhs = np.concatenate([kw["lhs"] for kw in inputs], axis=0).astype(np.float32)
+    return [(lhs @ kw["rhs"].astype(np.float32)).astype(BF16) for kw in inputs]
+
+
+def _attention_tkg_case(root, load, rng):
+    """attention_tkg is a sub-kernel: it takes an SBUF allocator and its output tensors from the caller. A small
+    jit wrapper of our own allocates them (flat KV cache in HBM, outputs in shared HBM, mask generated in-kernel from
+    position ids, RoPE fused) and the result is compared with the library's attention_tkg_torch_ref at the
+    tolerances of its test (rtol 1e-2, atol 1e-5)."""
+    import nki
+    import nki.language as nl
+    mod = importlib.import_module("nkilib.core.attention.attention_tkg")
+    alloc = importlib.import_module("nkilib.core.utils.allocator")
+    logging = importlib.import_module("nkilib.core.utils.logging")
+    ref = importlib.import_module("nkilib.core.attention.attention_tkg_torch").attention_tkg_torch_ref
+    lnc, bs, heads, s_act, s_prior, full, d = 2, 4, 2, 7, 256, 16384, 128
+    cfg = mod.AttnTKGConfig(bs, heads, s_act, s_prior, full, d, 0, use_pos_id=True, fuse_rope=True)
+    out_shape, k_out_shape = (bs, heads, d, s_act), (bs, 1, d, s_act)
+
+    @nki.jit
+    def wrapper(q, k_active, v_active, k_prior, v_prior, mask, inv_freqs, rope_pos_ids):
+        sbm = alloc.SbufManager(0, nl.tile_size.total_available_sbuf_size - 16 * 1024, logging.Logger("SBM"))
+        sbm.open_scope()
+        out = nl.ndarray(out_shape, dtype=q.dtype, buffer=nl.shared_hbm)
+        k_out = nl.ndarray(k_out_shape, dtype=q.dtype, buffer=nl.shared_hbm)
+        result = mod.attention_tkg(q, k_active, v_active, k_prior, v_prior, mask, out, cfg, sbm, inv_freqs,
+                                   rope_pos_ids, None, None, None, k_out)
+        sbm.close_scope()
+        return result
+
+    def u(*shape):
+        return rng.random(shape).astype(BF16)
+    pos = rng.integers(0, s_prior - s_act, (bs, 1))
+    causal = np.tril(np.ones((s_act, s_act), np.uint8))            # [query, key]
+    inputs = {"q": u(bs, heads, s_act, d), "k_active": u(bs, 1, s_act, d), "v_active": u(bs, 1, s_act, d),
+              "k_prior": u(bs, 1, d, full), "v_prior": u(bs, 1, full, d),
+              "mask": np.ascontiguousarray(np.broadcast_to(causal.T[:, None, None, :], (s_act, bs, heads, s_act))),
+              "inv_freqs": rng.random((d // 2, 1)).astype(np.float32),
+              "rope_pos_ids": np.broadcast_to(pos, (bs, s_act)).astype(np.float32)}
+    with target("trn2"):
+        got = simulate(wrapper, lnc=lnc, **inputs)
+    import torch
+    want = ref[lnc](**{k: _to_torch(v) for k, v in inputs.items()}, out=torch.zeros(out_shape),
+                    cfg=cfg, sbm=None, start_pos_ids=None, sink=None, active_blocks_table=None,
+                    k_out=torch.zeros(k_out_shape), DBG_TENSORS=None)
+    for i, (g, w) in enumerate(zip(got, want)):
+        check_max(g, _to_numpy(w), 1e-2, 1e-5, f"output {i}")
+
+
+def _moe_blocks(rng, t, e, b, top_k, blocks_multiple, skip_token):
+    """Blockwise MoE routing as the kernels take it: each token picks top_k distinct experts; expert x owns
+    ceil(tokens_x / b) consecutive blocks of b token slots (the last expert also the padding blocks, so that
+    n = ceil((t*top_k - (e-1)) / b) + e - 1, rounded up to ``blocks_multiple``); token_position_to_id[slot] is the
+    token in that slot, empty slots hold -1 (skip_token) or t (the zero padding token)."""
+    mask = np.zeros((t, e), np.float32)
+    for tok in range(t):
+        mask[tok, rng.choice(e, top_k, replace=False)] = 1
+    n = math.ceil((t * top_k - (e - 1)) / b) + e - 1
+    n = blocks_multiple * math.ceil(n / blocks_multiple)
+    per_expert = np.ceil(mask.sum(0) / b).astype(np.int64)
+    per_expert[-1] += n - per_expert.sum()
+    slots = np.full(n * b, -1 if skip_token else t, np.int32)
+    start = np.concatenate([[0], np.cumsum(per_expert)[:-1]]) * b
+    for x in range(e):
+        toks = np.nonzero(mask[:, x])[0]
+        slots[start[x]:start[x] + toks.size] = toks
+    return mask, slots, np.repeat(np.arange(e), per_expert).astype(np.int32)
+
+
+def _moe_cte_case(kernel: str, variant: str, t, h, i, e, b, top_k, skip_token, act, clamps=(None,) * 4,
+                  spec: str = ""):
+    """One blockwise-matmul kernel of moe_cte (bias on, POST_SCALE affinities, bf16) at LNC2 against the library's
+    moe_cte_torch_ref, at its test's tolerances (rtol 2e-2, atol 1e-5). spec: call the unified ``moe_cte`` entry
+    with ``MoECTESpec(implementation=spec)`` instead of the variant's own kernel."""
+    def run(root, load, rng):
+        import torch
+        types = importlib.import_module("nkilib.core.utils.common_types")
+        utils = importlib.import_module("nkilib.core.moe.moe_cte.moe_cte_utils")
+        kmod, kfn = kernel.split(":")
+        kernel_fn = getattr(importlib.import_module("nkilib." + kmod), kfn)
+        _harness_module("test.integration.nkilib.core.moe.moe_cte.test_moe_cte_common", BWMMFunc=BlockwiseVariant)
+        ref = importlib.import_module("nkilib.core.moe.moe_cte.moe_cte_torch").moe_cte_torch_ref
+        block_parallel = variant == "SHARD_ON_BLOCK"
+        mask, slots, block_to_expert = _moe_blocks(rng, t, e, b, top_k, 2 if block_parallel else 1, skip_token)
+        rows = t if skip_token else t + 1
+        hidden = np.zeros((rows, h), BF16)
+        hidden[:t] = rng.random((t, h))
+        aff = np.zeros((rows, e), np.float32)
+        aff[:t] = rng.random((t, e)) * mask
+        inputs = {"hidden_states": hidden, "expert_affinities_masked": aff.astype(BF16).reshape(-1, 1),
+                  "gate_up_proj_weight": rng.uniform(-0.1, 0.1, (e, h, 2, i)).astype(BF16),
+                  "down_proj_weight": rng.uniform(-0.1, 0.1, (e, math.ceil(i / 16) * 16, h)).astype(BF16),
+                  "token_position_to_id": slots, "block_to_expert": block_to_expert, "block_size": b,
+                  "gate_and_up_proj_bias": rng.uniform(-1, 1, (e, 2, i)).astype(BF16),
+                  "down_proj_bias": rng.uniform(-1.6, 1.4, (e, h)).astype(BF16),
+                  "activation_function": getattr(types.ActFnType, act),
+                  "skip_dma": utils.SkipMode(skip_token, False), "compute_dtype": BF16,
+                  "is_tensor_update_accumulating": top_k != 1,
+                  "expert_affinities_scaling_mode": types.ExpertAffinityScaleMode.POST_SCALE}
+        if variant == "SHARD_ON_INTERMEDIATE_HW":   # [N+1]: 1 for each block that holds tokens, then 0s
+            used = int(np.ceil(mask.sum(0) / b).sum())
+            inputs["conditions"] = (np.arange(block_to_expert.size + 1) < used).astype(np.int32)
+        for name, value in zip(("gate_clamp_upper_limit", "gate_clamp_lower_limit", "up_clamp_upper_limit",
+                                "up_clamp_lower_limit"), clamps):
+            if value is not None:
+                inputs[name] = value
+        kernel_args = dict(inputs)
+        if spec:
+            cte = importlib.import_module("nkilib.core.moe.moe_cte")
+            kernel_args["spec"] = cte.MoECTESpec(implementation=getattr(cte.MoECTEImplementation, spec))
+        with target("trn2"):
+            got = simulate(kernel_fn, lnc=2, **kernel_args)
+        ref_in = {k: _to_torch(v) if isinstance(v, np.ndarray) else v for k, v in inputs.items()}
+        want = ref(**ref_in, bwmm_func=getattr(BlockwiseVariant, variant), lnc_degree=2, top_k=top_k)["output"]
+        got = got[0] if isinstance(got, (tuple, list)) else got
+        check_max(got, _to_numpy(want if isinstance(want, torch.Tensor) else torch.as_tensor(want)), 2e-2, 1e-5,
+                  "output")
+    return run
 
 
 def _randn(rng, shape, dtype=np.float32):
@@ -373,7 +571,7 @@ LIB_CASES = [
     lib("cascaded_max", "core.max.cascaded_max:cascaded_max", "core.max.cascaded_max_torch:cascaded_max_torch_ref",
         lambda rng: {"input_tensor": _randn(rng, (4, 5, 4058))}, 1e-5, 1e-5, lnc=1),
     lib("cascaded_max_lnc2", "core.max.cascaded_max:cascaded_max", "core.max.cascaded_max_torch:cascaded_max_torch_ref",
-        lambda rng: {"input_tensor": _randn(rng, (8, 5, 4058))}, 1e-5, 1e-5, lnc=2),
+        lambda rng: {"input_tensor": _randn(rng, (8, 5, 4058))}, 1e-5, 1e-5, lnc=2, same_kernel_as="cascaded_max"),
     lib("rope", "core.embeddings.rope:RoPE", "core.embeddings.rope_torch:rope_torch_ref",
         lambda rng: {"x_in": _randn(rng, (64, 1, 8, 16), BF16), "cos": _randn(rng, (32, 1, 16), BF16),
                      "sin": _randn(rng, (32, 1, 16), BF16), "lnc_shard": True, "contiguous_layout": True,
@@ -381,7 +579,7 @@ LIB_CASES = [
     lib("rope_interleaved", "core.embeddings.rope:RoPE", "core.embeddings.rope_torch:rope_torch_ref",
         lambda rng: {"x_in": _randn(rng, (128, 8, 1, 128), BF16), "cos": _randn(rng, (64, 8, 128), BF16),
                      "sin": _randn(rng, (64, 8, 128), BF16), "lnc_shard": True, "contiguous_layout": False,
-                     "relayout_in_sbuf": True}, 2**-7, 1e-3),
+                     "relayout_in_sbuf": True}, 2**-7, 1e-3, same_kernel_as="rope"),
     lib("rope_hf", "core.embeddings.rope_hf:rope_hf", "core.embeddings.rope_hf_torch:rope_hf_torch_ref",
         lambda rng: _rope_hf_inputs(rng, 1, 4, 2, 256, 128, np.float32), 1e-6, 1e-6),
     lib("rmsnorm_tkg", "core.subkernels.rmsnorm_tkg:rmsnorm_tkg",
@@ -389,20 +587,22 @@ LIB_CASES = [
         lambda rng: _norm_inputs(rng, 2, 8, 8192, np.float16), 2e-2, 1e-5),
     lib("rmsnorm_tkg_lnc1", "core.subkernels.rmsnorm_tkg:rmsnorm_tkg",
         "core.subkernels.rmsnorm_torch:rmsnorm_tkg_torch_ref_lnc1",
-        lambda rng: _norm_inputs(rng, 1, 4, 2048, np.float16, hidden_actual=1920), 2e-2, 1e-5, lnc=1),
+        lambda rng: _norm_inputs(rng, 1, 4, 2048, np.float16, hidden_actual=1920), 2e-2, 1e-5, lnc=1,
+        same_kernel_as="rmsnorm_tkg"),
     lib("layernorm_tkg", "core.subkernels.layernorm_tkg:layernorm_tkg",
         "core.subkernels.layernorm_torch:layernorm_tkg_torch_ref",
         lambda rng: _norm_inputs(rng, 2, 8, 8192, np.float16, beta=True), 2e-2, 1e-5),
     lib("layernorm_tkg_lnc1", "core.subkernels.layernorm_tkg:layernorm_tkg",
         "core.subkernels.layernorm_torch:layernorm_tkg_torch_ref_lnc1",
-        lambda rng: _norm_inputs(rng, 1, 8, 8192, np.float16, beta=True), 2e-2, 1e-5, lnc=1),
+        lambda rng: _norm_inputs(rng, 1, 8, 8192, np.float16, beta=True), 2e-2, 1e-5, lnc=1,
+        same_kernel_as="layernorm_tkg"),
     lib("find_nonzero_indices", "core.subkernels.find_nonzero_indices:find_nonzero_indices",
         "core.subkernels.find_nonzero_indices_torch:find_nonzero_indices_torch_ref",
         lambda rng: {"input_tensor": _sparse(rng, 4096, 128, 8, np.float32), "chunk_size": 4096}, 0, 0),
     lib("find_nonzero_indices_cols", "core.subkernels.find_nonzero_indices:find_nonzero_indices",
         "core.subkernels.find_nonzero_indices_torch:find_nonzero_indices_torch_ref",
         lambda rng: {"input_tensor": _sparse(rng, 4096, 128, 8, np.int32), "col_start_id": np.array([16], np.int32),
-                     "n_cols": 16, "chunk_size": 4096}, 0, 0),
+                     "n_cols": 16, "chunk_size": 4096}, 0, 0, same_kernel_as="find_nonzero_indices"),
     lib("indexed_flatten", "core.subkernels.indexed_flatten:indexed_flatten",
         "core.subkernels.indexed_flatten_torch:indexed_flatten_torch_ref", lambda rng: _flatten_inputs(4096, 3, 128),
         0, 0),
@@ -411,19 +611,20 @@ LIB_CASES = [
         lambda rng: _mask_inputs(rng, 4, 2, 4096, 7), 0, 0),
     lib("gen_mask_tkg_hbm_lnc1", "core.attention.gen_mask_tkg:gen_mask_tkg_hbm",
         "core.attention.gen_mask_tkg_torch:gen_mask_tkg_hbm_torch_ref",
-        lambda rng: _mask_inputs(rng, 4, 1, 4096, 5), 0, 0, lnc=1),
+        lambda rng: _mask_inputs(rng, 4, 1, 4096, 5), 0, 0, lnc=1, same_kernel_as="gen_mask_tkg_hbm"),
     lib("output_projection_tkg", "core.output_projection.output_projection_tkg:output_projection_tkg",
         "core.output_projection.output_projection_tkg_torch:output_projection_tkg_torch_ref",
         lambda rng: _oproj_inputs(rng, 4, 8, 4, 64, 3072, True, False), 2e-2, 1e-5),
     lib("output_projection_tkg_transposed", "core.output_projection.output_projection_tkg:output_projection_tkg",
         "core.output_projection.output_projection_tkg_torch:output_projection_tkg_torch_ref",
-        lambda rng: _oproj_inputs(rng, 4, 2, 4, 128, 8192, True, True), 2e-2, 1e-5),
+        lambda rng: _oproj_inputs(rng, 4, 2, 4, 128, 8192, True, True), 2e-2, 1e-5,
+        same_kernel_as="output_projection_tkg"),
     lib("qkv_tkg", "core.qkv.qkv:qkv", "core.qkv.qkv_tkg_torch:qkv_tkg_torch_ref",
         lambda rng: _qkv_inputs(rng, 4, 1, 4096, 896, 5, 1, 128, "RMS_NORM", True), 2e-2, 1e-5, lnc=1,
         ref_names=_QKV_REF_NAMES),
     lib("qkv_tkg_lnc2_bias", "core.qkv.qkv:qkv", "core.qkv.qkv_tkg_torch:qkv_tkg_torch_ref",
         lambda rng: _qkv_inputs(rng, 8, 5, 3072, 640, 8, 1, 64, "RMS_NORM", False, qkv_bias=True), 2e-2, 1e-5,
-        ref_names=_QKV_REF_NAMES),
+        ref_names=_QKV_REF_NAMES, same_kernel_as="qkv_tkg"),
     lib("qkv_cte", "core.qkv.qkv:qkv", "core.qkv.qkv_tkg_torch:qkv_tkg_torch_ref",
         lambda rng: _qkv_inputs(rng, 1, 512, 2048, 384, 1, 1, 128, "RMS_NORM", False), 2e-2, 1e-5,
         ref_names=_QKV_REF_NAMES),
@@ -432,7 +633,8 @@ LIB_CASES = [
         lambda rng: _attn_cte_inputs(rng, 2, 512, 512, 128, True, True, False), 2e-2, 1e-5),
     lib("attention_cte_gqa_lnc1", "core.attention.attention_cte:attention_cte",
         "core.attention.attention_cte_torch:attention_cte_torch_ref",
-        lambda rng: _attn_cte_inputs(rng, 4, 256, 512, 64, False, False, True, bs_kv=2), 2e-2, 1e-5, lnc=1),
+        lambda rng: _attn_cte_inputs(rng, 4, 256, 512, 64, False, False, True, bs_kv=2), 2e-2, 1e-5, lnc=1,
+        same_kernel_as="attention_cte"),
     lib("output_projection_cte", "core.output_projection.output_projection_cte.output_projection_cte:output_projection_cte",
         "core.output_projection.output_projection_cte.output_projection_cte_torch:output_projection_cte_torch_ref",
         lambda rng: {"attention": rng.random((1, 4, 128, 512)).astype(BF16),
@@ -472,4 +674,25 @@ LIB_CASES = [
     lib("topk_reduce", "experimental.collectives.topk_reduce:topk_reduce",
         "experimental.collectives.topk_reduce_torch:topk_reduce_torch_ref",
         lambda rng: {"input": _topk_reduce_input(rng, 8, 4, 8, 4096), "T": 4, "K": 8}, 5e-2, 5e-2),
+    Case("nki-library/attention_tkg", "nki-library", _attention_tkg_case),
+    Case("nki-library/moe_cte_bwmm_shard_on_block", "nki-library",
+         _moe_cte_case("core.moe.moe_cte.bwmm_shard_on_block:bwmm_shard_on_block", "SHARD_ON_BLOCK", 256, 3072,
+                       384, 8, 256, 4, True, "Swish", (7.0, None, 8.0, -9.0))),
+    Case("nki-library/moe_cte_bwmm_shard_on_I", "nki-library",
+         _moe_cte_case("core.moe.moe_cte.bwmm_shard_on_I:blockwise_mm_baseline_shard_intermediate",
+                       "SHARD_ON_INTERMEDIATE", 256, 3072, 768, 8, 512, 4, False, "SiLU")),
+    Case("nki-library/moe_cte_bwmm_shard_on_I_hybrid", "nki-library",
+         _moe_cte_case("core.moe.moe_cte.bwmm_shard_on_I:blockwise_mm_baseline_shard_intermediate_hybrid",
+                       "SHARD_ON_INTERMEDIATE_HW", 256, 3072, 768, 8, 512, 4, False, "SiLU")),
+    Case("nki-library/moe_cte", "nki-library",
+         _moe_cte_case("core.moe.moe_cte.moe_cte:moe_cte", "SHARD_ON_BLOCK", 256, 3072, 384, 8, 256, 4, True,
+                       "Swish", (7.0, None, 8.0, -9.0), spec="shard_on_block")),
+    ranks("allgather_sb2sb", "experimental.collectives.sb2sb_allgather:allgather_sb2sb",
+          lambda rng: _sb2sb_inputs(rng, 128, 512, 8), _sb2sb_golden, 1e-3, 1e-3, lnc=1),
+    ranks("allgather_sb2sb_tiled", "experimental.collectives.sb2sb_allgather:allgather_sb2sb_tiled",
+          lambda rng: _sb2sb_inputs(rng, 256, 512, 4), _sb2sb_golden, 1e-3, 1e-3, lnc=2),
+    ranks("fine_grained_allgather", "experimental.collectives.fg_allgather:fine_grained_allgather",
+          lambda rng: _fg_inputs(rng, 1024, 4096, 4), _fg_allgather_golden, 1e-3, 1e-3, lnc=2),
+    ranks("allgather_compute_matmul", "experimental.collectives.fgcc:allgather_compute_matmul",
+          lambda rng: _fg_inputs(rng, 256, 1024, 4, n=1024), _fgcc_golden, 1e-2, 1e-2, lnc=2),
 ]

@@ -8,9 +8,10 @@ variants interleaved (the machine is shared; compare ratios, not absolute number
 
 Variants
     eager             the model's forward in eager PyTorch (bf16 F.linear -> oneDNN)
-    aoti-gemv         neuron_infer's CPU backend: torch.export + AOTInductor, few-row bf16 linears call the
-                      AVX512-BF16 C GEMV kernel (compile/cpu_gemv.cpp) where the CPU has it
-    aoti-reduction    the same with every GEMV an Inductor-generated fp32 multiply-and-sum reduction (the no-AVX512-BF16 path)
+    aoti-gemv         neuron_infer's CPU backend: torch.export + AOTInductor, bf16 linears on 1-8 rows call the
+                      C GEMV kernel (compile/cpu_gemv.cpp: AVX512-BF16, or AVX2 + FMA) where the CPU has it
+    aoti-reduction    the same without the C kernel: GEMVs on 1-5 rows are Inductor-generated fp32 multiply-and-sum
+                      reductions, 6-8 rows the GEMM (the path of CPUs without AVX2 + FMA)
     aoti-gemm         the same without the GEMV rewrite (every linear an extern GEMM call)
     aoti-inlined      aoti-gemv without `computed_once` fusion barriers (Inductor recomputes
                       RMSNorm/RoPE/softmax normalisation inside the reductions reading them), no fused multiply-add
@@ -28,6 +29,7 @@ different step shapes are compared in one process:
     @rows4    one sequence on a cache of 4 sequences' blocks, named by its block table (the batch-1 bucket graph of a
               batch-4 artifact)
     python scripts/perf_cpu_backends.py --variants aoti-gemv,aoti-gemv@b4,aoti-gemv@t5,aoti-gemv@rows4
+    python scripts/perf_cpu_backends.py --variants aoti-gemv@b8,aoti-reduction@b8   # 8 rows: kernel vs GEMM
 
 --graph-dir DIR keeps the compiled graphs in DIR and loads a variant's graph from there when it exists (same
 --layers, --attend and shape: the random weights are seeded, so every run builds the same model). On a busy

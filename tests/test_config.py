@@ -238,3 +238,15 @@ def test_hf_nulls_mean_the_default():
 def test_typed_build_dict_names_the_field(change, match):
     with pytest.raises(ConfigError, match=match):
         BuildConfig.from_dict(dict(BuildConfig().to_dict(), **change), where="x.json")
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(draft_model="/ckpt/draft", length=4, draft_quant="int8"), "describe a self-draft"),
+    (dict(draft_model="ngram", length=4, draft_layers=2), "describe a self-draft"),
+    (dict(draft_model="self", length=4), "needs --draft-quant or --draft-layers"),
+    (dict(draft_model="ngram", length=4, ngram_size=0), "must be in 1..16"),
+    (dict(draft_model="self", length=4, draft_layers=1, ngram_size=2), "use it with --draft-model ngram"),
+])
+def test_invalid_speculation_configs_name_the_fix(kw, match):
+    with pytest.raises(ConfigError, match=match):
+        SpeculationConfig(**kw)

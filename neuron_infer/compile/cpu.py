@@ -5,7 +5,7 @@
              -> run_decompositions(linear with few rows -> GEMV)     see `gemv_linear` below
              -> torch._inductor.aoti_compile_and_package(..., package_constants_in_so=False)
              -> graphs/<name>.pt2 (generated C++ kernels + wrapper .so, no weights), graphs/<name>.json and,
-                when bf16 GEMVs call it, graphs/<name>.gemv.so (cpu_gemv.cpp, built with the graph)
+                when GEMVs call the C kernels, graphs/<name>.gemv.so (cpu_gemv*.cpp, built with the graph)
     load:    <name>.gemv.so (RTLD_GLOBAL, sha256 checked), then torch._inductor.aoti_load_package(graphs/<name>.pt2)
              -> load_constants({fqn: module tensor}, user_managed=True)   the graph reads the module's own tensors
 
@@ -18,14 +18,16 @@ Why this design (measured with scripts/perf_cpu_backends.py; see docs/cpu-backen
 - Inductor freezing / max-autotune GEMM templates would prepack the weights into new constants that only exist
   inside each package (one weight copy per bucket), so they are not used.
 - Batch-1 decode is bound by streaming the weights. oneDNN's bf16 GEMM at M=1 streams them at roughly a third of
-  the machine's bandwidth, so linear layers whose input has at most `gemv_max_rows` rows are rewritten at export;
-  larger inputs (prefill) keep the GEMM. bf16 GEMVs of 1-5 rows call the C kernel of cpu_gemv.cpp (AVX512-BF16
-  dot-product instructions, each weight row loaded once for all rows), which the generated wrapper calls directly
-  (a C shim). Measured on the SmolLM2 decode step (scripts/perf_cpu_backends.py, 2 threads, 10 interleaved rounds):
-  6.47 ms with Inductor's reductions, 5.99 ms with the kernel. Without AVX512-BF16, and for fp32, a GEMV is an fp32
+  the machine's bandwidth, so linear layers on few rows are rewritten at export; larger inputs (prefill) keep the
+  GEMM. bf16 linears on 1-8 rows call the C kernel of cpu_gemv.cpp (each weight row loaded once for all rows:
+  AVX512-BF16 dot-product instructions, or bf16 widened to fp32 and FMAs on AVX2), which the generated wrapper calls
+  directly (a C shim). Measured on the SmolLM2 decode step with AVX512-BF16 (scripts/perf_cpu_backends.py, 2
+  threads, 10 interleaved rounds): 6.47 ms with Inductor's reductions, 5.99 ms with the kernel; the AVX2 numbers
+  are in docs/performance.md. Without AVX2 + FMA, and for fp32, a GEMV on at most `gemv_max_rows` rows is an fp32
   multiply-and-sum that Inductor turns into a vectorised, row-parallel C++ reduction reading each weight once; with
   2-5 rows each row gets its own reduction over the shared weight and Inductor fuses them into one pass. In a
-  30-layer linear stack the GEMV loses to the GEMM at 8 rows, hence at most 5.
+  30-layer linear stack that reduction loses to the GEMM at 8 rows, hence at most 5 by default; the kernel keeps
+  every row in registers over one weight load, so it takes 1-8 rows regardless (CpuCompileOptions).
 - Inductor inlines cheap producers into the reductions that read them, so an RMSNorm in front of a GEMV (or RoPE
   in front of the attention scores) would be recomputed for every output row. `computed_once` (model/ops.py) makes
   the GEMV input, the scaled queries and the softmax probabilities buffers of their own, and the generated C++ may
@@ -68,11 +70,14 @@ SIDECAR_SUFFIX = ".json"
 class CpuCompileOptions:
     """How the CPU backend compiles a graph.
 
-    gemv_max_rows: linear layers whose input has at most this many rows (product of the leading dims) become GEMVs;
-        0 keeps every linear a GEMM call.
-    gemv_kernel: bf16 GEMVs call the AVX512-BF16 C kernel (cpu_gemv.cpp) where the CPU has it; otherwise, and for
-        fp32, they are fp32 multiply-and-sum reductions Inductor generates. int8 linears (quant.int8) on 1-8 bf16
-        rows call the int8 C kernel (cpu_gemv_int8.cpp, AVX-512 or AVX2) regardless of gemv_max_rows (> 0).
+    gemv_max_rows: linear layers whose input has at most this many rows (product of the leading dims) and that no
+        C kernel takes become GEMV reductions Inductor generates; 0 keeps every linear a GEMM call (no C kernel
+        either). Default 5: the fused reductions lose to the GEMM at 8 rows.
+    gemv_kernel: bf16 linears on 1-8 bf16 rows (cpu_gemv.MAX_ROWS) call the bf16 C kernel (cpu_gemv.cpp: AVX512-BF16
+        or AVX2 + FMA) where the CPU has AVX2 + FMA, and int8 linears (quant.int8) on 1-8 bf16 rows the int8 C
+        kernel (cpu_gemv_int8.cpp, AVX-512 or AVX2), both regardless of gemv_max_rows (> 0): a kernel streams the
+        weights once for all 8 rows at any ISA level, and beyond 5 rows the only alternative is the GEMM, slow in
+        bf16 without AVX512-BF16. Elsewhere, and for fp32, GEMVs are the reductions above.
     gemv_isa: the highest ISA level the C kernels may use ("auto": the best this CPU has; "avx512" or "avx2"
         force it down, e.g. to build and test the paths of CPUs without AVX512-BF16).
     """
@@ -112,12 +117,13 @@ class CpuCompileOptions:
 def gemv_linear(max_rows: int, kernel: bool = False) -> Callable[..., torch.Tensor]:
     """A decomposition of aten.linear: GEMVs for inputs with <= max_rows rows, else x @ w.T (+ b).
 
-    kernel: bf16 x bf16 GEMVs of at most cpu_gemv.MAX_ROWS rows become calls of the C kernel (cpu_gemv).
+    kernel: bf16 x bf16 linears of at most cpu_gemv.MAX_ROWS rows become calls of the C kernel (cpu_gemv), also
+        beyond max_rows (the kernel streams the weights once for all its rows; see CpuCompileOptions).
     """
 
     def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
-        if kernel and rows <= min(max_rows, cpu_gemv.MAX_ROWS) and x.dtype == weight.dtype == torch.bfloat16:
+        if kernel and rows <= cpu_gemv.MAX_ROWS and x.dtype == weight.dtype == torch.bfloat16:
             # [R, K] x [N, K] -> [R, N]; contiguous() is free for parameters, a copy only for computed views
             y = cpu_gemv.gemv_bf16(x.reshape(rows, x.shape[-1]).contiguous(), weight.contiguous())
             y = y.view(*x.shape[:-1], weight.shape[0])

@@ -1,19 +1,21 @@
 """The GEMV kernels of the CPU backend: custom ops, their PyTorch twins, and the C library AOTInductor calls.
 
-    export:   bf16 linear on 1-5 rows -> torch.ops.neuron_infer.ni_gemv_bf16_v1(x [R, K], w [N, K]) -> [R, N]
+    export:   bf16 linear on 1-8 rows -> torch.ops.neuron_infer.ni_gemv_bf16_v2(x [R, K], w [N, K]) -> [R, N]
               int8 linear on 1-8 rows -> torch.ops.neuron_infer.ni_gemv_int8_v1(x [R, K], q [N, K], s [N]) -> [R, N]
     compile:  aot_inductor.custom_ops_to_c_shims = C_SHIMS: the generated wrapper calls the C functions
-              aoti_torch_cpu_ni_gemv_{bf16,int8}_v1 (cpu_gemv.cpp, cpu_gemv_int8.cpp) directly - no dispatcher
+              aoti_torch_cpu_ni_gemv_bf16_v2, ..._int8_v1 (cpu_gemv.cpp, cpu_gemv_int8.cpp) directly - no dispatcher
     build:    the sources a graph calls -> <graph>.gemv.so next to the graph (g++, the compiler Inductor uses),
               for one ISA level (ISAS); the level is recorded and checked against the CPU at load
     load:     the .so is loaded with RTLD_GLOBAL before the graph, so the graph's undefined symbols resolve to it
 
 Each op's eager implementation is the reference (fp32 matmul of the same values, times the int8 scale, rounded
-once to bf16): the slow twin the tests compare the kernel with. The "_v1" is part of the C symbol and must change
-with the kernel's contract (arguments, result, numerics): the first library loaded in a process serves every graph
-calling that symbol, so two libraries under one name must be interchangeable.
-The bf16 kernel needs AVX512-BF16; the int8 kernel AVX-512 (F, BW, VL) or AVX2 + FMA. Elsewhere linears stay
-Inductor-generated reductions (bf16) or the quantized module's own matmul (int8).
+once to bf16): the slow twin the tests compare the kernel with. The "_v1"/"_v2" is part of the C symbol and must
+change with the kernel's contract (arguments, result, numerics, rows accepted): the first library loaded in a
+process serves every graph calling that symbol, so two libraries under one name must be interchangeable (bf16 _v2:
+1-8 rows, on every ISA level).
+Both kernels have a path for every ISA level: the bf16 one uses AVX512-BF16 dot products at that level and AVX2 +
+FMA (bf16 widened to fp32) below it; the int8 one AVX-512 (F, BW, VL) or AVX2 + FMA. Without AVX2 + FMA linears
+stay Inductor-generated reductions (bf16) or the quantized module's own matmul (int8).
 """
 from __future__ import annotations
 
@@ -29,21 +31,21 @@ import torch
 
 from neuron_infer.errors import ArtifactError, NeuronInferError
 
-MAX_ROWS = 5  # the bf16 C kernel is instantiated for 1..5 input rows
+MAX_ROWS = 8  # the bf16 C kernel is instantiated for 1..8 input rows
 INT8_MAX_ROWS = 8  # the int8 C kernel for 1..8
 SOURCES = {"bf16": Path(__file__).with_name("cpu_gemv.cpp"), "int8": Path(__file__).with_name("cpu_gemv_int8.cpp")}
 LIB_SUFFIX = ".gemv.so"
-_SYMBOLS = {"bf16": "aoti_torch_cpu_ni_gemv_bf16_v1", "int8": "aoti_torch_cpu_ni_gemv_int8_v1"}
+_SYMBOLS = {"bf16": "aoti_torch_cpu_ni_gemv_bf16_v2", "int8": "aoti_torch_cpu_ni_gemv_int8_v1"}
 # ISA levels, highest first: the /proc/cpuinfo flags each needs and the compiler flags it is built with.
 ISAS = ("avx512-bf16", "avx512", "avx2")
 _CPU_FLAGS = {"avx512-bf16": ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "fma"),
               "avx512": ("avx512f", "avx512bw", "avx512vl", "fma"), "avx2": ("avx2", "fma")}
 _CC_FLAGS = {"avx512-bf16": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma"],
              "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma"], "avx2": ["-mavx2", "-mfma"]}
-LEGACY_ISA = "avx512-bf16"  # sidecars without an "isa" entry hold the bf16 kernel
+LEGACY_ISA = "avx512-bf16"  # sidecars without an "isa" entry hold the AVX512-BF16 bf16 kernel
 
 
-@torch.library.custom_op("neuron_infer::ni_gemv_bf16_v1", mutates_args=())
+@torch.library.custom_op("neuron_infer::ni_gemv_bf16_v2", mutates_args=())
 def gemv_bf16(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [R, K] bf16, w [N, K] bf16 -> x @ w.T [R, N] bf16 (fp32 accumulation, one rounding). The reference."""
     return (x.float() @ w.float().t()).to(torch.bfloat16)
@@ -68,13 +70,13 @@ def _(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 C_SHIMS = {
-    torch.ops.neuron_infer.ni_gemv_bf16_v1.default: [
+    torch.ops.neuron_infer.ni_gemv_bf16_v2.default: [
         f"AOTITorchError {_SYMBOLS['bf16']}(AtenTensorHandle x, AtenTensorHandle w, AtenTensorHandle* ret0)"],
     torch.ops.neuron_infer.ni_gemv_int8_v1.default: [
         (f"AOTITorchError {_SYMBOLS['int8']}(AtenTensorHandle x, AtenTensorHandle q, AtenTensorHandle scale, "
          "AtenTensorHandle* ret0)")],
 }
-OPS = {"bf16": torch.ops.neuron_infer.ni_gemv_bf16_v1.default, "int8": torch.ops.neuron_infer.ni_gemv_int8_v1.default}
+OPS = {"bf16": torch.ops.neuron_infer.ni_gemv_bf16_v2.default, "int8": torch.ops.neuron_infer.ni_gemv_int8_v1.default}
 
 
 @lru_cache(maxsize=1)
@@ -99,15 +101,13 @@ def cpu_isa() -> str | None:
 
 
 def supported() -> bool:
-    """True on x86-64 Linux CPUs with AVX512-BF16 (the bf16 kernel's instructions)."""
-    return has_isa("avx512-bf16")
+    """True on x86-64 Linux CPUs where the bf16 kernel runs (any ISA level: AVX2 + FMA at least)."""
+    return "bf16" in kernels_for(cpu_isa())
 
 
 def kernels_for(isa: str | None) -> tuple[str, ...]:
-    """The kernels ("bf16", "int8") a library built for `isa` provides."""
-    if isa is None:
-        return ()
-    return ("bf16", "int8") if isa == "avx512-bf16" else ("int8",)
+    """The kernels ("bf16", "int8") a library built for `isa` provides: both at every level (None: none)."""
+    return () if isa is None else ("bf16", "int8")
 
 
 def build(out: Path, kernels: tuple[str, ...], isa: str = LEGACY_ISA) -> Path:

@@ -13,8 +13,11 @@ The draft is either
 Artifact additions:
     weights/draft_rank0.safetensors   the draft tensors that differ from the target's (a float truncated self-draft
                                       of a float target stores nothing: every tensor is the target's, shared in memory)
+                                      At tp > 1 the draft is replicated: this one file serves every rank, and only
+                                      the norms (whole on every rank) are shared with the target's shard.
     graphs/draft_context_t{T}_s{T}, draft_tokengen_t{1,2}_s{S}, verify_t{K+1}_s{S}   (unfused host loop)
     graphs/fused_{greedy,sample}_k{K}_s{S}                                        (--fused-speculation)
+    (at tp > 1 under graphs/rank{r}/ on CPU: rank r's target shard with the whole draft, which has no collectives)
 With `--draft-model ngram` (prompt lookup) only the verify graphs are added: no draft weights, no draft graphs.
     manifest.extra["speculation"]     draft config, quantization report, shared tensor names, graph names
 """
@@ -23,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -51,8 +55,6 @@ def check_speculation(cfg: ModelConfig, build: BuildConfig) -> None:
         raise ConfigError(f"--draft-layers {spec.draft_layers} must be in 1..{cfg.num_layers} (the target's layers)")
     if spec.length + 1 > build.max_length:
         raise ConfigError(f"--speculation-length {spec.length} needs --max-length >= {spec.length + 1}")
-    if build.tp_degree != 1:
-        raise ConfigError("speculative decoding is implemented for --tp-degree 1; drop --tp-degree or --draft-model")
 
 
 def check_same_vocab(target_dir: Path, draft_dir: Path, cfg: ModelConfig, dcfg: ModelConfig) -> None:
@@ -109,11 +111,13 @@ def build_draft(model_dir: Path, cfg: ModelConfig, build: BuildConfig) -> tuple[
 
 
 # ---- draft weights: stored once, tensors equal to the target's shared ---------------------------------------------
-def save_draft_weights(draft: LlamaModel, target: LlamaModel, path: Path) -> list[str]:
-    """Write the draft tensors that differ from the target's; return the names taken from the target."""
+def save_draft_weights(draft: LlamaModel, target: LlamaModel, path: Path,
+                       shareable: Callable[[str], bool] = lambda name: True) -> list[str]:
+    """Write the draft tensors that differ from the target's; return the names taken from the target. At tp > 1
+    `target` is rank 0's shard and `shareable` admits only tensors every rank holds whole (the norms)."""
     tstate, shared, own = target.state_dict(), [], {}
     for name, t in draft.state_dict().items():
-        ref = tstate.get(name)
+        ref = tstate.get(name) if shareable(name) else None
         if ref is not None and ref.dtype == t.dtype and ref.shape == t.shape and torch.equal(ref, t):
             shared.append(name)
         else:
@@ -124,6 +128,16 @@ def save_draft_weights(draft: LlamaModel, target: LlamaModel, path: Path) -> lis
     path.parent.mkdir(parents=True, exist_ok=True)
     save_file(own, str(path))
     return sorted(shared)
+
+
+def load_draft_weights(draft: LlamaModel, target: LlamaModel, path: Path, shared: list[str]) -> None:
+    """Fill a meta-device draft skeleton: its own file plus the target's tensors named in `shared` (same memory)."""
+    from neuron_infer.compile.weights import assign_state, read_packed
+
+    state = read_packed(path, "draft weights")
+    tstate = target.state_dict()
+    state.update({n: tstate[n] for n in shared})
+    assign_state(draft, state, f"draft weights {path} do not match the manifest's draft model")
 
 
 # ---- graphs ---------------------------------------------------------------------------------------------------
@@ -143,23 +157,47 @@ def _step_args(cache: CacheShape, t: int, attend: int, b: int, idx_all: bool) ->
     return args
 
 
-def planned_spec_graphs(target: LlamaModel, draft: LlamaModel, build: BuildConfig) -> dict[str, tuple]:
-    """name -> (module, example_args) of every speculation graph a build compiles."""
-    k, layout, out, b = build.speculation.length, spec_cache_layout(target, draft, build), {}, build.batch_size
-    for t in build.context_bucket_list:
-        step = BucketStep(draft, t)
-        out["draft_" + graph_name("context", t, t)] = (step, _step_args(layout.draft, t, t, 1, False))
+@dataclass(frozen=True)
+class SpecGraph:
+    """One speculation graph of a build: which model runs (role) on what static shapes."""
+
+    name: str
+    role: str  # "draft" (the draft alone) | "verify" (the target over K+1 tokens) | "fused" (the whole step)
+    tokens: int  # T (fused: K)
+    attend: int  # S
+    batch: int
+    sample: bool = False  # fused: the sampling rule (else greedy)
+
+
+def spec_graph_list(build: BuildConfig, draft: bool = True) -> list[SpecGraph]:
+    """Every speculation graph a build compiles (draft=False: prompt lookup, the verify graphs only)."""
+    k, b, out = build.speculation.length, build.batch_size, []
+    if draft:
+        out += [SpecGraph("draft_" + graph_name("context", t, t), "draft", t, t, 1)
+                for t in build.context_bucket_list]
     for s in build.tokengen_bucket_list:
         if s < k + 2:
             continue  # a step at position >= 1 needs p + K + 1 <= s slots
-        for t in (1, 2):
-            step = BucketStep(draft, s)
-            out["draft_" + graph_name("tokengen", t, s)] = (step, _step_args(layout.draft, t, s, b, False))
-        out[graph_name("verify", k + 1, s)] = (BucketStep(target, s), _step_args(layout.target, k + 1, s, b, True))
-        if build.speculation.fused:
-            for sample in (False, True):
-                out[fused_graph_name(k, s, sample)] = (FusedSpecStep(target, draft, k, s, layout, sample),
-                                                       fused_example_args(layout, k, b, s))
+        if draft:
+            out += [SpecGraph("draft_" + graph_name("tokengen", t, s), "draft", t, s, b) for t in (1, 2)]
+        out.append(SpecGraph(graph_name("verify", k + 1, s), "verify", k + 1, s, b))
+        if draft and build.speculation.fused:
+            out += [SpecGraph(fused_graph_name(k, s, sample), "fused", k, s, b, sample=sample)
+                    for sample in (False, True)]
+    return out
+
+
+def planned_spec_graphs(target: LlamaModel, draft: LlamaModel, build: BuildConfig) -> dict[str, tuple]:
+    """name -> (module, example_args) of every speculation graph a build compiles."""
+    k, layout, out = build.speculation.length, spec_cache_layout(target, draft, build), {}
+    for g in spec_graph_list(build):
+        if g.role == "draft":
+            out[g.name] = (BucketStep(draft, g.attend), _step_args(layout.draft, g.tokens, g.attend, g.batch, False))
+        elif g.role == "verify":
+            out[g.name] = (BucketStep(target, g.attend), _step_args(layout.target, g.tokens, g.attend, g.batch, True))
+        else:
+            out[g.name] = (FusedSpecStep(target, draft, k, g.attend, layout, g.sample),
+                           fused_example_args(layout, k, g.batch, g.attend))
     return out
 
 
@@ -167,31 +205,55 @@ def planned_verify_graphs(target: LlamaModel, build: BuildConfig) -> dict[str, t
     """name -> (module, example_args) of the target's verify graphs alone (prompt lookup: no draft model)."""
     from neuron_infer.compile.builder import cache_shape
 
-    k, cache = build.speculation.length, cache_shape(target, build)
-    return {graph_name("verify", k + 1, s): (BucketStep(target, s),
-                                             _step_args(cache, k + 1, s, build.batch_size, True))
-            for s in build.tokengen_bucket_list if s >= k + 2}
+    cache = cache_shape(target, build)
+    return {g.name: (BucketStep(target, g.attend), _step_args(cache, g.tokens, g.attend, g.batch, True))
+            for g in spec_graph_list(build, draft=False)}
+
+
+def prepare_speculation(model_dir: Path, cfg: ModelConfig, build: BuildConfig, target: LlamaModel, out_dir: Path,
+                        shareable: Callable[[str], bool] = lambda name: True) -> tuple[LlamaModel | None, dict]:
+    """Check the config, build the draft and save its weights into `out_dir` (the artifact being written) ->
+    (draft, manifest info); (None, info) for prompt lookup (`--draft-model ngram`: no draft, no draft weights).
+    `target`: the target model (rank 0's shard at tp > 1, see save_draft_weights)."""
+    check_speculation(cfg, build)
+    if build.speculation.is_ngram:
+        return None, {"source": "ngram", "ngram_size": build.speculation.ngram}
+    draft, info = build_draft(Path(model_dir), cfg, build)
+    info["shared"] = save_draft_weights(draft, target, out_dir / DRAFT_WEIGHTS, shareable)
+    return draft, info
+
+
+def planned_speculation(target: LlamaModel, draft: LlamaModel | None, build: BuildConfig) -> dict[str, tuple]:
+    """name -> (module, example_args) of every speculation graph: the verify graphs alone without a draft."""
+    return planned_verify_graphs(target, build) if draft is None else planned_spec_graphs(target, draft, build)
+
+
+def compile_spec_graphs(target: LlamaModel, draft: LlamaModel | None, build: BuildConfig, backend,
+                        graphs_dir: Path, say: Progress) -> dict:
+    """Compile the speculation graphs of one rank's target (and the whole draft) into `graphs_dir` -> metadata."""
+    meta = {}
+    graphs_dir.mkdir(parents=True, exist_ok=True)
+    for name, (module, args) in steps(planned_speculation(target, draft, build).items(),
+                                      "compiling speculation graph", say,
+                                      lambda item: f"{item[0]} ({backend.name})", unit="graph"):
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            m = backend.compile_graph(module, args, graphs_dir, name)
+        meta[name] = {"kind": name.split("_t")[0].split("_k")[0], "seconds": round(time.perf_counter() - t0, 3), **m}
+    return meta
+
+
+def speculation_extra(info: dict, build: BuildConfig, graph_names) -> dict:
+    """The manifest's extra["speculation"] entry."""
+    return {"speculation": {**info, "length": build.speculation.length, "fused": build.speculation.fused,
+                            "graphs": sorted(graph_names)}}
 
 
 def compile_speculation(model_dir: Path, cfg: ModelConfig, build: BuildConfig, target: LlamaModel, backend,
                         out_dir: Path, say: Progress) -> tuple[dict, dict]:
-    """Build the draft, save its weights and compile the speculation graphs into `out_dir` (the artifact being
-    written). Returns (graphs metadata to merge into the manifest's graphs, {"speculation": ...} for extra).
+    """tp = 1: build the draft, save its weights and compile the speculation graphs into `out_dir` (the artifact
+    being written). Returns (graphs metadata to merge into the manifest's graphs, {"speculation": ...} for extra).
     Prompt lookup (`--draft-model ngram`) compiles the verify graphs only: no draft, no draft weights."""
-    check_speculation(cfg, build)
-    if build.speculation.is_ngram:
-        info = {"source": "ngram", "ngram_size": build.speculation.ngram}
-        plan, meta = planned_verify_graphs(target, build), {}
-    else:
-        draft, info = build_draft(Path(model_dir), cfg, build)
-        info["shared"] = save_draft_weights(draft, target, out_dir / DRAFT_WEIGHTS)
-        plan, meta = planned_spec_graphs(target, draft, build), {}
-    (out_dir / "graphs").mkdir(parents=True, exist_ok=True)
-    for name, (module, args) in steps(plan.items(), "compiling speculation graph", say,
-                                      lambda item: f"{item[0]} ({backend.name})", unit="graph"):
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            m = backend.compile_graph(module, args, out_dir / "graphs", name)
-        meta[name] = {"kind": name.split("_t")[0].split("_k")[0], "seconds": round(time.perf_counter() - t0, 3), **m}
-    info.update({"length": build.speculation.length, "fused": build.speculation.fused, "graphs": sorted(meta)})
-    return meta, {"speculation": info}
+    draft, info = prepare_speculation(model_dir, cfg, build, target, out_dir)
+    meta = compile_spec_graphs(target, draft, build, backend, out_dir / "graphs", say)
+    return meta, speculation_extra(info, build, meta)

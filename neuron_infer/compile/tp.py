@@ -122,16 +122,20 @@ def compile_tp_model(model_dir: str | Path, out_dir: str | Path, build: BuildCon
     say(f"tensor parallelism: {plan.summary()}")
     with atomic_directory(Path(out_dir), overwrite, source_dirs(model_dir, build)) as tmp:
         state = load_checkpoint(model_dir, cfg)
-        records, quant, graphs = _write_ranks(cfg, build, plan, state, model_dir, tmp, be, say)
+        records, quant, graphs, spec = _write_ranks(cfg, build, plan, state, model_dir, tmp, be, say)
         if be_name == "neuron":
             from neuron_infer.compile.neuron_tp import compile_neuron_tp_graphs
 
-            graphs = compile_neuron_tp_graphs(tmp, cfg, build, plan, say)
+            graphs = compile_neuron_tp_graphs(tmp, cfg, build, plan, say, spec)
         extra = {
             "tp_plan": plan.to_dict(), "tp_rank_weights": records, "tp_backend_note": note,
             "tp_full_sharded_bytes": full_sharded_bytes(cfg, build, state),
             "quant": quant[0] if build.quant.scheme == "none" else {**quant[0], "per_rank": quant},
         }
+        if build.speculation is not None:
+            from neuron_infer.compile.spec_builder import speculation_extra
+
+            extra.update(speculation_extra(spec[1], build, [n for n in graphs if _is_spec_graph(n)]))
         del state
         copy_tokenizer(model_dir, tmp / "tokenizer")
         extra["compile_seconds"] = round(time.perf_counter() - t_start, 3)
@@ -154,26 +158,43 @@ def _tp_graph_builder(be_name: str, get_backend) -> tuple[object | None, str]:
     return get_backend(be_name), CPU_TP_NOTE
 
 
-def _write_ranks(cfg, build, plan, state, model_dir, tmp: Path, be, say: Progress) -> tuple[list, list, dict]:
-    """Every rank's weight file (and, with a per-rank backend, its graphs): (byte records, quant reports, graphs)."""
+def _write_ranks(cfg, build, plan, state, model_dir, tmp: Path, be, say: Progress
+                 ) -> tuple[list, list, dict, tuple | None]:
+    """Every rank's weight file (and, with a per-rank backend, its graphs): (byte records, quant reports, graphs,
+    (draft model or None, speculation info) when the build speculates, else None). The draft is built and saved
+    once (replicated: every rank runs the whole draft, see docs/speculation.md); its graphs join each rank's."""
     from neuron_infer.compile.builder import compile_graphs
 
-    records, quant, graphs = [], [], {}
+    records, quant, graphs, spec = [], [], {}, None
     for r in range(plan.tp):
         model, q = build_rank_model(cfg, build, plan, r, state, model_dir)
         nbytes = save_rank_weights(model, tmp / "weights" / f"rank{r}.safetensors")
         records.append(rank_weight_record(model, r, nbytes))
         quant.append(q)
+        if r == 0 and build.speculation is not None:
+            from neuron_infer.compile.spec_builder import prepare_speculation
+
+            spec = prepare_speculation(model_dir, cfg, build, model, tmp, _replicated)
         if be is not None:
             rank_say = (lambda m, r=r: say(f"rank {r}: {m}"))
             graphs = _merge_graphs(graphs, compile_graphs(model, build, be, tmp / "graphs" / f"rank{r}", rank_say))
+            if spec is not None:
+                from neuron_infer.compile.spec_builder import compile_spec_graphs
+
+                meta = compile_spec_graphs(model, spec[0], build, be, tmp / "graphs" / f"rank{r}", rank_say)
+                graphs = _merge_graphs(graphs, meta)
         del model
-    return records, quant, graphs
+    return records, quant, graphs, spec
+
+
+def _is_spec_graph(name: str) -> bool:
+    return name.startswith(("draft_", "verify_", "fused_"))
 
 
 def _merge_graphs(graphs: dict, rank_graphs: dict) -> dict:
     """Graph records keyed by name; per-rank files and compile seconds are listed in rank order."""
     for name, meta in rank_graphs.items():
-        entry = graphs.setdefault(name, {k: meta[k] for k in ("kind", "tokens", "attend", "batch")} | {"ranks": []})
-        entry["ranks"].append({k: v for k, v in meta.items() if k not in ("kind", "tokens", "attend", "batch")})
+        shared = ("kind", "tokens", "attend", "batch")
+        entry = graphs.setdefault(name, {k: meta[k] for k in shared if k in meta} | {"ranks": []})
+        entry["ranks"].append({k: v for k, v in meta.items() if k not in shared})
     return graphs

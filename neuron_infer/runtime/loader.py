@@ -7,7 +7,8 @@ An Engine is one rank's graphs and KV cache. For a tensor-parallel CPU artifact 
 or one vLLM worker per rank) loads only its own shard (weights/rank{r}.safetensors, graphs/rank{r}) and a cache of
 its local KV heads; a Neuron tensor-parallel artifact is loaded once in-process (neuronx-distributed drives every
 NeuronCore of the group). With a draft model compiled in, `engine.spec` is the SpecEngine over the target and draft
-(tp = 1 only); otherwise it is None.
+(at tp > 1: this rank's target shard and the whole, replicated draft), with `--draft-model ngram` an NgramSpec;
+otherwise it is None.
 """
 from __future__ import annotations
 
@@ -59,7 +60,7 @@ def load_rank(artifact: str | Path, rank: int = 0, manifest: Manifest | None = N
         if manifest.backend == "neuron":  # NxD runs the ranks on NeuronCores from this one process
             from neuron_infer.compile.neuron_tp import load_neuron_tp_engine
 
-            return load_neuron_tp_engine(root, manifest, plan)
+            return load_neuron_tp_engine(root, manifest, plan, spec_mode)
         model = empty_model(manifest.model, build, rank_layout(plan.ranks[rank]), tp_ops(build.kernels))
         graphs_dir = root / "graphs" / f"rank{rank}"
     quant_structure(model, build)
@@ -73,7 +74,7 @@ def load_rank(artifact: str | Path, rank: int = 0, manifest: Manifest | None = N
         cache = cache.with_blocks(budget_blocks(cache, build, kv_cache_gib))
     engine = Engine(_load_graphs(manifest.backend, graphs_dir, modules), build, cache, manifest.model.vocab_size)
     if build.speculation is not None:
-        engine.spec = load_speculation(root, manifest, model, engine, spec_mode)
+        engine.spec = load_speculation(root, manifest, model, engine, spec_mode, graphs_dir)
     return engine
 
 
@@ -85,21 +86,12 @@ def _load_graphs(backend: str, graphs_dir: Path, modules: dict) -> dict:
 
 
 # ---- speculation: the draft model and the extra graphs ---------------------------------------------------------
-def load_draft_weights(draft: LlamaModel, target: LlamaModel, path: Path, shared: list[str]) -> None:
-    """Fill a meta-device draft skeleton: its own file plus the target's tensors named in `shared` (same memory)."""
-    from neuron_infer.compile.weights import assign_state, read_packed
-
-    state = read_packed(path, "draft weights")
-    tstate = target.state_dict()
-    state.update({n: tstate[n] for n in shared})
-    assign_state(draft, state, f"draft weights {path} do not match the manifest's draft model")
-
-
 def load_speculation(root: Path, manifest: Manifest, target: LlamaModel, target_engine: Engine,
-                     mode: str | None = None) -> SpecEngine | NgramSpec:
+                     mode: str | None = None, graphs_dir: Path | None = None) -> SpecEngine | NgramSpec:
     """The SpecEngine of an artifact (mode: 'fused' if compiled with --fused-speculation, else 'unfused'), or the
-    NgramSpec of a prompt-lookup artifact (`--draft-model ngram`; mode 'ngram', the host loop)."""
-    from neuron_infer.compile.spec_builder import DRAFT_WEIGHTS, planned_spec_graphs
+    NgramSpec of a prompt-lookup artifact (`--draft-model ngram`; mode 'ngram', the host loop). `target`: this
+    rank's target model; `graphs_dir`: this rank's graphs (root/graphs at tp = 1)."""
+    from neuron_infer.compile.spec_builder import DRAFT_WEIGHTS, load_draft_weights, planned_spec_graphs
     from neuron_infer.compile.weights import empty_model
 
     build, info = manifest.build, manifest.extra.get("speculation")
@@ -109,18 +101,18 @@ def load_speculation(root: Path, manifest: Manifest, target: LlamaModel, target_
         from neuron_infer.compile.spec_builder import planned_verify_graphs
 
         modules = {name: module for name, (module, _) in planned_verify_graphs(target, build).items()}
-        graphs = _load_graphs(manifest.backend, Path(root) / "graphs", modules)
+        graphs = _load_graphs(manifest.backend, graphs_dir or Path(root) / "graphs", modules)
         if mode == "fused":
             raise ArtifactError(f"{root}: prompt-lookup speculation (--draft-model ngram) runs the host loop only")
         return NgramSpec(target_engine, graphs, build.speculation.length, build.speculation.ngram)
-    draft = empty_model(ModelConfig.from_dict(info["config"]), build)
+    draft = empty_model(ModelConfig.from_dict(info["config"]), build)  # whole on every rank: no collectives
     if info["quant"]["scheme"] != "none":
         from neuron_infer.quant import apply_quantization
 
         apply_quantization(draft, QuantConfig(scheme=info["quant"]["scheme"]), structure_only=True)
     load_draft_weights(draft, target, Path(root) / DRAFT_WEIGHTS, info["shared"])
     modules = {name: module for name, (module, _) in planned_spec_graphs(target, draft, build).items()}
-    graphs = _load_graphs(manifest.backend, Path(root) / "graphs", modules)
+    graphs = _load_graphs(manifest.backend, graphs_dir or Path(root) / "graphs", modules)
     return assemble_spec(target_engine, draft, graphs, build, mode or ("fused" if build.speculation.fused
                                                                          else "unfused"))
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -86,11 +86,14 @@ class NgramSpec:
             st = self.states[seq] = SeqState()
         return st
 
-    def plan(self, seqs: list) -> list[list[int]]:
-        """Each sequence's drafts for this step ([] = none); all empty means a plain step."""
+    def plan(self, seqs: list, agree: Callable[[torch.Tensor], torch.Tensor] | None = None) -> list[list[int]]:
+        """Each sequence's drafts for this step ([] = none); all empty means a plain step. The draft lengths depend
+        on this process's measured step times, so tensor-parallel ranks use rank 0's (`agree`)."""
         drafts = [propose(s.tokens, self.ngram_size, self.k) for s in seqs]
         views = [RowView(len(d), self.state(s).rate, self.state(s).idle) for s, d in zip(seqs, drafts)]
         ks = plan_step(views, self.k, self.clock.ratio)
+        if agree is not None:
+            ks = agree(torch.tensor(ks, dtype=torch.int64)).tolist()  # [m] rank 0's draft lengths
         for s, k in zip(seqs, ks):
             if k == 0:
                 self.state(s).update(0, 0)
@@ -121,10 +124,16 @@ class NgramSpec:
         return out  # [B, K+1, V]
 
 
-def accept(logits: torch.Tensor, draft: list[int], sampling: SamplingConfig, gen: torch.Generator | None
-           ) -> list[int]:
+def accept_uniforms(k: int) -> int:
+    """Uniforms one sequence's sampled acceptance of k drafts uses: k acceptance tests, k+1 resample/bonus draws."""
+    return 2 * k + 1
+
+
+def accept(logits: torch.Tensor, draft: list[int], sampling: SamplingConfig, gen: torch.Generator | None,
+           u: torch.Tensor | None = None) -> list[int]:
     """One sequence's tokens from its verify logits [>= k+1, V] and its k drafts: the accepted drafts and one
-    target token (greedy: the target's argmax; sampling: the point-mass rejection rule, uniforms from `gen`)."""
+    target token (greedy: the target's argmax; sampling: the point-mass rejection rule with the uniforms u [2k+1],
+    drawn from `gen` when not given)."""
     k = len(draft)
     d = torch.tensor([draft], dtype=torch.int64)  # [1, k]
     lg = logits[: k + 1].unsqueeze(0)  # [1, k+1, V]
@@ -133,6 +142,6 @@ def accept(logits: torch.Tensor, draft: list[int], sampling: SamplingConfig, gen
     else:
         p = processed_probs(lg, sampling)  # [1, k+1, V]
         q = torch.nn.functional.one_hot(d, lg.shape[-1]).to(p.dtype)  # [1, k, V]: the point mass on each draft
-        u = torch.rand(2 * k + 1, generator=gen)  # [2k+1]: k acceptance tests, k+1 resample/bonus draws
-        tokens, counts = speculative_verify(d, q, p, u[None, :k], u[None, k:])
+        u = torch.rand(accept_uniforms(k), generator=gen) if u is None else u  # [2k+1]
+        tokens, counts = speculative_verify(d, q, p, u[None, :k], u[None, k: 2 * k + 1])
     return tokens[0, : int(counts[0])].tolist()

@@ -22,8 +22,22 @@ Prompt lookup (`--draft-model ngram`, an NgramSpec): drafts are copied from each
 may mix sampling rules; `runtime/ngram.py` decides per step which sequences draft how many tokens (all none: a plain
 step through the batch buckets), one verify graph checks them (`_lookup`).
 
-Tensor parallelism: `agree` maps each step's sampled tokens to the ones every rank uses (rank 0's, broadcast): the
-logits are identical everywhere (vocab all-gather), but an unseeded generator is seeded from OS entropy per process.
+Tensor parallelism: every rank runs this runner on identical logits (the vocab all-gather hands each rank the whole
+row), but an unseeded generator is seeded from OS entropy per process, so each random draw is made the same on every
+rank by `agree` (rank 0's tensor, broadcast):
+    plain step / prefill   the sampled tokens [n]
+    draft-model step       the step's uniforms [B, 3K+1], before the step: the draft (whole on every rank, see
+                           docs/speculation.md) samples its K tokens from them inside the step, and those drafts are
+                           the target's input on every rank, so they must be equal before the target pass runs;
+                           agreeing on the accepted tokens afterwards would come too late (a rank that drafted
+                           other tokens has already fed them to the collectives and written their K/V)
+    prompt-lookup step     the draft lengths [m] (`NgramSpec.plan` weighs measured step times, which differ per
+                           process), then each sequence's acceptance uniforms [m, 2K+1]: the drafts come from the
+                           sequence's own tokens (equal everywhere), so equal uniforms give equal accepted tokens
+Greedy steps draw nothing (argmax of equal logits). Uniforms rather than tokens for both kinds of speculative step:
+one rule, and with a seed every rank's generator already draws rank 0's numbers, so a seeded draft-model run emits
+the tokens of tp = 1 up to the float differences of the sharded sums. (A seeded prompt-lookup run is not
+reproducible even at tp = 1: its draft lengths, and so the uniforms it draws, follow measured step times.)
 """
 from __future__ import annotations
 
@@ -36,14 +50,14 @@ from neuron_infer.config import SamplingConfig
 from neuron_infer.errors import NeuronInferError
 from neuron_infer.runtime.engine import Engine
 from neuron_infer.runtime.metrics import Metrics
-from neuron_infer.runtime.ngram_spec import NgramSpec, accept
+from neuron_infer.runtime.ngram_spec import NgramSpec, accept, accept_uniforms
 from neuron_infer.runtime.sampling import draw_uniforms, sample_rows, token_history, token_logprobs
 from neuron_infer.runtime.scheduler import Scheduler
 from neuron_infer.runtime.sequence import Sequence
 from neuron_infer.runtime.spec_engine import SpecEngine
 from neuron_infer.runtime.spec_step import uniforms_width
 
-Agree = Callable[[torch.Tensor], torch.Tensor]  # [n] sampled here -> [n] the tokens every rank uses
+Agree = Callable[[torch.Tensor], torch.Tensor]  # a tensor drawn here -> rank 0's (same shape) on every rank
 
 
 class Runner:
@@ -57,9 +71,6 @@ class Runner:
         spec = engine if isinstance(engine, (SpecEngine, NgramSpec)) else engine.spec
         self.engine = spec.target if spec is not None else engine
         self.spec, self.agree, self.on_logits = spec, agree, on_logits
-        if self.spec is not None and agree is not None:
-            raise NeuronInferError("speculative decoding runs at tensor-parallel degree 1 only; serve the speculative "
-                                   "artifact with --tensor-parallel-size 1")
         self.keep_step_counts = keep_step_counts  # per (step, sequence) emitted counts: bounded runs only
         self.batch, self.max_length = engine.build.batch_size, engine.build.max_length
         pool = self.engine.pool
@@ -162,14 +173,20 @@ class Runner:
 
     def _lookup(self, scheduled: list[Sequence], rows: dict[int, list[int]]) -> dict[Sequence, list[int]] | None:
         """A prompt-lookup step (None: no sequence drafts this step, take a plain step)."""
-        drafts = self.spec.plan(scheduled)  # [] per sequence without a draft this step
+        drafts = self.spec.plan(scheduled, self.agree)  # [] per sequence without a draft this step
         if not any(drafts):
             return None
         logits = self.spec.verify_logits(rows, {s.row: d for s, d in zip(scheduled, drafts)})  # [B, K+1, V]
+        u = torch.zeros(len(scheduled), accept_uniforms(self.spec.k))  # [m, 2K+1]
+        for i, (s, d) in enumerate(zip(scheduled, drafts)):
+            if not s.sampling.greedy:  # each sequence draws from its own generator
+                u[i, : accept_uniforms(len(d))] = torch.rand(accept_uniforms(len(d)), generator=s.generator)
+        if self.agree is not None and not all(s.sampling.greedy for s in scheduled):
+            u = self.agree(u)
         st, out = self.stats, {}
         st.spec_steps += 1
-        for s, d in zip(scheduled, drafts):
-            toks = accept(logits[s.row], d, s.sampling, s.generator)
+        for i, (s, d) in enumerate(zip(scheduled, drafts)):
+            toks = accept(logits[s.row], d, s.sampling, s.generator, u[i, : accept_uniforms(len(d))])
             self.spec.state(s).update(len(d), len(toks) - 1)
             st.drafted += len(d)
             st.accepted += len(toks) - 1
@@ -185,6 +202,8 @@ class Runner:
             u = torch.zeros(self.batch, uniforms_width(k))  # [B, 3K+1]
             for s in scheduled:
                 u[s.row] = torch.rand(u.shape[1], generator=s.generator)
+            if self.agree is not None:
+                u = self.agree(u)
         got = self.spec.step_tokens(rows, rule, u)
         st = self.stats
         st.spec_steps += 1

@@ -16,7 +16,8 @@ Tensor parallelism (`--tensor-parallel-size N`, artifact compiled with tp_degree
 worker per rank and sends every rank the same SchedulerOutput. Worker r loads only shard r (weights/rank{r},
 graphs/rank{r}, the KV cache of its own KV heads); the graphs' all-reduces and logits all-gather run over the gloo
 group vLLM initialised, each rank samples, and rank 0's tokens are broadcast (SlotRunner `agree`), so every rank
-keeps identical request state. vLLM returns rank 0's ModelRunnerOutput. The N ranks share this host's cores, so
+keeps identical request state. A speculative artifact serves the same way: each rank runs the whole draft next to its
+target shard, and the runner agrees on rank 0's uniforms of every sampled speculative step (runtime/runner.py). vLLM returns rank 0's ModelRunnerOutput. The N ranks share this host's cores, so
 each gets cores // N threads. On Neuron (not yet run on hardware) one worker drives the whole group instead: the
 platform selects vLLM's single-worker executor, and CompiledModel.load gives an engine whose graphs run on every
 NeuronCore of the group through neuronx-distributed.
@@ -125,7 +126,7 @@ class NeuronInferWorker(WorkerBase):
                     f", quant {build.quant.scheme}" if build.quant.scheme != "none" else "", rank)
         if build.speculation is not None:
             logger.info("neuron-infer: speculative decoding (%s, draft %s, k=%d): up to %d tokens per request per "
-                        "step", self.compiled.spec.mode, build.speculation.draft_model, build.speculation.length,
+                        "step", self.runner.runner.spec.mode, build.speculation.draft_model, build.speculation.length,
                         build.speculation.length + 1)
 
     def get_kv_cache_spec(self) -> dict:

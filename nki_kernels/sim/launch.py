@@ -3,7 +3,8 @@
 Arguments: NumPy arrays and torch tensors become ``shared_hbm`` tensors that share memory with the caller where
 possible (so in-place writes are visible); results come back as NumPy arrays, or torch tensors if any argument
 was a torch tensor. torch is imported only when a torch tensor is passed. LNC2 runs the body twice (program 0
-then program 1, sequentially) over the same HBM storages.
+and program 1, in two threads) over the same HBM storages; ``simulate_ranks`` runs one launch per rank of a
+collective group, all concurrently.
 """
 from __future__ import annotations
 
@@ -89,56 +90,91 @@ def simulate_kernel(func, args=(), kwargs=None, lnc=None, recorder=None, execute
     instruction. execute=False validates and records without doing the NumPy math (outputs are then None).
     target: "trn1" | "trn2" | "trn3" (default: NEURON_PLATFORM_TARGET_OVERRIDE, else trn3).
     """
-    fn, bracket = _unwrap(func)
-    lnc = lnc if lnc is not None else (bracket if bracket is not None else _default_lnc())
-    tgt = parse_target(target) if target else target_from_env()
-    if lnc not in (None, 1, 2):
-        raise SimulationError(f"lnc must be 1 or 2, got {lnc!r}")
-    if lnc == 2 and tgt.gen < 3:
-        raise SimulationError("LNC2 needs trn2/trn3 (gen3+); trn1 NeuronCores run kernel[1] only")
-    precise = precise_fp_from_env()
-    conv = ArgConverter(precise=precise, execute=execute)
-    shared = runtime.Shared()
-    hbm_args, hbm_kwargs = conv.wrap(tuple(args), dict(kwargs or {}), shared, ShapeSpec)
-    contexts = [runtime.RunContext(target=tgt, recorder=recorder, execute=execute, precise_fp=precise,
-                                   program_id=pid, num_programs=lnc or 1, program_ndim=0 if lnc is None else 1,
-                                   shared=shared) for pid in range(lnc or 1)]
-    results = _run_programs(fn, hbm_args, hbm_kwargs, contexts)
-    for result in results:
-        _check_outputs(result)
-    conv.write_back()
-    return conv.unwrap(results[0]) if execute else None
+    launch = _Launch(func, args, kwargs, lnc, recorder, execute, target)
+    return launch.finish(_run_programs(launch.fn, [launch]))
+
+
+def simulate_ranks(func, rank_kwargs, lnc=None, target=None):
+    """Run ``func`` once per rank of a simulated collective group, all ranks concurrently, and return the list of
+    per-rank outputs. ``rank_kwargs[r]`` holds rank r's keyword arguments; ``nki.collectives`` calls exchange data
+    between the ranks (nki_kernels/sim/collectives.py describes the model)."""
+    from .collectives import World
+    world = World(len(rank_kwargs))
+    launches = [_Launch(func, (), kw, lnc, None, True, target, rank=r, world=world)
+                for r, kw in enumerate(rank_kwargs)]
+    results = _run_programs(launches[0].fn, launches)
+    n = len(results) // len(launches)
+    return [launch.finish(results[i * n:(i + 1) * n]) for i, launch in enumerate(launches)]
+
+
+class _Launch:
+    """One rank's launch: its arguments as HBM tensors and one run context per program instance."""
+
+    def __init__(self, func, args, kwargs, lnc, recorder, execute, target, rank=0, world=None):
+        self.fn, bracket = _unwrap(func)
+        lnc = lnc if lnc is not None else (bracket if bracket is not None else _default_lnc())
+        tgt = parse_target(target) if target else target_from_env()
+        if lnc not in (None, 1, 2):
+            raise SimulationError(f"lnc must be 1 or 2, got {lnc!r}")
+        if lnc == 2 and tgt.gen < 3:
+            raise SimulationError("LNC2 needs trn2/trn3 (gen3+); trn1 NeuronCores run kernel[1] only")
+        precise = precise_fp_from_env()
+        self.execute = execute
+        self.conv = ArgConverter(precise=precise, execute=execute)
+        shared = runtime.Shared()
+        self.args, self.kwargs = self.conv.wrap(tuple(args), dict(kwargs or {}), shared, ShapeSpec)
+        self.contexts = [runtime.RunContext(target=tgt, recorder=recorder, execute=execute, precise_fp=precise,
+                                            program_id=pid, num_programs=lnc or 1,
+                                            program_ndim=0 if lnc is None else 1, shared=shared, rank=rank,
+                                            world=world) for pid in range(lnc or 1)]
+
+    def finish(self, results):
+        for result in results:
+            _check_outputs(result)
+        self.conv.write_back()
+        return self.conv.unwrap(results[0]) if self.execute else None
 
 
 def _run_one(fn, args, kwargs, ctx):
-    shared = ctx.shared
+    shared, world = ctx.shared, ctx.world
     try:
         with runtime.kernel_context(ctx):
             return fn(*args, **kwargs)
     except BaseException:
-        with shared.cond:
-            shared.failed = True
-            shared.cond.notify_all()
+        for sync in (shared, world):
+            if sync is not None:
+                with sync.cond:
+                    sync.failed = True
+                    sync.cond.notify_all()
         raise
     finally:
         with shared.cond:
             shared.finished.add(ctx.program_id)
             shared.cond.notify_all()
+        if world is not None:
+            with world.cond:
+                world.finished.add((ctx.rank, ctx.program_id))
+                world.cond.notify_all()
 
 
-def _run_programs(fn, args, kwargs, contexts):
-    """Program instances run concurrently (one thread each for LNC2) so sendrecv / core_barrier can meet."""
-    if len(contexts) == 1:
-        return [_run_one(fn, args, kwargs, contexts[0])]
-    results, errors = [None] * len(contexts), [None] * len(contexts)
+def _run_programs(fn, launches):
+    """Program instances run concurrently (one thread each for LNC2 or several ranks) so sendrecv, core_barrier
+    and collectives can meet. Results in launch order, then program order."""
+    jobs = [(launch, ctx) for launch in launches for ctx in launch.contexts]
+    if len(jobs) == 1:
+        launch, ctx = jobs[0]
+        return [_run_one(fn, launch.args, launch.kwargs, ctx)]
+    results, errors = [None] * len(jobs), [None] * len(jobs)
 
     def worker(i):
+        launch, ctx = jobs[i]
         try:
-            results[i] = _run_one(fn, args, kwargs, contexts[i])
+            results[i] = _run_one(fn, launch.args, launch.kwargs, ctx)
         except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread below
             errors[i] = exc
 
-    threads = [threading.Thread(target=worker, args=(i,), name=f"nki-program-{i}") for i in range(len(contexts))]
+    threads = [threading.Thread(target=worker, args=(i,), name=f"nki-rank{ctx.rank}-program{ctx.program_id}")
+               for i, (_, ctx) in enumerate(jobs)]
     for t in threads:
         t.start()
     for t in threads:

@@ -55,6 +55,8 @@ class RunContext:
     no_reorder_depth: int = 0    # nesting of ``with nl.no_reorder():`` blocks
     sync_seq: dict = field(default_factory=dict)   # per (kind, pipe) count of this program's cross-core calls
     rng: np.random.Generator = None                # nl.rand state (nl.random_seed resets it)
+    rank: int = 0                                  # this launch's rank in a multi-rank run (nki.collectives)
+    world: object = None                           # collectives.World of a multi-rank run (None: one rank)
 
     def __post_init__(self):
         t = self.target

@@ -184,6 +184,9 @@ class NkiTensor:
     def ap(self, pattern, offset=0, scalar_offset=None, vector_offset=None, indirect_dim=0, dtype=None):
         """Raw access pattern over the underlying storage (not composable with the current view, §3.1).
 
+        ``scalar_offset``: a register or one-element tensor; adds ``value * prod(self.shape[indirect_dim + 1:])``
+        elements (the stride of dim ``indirect_dim`` of this tensor's shape, e.g. of a reshaped view).
+
         ``vector_offset``: a [P, 1] integer SBUF tensor; row i of the pattern's first dim starts at element
         ``offset + vector_offset[i] * prod(storage.shape[1:])`` (the row stride comes from the tensor's shape, not
         the pattern; HBM side of a DMA; ``indirect_dim=0`` only). The indices are read when the DMA runs."""
@@ -198,7 +201,7 @@ class NkiTensor:
             raise SimulationError(f"ap on on-chip tensor {self.name!r}: the first [stride, count] pair is the "
                                   f"partition dim and its stride must be {base.partition_stride()} (the allocation's "
                                   f"free size), got {pattern[0][0]}")
-        start = int(offset) + _scalar_offset(scalar_offset, self.storage.shape, indirect_dim)
+        start = int(offset) + _scalar_offset(scalar_offset, self.shape, indirect_dim)
         if vector_offset is None:
             return NkiTensor(self.storage, dt, start, pattern)
         if self.on_chip or indirect_dim != 0 or scalar_offset is not None:
@@ -302,6 +305,8 @@ def _resolve_shape(shape, size):
 
 
 def _scalar_offset(value, base_shape, indirect_dim) -> int:
+    """Elements a runtime ``scalar_offset`` adds: value * prod(base_shape[indirect_dim + 1:]), base_shape being the
+    shape of the tensor ``ap`` is called on (a reshaped view scales by its own rows, not the allocation's)."""
     if value is None:
         return 0
     if hasattr(value, "value") and not isinstance(value, NkiTensor):   # a VirtualRegister

@@ -1,9 +1,12 @@
-"""The AVX512-BF16 GEMV kernel (compile/cpu_gemv.cpp) against its PyTorch twin, inside real AOTInductor graphs.
+"""The bf16 GEMV kernel (compile/cpu_gemv.cpp) against its PyTorch twin, inside real AOTInductor graphs.
 
-The kernel and the reference both multiply the same bf16 values exactly and accumulate in fp32, then round once to
-bf16; they differ only in summation order (fp32 reassociation, ~1e-6 relative), so after the bf16 rounding almost
-every output is bit-equal and the rest differ by one bf16 step (2^-8 relative). Checked: at least 97% bit-equal
-and all within one step. A kernel dropping the K tail, mixing rows or misreading a stride fails both by far.
+The kernel and the reference both multiply the same bf16 values exactly (a product of two 8-bit significands fits
+fp32) and accumulate in fp32, then round once to bf16; they differ only in summation order (fp32 reassociation,
+~1e-6 relative), so after the bf16 rounding almost every output is bit-equal and the rest differ by one bf16 step
+(2^-8 relative). Checked: at least 97% bit-equal and all within one step. A kernel dropping the K tail, mixing rows
+or misreading a stride fails both by far.
+Every ISA level this CPU has is tested (AVX512-BF16, AVX-512 and AVX2 + FMA: the lower ones forced with gemv_isa),
+rows 1..8, K with and without tails of the 16-element (AVX2) and 32/64-element (AVX512-BF16) blocks, odd N.
 """
 from __future__ import annotations
 
@@ -20,11 +23,14 @@ from neuron_infer.compile import cpu, cpu_gemv
 from neuron_infer.compile.cpu import CpuBackend, CpuCompileOptions
 from neuron_infer.errors import ArtifactError, ConfigError
 from neuron_infer.model.llama import BucketStep
-from tests.compile.test_cpu_backend import S, empty_cache, tg_args, tiny_model
+from tests.compile.test_cpu_backend import T_CTX, S, empty_cache, tg_args, tiny_model
 
-needs_kernel = pytest.mark.skipif(not cpu_gemv.supported(), reason="this CPU has no AVX512-BF16")
-# K: a multiple of 64, 64 + 32 (one half block), a 4-element tail, 9 blocks + a 24-element tail; rows 1..5
-SHAPES = [(1, 70, 64), (2, 33, 96), (3, 1, 100), (4, 130, 600), (5, 48, 576), (1, 257, 31)]  # (R, N, K)
+ISAS = [isa for isa in cpu_gemv.ISAS if cpu_gemv.has_isa(isa)]
+needs_kernel = pytest.mark.skipif(not cpu_gemv.supported(), reason="this CPU has no AVX2 + FMA")
+# (R, N, K), rows 1..8. K: multiples of 64 (64, 576), 64 + 32 (96), tails of 4 (100), 8 (600, 200, 1544), 1 (17),
+# 15 (31) and 5 (K < 16, no whole block); N odd in most, N = 1 once.
+SHAPES = [(1, 70, 64), (2, 33, 96), (3, 1, 100), (4, 130, 600), (5, 48, 576), (6, 9, 1544), (7, 41, 5),
+          (8, 65, 200), (8, 31, 17), (1, 257, 31)]
 
 
 class Linears(torch.nn.Module):
@@ -53,13 +59,13 @@ def reference(module: Linears, xs) -> list[torch.Tensor]:
     return out
 
 
-@pytest.fixture(scope="module")
-def linears(tmp_path_factory):
-    out = tmp_path_factory.mktemp("gemv")
+@pytest.fixture(scope="module", params=ISAS)
+def linears(request, tmp_path_factory):
+    out = tmp_path_factory.mktemp(f"gemv-{request.param}")
     module = Linears().eval()
     with torch.inference_mode():
-        meta = CpuBackend().compile_graph(module, inputs(), out, "lin")
-    return out, module, meta
+        meta = CpuBackend(CpuCompileOptions(gemv_isa=request.param)).compile_graph(module, inputs(), out, "lin")
+    return out, module, meta, request.param
 
 
 def assert_one_rounding_apart(got: torch.Tensor, ref: torch.Tensor) -> None:
@@ -79,8 +85,9 @@ def test_reference_is_fp32_accumulation_rounded_once():
 
 @needs_kernel
 def test_compiled_kernel_equals_reference_on_every_shape(linears):
-    out, module, meta = linears
+    out, module, meta, isa = linears
     assert meta["gemv_kernel"] and "lin.gemv.so" in meta["files"]
+    assert json.loads((out / "lin.json").read_text())["gemv_kernel"]["isa"] == isa
     graph = CpuBackend().load_graph(out, "lin", module)
     with torch.inference_mode():
         got = graph(*inputs())
@@ -91,52 +98,83 @@ def test_compiled_kernel_equals_reference_on_every_shape(linears):
 
 @needs_kernel
 def test_graph_calls_the_c_function_not_the_dispatcher(linears):
-    out, _, _ = linears
+    out = linears[0]
     with zipfile.ZipFile(out / "lin.pt2") as z:
         wrapper = "".join(z.read(n).decode() for n in z.namelist() if n.endswith("wrapper.cpp"))
-    assert wrapper.count("aoti_torch_cpu_ni_gemv_bf16_v1(") >= len(SHAPES)
+    assert wrapper.count("aoti_torch_cpu_ni_gemv_bf16_v2(") >= len(SHAPES)
     assert "proxy_executor_call_function" not in wrapper  # the boxed-dispatcher route AOTI takes otherwise
 
 
+def step_args(k, v, tokens: int):
+    """A step of `tokens` new tokens on both cache rows (1: decode; 4: a verify-like step, 8 rows per linear)."""
+    if tokens == 1:
+        return tg_args(k, v, 0)
+    ids = torch.arange(7, 7 + 2 * tokens).view(2, tokens)  # [R, T]
+    pos = torch.arange(T_CTX, T_CTX + tokens).repeat(2, 1)  # [R, T]
+    return ids, pos, k, v, torch.arange(tokens).repeat(2, 1)  # logits of every token: [R, T]
+
+
 @needs_kernel
-def test_bf16_token_generation_graph_is_as_accurate_as_eager_bf16(tmp_path):
-    """A whole bf16 decode step (2 rows) with the kernel, against the same bf16 weights computed in fp32.
+@pytest.mark.parametrize("tokens", [1, 4])
+def test_bf16_step_graph_is_as_accurate_as_eager_bf16(tmp_path, tokens):
+    """A whole bf16 step (2 or 8 rows per linear) with the kernel, against the same bf16 weights computed in fp32.
 
     Criterion: the graph's logits are no further from that fp32 computation than eager bf16 (F.linear -> oneDNN)
-    is, up to 1.5x (measured here: graph 0.0086, eager 0.0106 max abs on logits of magnitude ~1); a kernel that
-    drops a K tail, mixes rows or misreads a stride is off by O(1).
+    is, up to 1.5x (both round every activation to bf16 between ops); a kernel that drops a K tail, mixes rows or
+    misreads a stride is off by O(1).
     """
     model = tiny_model().to(torch.bfloat16)
     exact = copy.deepcopy(model).float()  # the same (bf16-rounded) weights, fp32 arithmetic
     k, v = (t.to(torch.bfloat16) for t in empty_cache(model))
     with torch.inference_mode():
-        meta = CpuBackend().compile_graph(BucketStep(model, S), tg_args(k, v, 0), tmp_path, "tg")
+        meta = CpuBackend().compile_graph(BucketStep(model, S), step_args(k, v, tokens), tmp_path, "tg")
         graph = CpuBackend().load_graph(tmp_path, "tg", BucketStep(model, S))
-        got = graph(*tg_args(k.clone(), v.clone(), 0)).float()
-        eager = BucketStep(model, S)(*tg_args(k.clone(), v.clone(), 0)).float()
-        ref = BucketStep(exact, S)(*tg_args(k.float(), v.float(), 0))
+        got = graph(*step_args(k.clone(), v.clone(), tokens)).float()
+        eager = BucketStep(model, S)(*step_args(k.clone(), v.clone(), tokens)).float()
+        ref = BucketStep(exact, S)(*step_args(k.float(), v.float(), tokens))
     assert meta["gemv_kernel"]
+    with zipfile.ZipFile(tmp_path / "tg.pt2") as z:
+        wrapper = "".join(z.read(n).decode() for n in z.namelist() if n.endswith("wrapper.cpp"))
+    assert "aoti_torch_cpu_ni_gemv_bf16_v2(" in wrapper
     eager_err = (eager - ref).abs().max().item()
     assert 0 < eager_err < 0.1
     assert (got - ref).abs().max().item() <= 1.5 * eager_err
     assert (got.argmax(-1) == ref.argmax(-1)).all()
 
 
-def test_options_and_unsupported_cpus_keep_the_inductor_reduction(monkeypatch):
-    module, xs = Linears().eval(), inputs()
-    op = torch.ops.neuron_infer.ni_gemv_bf16_v1.default
+def _calls(options: CpuCompileOptions) -> int:
+    program = cpu._export(Linears().eval(), inputs(), options)
+    return sum(node.target is cpu_gemv.OPS["bf16"] for node in program.graph.nodes)
 
-    def calls(options: CpuCompileOptions) -> int:
-        program = cpu._export(module, xs, options)
-        return sum(node.target is op for node in program.graph.nodes)
 
-    assert calls(CpuCompileOptions(gemv_kernel=False)) == 0
-    assert calls(CpuCompileOptions(gemv_max_rows=2)) == (3 if cpu_gemv.supported() else 0)  # the 1- and 2-row ones
-    assert calls(CpuCompileOptions(gemv_isa="avx512")) == 0  # forced below AVX512-BF16
-    monkeypatch.setattr(cpu_gemv, "_cpu_flags", lambda: frozenset({"avx512f", "avx512bw", "avx512vl", "fma"}))
-    assert calls(CpuCompileOptions()) == 0
+def test_options_route_rows_1_to_8_to_the_kernel_at_every_isa_level(monkeypatch):
+    assert _calls(CpuCompileOptions(gemv_kernel=False)) == 0
+    assert _calls(CpuCompileOptions(gemv_max_rows=0)) == 0
+    for flags in ({"avx2", "fma"}, {"avx512f", "avx512bw", "avx512vl", "fma", "avx2"}):
+        monkeypatch.setattr(cpu_gemv, "_cpu_flags", lambda flags=flags: frozenset(flags))
+        assert CpuCompileOptions().uses_kernel
+        assert _calls(CpuCompileOptions()) == len(SHAPES)  # 1..8 rows, whatever gemv_max_rows (> 0) says
+        assert _calls(CpuCompileOptions(gemv_max_rows=2)) == len(SHAPES)
     with pytest.raises(ConfigError, match="gemv_kernel"):
         CpuCompileOptions(gemv_kernel=1)
+
+
+def test_cpus_without_avx2_keep_the_reduction_and_the_gemm_and_their_values(monkeypatch):
+    """No kernel: 1-5 rows are Inductor reductions, 6-8 rows the GEMM; the exported program still computes the
+    linears (checked eagerly against the reference: fp32 sums rounded once, or oneDNN's bf16 GEMM with fp32
+    accumulation; both within the module docstring's criterion)."""
+    monkeypatch.setattr(cpu_gemv, "_cpu_flags", lambda: frozenset({"sse2", "avx"}))
+    assert not CpuCompileOptions().uses_kernel and cpu_gemv.cpu_isa() is None and not cpu_gemv.supported()
+    module, xs = Linears().eval(), inputs()
+    program = cpu._export(module, xs, CpuCompileOptions())
+    assert not any(node.target is cpu_gemv.OPS["bf16"] for node in program.graph.nodes)
+    matmuls = sum(node.target is torch.ops.aten.matmul.default for node in program.graph.nodes)
+    assert matmuls == sum(r > 5 for r, _, _ in SHAPES)
+    with torch.inference_mode():
+        got = program.module()(*xs)
+        ref = reference(module, xs)
+    for g, r in zip(got, ref):
+        assert_one_rounding_apart(g, r)
 
 
 @needs_kernel

@@ -151,17 +151,18 @@ def test_options_and_cpus_without_the_isa_keep_the_module_matmul(monkeypatch):
     assert _calls(CpuCompileOptions()) == 0
     monkeypatch.setattr(cpu_gemv, "_cpu_flags", lambda: frozenset({"avx2", "fma"}))
     assert CpuCompileOptions().kernel_isa() == CpuCompileOptions(gemv_isa="avx512-bf16").kernel_isa() == "avx2"
-    assert CpuCompileOptions().uses_int8_kernel and not CpuCompileOptions().uses_kernel
+    assert CpuCompileOptions().uses_int8_kernel and CpuCompileOptions().uses_kernel  # both have an AVX2 path
     with pytest.raises(ConfigError, match="gemv_isa"):
         CpuCompileOptions(gemv_isa="sse")
 
 
-def test_forcing_the_isa_down_drops_the_bf16_kernel_only():
-    if not cpu_gemv.supported():
-        pytest.skip("this CPU has no AVX512-BF16")
+def test_forcing_the_isa_down_keeps_both_kernels_at_the_lower_level(monkeypatch):
+    monkeypatch.setattr(cpu_gemv, "_cpu_flags",
+                        lambda: frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "fma", "avx2"}))
     assert CpuCompileOptions().kernel_isa() == "avx512-bf16"
-    low = CpuCompileOptions(gemv_isa="avx2")
-    assert low.kernel_isa() == "avx2" and low.uses_int8_kernel and not low.uses_kernel
+    for isa in ("avx512", "avx2"):
+        low = CpuCompileOptions(gemv_isa=isa)
+        assert low.kernel_isa() == isa and low.uses_int8_kernel and low.uses_kernel
 
 
 @needs_int8

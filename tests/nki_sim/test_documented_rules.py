@@ -225,3 +225,19 @@ def test_scalar_offset_past_the_end_is_skipped_with_oob_skip(rng):
     np.testing.assert_array_equal(run(kernel, src, -1000, True), np.zeros((4, 4), np.float32))
     with pytest.raises(SimulationError, match="outside tensor"):
         run(kernel, src, -1000, False)
+
+
+def test_scalar_offset_scales_by_the_rows_of_the_tensor_ap_is_called_on():
+    """API reference (NkiTensor.ap): indirect_dim names a dimension of ``self.shape`` whose stride scales the scalar
+    offset. A flat [rows*8] table reshaped to [rows, 8] and read with scalar_offset=r at indirect_dim=0 gives row r."""
+    table = np.arange(48, dtype=np.float32)
+
+    def kernel(flat, row):
+        idx = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
+        nisa.memset(dst=idx, value=row)
+        rows = flat.reshape((6, 8))
+        tile = nl.ndarray((1, 8), nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=tile, src=rows.ap([[8, 1], [1, 8]], offset=0, scalar_offset=idx, indirect_dim=0))
+        return hbm_out(tile)
+
+    np.testing.assert_array_equal(run(kernel, table, 4), table[32:40].reshape(1, 8))

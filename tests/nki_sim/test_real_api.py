@@ -1,6 +1,6 @@
 """Kernels and the simulator use only the real NKI API (nki_kernels/sim/api_table.json, from the NKI 0.6 reference
 stubs): every nl.* / nisa.* name our kernels use exists there with the keywords they pass, and every public name the
-simulator exposes as nki, nki.language, nki.isa is a real one (simulator-only helpers live in nki.simulator)."""
+simulator exposes as nki, nki.language, nki.isa, nki.collectives is a real one (simulator-only helpers live in nki.simulator)."""
 from __future__ import annotations
 
 import enum
@@ -62,7 +62,10 @@ def _public(module):
     return [n for n in dir(module) if not n.startswith("_")]
 
 
-@pytest.mark.parametrize("modname", ["nki", "nki.language", "nki.isa"])
+MODULES = ["nki", "nki.language", "nki.isa", "nki.collectives"]
+
+
+@pytest.mark.parametrize("modname", MODULES)
 def test_simulator_exposes_only_real_names(modname):
     mod = importlib.import_module(modname)
     real = real_api.names(modname)
@@ -71,7 +74,7 @@ def test_simulator_exposes_only_real_names(modname):
     assert extra == []
 
 
-@pytest.mark.parametrize("modname", ["nki", "nki.language", "nki.isa"])
+@pytest.mark.parametrize("modname", MODULES)
 def test_simulator_functions_take_the_real_parameters(modname):
     mod = importlib.import_module(modname)
     wrong = {}
@@ -85,6 +88,23 @@ def test_simulator_functions_take_the_real_parameters(modname):
     assert wrong == {}
 
 
+def test_collectives_are_complete_with_the_real_defaults():
+    """Every public name of the real nki.collectives exists in the simulator, and each function's defaults are the
+    ones the reference lists (priority=None, channel_ids=[0], ...)."""
+    import nki.collectives as ncc
+    real = real_api.names("nki.collectives")
+    assert sorted(_public(ncc)) == sorted(real)
+    wrong = {}
+    for name, entry in real.items():
+        if entry["kind"] != "function":
+            continue
+        got = {p.name: repr(p.default) for p in inspect.signature(getattr(ncc, name)).parameters.values()
+               if p.default is not p.empty}
+        if got != entry.get("defaults", {}):
+            wrong[name] = (got, entry.get("defaults"))
+    assert wrong == {}
+
+
 def test_simulator_enums_have_the_real_members():
     import nki.isa as nisa
     for name, entry in real_api.names("nki.isa").items():
@@ -95,9 +115,9 @@ def test_simulator_enums_have_the_real_members():
 
 def test_prefill_kernel_masks_with_its_own_fp32_min():
     """nki.language has no FP32_MIN: the prefill kernel defines the most negative finite fp32 itself."""
+    import nki.language as nl
     import numpy as np
 
-    import nki.language as nl
     from nki_kernels.attention_prefill import kernel as prefill
 
     assert prefill.FP32_MIN == float(np.finfo(np.float32).min)

@@ -105,3 +105,26 @@ def serve_sums(ctx) -> object:
         return {"sum": total.item(), "pids": pids.tolist()}
 
     return handle
+
+
+def rank_sampled_tokens(ctx, root: str, prompts: list[list[int]], n: int, agree_uniforms: bool = True,
+                        temperature: float = 0.9) -> dict:
+    """Load this rank's shard, generate unseeded sampled tokens; rank 0 returns every rank's tokens [tp][P][n].
+    agree_uniforms=False agrees on sampled tokens [n] only (not on a speculative step's uniforms): the broken
+    variant a test uses to show that per-rank draws would make the ranks diverge."""
+    from pathlib import Path
+
+    from neuron_infer.config import SamplingConfig
+    from neuron_infer.runtime.generate import generate_ids
+    from neuron_infer.runtime.loader import load_rank
+
+    engine = load_rank(Path(root), ctx.rank)
+
+    def agree(t: torch.Tensor) -> torch.Tensor:
+        return broadcast_from_rank0(t) if agree_uniforms or t.dim() == 1 else t
+
+    results, metrics = generate_ids(engine, prompts, n, SamplingConfig(temperature=temperature), ignore_eos=True,
+                                    agree=agree)
+    toks = torch.tensor([r.token_ids for r in results], dtype=torch.int64)  # [P, n]
+    every = all_gather_last_dim(toks.unsqueeze(0).unsqueeze(-1))  # [1, P, n, tp]
+    return {"tokens": every[0].permute(2, 0, 1).tolist(), "spec_steps": metrics.spec_steps}

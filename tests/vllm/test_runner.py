@@ -170,9 +170,21 @@ def test_speculative_runner_greedy_equals_non_speculative(spec_model, models):
     assert 0 < st.accepted < st.drafted  # a 1-layer self-draft: some accepted, some rejected
 
 
-def test_speculation_is_refused_under_tensor_parallelism(spec_model):
-    with pytest.raises(NeuronInferError, match="--tensor-parallel-size 1"):
-        SlotRunner(spec_model.engine, spec_model.spec, agree=lambda t: t)
+def test_speculation_under_tensor_parallelism_agrees_on_each_sampled_steps_uniforms(spec_model):
+    """Every rank must draft from rank 0's uniforms (runtime/runner.py): here `agree` hands back constant uniforms,
+    as if rank 0 had drawn them, and the tokens must follow them rather than the step's own draws."""
+    shapes = []
+
+    def agree(t):
+        shapes.append(tuple(t.shape))
+        return t if t.dim() == 1 else torch.full_like(t, 0.25)  # [B, 3K+1]: "rank 0's" uniforms
+
+    sampled = [(0, [200] * 9, 12, SamplingConfig(temperature=0.8, top_k=50, seed=11))]
+    got = run_schedule(SlotRunner(spec_model.engine, spec_model.spec, agree=agree), sampled)
+    k = spec_model.spec.k
+    assert (spec_model.engine.build.batch_size, 3 * k + 1) in shapes  # the uniforms went through agree
+    own = run_schedule(SlotRunner(spec_model.engine, spec_model.spec), sampled)
+    assert got != own  # ... and were used: the step's own draws would have given other tokens
 
 
 def test_speculative_runner_seeded_sampling_is_reproducible(spec_model):

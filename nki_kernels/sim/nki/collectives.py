@@ -1,15 +1,16 @@
-"""``nki.collectives`` is not implemented by the CPU simulator (like AWS's, the NKI documentation)."""
-
-_NAMES = ("all_reduce", "all_gather", "all_gather_v", "reduce_scatter", "all_to_all", "all_to_all_v",
-          "collective_permute", "collective_permute_implicit", "collective_permute_implicit_reduce", "rank_id",
-          "ReplicaGroup")
-
-
-def __getattr__(name):
-    if name.startswith("__"):
-        raise AttributeError(name)
-
-    def _not_implemented(*args, **kwargs):
-        raise NotImplementedError(f"nki.collectives.{name} is not implemented in the CPU simulator")
-
-    return _not_implemented
+"""``nki.collectives`` for the simulator: the real module's public names, simulated over a group of ranks launched
+with ``nki.simulator.simulate_ranks`` (model and rules: nki_kernels/sim/collectives.py)."""
+from ..collectives import (  # noqa: F401
+    ReplicaGroup,
+    all_gather,
+    all_gather_v,
+    all_reduce,
+    all_to_all,
+    all_to_all_v,
+    collective_permute,
+    collective_permute_implicit,
+    collective_permute_implicit_current_processing_rank_id,
+    collective_permute_implicit_reduce,
+    rank_id,
+    reduce_scatter,
+)

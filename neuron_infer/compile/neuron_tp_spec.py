@@ -1,0 +1,226 @@
+"""Speculative decoding on Neuron at tp > 1: the speculation graphs as keys of the one ModelBuilder (see
+neuron_tp.py). NOT YET RUN ON HARDWARE; exercised through the recording neuronx-distributed double.
+
+ModelBuilder shares one weight set and one aliased state among all keys of a traced model, so when the build has a
+draft model every key's module (`SpecSPMDStep`) holds the target shard (`step.model.*`, as without a draft), the
+whole draft (`draft.*`: replicated, identical on every rank, no collectives; docs/speculation.md says why) and four
+device caches, all aliased: k_cache / v_cache (the target's local KV heads) and draft_k_cache / draft_v_cache (all of
+the draft's KV heads). Each key runs one role:
+
+    role    graphs                                   inputs
+    target  context_*, tokengen_*, verify_t{K+1}_*   ids, positions, logit_index, attend_rows [S], role [1], *seq_ids
+    draft   draft_context_*, draft_tokengen_*        ids, positions, logit_index, attend_rows [S], role [2], *seq_ids
+    fused   fused_{greedy,sample}_k{K}_s{S}          ids2, pos2, uniforms, params, attend_rows [S], role [3 | 4]
+
+The role tensor (zeros, like attend_rows) only names the graph for NxD's routing by input shapes: a draft graph
+has the shapes of the target graph of the same bucket, and the two fused rules share theirs. The fused step is
+`spec_step.speculate` bound to the four caches, the same code as the CPU fused graph and the unfused host loop.
+Prompt lookup (`--draft-model ngram`) needs no draft: its verify graphs are target keys of the plain SPMDStep.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from neuron_infer.compile.neuron_tp import K_OUT, V_OUT, DeviceCacheShape, StepFactory, example_args, model_instance
+from neuron_infer.compile.spec_builder import SpecGraph, spec_graph_list
+from neuron_infer.config import BuildConfig, ModelConfig, QuantConfig
+from neuron_infer.model.llama import BucketStep, LlamaModel
+from neuron_infer.model.nki_neuron import neuron_target
+from neuron_infer.runtime.engine import CacheShape, GraphSpec
+from neuron_infer.runtime.spec_step import SpecCacheLayout, speculate, uniforms_width
+
+ROLES = {"target": 1, "draft": 2, "fused_greedy": 3, "fused_sample": 4}  # role tensor length per role
+DK_OUT, DV_OUT = 3, 4  # output indices of the updated draft caches
+
+
+def _cache_param(c: CacheShape) -> nn.Parameter:
+    shape = (c.layers, c.batch, c.kv_heads, c.max_length, c.head_dim)  # [L, B, Hkv, S, D]
+    return nn.Parameter(torch.empty(shape, dtype=c.dtype, device="meta"), requires_grad=False)
+
+
+class SpecSPMDStep(nn.Module):
+    """One key of a speculative build: target shard + whole draft + four aliased caches; runs `role`."""
+
+    def __init__(self, target: LlamaModel, draft: LlamaModel, layout: SpecCacheLayout, role: str, attend: int,
+                 select_rows: bool, k: int, lnc: int):
+        super().__init__()
+        self.step, self.draft = BucketStep(target, attend, select_rows), draft  # weights: step.model.*, draft.*
+        self.role, self.k, self.lnc = role, k, lnc
+        self.k_cache, self.v_cache = _cache_param(layout.target), _cache_param(layout.target)
+        self.draft_k_cache, self.draft_v_cache = _cache_param(layout.draft), _cache_param(layout.draft)
+
+    def aliases(self) -> dict:
+        return {self.k_cache: K_OUT, self.v_cache: V_OUT, self.draft_k_cache: DK_OUT, self.draft_v_cache: DV_OUT}
+
+    def forward(self, *args):
+        k, v = self.k_cache.clone(), self.v_cache.clone()  # [L, B, Hkv, S, D] target shard
+        dk, dv = self.draft_k_cache.clone(), self.draft_v_cache.clone()  # [Ld, B, Hkv_d, S, D_d] whole draft
+        s = self.step.attend_len
+        with neuron_target(lnc=self.lnc):
+            if self.role == "target":  # ids, positions, logit_index, attend_rows, role, *seq_ids
+                ids, pos, idx, _, _, *seq_ids = args
+                out = self.step(ids, pos, k, v, idx, *seq_ids)  # [B, n, V]
+            elif self.role == "draft":
+                ids, pos, idx, _, _, *seq_ids = args
+                out = self.draft(ids, pos, dk, dv, idx, s, *seq_ids)  # [B, n, V]
+            else:  # fused: ids2 [B, 2], pos2 [B, 2], uniforms [B, 3K+1], params [3], attend_rows, role
+                ids2, pos2, u, params, _, _ = args
+
+                def run_draft(ids, pos, li):
+                    return self.draft(ids, pos, dk, dv, li, s)
+
+                def run_target(ids, pos, li):
+                    return self.step.model(ids, pos, k, v, li, s)
+
+                out = speculate(run_draft, run_target, ids2, pos2, self.k, u, params,
+                                self.role == "fused_sample")  # [B, K+5]
+        return out, k, v, dk, dv
+
+
+@dataclass(frozen=True)
+class SpecStepFactory:
+    """`module_cls` of one key of a speculative build (uninitialized weights; values come with initialize)."""
+
+    target: StepFactory  # the target shard's factory of the same bucket
+    draft_model: dict  # the draft's ModelConfig
+    draft_quant: str  # its quantization scheme ("none" when float)
+    role: str
+    k: int
+
+    def __call__(self) -> SpecSPMDStep:
+        from neuron_infer.compile.neuron_tp import rank_cache
+        from neuron_infer.parallel.plan import ShardPlan
+
+        t = self.target
+        target_step = t()  # an SPMDStep of this bucket (imports NxD): the target shard, materialized as without a draft
+        build = BuildConfig.from_dict(t.build)
+        draft = draft_skeleton(ModelConfig.from_dict(self.draft_model), build, self.draft_quant)
+        tcache = rank_cache(ModelConfig.from_dict(t.model), build, ShardPlan.from_dict(t.plan))
+        layout = SpecCacheLayout(tcache, draft_cache(draft.cfg, build, 1))
+        module = SpecSPMDStep(target_step.step.model, draft, layout, self.role, t.attend, t.select_rows, self.k,
+                              t.lnc)
+        draft.to_empty(device="cpu")
+        for name in ("k_cache", "v_cache", "draft_k_cache", "draft_v_cache"):
+            setattr(module, name, nn.Parameter(torch.empty_like(getattr(module, name), device="cpu"),
+                                               requires_grad=False))
+        draft.tie_weights()
+        draft.materialize_buffers()
+        return module.eval()
+
+
+def draft_skeleton(cfg: ModelConfig, build: BuildConfig, quant: str) -> LlamaModel:
+    """The whole draft on the meta device with its quantized structure; plain ops: it runs no collectives."""
+    from neuron_infer.compile.weights import empty_model
+
+    draft = empty_model(cfg, build)
+    if quant != "none":
+        from neuron_infer.quant import apply_quantization
+
+        apply_quantization(draft, QuantConfig(scheme=quant), structure_only=True)
+    return draft
+
+
+def draft_cache(cfg: ModelConfig, build: BuildConfig, tp: int) -> DeviceCacheShape:
+    """The draft's device cache on every rank: all of its KV heads (`tp` counts the replicas in nbytes)."""
+    from neuron_infer.compile.neuron_tp import cache_dtype
+
+    return DeviceCacheShape(cfg.num_layers, build.batch_size, cfg.num_kv_heads, build.max_length, cfg.head_dim,
+                            cache_dtype(build), tp)
+
+
+def role_tensor(role: str) -> torch.Tensor:
+    return torch.zeros(ROLES[role], dtype=torch.int32)  # [r]: names the graph for NxD's routing
+
+
+def graph_role(g: SpecGraph) -> str:
+    if g.role == "fused":
+        return "fused_sample" if g.sample else "fused_greedy"
+    return "target" if g.role == "verify" else "draft"
+
+
+def spec_example_args(build: BuildConfig, g: SpecGraph | GraphSpec) -> tuple[torch.Tensor, ...]:
+    """Inputs of one key of a speculative build (see the module docstring)."""
+    if isinstance(g, GraphSpec):  # a plain target graph
+        ids, pos, idx, attend, *seq_ids = example_args(build, g)
+        return (ids, pos, idx, attend, role_tensor("target"), *seq_ids)
+    role, b = graph_role(g), g.batch
+    attend = torch.zeros(g.attend, dtype=torch.int32)  # [S]
+    if g.role == "fused":
+        ids2 = torch.zeros(b, 2, dtype=torch.int64)  # [B, 2]
+        pos2 = torch.tensor([[0, 1]], dtype=torch.int64).expand(b, 2).contiguous()  # [B, 2]
+        u = torch.full((b, uniforms_width(g.tokens)), 0.5, dtype=torch.float32)  # [B, 3K+1]
+        params = torch.tensor([1.0, 0.0, 1.0], dtype=torch.float32)  # [3]
+        return ids2, pos2, u, params, attend, role_tensor(role)
+    ids, pos, idx, _, *seq_ids = example_args(build, GraphSpec("x", g.tokens, g.attend, b, g.select_rows))
+    if g.role == "verify":  # logits at every token
+        idx = torch.arange(g.tokens, dtype=torch.int64).expand(b, g.tokens).contiguous()  # [B, K+1]
+    return (ids, pos, idx, attend, role_tensor(role), *seq_ids)
+
+
+def add_spec_keys(nxd: Any, builder: Any, build: BuildConfig, plan_graphs: list[GraphSpec], factory_of,
+                  info: dict, compiler_args: str) -> list[str]:
+    """Add every key of a speculative build (the plain target graphs and the speculation graphs) -> the graph
+    records of the speculation graphs.
+    `factory_of(attend, select_rows)` -> the target StepFactory of that bucket; `info`: manifest speculation info."""
+    k, draft_cfg, quant = build.speculation.length, info["config"], info["quant"]["scheme"]
+    records = {}
+    for g in spec_graph_list(build):
+        factory = SpecStepFactory(factory_of(g.attend, g.select_rows), draft_cfg, quant, graph_role(g), k)
+        builder.add(key=g.name, model_instance=model_instance(nxd, factory),
+                    example_inputs=[spec_example_args(build, g)], compiler_args=compiler_args)
+        records[g.name] = {"kind": g.role, "tokens": g.tokens, "attend": g.attend, "batch": g.batch}
+    for g in plan_graphs:  # the plain target graphs, as keys of the same speculative module
+        factory = SpecStepFactory(factory_of(g.attend, g.select_rows), draft_cfg, quant, "target", k)
+        builder.add(key=g.name, model_instance=model_instance(nxd, factory),
+                    example_inputs=[spec_example_args(build, g)], compiler_args=compiler_args)
+    return records
+
+
+def draft_rank_weights(root: Path, manifest, target: LlamaModel) -> dict[str, torch.Tensor]:
+    """The draft's weights named as SpecSPMDStep parameters (the same on every rank)."""
+    from neuron_infer.compile.spec_builder import DRAFT_WEIGHTS, load_draft_weights
+
+    info = manifest.extra["speculation"]
+    draft = draft_skeleton(ModelConfig.from_dict(info["config"]), manifest.build, info["quant"]["scheme"])
+    load_draft_weights(draft, target, root / DRAFT_WEIGHTS, info["shared"])
+    return {f"draft.{k}": v for k, v in draft.state_dict().items()}
+
+
+def device_spec_graphs(traced, build: BuildConfig, device_step) -> tuple[dict, dict]:
+    """(draft engine graphs by core name, speculation graphs) over the NxD model."""
+    dgraphs, sgraphs = {}, {}
+    for g in spec_graph_list(build):
+        role = graph_role(g)
+        if g.role == "draft":
+            dgraphs[g.name[len("draft_"):]] = device_step(traced, g.attend, role_tensor(role))
+        elif g.role == "verify":
+            sgraphs[g.name] = device_step(traced, g.attend, role_tensor(role))
+        else:
+            sgraphs[g.name] = _device_fused(traced, g.attend, role)
+    return dgraphs, sgraphs
+
+
+def _device_fused(traced, attend: int, role: str):
+    attend_rows, marker = torch.zeros(attend, dtype=torch.int32), role_tensor(role)
+
+    def run(ids2, pos2, k_flat, v_flat, uniforms, params):
+        out = traced(ids2, pos2, uniforms, params, attend_rows, marker)
+        return out[0] if isinstance(out, (list, tuple)) else out  # packed [B, K+5]; the caches stay aliased
+
+    return run
+
+
+@dataclass(frozen=True)
+class DeviceSpecLayout(SpecCacheLayout):
+    """Both caches live on the device (aliased state): the SpecEngine's flat host buffers are empty placeholders."""
+
+    def allocate(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.empty(0, dtype=self.target.dtype), torch.empty(0, dtype=self.target.dtype)
+
+    def views(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return flat, flat
