@@ -46,6 +46,9 @@ def build_options(f):
         click.option("--tokengen-batch-buckets", default=None,
                      help="batch sizes with a token-generation graph, e.g. 1,2,4 (default: powers of two up to "
                           "--batch-size); each step uses the smallest that holds its running sequences"),
+        click.option("--kv-block-size", type=int, default=None,
+                     help="tokens per KV-cache block; must divide every bucket (default: the largest divisor of "
+                          "128 that does)"),
         click.option("--kernels", type=click.Choice(["reference", "nki"]), default=None,
                      help="reference torch ops, or the NKI kernels (NumPy simulator on CPU)"),
         click.option("--tp-degree", type=int, default=None,
@@ -97,7 +100,7 @@ def _build_overrides(kw: dict) -> dict:
         "target": kw.pop("target"), "dtype": kw.pop("dtype"), "batch_size": kw.pop("batch_size"),
         "max_context_length": kw.pop("max_context_length"), "max_length": kw.pop("max_length"),
         "context_buckets": _ints(kw.pop("context_buckets")), "tokengen_buckets": _ints(kw.pop("tokengen_buckets")),
-        "tokengen_batch_buckets": _ints(kw.pop("tokengen_batch_buckets")),
+        "tokengen_batch_buckets": _ints(kw.pop("tokengen_batch_buckets")), "kv_block_size": kw.pop("kv_block_size"),
         "kernels": kw.pop("kernels"), "tp_degree": kw.pop("tp_degree"), "quant.scheme": kw.pop("quant"),
         "lnc": lnc if lnc is None else int(lnc),
         "quant.modules_to_not_convert": mods, "quant.weight_tiling": kw.pop("weight_tiling"),
@@ -193,10 +196,15 @@ def compile_cmd(model_dir, output, backend, overwrite, **kw) -> None:
 @click.option("--threads", type=click.IntRange(min=1), default=None,
               help="CPU threads for the graphs (default: the usable CPUs that other processes leave free, "
                    "re-evaluated twice a second)")
+@click.option("--kv-cache-gib", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="KV-cache memory per rank in GiB (default: what batch_size sequences of max_length need); "
+                   "prompts that do not fit wait for finishing ones")
+@click.option("--no-prefix-caching", "no_prefix_caching", is_flag=True,
+              help="encode every prompt whole (default: prompts reuse the cached KV blocks of a common prefix)")
 @build_options
 def generate_cmd(artifacts, prompts, prompt_file, chat, max_new_tokens, temperature, top_k, top_p, seed, min_p, repetition_penalty,
                  presence_penalty, frequency_penalty, stop,
-                 ignore_eos, as_json, stream_json, logprobs, threads, **kw) -> None:
+                 ignore_eos, as_json, stream_json, logprobs, threads, kv_cache_gib, no_prefix_caching, **kw) -> None:
     """Generate from ARTIFACTS (omit to compile or reuse the embedded default model)."""
     from neuron_infer.api import LOAD_STAGES, CompiledModel, check_request, encode_prompt  # noqa: PLC0415
     from neuron_infer.cli_io import JsonLinesStreamer, TextStreamer, artifact_front  # noqa: PLC0415
@@ -235,7 +243,8 @@ def generate_cmd(artifacts, prompts, prompt_file, chat, max_new_tokens, temperat
     ids = [encode_prompt(tokenizer, p, chat) for p in prompts]
     check_request(manifest.build, [len(x) for x in ids], max_new_tokens)
     with stages("loading", list(LOAD_STAGES), None, leave=False) as stage:  # a bar on a terminal, else silent
-        model = CompiledModel.load(artifacts, threads=threads or "auto", tokenizer=tokenizer, on_stage=stage)
+        model = CompiledModel.load(artifacts, threads=threads or "auto", tokenizer=tokenizer, on_stage=stage,
+                                   kv_cache_gib=kv_cache_gib, prefix_caching=not no_prefix_caching)
     if as_json:
         stream = JsonLinesStreamer(model.tokenizer, stop) if stream_json else None
     else:

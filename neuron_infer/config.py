@@ -325,6 +325,9 @@ class SpeculationConfig:
         return self.ngram_size or NGRAM_SIZE
 
 
+DEFAULT_BLOCK_SIZE = 128  # tokens per KV-cache block when every bucket allows it (as vendors' paged caches)
+
+
 def auto_buckets(lo: int, hi: int) -> tuple[int, ...]:
     """Powers of two from `lo` up to (and always including) `hi`: auto_buckets(128, 600) == (128, 256, 512, 600)."""
     out, b = [], lo
@@ -352,6 +355,7 @@ class BuildConfig:
     quant: QuantConfig = field(default_factory=QuantConfig)
     speculation: SpeculationConfig | None = None
     lnc: int | None = None  # neuron: logical NeuronCore degree; None = NEURON_LOGICAL_NC_CONFIG or the platform's
+    kv_block_size: int | None = None  # tokens per KV-cache block; None = gcd(128, every bucket)
 
     def __post_init__(self) -> None:
         _check_choice("target", self.target, TARGETS)
@@ -371,6 +375,18 @@ class BuildConfig:
         _check_buckets("context_buckets", self.context_buckets, self.max_context_length, "--max-context-length")
         _check_buckets("tokengen_buckets", self.tokengen_buckets, self.max_length, "--max-length")
         _check_buckets("tokengen_batch_buckets", self.tokengen_batch_buckets, self.batch_size, "--batch-size")
+        _check_block_size(self.kv_block_size, self.context_bucket_list + self.tokengen_bucket_list)
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per KV-cache block: kv_block_size, or the largest divisor of 128 that divides every bucket."""
+        return self.kv_block_size or math.gcd(DEFAULT_BLOCK_SIZE, *self.context_bucket_list,
+                                              *self.tokengen_bucket_list)
+
+    @property
+    def default_kv_blocks(self) -> int:
+        """Blocks of the default cache: batch_size sequences of max_length tokens, plus the scratch block 0."""
+        return self.batch_size * (self.max_length // self.block_size) + 1
 
     @property
     def context_bucket_list(self) -> tuple[int, ...]:
@@ -399,6 +415,16 @@ class BuildConfig:
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise ConfigError(f"{name}={value!r} is not valid; choose one of {', '.join(choices)}")
+
+
+def _check_block_size(size: int | None, buckets: tuple[int, ...]) -> None:
+    if size is None:
+        return
+    bad = sorted({b for b in buckets if b % size})
+    if size < 1 or bad:
+        raise ConfigError(
+            f"kv_block_size={size} must be a positive divisor of every context and token-generation bucket "
+            f"(not of {bad}); choose a divisor of {math.gcd(*buckets)} or leave it unset")
 
 
 def _check_buckets(name: str, buckets: tuple[int, ...] | None, limit: int, flag: str) -> None:

@@ -52,9 +52,8 @@ def graph_call(model, name: str):
     if name not in graphs:
         sys.exit(f"error: {model.root} has no graph {name!r}; it has {sorted(graphs)}")
     t, s, kind = int(m["t"]), int(m["s"]), m["kind"]
-    rows = kind == "context" or m["b"] is not None
     batch = int(m["b"]) if m["b"] else (1 if kind == "context" else engine.build.batch_size)
-    args = example_args(engine.cache_shape, GraphSpec(kind, t, s, batch, rows))
+    args = example_args(engine.cache_shape, GraphSpec(kind, t, s, batch))
     idx = torch.arange(t, dtype=torch.int64).expand(batch, t).contiguous() if kind == "verify" else args[4]
     return graphs[name], (args[0], args[1], engine.k_cache, engine.v_cache, idx, *args[5:])
 

@@ -47,7 +47,7 @@ def engine_for(target, draft, build: BuildConfig, backend: str, work: Path):
     be, gdir = get_backend(backend), work / "graphs"
     core = {}
     for spec in planned_graphs(build):
-        step = BucketStep(target, spec.attend, spec.select_rows)
+        step = BucketStep(target, spec.attend)
         from neuron_infer.compile.builder import example_args
 
         be.compile_graph(step, example_args(cache_shape(target, build), spec), gdir, spec.name)

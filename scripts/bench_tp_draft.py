@@ -35,21 +35,24 @@ from neuron_infer.parallel.plan import ShardPlan
 
 def _time_steps(model, build: BuildConfig, steps: int) -> float:
     """Seconds per one-token step over positions 0..steps-1 (a fresh cache)."""
-    k, v = cache_shape(model, build).allocate()
+    cache = cache_shape(model, build)
+    k, v = cache.allocate()  # [L, N, Hkv, bs, D]
     step = BucketStep(model, build.max_length)
     idx = torch.zeros(1, 1, dtype=torch.int64)  # [1, 1]
+    table = torch.arange(1, 1 + build.max_length // cache.block_size).view(1, -1)  # [1, S/bs]: block 0 is scratch
     with torch.inference_mode():
-        step(torch.ones(1, 1, dtype=torch.int64), torch.zeros(1, 1, dtype=torch.int64), k, v, idx)  # warm-up
+        step(torch.ones(1, 1, dtype=torch.int64), torch.zeros(1, 1, dtype=torch.int64), k, v, idx, table)  # warm-up
         t0 = time.perf_counter()
         for p in range(steps):
             step(torch.full((1, 1), 5 + p % 100, dtype=torch.int64), torch.full((1, 1), p, dtype=torch.int64),
-                 k, v, idx)
+                 k, v, idx, table)
         return (time.perf_counter() - t0) / steps
 
 
 def rank_bench(ctx, draft_dir: str, dtype: str, steps: int, rounds: int) -> dict | None:
     cfg = ModelConfig.from_model_dir(Path(draft_dir))
-    build = BuildConfig(dtype=dtype, max_context_length=steps + 1, max_length=steps + 1, tp_degree=ctx.world_size)
+    s = -(-(steps + 1) // 16) * 16  # one bucket of >= steps + 1 positions, whole 16-token (or larger) KV blocks
+    build = BuildConfig(dtype=dtype, max_context_length=s, max_length=s, tp_degree=ctx.world_size)
     state = load_checkpoint(Path(draft_dir), cfg)
     whole = build_float_model(cfg, build, state)
     plan = ShardPlan.build(cfg, ctx.world_size)

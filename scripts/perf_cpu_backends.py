@@ -26,7 +26,8 @@ A variant may carry a shape after "@" (default: --batch rows, one token each, a 
 different step shapes are compared in one process:
     @b4       4 sequences (rows of every linear: 4)
     @t5       one sequence, 5 tokens with logits at every one (a speculative verify of 4 drafts; 5 rows)
-    @rows4    one sequence on a cache of 4 rows, named by seq_ids (the batch-1 bucket graph of a batch-4 artifact)
+    @rows4    one sequence on a cache of 4 sequences' blocks, named by its block table (the batch-1 bucket graph of a
+              batch-4 artifact)
     python scripts/perf_cpu_backends.py --variants aoti-gemv,aoti-gemv@b4,aoti-gemv@t5,aoti-gemv@rows4
     python scripts/perf_cpu_backends.py --variants aoti-gemv@b8,aoti-reduction@b8   # 8 rows: kernel vs GEMM
 
@@ -78,7 +79,7 @@ def build_model(layers: int) -> LlamaModel:
 
 
 def parse_shape(shape: str, batch: int) -> tuple[int, int, int, bool]:
-    """"" | "b4" | "t5" | "rows4" -> (sequences, tokens per sequence, cache rows, select rows by seq_ids)."""
+    """"" | "b4" | "t5" | "rows4" -> (sequences, tokens per sequence, cache rows, rows beyond the batch's)."""
     if not shape:
         return batch, 1, batch, False
     for prefix, make in (("rows", lambda n: (1, 1, n, True)), ("b", lambda n: (n, 1, n, False)),
@@ -91,15 +92,15 @@ def parse_shape(shape: str, batch: int) -> tuple[int, int, int, bool]:
 def build(model: LlamaModel, attend: int, shape: tuple[int, int, int, bool]) -> tuple[BucketStep, tuple]:
     batch, tokens, rows, select = shape
     cfg = model.cfg
-    cache = (cfg.num_layers, rows, cfg.num_kv_heads, attend, cfg.head_dim)  # [L, rows, Hkv, S, D]
+    cache = (cfg.num_layers, rows, cfg.num_kv_heads, attend, cfg.head_dim)  # [L, N=rows, Hkv, bs=S, D]
     k, v = torch.zeros(cache, dtype=torch.bfloat16), torch.zeros(cache, dtype=torch.bfloat16)
     pos = attend // 2  # attend over half the bucket, as a decode in the middle of it does
     positions = (pos + torch.arange(tokens)).expand(batch, tokens).contiguous()  # [B, T]
     idx = torch.arange(tokens).expand(batch, tokens).contiguous()  # [B, T]: logits at every token
-    args = (torch.full((batch, tokens), 17), positions, k, v, idx)
-    if select:
-        args += (torch.arange(rows - batch, rows),)  # [B]: the last cache rows
-    return BucketStep(model, attend, select), args
+    first = rows - batch if select else 0  # @rows: the last blocks
+    table = torch.arange(first, first + batch).view(batch, 1)  # [B, 1]: one block of S slots per sequence
+    args = (torch.full((batch, tokens), 17), positions, k, v, idx, table)
+    return BucketStep(model, attend), args
 
 
 @contextlib.contextmanager
@@ -129,7 +130,7 @@ def _prepare(variant: str, step: BucketStep, args: tuple, workdir: Path, graph: 
     if variant.startswith("aoti-int8"):
         model = copy.deepcopy(step.model)
         apply_quantization(model, QuantConfig(scheme="int8"))
-        step = BucketStep(model, step.attend_len, step.select_rows)
+        step = BucketStep(model, step.attend_len)
         isa = "avx2" if variant.endswith("avx2") else "auto"
         be = CpuBackend(CpuCompileOptions(gemv_isa=isa))
         t0 = time.perf_counter()

@@ -88,9 +88,10 @@ def window_logits(model, windows: list[torch.Tensor]) -> list[torch.Tensor]:
     for w in windows:
         t = w.numel()
         dtype = model.model.embed_tokens.weight.dtype
-        k = torch.zeros(cfg.num_layers, 1, lay.num_kv_heads, t, cfg.head_dim, dtype=dtype)  # [L, 1, Hkv, T, D]
+        k = torch.zeros(cfg.num_layers, 1, lay.num_kv_heads, t, cfg.head_dim, dtype=dtype)  # [L, 1, Hkv, T, D]: 1 block
         pos = torch.arange(t).view(1, t)  # [1, T]
-        logits = model(w.view(1, t), pos, k, torch.zeros_like(k), pos[:, :-1], attend_len=t)  # [1, T-1, V]
+        table = torch.zeros(1, 1, dtype=torch.int64)  # [1, 1]: the one block
+        logits = model(w.view(1, t), pos, k, torch.zeros_like(k), pos[:, :-1], t, table)  # [1, T-1, V]
         out.append(logits[0].float())
     return out
 

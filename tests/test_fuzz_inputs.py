@@ -109,6 +109,7 @@ MANIFEST_VALID = {
     "model.eos_token_ids": [[1, 2]], "model.rms_norm_eps": [2.7], "model.rope_theta": [2.7],
     "model.tie_word_embeddings": [True], "model.attention_bias": [True], "model.mlp_bias": [True],
     "build.context_buckets": [None], "build.tokengen_buckets": [None], "build.quant.weight_tiling": [True],
+    "build.kv_block_size": [None],  # unset: the default rule gives the same size
 }
 
 

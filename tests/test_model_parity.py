@@ -16,6 +16,19 @@ from tests.tiny_checkpoint import TINY_PRESETS
 
 ATOL = 1e-4
 PRESETS = sorted(TINY_PRESETS)
+BS = 8  # KV-cache block size of these tests
+
+
+def _cache(cfg, rows: int, slots: int):
+    """A block cache holding `rows` sequences of `slots` positions each: [L, rows*slots/BS, Hkv, BS, D]."""
+    k = torch.zeros(cfg.num_layers, rows * slots // BS, cfg.num_kv_heads, BS, cfg.head_dim)
+    return k, torch.zeros_like(k)
+
+
+def _table(rows: int, slots: int, attend: int) -> torch.Tensor:
+    """Row r's blocks (r's own stripe of slots/BS blocks), the first attend/BS of them: [rows, attend/BS]."""
+    per = slots // BS
+    return torch.tensor([[r * per + j for j in range(attend // BS)] for r in range(rows)])
 
 
 def _pair(model_dir):
@@ -33,14 +46,13 @@ def test_prefill_and_every_decode_step_match_hf(tiny_dirs, preset):
     prompt, cache_len = 16, 48
     with torch.no_grad():
         ref = hf(ids).logits  # [B, T, V]
-        k = torch.zeros(cfg.num_layers, 2, cfg.num_kv_heads, cache_len, cfg.head_dim)
-        v = torch.zeros_like(k)
+        k, v = _cache(cfg, 2, cache_len)
         pos = torch.arange(prompt).expand(2, prompt)
-        out = ours(ids[:, :prompt], pos, k, v, pos, attend_len=32)  # logits for every prompt token
+        out = ours(ids[:, :prompt], pos, k, v, pos, 32, _table(2, cache_len, 32))  # logits for every prompt token
         assert (out - ref[:, :prompt]).abs().max().item() < ATOL
         for t in range(prompt, ids.shape[1]):
             step = ours(ids[:, t:t + 1], torch.full((2, 1), t), k, v, torch.zeros(2, 1, dtype=torch.long),
-                        attend_len=cache_len)
+                        cache_len, _table(2, cache_len, cache_len))
             assert (step[:, 0] - ref[:, t]).abs().max().item() < ATOL, f"decode step at position {t}"
 
 
@@ -51,9 +63,9 @@ def test_a_wrong_rope_scaling_would_be_caught(tiny_dirs):
     ours.rope_cos, ours.rope_sin = rope_tables(unscaled, ours.max_positions)
     ids = torch.arange(3, 3 + 200).view(1, 200) % cfg.vocab_size
     with torch.no_grad():
-        k = torch.zeros(cfg.num_layers, 1, cfg.num_kv_heads, 200, cfg.head_dim)
+        k, v = _cache(cfg, 1, 200)
         pos = torch.arange(200).view(1, 200)
-        out = ours(ids, pos, k, torch.zeros_like(k), pos, attend_len=200)
+        out = ours(ids, pos, k, v, pos, 200, _table(1, 200, 200))
         assert (out - hf(ids).logits).abs().max().item() > 1e-2
 
 
@@ -64,13 +76,13 @@ def test_batch_rows_with_different_positions_are_independent(tiny_dirs):
 
     def run(rows, lens):
         b = len(rows)
-        k = torch.zeros(cfg.num_layers, b, cfg.num_kv_heads, 32, cfg.head_dim)
-        v = torch.zeros_like(k)
+        k, v = _cache(cfg, b, 32)
         pos = torch.arange(12).expand(b, 12)
         with torch.no_grad():
-            ours(ids[rows], pos, k, v, torch.zeros(b, 1, dtype=torch.long), attend_len=12)
+            ours(ids[rows], pos, k, v, torch.zeros(b, 1, dtype=torch.long), 16, _table(b, 32, 16))
             nxt = ids[rows, 0:1]
-            return ours(nxt, torch.tensor(lens).view(b, 1), k, v, torch.zeros(b, 1, dtype=torch.long), attend_len=32)
+            return ours(nxt, torch.tensor(lens).view(b, 1), k, v, torch.zeros(b, 1, dtype=torch.long), 32,
+                        _table(b, 32, 32))
 
     both = run([0, 1], [7, 12])
     alone = run([1], [12])

@@ -25,7 +25,7 @@ from neuron_infer.errors import ArtifactError, ConfigError
 from neuron_infer.output_dir import atomic_output
 from neuron_infer.typed import parse_dataclass, read_json
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: block KV cache (build.kv_block_size); graphs take block tables
 MANIFEST = "manifest.json"
 
 

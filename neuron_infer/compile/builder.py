@@ -56,17 +56,17 @@ def example_args(cache: CacheShape, spec: GraphSpec) -> tuple[torch.Tensor, ...]
     ids = torch.zeros(b, t, dtype=torch.int64)  # [B, T]
     pos = torch.arange(t, dtype=torch.int64).expand(b, t).contiguous()  # [B, T]
     idx = torch.full((b, 1), t - 1, dtype=torch.int64)  # [B, 1]
-    if spec.select_rows:
-        return ids, pos, k, v, idx, torch.zeros(b, dtype=torch.int64)  # seq_ids [B]
-    return ids, pos, k, v, idx
+    table = torch.zeros(b, spec.attend // cache.block_size, dtype=torch.int64)  # [B, S/bs]
+    return ids, pos, k, v, idx, table
 
 
-def cache_shape(model: LlamaModel, build: BuildConfig) -> CacheShape:
+def cache_shape(model: LlamaModel, build: BuildConfig, blocks: int | None = None) -> CacheShape:
+    """The KV cache of one rank: `blocks` blocks (default: build.default_kv_blocks)."""
     dtype = torch.float32 if build.dtype == "fp32" else torch.bfloat16
     if build.quant.kv_cache_dtype == "fp8":
         dtype = torch.float8_e4m3fn
-    return CacheShape(model.cfg.num_layers, build.batch_size, model.layout.num_kv_heads, build.max_length,
-                      model.cfg.head_dim, dtype)
+    return CacheShape(model.cfg.num_layers, blocks or build.default_kv_blocks, model.layout.num_kv_heads,
+                      build.block_size, model.cfg.head_dim, dtype)
 
 
 def compile_graphs(model: LlamaModel, build: BuildConfig, backend, graphs_dir: Path, say: Progress) -> dict:
@@ -75,7 +75,7 @@ def compile_graphs(model: LlamaModel, build: BuildConfig, backend, graphs_dir: P
     shape, plan, out = cache_shape(model, build), planned_graphs(build), {}
     for spec in steps(plan, "compiling", say, lambda s: f"{s.name} ({backend.name})", unit="graph"):
         t0 = time.perf_counter()
-        step = BucketStep(model, spec.attend, spec.select_rows)
+        step = BucketStep(model, spec.attend)
         with torch.inference_mode():
             meta = backend.compile_graph(step, example_args(shape, spec), graphs_dir, spec.name)
         out[spec.name] = {"kind": spec.kind, "tokens": spec.tokens, "attend": spec.attend, "batch": spec.batch,
@@ -101,6 +101,7 @@ def compile_model(model_dir: str | Path, out_dir: str | Path, build: BuildConfig
     A full disk, a read-only file system or missing permissions at `out_dir` raise one ArtifactError naming it.
     """
     check_output_location(Path(out_dir))
+    build = build.replace(kv_block_size=build.block_size)  # the manifest records the block size it was built with
     with writing_to(Path(out_dir)):
         if build.tp_degree != 1:  # per-rank shards and graphs (neuron_infer.compile.tp)
             from neuron_infer.compile.tp import compile_tp_model  # noqa: PLC0415

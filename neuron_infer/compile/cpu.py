@@ -1,6 +1,7 @@
 """CPU backend: one AOTInductor package per (sub-model, bucket), weights shared by every graph.
 
-    compile: torch.export.export(step, example_args)                 static shapes, in-place KV-cache writes kept
+    compile: torch.export.export(step, example_args)                 static shapes (but the KV caches' block
+                                                                     count), in-place KV-cache writes kept
              -> run_decompositions(linear with few rows -> GEMV)     see `gemv_linear` below
              -> torch._inductor.aoti_compile_and_package(..., package_constants_in_so=False)
              -> graphs/<name>.pt2 (generated C++ kernels + wrapper .so, no weights), graphs/<name>.json and,
@@ -152,13 +153,23 @@ def module_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+def _dynamic_blocks(module: torch.nn.Module, args: tuple) -> tuple | None:
+    """Dynamic shapes of an export: the block count (dim 1) of the KV caches a step module names in
+    `block_cache_args` is left dynamic, so one graph serves a cache of any number of blocks (the run-time budget)."""
+    names = getattr(module, "block_cache_args", ())
+    if not names:
+        return None
+    blocks = torch.export.Dim("kv_blocks", min=2)
+    return tuple({1: blocks} if i in names else None for i in range(len(args)))
+
+
 def _export_linears(module: torch.nn.Module, example_args: tuple,
                     options: CpuCompileOptions) -> torch.export.ExportedProgram:
     """Export `module` with static shapes; linear layers on few rows become GEMV reductions."""
     # Export records in-place cache writes only outside inference mode; inference tensors are cloned out of it.
     with torch.inference_mode(False), torch.no_grad():
         args = tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in example_args)
-        program = torch.export.export(module, args, strict=False)
+        program = torch.export.export(module, args, dynamic_shapes=_dynamic_blocks(module, args), strict=False)
         if options.gemv_max_rows == 0:
             return program  # Inductor applies its own decompositions when it compiles
         # Only linear is rewritten here; every other op is left to Inductor's lowering choices.

@@ -65,10 +65,10 @@ class FunctionalStep(torch.nn.Module):
         super().__init__()
         self.step, self.lnc = step, lnc
 
-    def forward(self, input_ids, positions, k_cache, v_cache, logit_index, *seq_ids):
-        k, v = k_cache.clone(), v_cache.clone()  # [L, R, Hkv, S, D] each
+    def forward(self, input_ids, positions, k_cache, v_cache, logit_index, *tables):
+        k, v = k_cache.clone(), v_cache.clone()  # [L, N, Hkv, bs, D] each
         with neuron_target(lnc=self.lnc):  # kernels="nki": the SDK's nki.jit with the compiled LNC grid
-            logits = self.step(input_ids, positions, k, v, logit_index, *seq_ids)  # [B, n, V]
+            logits = self.step(input_ids, positions, k, v, logit_index, *tables)  # [B, n, V]
         return logits, k, v
 
 
@@ -127,8 +127,8 @@ def copy_back(graph: Callable) -> Callable[..., torch.Tensor]:
     """Wrap a functional graph (caches in, (logits, k, v) out) as an in-place step: the updated caches are copied
     back into the engine's cache tensors and the logits returned (shared by the single-core and the TP backend)."""
 
-    def run(input_ids, positions, k_cache, v_cache, logit_index, *seq_ids):
-        logits, k, v = graph(input_ids, positions, k_cache, v_cache, logit_index, *seq_ids)
+    def run(input_ids, positions, k_cache, v_cache, logit_index, *tables):
+        logits, k, v = graph(input_ids, positions, k_cache, v_cache, logit_index, *tables)
         k_cache.copy_(k)
         v_cache.copy_(v)
         return logits

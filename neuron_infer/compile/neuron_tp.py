@@ -12,7 +12,7 @@ neuronx-distributed-inference compiles with) and exercised in CI through a recor
              torch.jit.save(builder.trace(initialize_model_weights=False), graphs/nxd_model.pt)
     load:    traced = torch.jit.load(graphs/nxd_model.pt)
              traced.nxd_model.initialize([rank 0 weights, ..., rank tp-1 weights], torch.tensor([0], int32))
-             traced(input_ids, positions, logit_index, attend_rows, *seq_ids) -> logits
+             traced(input_ids, positions, logit_index, attend_rows, block_table) -> logits
 
 One traced model holds every bucket's NEFF; its weights are one set per rank, loaded once by `initialize` and
 shared by all buckets (none is inlined into a NEFF), as NxDI does. The weights are the artifact's
@@ -96,18 +96,18 @@ class SPMDStep(torch.nn.Module):
     def __init__(self, step: torch.nn.Module, cache: CacheShape, lnc: int):
         super().__init__()
         self.step, self.lnc = step, lnc
-        shape = (cache.layers, cache.batch, cache.kv_heads, cache.max_length, cache.head_dim)  # [L, B, Hkv, S, D]
+        shape = cache.dims  # [L, N, Hkv, bs, D]: the block count is fixed at compile time on the device
         self.k_cache = torch.nn.Parameter(torch.empty(shape, dtype=cache.dtype, device="meta"), requires_grad=False)
         self.v_cache = torch.nn.Parameter(torch.empty(shape, dtype=cache.dtype, device="meta"), requires_grad=False)
 
     def aliases(self) -> dict:
         return {self.k_cache: K_OUT, self.v_cache: V_OUT}
 
-    def forward(self, input_ids, positions, logit_index, attend_rows, *seq_ids):
+    def forward(self, input_ids, positions, logit_index, attend_rows, block_table):
         del attend_rows  # [S]: names the bucket for NxD's shape routing
-        k, v = self.k_cache.clone(), self.v_cache.clone()  # [L, B, Hkv, S, D]
+        k, v = self.k_cache.clone(), self.v_cache.clone()  # [L, N, Hkv, bs, D]
         with neuron_target(lnc=self.lnc):  # kernels="nki": the SDK's nki.jit with the compiled LNC grid
-            logits = self.step(input_ids, positions, k, v, logit_index, *seq_ids)  # [B, n, V]
+            logits = self.step(input_ids, positions, k, v, logit_index, block_table)  # [B, n, V]
         return logits, k, v
 
 
@@ -127,7 +127,6 @@ class StepFactory:
     build: dict
     plan: dict
     attend: int
-    select_rows: bool
     lnc: int
 
     def __call__(self) -> SPMDStep:
@@ -142,7 +141,7 @@ class StepFactory:
         model = empty_model(cfg, build, rank_layout(plan.ranks[0]), nxd_ops(nxd, build.kernels))
         quant_structure(model, build)
         _start_as_weight(model)
-        module = SPMDStep(BucketStep(model, self.attend, self.select_rows), rank_cache(cfg, build, plan), self.lnc)
+        module = SPMDStep(BucketStep(model, self.attend), rank_cache(cfg, build, plan), self.lnc)
         module.to_empty(device="cpu")  # host tensors to trace with; the values arrive with nxd_model.initialize
         model.tie_weights()
         model.materialize_buffers()  # RoPE tables and head maps: graph constants, equal on every rank
@@ -180,16 +179,16 @@ def cache_dtype(build: BuildConfig) -> torch.dtype:
 
 
 def rank_cache(cfg: ModelConfig, build: BuildConfig, plan: ShardPlan) -> DeviceCacheShape:
-    return DeviceCacheShape(cfg.num_layers, build.batch_size, plan.local_num_kv_heads, build.max_length,
+    return DeviceCacheShape(cfg.num_layers, build.default_kv_blocks, plan.local_num_kv_heads, build.block_size,
                             cfg.head_dim, cache_dtype(build), plan.tp)
 
 
 def example_args(build: BuildConfig, spec) -> tuple[torch.Tensor, ...]:
-    """(input_ids, positions, logit_index, attend_rows [S], *seq_ids) of one planned graph."""
+    """(input_ids, positions, logit_index, attend_rows [S], block_table [B, S/bs]) of one planned graph."""
     from neuron_infer.compile.builder import example_args as single
 
-    ids, pos, _, _, idx, *rest = single(CacheShape(1, 1, 1, 1, 1, torch.float32), spec)
-    return (ids, pos, idx, torch.zeros(spec.attend, dtype=torch.int32), *rest)
+    ids, pos, _, _, idx, table = single(CacheShape(1, 2, 1, build.block_size, 1, torch.float32), spec)
+    return (ids, pos, idx, torch.zeros(spec.attend, dtype=torch.int32), table)
 
 
 def check_spmd(plan: ShardPlan) -> None:
@@ -218,8 +217,8 @@ def compile_neuron_tp_graphs(root: Path, cfg: ModelConfig, build: BuildConfig, p
         compiler_workdir=str(root / "graphs" / "nxd.workdir"), logical_nc_config=target.lnc)
     specs, flags = planned_graphs(build), " ".join([*COMPILER_ARGS, *target.compiler_args()])
 
-    def factory_of(attend: int, select_rows: bool) -> StepFactory:
-        return StepFactory(cfg.to_dict(), build.to_dict(), plan.to_dict(), attend, select_rows, target.lnc)
+    def factory_of(attend: int) -> StepFactory:
+        return StepFactory(cfg.to_dict(), build.to_dict(), plan.to_dict(), attend, target.lnc)
 
     records = {g.name: {"kind": g.kind, "tokens": g.tokens, "attend": g.attend, "batch": g.batch} for g in specs}
     if spec is not None and spec[0] is not None:  # a draft model: every key holds target shard + whole draft
@@ -228,7 +227,7 @@ def compile_neuron_tp_graphs(root: Path, cfg: ModelConfig, build: BuildConfig, p
         records |= add_spec_keys(nxd, builder, build, specs, factory_of, spec[1], flags)
     else:
         for g in specs:
-            builder.add(key=g.name, model_instance=model_instance(nxd, factory_of(g.attend, g.select_rows)),
+            builder.add(key=g.name, model_instance=model_instance(nxd, factory_of(g.attend)),
                         example_inputs=[example_args(build, g)], compiler_args=flags)
         if spec is not None:  # prompt lookup: the verify graphs are target graphs over K+1 tokens
             records |= _add_verify_keys(nxd, builder, build, factory_of, flags)
@@ -245,10 +244,11 @@ def compile_neuron_tp_graphs(root: Path, cfg: ModelConfig, build: BuildConfig, p
 
 
 def verify_example_args(build: BuildConfig, tokens: int, attend: int) -> tuple[torch.Tensor, ...]:
-    """(input_ids, positions, logit_index [B, T]: every token, attend_rows [S]) of a verify graph."""
-    ids, pos, _, rows = example_args(build, GraphSpec("verify", tokens, attend, build.batch_size, False))
+    """(input_ids, positions, logit_index [B, T]: every token, attend_rows [S], block_table [B, S/bs]) of a
+    verify graph."""
+    ids, pos, _, rows, table = example_args(build, GraphSpec("verify", tokens, attend, build.batch_size))
     idx = torch.arange(tokens, dtype=torch.int64).expand(build.batch_size, tokens).contiguous()  # [B, T]
-    return ids, pos, idx, rows
+    return ids, pos, idx, rows, table
 
 
 def _add_verify_keys(nxd: Any, builder: Any, build: BuildConfig, factory_of, flags: str) -> dict:
@@ -257,7 +257,7 @@ def _add_verify_keys(nxd: Any, builder: Any, build: BuildConfig, factory_of, fla
 
     records = {}
     for g in spec_graph_list(build, draft=False):
-        builder.add(key=g.name, model_instance=model_instance(nxd, factory_of(g.attend, False)),
+        builder.add(key=g.name, model_instance=model_instance(nxd, factory_of(g.attend)),
                     example_inputs=[verify_example_args(build, g.tokens, g.attend)], compiler_args=flags)
         records[g.name] = {"kind": "verify", "tokens": g.tokens, "attend": g.attend, "batch": g.batch}
     return records
@@ -344,8 +344,8 @@ def device_step(traced, attend: int, role: torch.Tensor | None = None):
     attend_rows = torch.zeros(attend, dtype=torch.int32)
     marker = () if role is None else (role,)
 
-    def run(input_ids, positions, k_cache, v_cache, logit_index, *seq_ids):
-        out = traced(input_ids, positions, logit_index, attend_rows, *marker, *seq_ids)
+    def run(input_ids, positions, k_cache, v_cache, logit_index, block_table):
+        out = traced(input_ids, positions, logit_index, attend_rows, *marker, block_table)
         return out[0] if isinstance(out, (list, tuple)) else out  # logits [B, n, V]; the caches stay aliased
 
     return run

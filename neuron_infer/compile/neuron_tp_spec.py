@@ -8,9 +8,12 @@ device caches, all aliased: k_cache / v_cache (the target's local KV heads) and 
 the draft's KV heads). Each key runs one role:
 
     role    graphs                                   inputs
-    target  context_*, tokengen_*, verify_t{K+1}_*   ids, positions, logit_index, attend_rows [S], role [1], *seq_ids
-    draft   draft_context_*, draft_tokengen_*        ids, positions, logit_index, attend_rows [S], role [2], *seq_ids
-    fused   fused_{greedy,sample}_k{K}_s{S}          ids2, pos2, uniforms, params, attend_rows [S], role [3 | 4]
+    target  context_*, tokengen_*, verify_t{K+1}_*   ids, positions, logit_index, attend_rows [S], role [1], table
+    draft   draft_context_*, draft_tokengen_*        ids, positions, logit_index, attend_rows [S], role [2], table
+    fused   fused_{greedy,sample}_k{K}_s{S}          ids2, pos2, uniforms, params, attend_rows [S], role [3 | 4],
+                                                     table
+table: the block table [B, S/bs]. Both device caches have the same block count and size, so one table addresses
+both (as on the host, see runtime/spec_engine.py); the block count is fixed at compile time.
 
 The role tensor (zeros, like attend_rows) only names the graph for NxD's routing by input shapes: a draft graph
 has the shapes of the target graph of the same bucket, and the two fused rules share theirs. The fused step is
@@ -39,17 +42,16 @@ DK_OUT, DV_OUT = 3, 4  # output indices of the updated draft caches
 
 
 def _cache_param(c: CacheShape) -> nn.Parameter:
-    shape = (c.layers, c.batch, c.kv_heads, c.max_length, c.head_dim)  # [L, B, Hkv, S, D]
-    return nn.Parameter(torch.empty(shape, dtype=c.dtype, device="meta"), requires_grad=False)
+    return nn.Parameter(torch.empty(c.dims, dtype=c.dtype, device="meta"), requires_grad=False)
 
 
 class SpecSPMDStep(nn.Module):
     """One key of a speculative build: target shard + whole draft + four aliased caches; runs `role`."""
 
     def __init__(self, target: LlamaModel, draft: LlamaModel, layout: SpecCacheLayout, role: str, attend: int,
-                 select_rows: bool, k: int, lnc: int):
+                 k: int, lnc: int):
         super().__init__()
-        self.step, self.draft = BucketStep(target, attend, select_rows), draft  # weights: step.model.*, draft.*
+        self.step, self.draft = BucketStep(target, attend), draft  # weights: step.model.*, draft.*
         self.role, self.k, self.lnc = role, k, lnc
         self.k_cache, self.v_cache = _cache_param(layout.target), _cache_param(layout.target)
         self.draft_k_cache, self.draft_v_cache = _cache_param(layout.draft), _cache_param(layout.draft)
@@ -58,24 +60,24 @@ class SpecSPMDStep(nn.Module):
         return {self.k_cache: K_OUT, self.v_cache: V_OUT, self.draft_k_cache: DK_OUT, self.draft_v_cache: DV_OUT}
 
     def forward(self, *args):
-        k, v = self.k_cache.clone(), self.v_cache.clone()  # [L, B, Hkv, S, D] target shard
-        dk, dv = self.draft_k_cache.clone(), self.draft_v_cache.clone()  # [Ld, B, Hkv_d, S, D_d] whole draft
+        k, v = self.k_cache.clone(), self.v_cache.clone()  # [L, N, Hkv, bs, D] target shard
+        dk, dv = self.draft_k_cache.clone(), self.draft_v_cache.clone()  # [Ld, N, Hkv_d, bs, D_d] whole draft
         s = self.step.attend_len
         with neuron_target(lnc=self.lnc):
-            if self.role == "target":  # ids, positions, logit_index, attend_rows, role, *seq_ids
-                ids, pos, idx, _, _, *seq_ids = args
-                out = self.step(ids, pos, k, v, idx, *seq_ids)  # [B, n, V]
+            if self.role == "target":  # ids, positions, logit_index, attend_rows, role, block_table [B, S/bs]
+                ids, pos, idx, _, _, table = args
+                out = self.step(ids, pos, k, v, idx, table)  # [B, n, V]
             elif self.role == "draft":
-                ids, pos, idx, _, _, *seq_ids = args
-                out = self.draft(ids, pos, dk, dv, idx, s, *seq_ids)  # [B, n, V]
-            else:  # fused: ids2 [B, 2], pos2 [B, 2], uniforms [B, 3K+1], params [3], attend_rows, role
-                ids2, pos2, u, params, _, _ = args
+                ids, pos, idx, _, _, table = args
+                out = self.draft(ids, pos, dk, dv, idx, s, table)  # [B, n, V]
+            else:  # fused: ids2 [B, 2], pos2 [B, 2], uniforms [B, 3K+1], params [3], attend_rows, role, table
+                ids2, pos2, u, params, _, _, table = args
 
                 def run_draft(ids, pos, li):
-                    return self.draft(ids, pos, dk, dv, li, s)
+                    return self.draft(ids, pos, dk, dv, li, s, table)
 
                 def run_target(ids, pos, li):
-                    return self.step.model(ids, pos, k, v, li, s)
+                    return self.step.model(ids, pos, k, v, li, s, table)
 
                 out = speculate(run_draft, run_target, ids2, pos2, self.k, u, params,
                                 self.role == "fused_sample")  # [B, K+5]
@@ -102,8 +104,7 @@ class SpecStepFactory:
         draft = draft_skeleton(ModelConfig.from_dict(self.draft_model), build, self.draft_quant)
         tcache = rank_cache(ModelConfig.from_dict(t.model), build, ShardPlan.from_dict(t.plan))
         layout = SpecCacheLayout(tcache, draft_cache(draft.cfg, build, 1))
-        module = SpecSPMDStep(target_step.step.model, draft, layout, self.role, t.attend, t.select_rows, self.k,
-                              t.lnc)
+        module = SpecSPMDStep(target_step.step.model, draft, layout, self.role, t.attend, self.k, t.lnc)
         draft.to_empty(device="cpu")
         for name in ("k_cache", "v_cache", "draft_k_cache", "draft_v_cache"):
             setattr(module, name, nn.Parameter(torch.empty_like(getattr(module, name), device="cpu"),
@@ -126,11 +127,12 @@ def draft_skeleton(cfg: ModelConfig, build: BuildConfig, quant: str) -> LlamaMod
 
 
 def draft_cache(cfg: ModelConfig, build: BuildConfig, tp: int) -> DeviceCacheShape:
-    """The draft's device cache on every rank: all of its KV heads (`tp` counts the replicas in nbytes)."""
+    """The draft's device cache on every rank: all of its KV heads, the target's blocks (`tp` counts the replicas
+    in nbytes)."""
     from neuron_infer.compile.neuron_tp import cache_dtype
 
-    return DeviceCacheShape(cfg.num_layers, build.batch_size, cfg.num_kv_heads, build.max_length, cfg.head_dim,
-                            cache_dtype(build), tp)
+    return DeviceCacheShape(cfg.num_layers, build.default_kv_blocks, cfg.num_kv_heads, build.block_size,
+                            cfg.head_dim, cache_dtype(build), tp)
 
 
 def role_tensor(role: str) -> torch.Tensor:
@@ -146,8 +148,8 @@ def graph_role(g: SpecGraph) -> str:
 def spec_example_args(build: BuildConfig, g: SpecGraph | GraphSpec) -> tuple[torch.Tensor, ...]:
     """Inputs of one key of a speculative build (see the module docstring)."""
     if isinstance(g, GraphSpec):  # a plain target graph
-        ids, pos, idx, attend, *seq_ids = example_args(build, g)
-        return (ids, pos, idx, attend, role_tensor("target"), *seq_ids)
+        ids, pos, idx, attend, table = example_args(build, g)
+        return (ids, pos, idx, attend, role_tensor("target"), table)
     role, b = graph_role(g), g.batch
     attend = torch.zeros(g.attend, dtype=torch.int32)  # [S]
     if g.role == "fused":
@@ -155,27 +157,28 @@ def spec_example_args(build: BuildConfig, g: SpecGraph | GraphSpec) -> tuple[tor
         pos2 = torch.tensor([[0, 1]], dtype=torch.int64).expand(b, 2).contiguous()  # [B, 2]
         u = torch.full((b, uniforms_width(g.tokens)), 0.5, dtype=torch.float32)  # [B, 3K+1]
         params = torch.tensor([1.0, 0.0, 1.0], dtype=torch.float32)  # [3]
-        return ids2, pos2, u, params, attend, role_tensor(role)
-    ids, pos, idx, _, *seq_ids = example_args(build, GraphSpec("x", g.tokens, g.attend, b, g.select_rows))
+        table = torch.zeros(b, g.attend // build.block_size, dtype=torch.int64)  # [B, S/bs]
+        return ids2, pos2, u, params, attend, role_tensor(role), table
+    ids, pos, idx, _, table = example_args(build, GraphSpec("x", g.tokens, g.attend, b))
     if g.role == "verify":  # logits at every token
         idx = torch.arange(g.tokens, dtype=torch.int64).expand(b, g.tokens).contiguous()  # [B, K+1]
-    return (ids, pos, idx, attend, role_tensor(role), *seq_ids)
+    return (ids, pos, idx, attend, role_tensor(role), table)
 
 
 def add_spec_keys(nxd: Any, builder: Any, build: BuildConfig, plan_graphs: list[GraphSpec], factory_of,
                   info: dict, compiler_args: str) -> list[str]:
     """Add every key of a speculative build (the plain target graphs and the speculation graphs) -> the graph
     records of the speculation graphs.
-    `factory_of(attend, select_rows)` -> the target StepFactory of that bucket; `info`: manifest speculation info."""
+    `factory_of(attend)` -> the target StepFactory of that bucket; `info`: manifest speculation info."""
     k, draft_cfg, quant = build.speculation.length, info["config"], info["quant"]["scheme"]
     records = {}
     for g in spec_graph_list(build):
-        factory = SpecStepFactory(factory_of(g.attend, g.select_rows), draft_cfg, quant, graph_role(g), k)
+        factory = SpecStepFactory(factory_of(g.attend), draft_cfg, quant, graph_role(g), k)
         builder.add(key=g.name, model_instance=model_instance(nxd, factory),
                     example_inputs=[spec_example_args(build, g)], compiler_args=compiler_args)
         records[g.name] = {"kind": g.role, "tokens": g.tokens, "attend": g.attend, "batch": g.batch}
     for g in plan_graphs:  # the plain target graphs, as keys of the same speculative module
-        factory = SpecStepFactory(factory_of(g.attend, g.select_rows), draft_cfg, quant, "target", k)
+        factory = SpecStepFactory(factory_of(g.attend), draft_cfg, quant, "target", k)
         builder.add(key=g.name, model_instance=model_instance(nxd, factory),
                     example_inputs=[spec_example_args(build, g)], compiler_args=compiler_args)
     return records
@@ -208,8 +211,8 @@ def device_spec_graphs(traced, build: BuildConfig, device_step) -> tuple[dict, d
 def _device_fused(traced, attend: int, role: str):
     attend_rows, marker = torch.zeros(attend, dtype=torch.int32), role_tensor(role)
 
-    def run(ids2, pos2, k_flat, v_flat, uniforms, params):
-        out = traced(ids2, pos2, uniforms, params, attend_rows, marker)
+    def run(ids2, pos2, k_flat, v_flat, uniforms, params, block_table):
+        out = traced(ids2, pos2, uniforms, params, attend_rows, marker, block_table)
         return out[0] if isinstance(out, (list, tuple)) else out  # packed [B, K+5]; the caches stay aliased
 
     return run

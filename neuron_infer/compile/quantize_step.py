@@ -43,9 +43,10 @@ def calibration_runner(model: LlamaModel, model_dir: Path):
 
     def run() -> None:
         for w in windows:
-            k = torch.zeros(cfg.num_layers, 1, lay.num_kv_heads, t, cfg.head_dim, dtype=dtype)
+            k = torch.zeros(cfg.num_layers, 1, lay.num_kv_heads, t, cfg.head_dim, dtype=dtype)  # one block of t
             pos = torch.arange(t).view(1, t)
-            model(torch.tensor([w]), pos, k, torch.zeros_like(k), pos[:, -1:], attend_len=t)
+            table = torch.zeros(1, 1, dtype=torch.int64)  # [1, 1]: the one block
+            model(torch.tensor([w]), pos, k, torch.zeros_like(k), pos[:, -1:], t, table)
 
     return run
 

@@ -147,12 +147,11 @@ def spec_cache_layout(target: LlamaModel, draft: LlamaModel, build: BuildConfig)
     return SpecCacheLayout(cache_shape(target, build), cache_shape(draft, build))
 
 
-def _step_args(cache: CacheShape, t: int, rows: bool, idx_all: bool) -> tuple[torch.Tensor, ...]:
-    """Example inputs of a BucketStep graph with T tokens (logits at every token when idx_all)."""
+def _step_args(cache: CacheShape, t: int, attend: int, b: int, idx_all: bool) -> tuple[torch.Tensor, ...]:
+    """Example inputs of a BucketStep graph with T tokens over b rows (logits at every token when idx_all)."""
     from neuron_infer.compile.builder import example_args
 
-    b = 1 if rows else cache.batch
-    args = example_args(cache, GraphSpec("x", t, 1, b, rows))
+    args = example_args(cache, GraphSpec("x", t, attend, b))
     if idx_all:
         args = args[:4] + (torch.arange(t, dtype=torch.int64).expand(b, t).contiguous(),) + args[5:]  # [B, T]
     return args
@@ -167,7 +166,6 @@ class SpecGraph:
     tokens: int  # T (fused: K)
     attend: int  # S
     batch: int
-    select_rows: bool = False  # takes seq_ids (draft context encoding into one cache row)
     sample: bool = False  # fused: the sampling rule (else greedy)
 
 
@@ -175,7 +173,7 @@ def spec_graph_list(build: BuildConfig, draft: bool = True) -> list[SpecGraph]:
     """Every speculation graph a build compiles (draft=False: prompt lookup, the verify graphs only)."""
     k, b, out = build.speculation.length, build.batch_size, []
     if draft:
-        out += [SpecGraph("draft_" + graph_name("context", t, t), "draft", t, t, 1, True)
+        out += [SpecGraph("draft_" + graph_name("context", t, t), "draft", t, t, 1)
                 for t in build.context_bucket_list]
     for s in build.tokengen_bucket_list:
         if s < k + 2:
@@ -194,12 +192,12 @@ def planned_spec_graphs(target: LlamaModel, draft: LlamaModel, build: BuildConfi
     k, layout, out = build.speculation.length, spec_cache_layout(target, draft, build), {}
     for g in spec_graph_list(build):
         if g.role == "draft":
-            out[g.name] = (BucketStep(draft, g.attend, g.select_rows),
-                           _step_args(layout.draft, g.tokens, g.select_rows, False))
+            out[g.name] = (BucketStep(draft, g.attend), _step_args(layout.draft, g.tokens, g.attend, g.batch, False))
         elif g.role == "verify":
-            out[g.name] = (BucketStep(target, g.attend), _step_args(layout.target, g.tokens, False, True))
+            out[g.name] = (BucketStep(target, g.attend), _step_args(layout.target, g.tokens, g.attend, g.batch, True))
         else:
-            out[g.name] = (FusedSpecStep(target, draft, k, g.attend, layout, g.sample), fused_example_args(layout, k))
+            out[g.name] = (FusedSpecStep(target, draft, k, g.attend, layout, g.sample),
+                           fused_example_args(layout, k, g.batch, g.attend))
     return out
 
 
@@ -208,7 +206,7 @@ def planned_verify_graphs(target: LlamaModel, build: BuildConfig) -> dict[str, t
     from neuron_infer.compile.builder import cache_shape
 
     cache = cache_shape(target, build)
-    return {g.name: (BucketStep(target, g.attend), _step_args(cache, g.tokens, False, True))
+    return {g.name: (BucketStep(target, g.attend), _step_args(cache, g.tokens, g.attend, g.batch, True))
             for g in spec_graph_list(build, draft=False)}
 
 

@@ -1,9 +1,10 @@
 """The Llama-family math, written once.
 
 One forward serves prefill (T = context bucket), decode (T = 1) and speculative verification (T = k + 1): tokens at
-`positions` write their keys/values into the static KV cache, then attend to the first `attend_len` cache slots with a
-causal rule on absolute positions. Tensor parallelism enters only through `LocalLayout` (how many heads / rows this
-rank holds) and the collectives in `Ops`; quantization by swapping the `nn.Linear` modules (neuron_infer.quant).
+`positions` write their keys/values into the block KV cache through each row's block table, then attend to the first
+`attend_len` positions of the row (the blocks its table names) with a causal rule on absolute positions. Tensor
+parallelism enters only through `LocalLayout` (how many heads / rows this rank holds) and the collectives in `Ops`;
+quantization by swapping the `nn.Linear` modules (neuron_infer.quant).
 """
 from __future__ import annotations
 
@@ -102,6 +103,34 @@ class RMSNorm(nn.Module):
         return self.ops.rms_norm(x, self.weight, self.eps)
 
 
+@dataclass(frozen=True)
+class CacheSlots:
+    """Where a step's tokens write and what its attention reads in the block KV cache (computed once per step).
+
+    Position p of batch row b lives in block table[b, p // bs] at offset p % bs. A position past the table (a padding
+    token beyond the attend bucket) writes into block 0, the scratch block no sequence owns.
+    """
+
+    block: torch.Tensor  # [B, T] int64 block each token writes
+    offset: torch.Tensor  # [B, T] int64 slot inside that block
+    table: torch.Tensor  # [B, W] int64 blocks read, in position order
+
+    @classmethod
+    def of(cls, table: torch.Tensor, positions: torch.Tensor, block_size: int) -> CacheSlots:
+        width = table.shape[1]
+        col = positions // block_size  # [B, T]
+        inside = col < width  # [B, T]
+        block = torch.gather(table, 1, col.clamp(max=width - 1)) * inside  # [B, T]; outside -> scratch block 0
+        return cls(block, positions % block_size, table)
+
+    def gather(self, layer_cache: torch.Tensor) -> torch.Tensor:
+        """layer_cache [N, Hkv, bs, D] -> the table's blocks as one sequence per row [B, Hkv, W*bs, D]."""
+        b, w = self.table.shape
+        _, hkv, bs, d = layer_cache.shape
+        blocks = layer_cache.index_select(0, self.table.reshape(-1)).view(b, w, hkv, bs, d)  # [B, W, Hkv, bs, D]
+        return blocks.transpose(1, 2).reshape(b, hkv, w * bs, d)  # [B, Hkv, W*bs, D]: slot j = position j
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, lay: LocalLayout, ops: Ops):
         super().__init__()
@@ -115,31 +144,23 @@ class Attention(nn.Module):
         # Fold the G query heads of each KV head into the token axis when the op table supports it (static).
         self.fold = lay.kv_groups if ops.gqa_fold else 0
 
-    def forward(self, x, cos, sin, positions, k_cache, v_cache, layer: int, attend_len: int, seq_ids=None):
-        # x [B, T, H]; positions [B, T]; k_cache/v_cache [L, R, Hkv, S, D] whole caches, updated in place at
+    def forward(self, x, cos, sin, positions, k_cache, v_cache, layer: int, slots: CacheSlots):
+        # x [B, T, H]; positions [B, T]; k_cache/v_cache [L, N, Hkv, bs, D] whole block caches, updated in place at
         # `layer` (writing through the 5-D tensor, not a per-layer view, keeps compiled graphs free of cache copies).
-        # seq_ids [B]: the cache row of each batch row (None: batch row b is cache row b, R == B).
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.h, self.d).transpose(1, 2)  # [B, Hq, T, D]
         k = self.k_proj(x).view(b, t, self.hkv, self.d).transpose(1, 2)  # [B, Hkv, T, D]
         v = self.v_proj(x).view(b, t, self.hkv, self.d).transpose(1, 2)  # [B, Hkv, T, D]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        rows = torch.arange(b, device=x.device) if seq_ids is None else seq_ids  # [B]
         li = torch.full((1, 1, 1), layer, dtype=torch.int64, device=x.device)  # [1, 1, 1]
         hi = torch.arange(self.hkv, device=x.device).view(1, self.hkv, 1)  # [1, Hkv, 1]
-        idx = (li, rows.view(b, 1, 1), hi, positions.unsqueeze(1))  # cache[layer, row[b], h, pos[b, t]] <- k[b, h, t]
+        idx = (li, slots.block.unsqueeze(1), hi, slots.offset.unsqueeze(1))  # cache[layer, blk[b,t], h, off[b,t]]
         k_cache.index_put_(idx, to_cache_dtype(k, k_cache.dtype))
         v_cache.index_put_(idx, to_cache_dtype(v, v_cache.dtype))
-        k_layer, v_layer = k_cache[layer], v_cache[layer]  # [R, Hkv, S, D] read-only views
-        if seq_ids is None:
-            ks, vs = k_layer[:, :, :attend_len], v_layer[:, :, :attend_len]  # [B, Hkv, S', D] views
-        else:
-            ks = k_layer[:, :, :attend_len].index_select(0, seq_ids)  # [B, Hkv, S', D]
-            vs = v_layer[:, :, :attend_len].index_select(0, seq_ids)
+        ks, vs = slots.gather(k_cache[layer]), slots.gather(v_cache[layer])  # [B, Hkv, W*bs, D] each
         o = self._attend(q, ks.to(q.dtype), vs.to(q.dtype), positions)  # [B, Hq, T, D]
         o = o.transpose(1, 2).reshape(b, t, self.h * self.d)  # [B, T, Hq*D]
         return self.ops.all_reduce(self.o_proj(o))  # row-parallel: partial sums over ranks
-
 
     def _attend(self, q, ks, vs, positions):
         if not self.fold:
@@ -171,9 +192,8 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.mlp = MLP(cfg, lay, ops)
 
-    def forward(self, x, cos, sin, positions, k_cache, v_cache, layer: int, attend_len: int, seq_ids=None):
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, k_cache, v_cache, layer, attend_len,
-                               seq_ids)
+    def forward(self, x, cos, sin, positions, k_cache, v_cache, layer: int, slots: CacheSlots):
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, k_cache, v_cache, layer, slots)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -205,7 +225,7 @@ class Inner(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    """Llama causal LM with a static KV cache. Parameter names equal Hugging Face's `LlamaForCausalLM`."""
+    """Llama causal LM over a block KV cache. Parameter names equal Hugging Face's `LlamaForCausalLM`."""
 
     def __init__(self, cfg: ModelConfig, layout: LocalLayout | None = None, ops: Ops | None = None,
                  max_positions: int | None = None):
@@ -239,17 +259,19 @@ class LlamaModel(nn.Module):
         self,
         input_ids: torch.Tensor,  # [B, T] int64
         positions: torch.Tensor,  # [B, T] int64 absolute positions
-        k_cache: torch.Tensor,  # [L, R, Hkv, S, D] updated in place (R cache rows)
-        v_cache: torch.Tensor,  # [L, R, Hkv, S, D] updated in place
+        k_cache: torch.Tensor,  # [L, N, Hkv, bs, D] updated in place (N blocks of bs token slots)
+        v_cache: torch.Tensor,  # [L, N, Hkv, bs, D] updated in place
         logit_index: torch.Tensor,  # [B, n] int64: which of the T tokens need logits
-        attend_len: int,  # static: cache slots visible to attention (the bucket)
-        seq_ids: torch.Tensor | None = None,  # [B] int64 cache row per batch row; None: row b <-> batch b
+        attend_len: int,  # static: cache slots visible to attention (the bucket), a multiple of bs
+        block_table: torch.Tensor,  # [B, attend_len // bs] int64: the cache blocks of each batch row, in order
     ) -> torch.Tensor:  # [B, n, V] fp32 logits
         x = self.model.embed_tokens(input_ids)  # [B, T, H]
-        cos = F.embedding(positions, self.rope_cos).unsqueeze(1).to(x.dtype)  # [B, 1, T, D]
-        sin = F.embedding(positions, self.rope_sin).unsqueeze(1).to(x.dtype)  # [B, 1, T, D]
+        slots = CacheSlots.of(block_table, positions, k_cache.shape[3])
+        rope_pos = positions.clamp(max=self.max_positions - 1)  # [B, T] padding tokens may sit past the table
+        cos = F.embedding(rope_pos, self.rope_cos).unsqueeze(1).to(x.dtype)  # [B, 1, T, D]
+        sin = F.embedding(rope_pos, self.rope_sin).unsqueeze(1).to(x.dtype)  # [B, 1, T, D]
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, positions, k_cache, v_cache, i, attend_len, seq_ids)
+            x = layer(x, cos, sin, positions, k_cache, v_cache, i, slots)
         x = self.model.norm(x)
         idx = logit_index.unsqueeze(-1).expand(-1, -1, x.shape[-1])  # [B, n, H]
         x = torch.gather(x, 1, idx)  # [B, n, H]
@@ -260,14 +282,16 @@ class LlamaModel(nn.Module):
 class BucketStep(nn.Module):
     """`LlamaModel.forward` with `attend_len` fixed: the static-shape module one compiled graph is built from.
 
-    `select_rows=False`: forward(input_ids, positions, k_cache, v_cache, logit_index) over every cache row.
-    `select_rows=True`:  forward(..., logit_index, seq_ids) on the cache rows named by seq_ids [B] (context
-    encoding of one new sequence into its slot while other slots keep their state).
+    forward(input_ids [B, T], positions [B, T], k_cache, v_cache, logit_index [B, n], block_table [B, S/bs])
+    The caches may have any number of blocks: `block_cache_args` names them for backends that export the block
+    count as a dynamic dimension.
     """
 
-    def __init__(self, model: LlamaModel, attend_len: int, select_rows: bool = False):
-        super().__init__()
-        self.model, self.attend_len, self.select_rows = model, attend_len, select_rows
+    block_cache_args = (2, 3)
 
-    def forward(self, input_ids, positions, k_cache, v_cache, logit_index, seq_ids=None):
-        return self.model(input_ids, positions, k_cache, v_cache, logit_index, self.attend_len, seq_ids)
+    def __init__(self, model: LlamaModel, attend_len: int):
+        super().__init__()
+        self.model, self.attend_len = model, attend_len
+
+    def forward(self, input_ids, positions, k_cache, v_cache, logit_index, block_table):
+        return self.model(input_ids, positions, k_cache, v_cache, logit_index, self.attend_len, block_table)

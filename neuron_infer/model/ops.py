@@ -38,7 +38,7 @@ def attention_ref(
     # KV head i (Hq == Hkv, e.g. GQA groups folded into the token axis, see Ops.gqa_fold)
     positions: torch.Tensor,  # [B, T] absolute position of each query token
 ) -> torch.Tensor:  # [B, Hq, T, D]
-    """Causal GQA attention over a static cache prefix: key j is visible to a query at position p iff j <= p."""
+    """Causal GQA attention over a sequence's cached positions: key j is visible to a query at position p iff j <= p."""
     if q_to_kv is not None:
         k = k.index_select(1, q_to_kv)  # [B, Hq, S, D]
         v = v.index_select(1, q_to_kv)  # [B, Hq, S, D]

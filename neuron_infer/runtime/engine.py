@@ -1,27 +1,14 @@
-"""The engine owns the static KV cache and routes each step to the compiled graph of its bucket.
-
-A step graph has the signature of `LlamaModel.forward` with `attend_len` fixed (see `model.llama.BucketStep`):
-    context encoding (one sequence into its cache row, batch 1):
-        graph(input_ids [1,T], positions [1,T], k_cache, v_cache, logit_index [1,1], seq_ids [1]) -> [1,1,V]
-    token generation (every row of the static batch):
-        graph(input_ids [B,1], positions [B,1], k_cache, v_cache, logit_index [B,1]) -> [B,1,V]
-    token generation on b < B rows (the batch buckets, BuildConfig.tokengen_batch_list):
-        graph(input_ids [b,1], positions [b,1], k_cache, v_cache, logit_index [b,1], seq_ids [b]) -> [b,1,V]
-Graphs are keyed by (kind, T, S): context (ctx_bucket, ctx_bucket), tokengen (1, tg_bucket), and the batch-bucket
-tokengen graphs by (b, 1, tg_bucket). Encoding one sequence at a time lets a new request join while others keep
-decoding (continuous batching) without touching their rows; a step over n running sequences uses the smallest batch
-bucket >= n (a step costs what its rows cost, not what the artifact's batch size costs), as NxDI's
-token_generation_batches and vllm-neuron's num_seqs_buckets do.
-"""
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from neuron_infer.config import BuildConfig
 from neuron_infer.errors import NeuronInferError
+from neuron_infer.runtime.blocks import BlockPool
 from neuron_infer.runtime.buckets import pick_bucket
 
 StepFn = Callable[..., torch.Tensor]
@@ -36,26 +23,33 @@ def graph_name(kind: str, tokens: int, attend: int) -> str:
 class GraphSpec:
     kind: str  # "context" | "tokengen"
     tokens: int  # T
-    attend: int  # S (cache slots visible)
+    attend: int  # S (positions visible)
     batch: int
-    select_rows: bool  # takes seq_ids (writes/reads only the named cache rows)
+    batch_bucket: bool = False  # a tokengen graph over b < batch_size sequences
 
     @property
     def name(self) -> str:
-        if self.kind == "tokengen" and self.select_rows:
+        if self.batch_bucket:
             return batch_graph_name(self.batch, self.attend)
         return graph_name(self.kind, self.tokens, self.attend)
 
 
 def batch_graph_name(batch: int, attend: int) -> str:
-    """A token-generation graph over `batch` selected cache rows, e.g. 'tokengen_b2_t1_s512'."""
+    """A token-generation graph over `batch` sequences, e.g. 'tokengen_b2_t1_s512'."""
     return f"tokengen_b{batch}_t1_s{attend}"
+
+
+def context_attends(build: BuildConfig, tokens: int) -> tuple[int, ...]:
+    """Attend lengths of the context graphs of `tokens`: its own bucket, and the largest context bucket (a prompt
+    whose first blocks are cached encodes only its rest, at positions p0.., attending to the cached blocks)."""
+    top = build.max_context_length
+    return (tokens,) if tokens == top else (tokens, top)
 
 
 def planned_graphs(build: BuildConfig) -> list[GraphSpec]:
     """Every graph a build compiles."""
-    out = [GraphSpec("context", b, b, 1, True) for b in build.context_bucket_list]
-    out += [GraphSpec("tokengen", 1, s, build.batch_size, False) for s in build.tokengen_bucket_list]
+    out = [GraphSpec("context", t, s, 1) for t in build.context_bucket_list for s in context_attends(build, t)]
+    out += [GraphSpec("tokengen", 1, s, build.batch_size) for s in build.tokengen_bucket_list]
     out += [GraphSpec("tokengen", 1, s, b, True)
             for b in build.tokengen_batch_list if b < build.batch_size for s in build.tokengen_bucket_list]
     return out
@@ -64,71 +58,140 @@ def planned_graphs(build: BuildConfig) -> list[GraphSpec]:
 @dataclass(frozen=True)
 class CacheShape:
     layers: int
-    batch: int
+    blocks: int  # N, block 0 included
     kv_heads: int  # local to this rank
-    max_length: int
+    block_size: int
     head_dim: int
     dtype: torch.dtype
 
+    @property
+    def dims(self) -> tuple[int, ...]:
+        return (self.layers, self.blocks, self.kv_heads, self.block_size, self.head_dim)  # [L, N, Hkv, bs, D]
+
     def allocate(self) -> tuple[torch.Tensor, torch.Tensor]:
-        shape = (self.layers, self.batch, self.kv_heads, self.max_length, self.head_dim)  # [L, B, Hkv, S, D]
-        return torch.zeros(shape, dtype=self.dtype), torch.zeros(shape, dtype=self.dtype)
+        return torch.zeros(self.dims, dtype=self.dtype), torch.zeros(self.dims, dtype=self.dtype)
+
+    def block_bytes(self) -> int:
+        """Bytes of one block, K and V."""
+        elems = 2 * self.layers * self.kv_heads * self.block_size * self.head_dim
+        return elems * torch.empty((), dtype=self.dtype).element_size()
 
     def nbytes(self) -> int:
-        elems = 2 * self.layers * self.batch * self.kv_heads * self.max_length * self.head_dim
-        return elems * torch.empty((), dtype=self.dtype).element_size()
+        return self.blocks * self.block_bytes()
+
+    def with_blocks(self, blocks: int) -> CacheShape:
+        return dataclasses.replace(self, blocks=blocks)
+
+
+def budget_blocks(cache: CacheShape, build: BuildConfig, gib: float) -> int:
+    """Blocks (the scratch block included) of a KV cache of `gib` GiB; a budget too small for one sequence of
+    max_length is refused."""
+    blocks = round(gib * 2**30) // cache.block_bytes()
+    need = build.max_length // cache.block_size + 1
+    if blocks < need:
+        raise NeuronInferError(
+            f"--kv-cache-gib {gib:g} holds {blocks} blocks of {cache.block_size} tokens, but one sequence of "
+            f"max_length={build.max_length} needs {need} (with the scratch block): at least "
+            f"{need * cache.block_bytes() / 2**30:.4f} GiB")
+    return blocks
 
 
 class Engine:
-    """Runs prefill and decode steps for one static batch."""
+    """Runs prefill and decode steps over the block cache for one static batch of slots."""
 
     def __init__(self, graphs: dict[str, StepFn], build: BuildConfig, cache: CacheShape, vocab_size: int):
         self.graphs, self.build, self.cache_shape, self.vocab_size = graphs, build, cache, vocab_size
         self.k_cache, self.v_cache = cache.allocate()
+        self.pool = BlockPool(cache.blocks, cache.block_size)
+        self.slots: list[list[int]] = [self._stripe(r) for r in range(build.batch_size)]  # blocks of each slot
         self.spec = None  # runtime.spec_engine.SpecEngine over this engine and a draft, set by the loader
 
-    def _run(self, kind: str, t: int, s: int, ids, pos, logit_index, *rest: torch.Tensor,
-             name: str | None = None) -> torch.Tensor:
-        name = name or graph_name(kind, t, s)
+    @property
+    def block_size(self) -> int:
+        return self.cache_shape.block_size
+
+    def bind_stripes(self) -> None:
+        """Every slot its own stripe of blocks again (the static layout, for driving the engine without a runner).
+        The stripes overwrite blocks the pool may hold cached prefixes in, so the prefix cache is dropped."""
+        self.pool.forget_prefixes()
+        for slot in range(self.build.batch_size):
+            self.bind(slot, self._stripe(slot))
+
+    def _stripe(self, slot: int) -> list[int]:
+        per = self.build.max_length // self.block_size
+        first = 1 + slot * per
+        return list(range(first, first + per)) if first + per <= self.cache_shape.blocks else []
+
+    def slot_kv(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The K and V of `slot` in position order, [L, Hkv, n*bs, D] each (copies; for inspection)."""
+        idx = torch.tensor(self.slots[slot], dtype=torch.int64)  # [n]
+
+        def one(cache: torch.Tensor) -> torch.Tensor:
+            blocks = cache.index_select(1, idx)  # [L, n, Hkv, bs, D]
+            return blocks.transpose(1, 2).flatten(2, 3)  # [L, Hkv, n*bs, D]
+
+        return one(self.k_cache), one(self.v_cache)
+
+    def bind(self, slot: int, blocks: list[int]) -> None:
+        """Slot `slot` now holds the sequence whose positions live in `blocks` (in order; [] frees the slot)."""
+        self.slots[slot] = blocks
+
+    def table(self, slots: Sequence[int | None], attend: int) -> torch.Tensor:
+        """The block table [len(slots), attend/bs] of the named slots (None, or blocks not yet held: scratch)."""
+        width = attend // self.block_size
+        out = torch.zeros(len(slots), width, dtype=torch.int64)  # [b, W]
+        for i, slot in enumerate(slots):
+            blocks = self.slots[slot][:width] if slot is not None else []
+            out[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.int64)
+        return out
+
+    def _run(self, name: str, ids, pos, logit_index, table: torch.Tensor) -> torch.Tensor:
         try:
             fn = self.graphs[name]
         except KeyError as e:
             raise NeuronInferError(f"compiled graph {name!r} is missing from the artifact; recompile") from e
         with torch.inference_mode():
-            return fn(ids, pos, self.k_cache, self.v_cache, logit_index, *rest)
+            return fn(ids, pos, self.k_cache, self.v_cache, logit_index, table)
 
-    def prefill_row(self, row: int, prompt: list[int]) -> torch.Tensor:
-        """Encode one prompt into cache row `row` (other rows untouched) -> next-token logits [V]."""
-        t = pick_bucket(len(prompt), self.build.context_bucket_list, "prompt",
-                        "--max-context-length/--context-buckets")
-        ids = torch.zeros(1, t, dtype=torch.int64)  # [1, T], right-padded; padding writes slots >= len (unused)
-        ids[0, : len(prompt)] = torch.tensor(prompt, dtype=torch.int64)
-        positions = torch.arange(t, dtype=torch.int64).view(1, t)  # [1, T]
-        last = torch.tensor([[len(prompt) - 1]], dtype=torch.int64)  # [1, 1]
-        seq = torch.tensor([row], dtype=torch.int64)  # [1]
-        return self._run("context", t, t, ids, positions, last, seq)[0, 0]  # [V]
+    def context_graph(self, tokens: int, start: int) -> tuple[int, int]:
+        """(T, S) of the context graph encoding `tokens` tokens that start at position `start`."""
+        t = pick_bucket(tokens, self.build.context_bucket_list, "prompt", "--max-context-length/--context-buckets")
+        return (t, t) if start == 0 else (t, self.build.max_context_length)
+
+    def prefill_row(self, slot: int, prompt: list[int], start: int = 0) -> torch.Tensor:
+        """Encode prompt[start:] at positions start.. into the blocks of `slot` (positions < start are already
+        cached there; other slots untouched) -> next-token logits [V]."""
+        n = len(prompt) - start
+        t, s = self.context_graph(n, start)
+        ids = torch.zeros(1, t, dtype=torch.int64)  # [1, T], right-padded; padding writes slots no one reads
+        ids[0, :n] = torch.tensor(prompt[start:], dtype=torch.int64)
+        positions = torch.arange(start, start + t, dtype=torch.int64).view(1, t)  # [1, T]
+        last = torch.tensor([[n - 1]], dtype=torch.int64)  # [1, 1]
+        return self._run(graph_name("context", t, s), ids, positions, last, self.table([slot], s))[0, 0]  # [V]
 
     def prefill(self, prompts: list[list[int]]) -> torch.Tensor:
-        """Encode prompts into rows 0..n-1 -> next-token logits [B, V] (idle rows: zeros)."""
+        """Encode prompts into slots 0..n-1 of the static layout (`bind_stripes`) -> next-token logits [B, V] (idle
+        slots: zeros)."""
+        self.bind_stripes()
         out = torch.zeros(self.build.batch_size, self.vocab_size, dtype=torch.float32)  # [B, V]
-        for row, p in enumerate(prompts):
-            out[row] = self.prefill_row(row, p)
+        for slot, p in enumerate(prompts):
+            out[slot] = self.prefill_row(slot, p)
         return out
 
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """tokens [B], positions [B] (slot each token is written to) -> logits [B, V]."""
+        """tokens [B], positions [B] (slot each token is written to) of every batch slot -> logits [B, V]."""
         s = pick_bucket(int(positions.max()) + 1, self.build.tokengen_bucket_list, "sequence", "--max-length")
         ids = tokens.view(-1, 1).to(torch.int64)  # [B, 1]
         pos = positions.view(-1, 1).to(torch.int64)  # [B, 1]
         zero = torch.zeros_like(pos)  # [B, 1]: the only token
-        return self._run("tokengen", 1, s, ids, pos, zero)[:, 0]  # [B, V]
+        table = self.table(range(self.build.batch_size), s)  # [B, S/bs]
+        return self._run(graph_name("tokengen", 1, s), ids, pos, zero, table)[:, 0]  # [B, V]
 
     def decode_rows(self, rows: list[int], tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """A step over the named cache rows only: rows (distinct), tokens [n], positions [n] -> logits [n, V].
+        """A step over the named slots only: rows (distinct), tokens [n], positions [n] -> logits [n, V].
 
-        Runs the smallest batch-bucket graph >= n; its spare batch rows are padded with free cache rows (token 0 at
-        position 0: garbage in rows that are re-encoded before any use). At n > the largest bucket below the
-        artifact's batch size, the full-batch graph runs over every row.
+        Runs the smallest batch-bucket graph >= n; its spare batch rows write token 0 at position 0 into the scratch
+        block. At n > the largest bucket below the artifact's batch size, the full-batch graph runs over every slot.
         """
         n, full = len(rows), self.build.batch_size
         b = next((x for x in self.build.tokengen_batch_list if x >= n), full)
@@ -137,12 +200,9 @@ class Engine:
             all_pos = torch.zeros(full, dtype=torch.int64)  # [B]
             all_tokens[rows], all_pos[rows] = tokens, positions
             return self.decode(all_tokens, all_pos)[rows]  # [n, V]
-        taken = set(rows)
-        pad = [r for r in range(full) if r not in taken][: b - n]
-        seq = torch.tensor(list(rows) + pad, dtype=torch.int64)  # [b] cache row of each batch row
         ids = torch.zeros(b, 1, dtype=torch.int64)  # [b, 1]
         pos = torch.zeros(b, 1, dtype=torch.int64)  # [b, 1]
         ids[:n, 0], pos[:n, 0] = tokens, positions
         s = pick_bucket(int(positions.max()) + 1, self.build.tokengen_bucket_list, "sequence", "--max-length")
-        out = self._run("tokengen", 1, s, ids, pos, torch.zeros_like(pos), seq, name=batch_graph_name(b, s))
-        return out[:n, 0]  # [n, V]
+        table = self.table(list(rows) + [None] * (b - n), s)  # [b, S/bs]
+        return self._run(batch_graph_name(b, s), ids, pos, torch.zeros_like(pos), table)[:n, 0]  # [n, V]

@@ -1,7 +1,8 @@
 """Generation to completion: add every prompt to the Scheduler, then step the Runner until all sequences finish.
 
 This is `CompiledModel.generate` (tp = 1, or every rank of a tensor-parallel group with `agree`). Prompts beyond
-the artifact's batch size wait and take cache rows as earlier sequences finish (continuous batching).
+the artifact's batch size, or beyond what the KV cache's free blocks can promise, wait and start as earlier sequences
+finish (continuous batching).
 """
 from __future__ import annotations
 
@@ -19,7 +20,6 @@ from neuron_infer.runtime.engine import Engine
 from neuron_infer.runtime.metrics import Metrics
 from neuron_infer.runtime.runner import Agree, Runner
 from neuron_infer.runtime.sampling import make_generator
-from neuron_infer.runtime.scheduler import Scheduler
 from neuron_infer.runtime.sequence import Sequence, StopRule, check_prompt
 from neuron_infer.runtime.spec_engine import SpecEngine
 
@@ -63,6 +63,7 @@ def generate_ids(
     on_logits: Callable[[torch.Tensor], None] | None = None,
     stop: StopRule | None = None,
     logprobs: int | None = None,
+    prefix_caching: bool = True,
 ) -> tuple[list[SequenceResult], Metrics]:
     """Generate up to `max_new_tokens` per prompt; speculative steps when the engine carries a draft model
     (`engine.spec`) or is a SpecEngine, plain steps otherwise.
@@ -70,7 +71,9 @@ def generate_ids(
     All sequences draw from one generator seeded with `sampling.seed`. `agree` maps sampled tokens to the tokens
     actually used (tensor parallelism: rank 0's choice, broadcast); `on_logits` sees the logits [n, V] of every
     sampled position of a plain step or prefill. `stop`: stop strings and their decoder (its count fields are
-    replaced by this call's); `logprobs`: record each output token's log-probability and the top-N alternatives.
+    replaced by this call's); `logprobs`: record each output token's log-probability and the top-N alternatives;
+    `prefix_caching`: prompts whose first blocks are cached (earlier prompts, this call's or an earlier call's on
+    the same engine) encode only the rest.
     """
     build = engine.build
     if not prompts:
@@ -81,7 +84,8 @@ def generate_ids(
     stop = StopRule(max_new_tokens, eos_ids, ignore_eos, build.max_length,
                     stop.stop_strings if stop else (), stop.decode if stop else None)
     seqs = [Sequence(i, list(p), sampling, stop, gen, logprobs=logprobs) for i, p in enumerate(prompts)]
-    sched, runner = Scheduler(build.batch_size), Runner(engine, agree, on_logits, keep_step_counts=True)
+    runner = Runner(engine, agree, on_logits, keep_step_counts=True, prefix_caching=prefix_caching)
+    sched = runner.scheduler
     for s in seqs:
         sched.add(s)
     metrics = runner.stats

@@ -19,7 +19,7 @@ from neuron_infer.config import BuildConfig, ModelConfig, QuantConfig
 from neuron_infer.errors import ArtifactError
 from neuron_infer.model.llama import BucketStep, LlamaModel
 from neuron_infer.parallel.plan import ShardPlan
-from neuron_infer.runtime.engine import Engine, planned_graphs
+from neuron_infer.runtime.engine import Engine, budget_blocks, planned_graphs
 from neuron_infer.runtime.ngram_spec import NgramSpec
 from neuron_infer.runtime.spec_engine import SpecEngine
 from neuron_infer.runtime.spec_step import SpecCacheLayout
@@ -39,9 +39,10 @@ def manifest_plan(manifest: Manifest, where: Path) -> ShardPlan:
 
 
 def load_rank(artifact: str | Path, rank: int = 0, manifest: Manifest | None = None, *,
-              spec_mode: str | None = None) -> Engine:
+              spec_mode: str | None = None, kv_cache_gib: float | None = None) -> Engine:
     """Rank `rank`'s Engine (weights, graphs, cache; `.spec` when a draft model is compiled in). `manifest`: the
-    caller's already verified manifest (read here, without re-hashing the files, when None)."""
+    caller's already verified manifest (read here, without re-hashing the files, when None). kv_cache_gib: this
+    rank's KV-cache budget (None: the build's batch_size sequences of max_length)."""
     from neuron_infer.compile.builder import cache_shape
     from neuron_infer.compile.quantize_step import quant_structure
     from neuron_infer.compile.tp import rank_layout, tp_ops
@@ -64,9 +65,14 @@ def load_rank(artifact: str | Path, rank: int = 0, manifest: Manifest | None = N
         graphs_dir = root / "graphs" / f"rank{rank}"
     quant_structure(model, build)
     load_rank_weights(model, root / "weights" / f"rank{rank}.safetensors")
-    modules = {s.name: BucketStep(model, s.attend, s.select_rows) for s in planned_graphs(build)}
-    engine = Engine(_load_graphs(manifest.backend, graphs_dir, modules), build, cache_shape(model, build),
-                    manifest.model.vocab_size)
+    modules = {s.name: BucketStep(model, s.attend) for s in planned_graphs(build)}
+    cache = cache_shape(model, build)
+    if kv_cache_gib is not None and manifest.backend == "neuron":
+        raise ArtifactError(f"{root}: Neuron graphs hold the KV cache of the compiled batch_size x max_length; "
+                            "--kv-cache-gib applies to CPU artifacts")
+    if kv_cache_gib is not None:
+        cache = cache.with_blocks(budget_blocks(cache, build, kv_cache_gib))
+    engine = Engine(_load_graphs(manifest.backend, graphs_dir, modules), build, cache, manifest.model.vocab_size)
     if build.speculation is not None:
         engine.spec = load_speculation(root, manifest, model, engine, spec_mode, graphs_dir)
     return engine
@@ -118,7 +124,7 @@ def assemble_spec(target_engine: Engine, draft: LlamaModel, graphs: dict, build:
 
     dgraphs = {n[len("draft_"):]: g for n, g in graphs.items() if n.startswith("draft_")}
     sgraphs = {n: g for n, g in graphs.items() if not n.startswith("draft_")}
-    dshape = cache_shape(draft, build)
+    dshape = cache_shape(draft, build, target_engine.cache_shape.blocks)
     draft_engine = Engine(dgraphs, build, dshape, draft.cfg.vocab_size)
     layout = SpecCacheLayout(target_engine.cache_shape, dshape)
     return SpecEngine(target_engine, draft_engine, sgraphs, layout, build.speculation.length, mode)
@@ -130,14 +136,14 @@ def eager_spec_engine(target: LlamaModel, draft: LlamaModel, build: BuildConfig,
     from neuron_infer.compile.builder import cache_shape
     from neuron_infer.compile.spec_builder import planned_spec_graphs
 
-    core = {s.name: BucketStep(target, s.attend, s.select_rows) for s in planned_graphs(build)}
+    core = {s.name: BucketStep(target, s.attend) for s in planned_graphs(build)}
     engine = Engine(core, build, cache_shape(target, build), target.cfg.vocab_size)
     graphs = {n: m for n, (m, _) in planned_spec_graphs(target, draft, build).items()}
     return assemble_spec(engine, draft, graphs, build, mode)
 
 
-def load_serving_rank(root: Path, rank: int, world_size: int, expect_checkpoint: Path | None = None
-                      ) -> tuple[Manifest, Engine]:
+def load_serving_rank(root: Path, rank: int, world_size: int, expect_checkpoint: Path | None = None,
+                      kv_cache_gib: float | None = None) -> tuple[Manifest, Engine]:
     """Rank `rank`'s manifest and engine, for a long-lived process that already joined a group of `world_size`
     ranks (one vLLM worker per rank; the model's collectives run on torch.distributed's default group)."""
     from neuron_infer.compile.artifact import check_checkpoint
@@ -153,7 +159,7 @@ def load_serving_rank(root: Path, rank: int, world_size: int, expect_checkpoint:
         raise ArtifactError(f"{root}: serving a Neuron tensor-parallel artifact from one process per rank is not "
                             "supported (neuronx-distributed drives every NeuronCore of the group from one process); "
                             "load it with CompiledModel.load instead")
-    return manifest, load_rank(root, rank, manifest)
+    return manifest, load_rank(root, rank, manifest, kv_cache_gib=kv_cache_gib)
 
 
 def eager_ngram_spec(target: LlamaModel, build: BuildConfig) -> NgramSpec:
@@ -161,7 +167,7 @@ def eager_ngram_spec(target: LlamaModel, build: BuildConfig) -> NgramSpec:
     from neuron_infer.compile.builder import cache_shape
     from neuron_infer.compile.spec_builder import planned_verify_graphs
 
-    core = {s.name: BucketStep(target, s.attend, s.select_rows) for s in planned_graphs(build)}
+    core = {s.name: BucketStep(target, s.attend) for s in planned_graphs(build)}
     engine = Engine(core, build, cache_shape(target, build), target.cfg.vocab_size)
     graphs = {n: m for n, (m, _) in planned_verify_graphs(target, build).items()}
     return NgramSpec(engine, graphs, build.speculation.length, build.speculation.ngram)

@@ -30,6 +30,14 @@ class Metrics:
     drafted: int = 0  # draft tokens proposed to scheduled sequences
     accepted: int = 0  # of those, accepted by the target
     emitted_per_step: list[int] = field(default_factory=list)  # per (speculative step, sequence): tokens emitted
+    kv_blocks: int = 0  # usable KV-cache blocks (the scratch block aside)
+    kv_blocks_in_use: int = 0  # the most blocks held at once by running sequences
+    prefix_blocks_queried: int = 0  # full prompt blocks looked up in the prefix cache (cumulative on the engine)
+    prefix_blocks_hit: int = 0  # of those, found (not encoded again)
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_blocks_hit / self.prefix_blocks_queried if self.prefix_blocks_queried else 0.0
 
     @property
     def acceptance_rate(self) -> float:
@@ -56,7 +64,10 @@ class Metrics:
 
     def to_dict(self) -> dict:
         out = {"ttft_s": self.ttft_s, "ms_per_token": self.ms_per_token, "tokens_per_s": self.tokens_per_s,
-               "num_generated": self.num_generated, "token_latencies_s": self.token_latencies_s}
+               "num_generated": self.num_generated, "token_latencies_s": self.token_latencies_s,
+               "kv_cache": {"blocks": self.kv_blocks, "blocks_in_use": self.kv_blocks_in_use,
+                            "prefix_blocks_queried": self.prefix_blocks_queried,
+                            "prefix_blocks_hit": self.prefix_blocks_hit, "prefix_hit_rate": self.prefix_hit_rate}}
         spec = self.speculation()
         return out if spec is None else {**out, "speculation": spec}
 

@@ -2,7 +2,7 @@
 
 Per step (host loop; there is no fused graph: the drafts come from the host, see `runtime/ngram.py`):
     drafts       propose(tokens, n, k) per scheduled sequence; plan_step decides each k (0..K) or a plain step
-    verify       verify_t{K+1}_s{S} over every cache row: [last, d_1..d_k, filler] at p..p+K  -> logits [B, K+1, V]
+    verify       verify_t{K+1}_s{S} over every batch slot: [last, d_1..d_k, filler] at p..p+K  -> logits [B, K+1, V]
     acceptance   per sequence over its own k: greedy_verify, or speculative_verify with the draft distribution a
                  point mass q = one_hot(d_i): accept d_i with probability p_i(d_i), else sample from
                  normalize(max(p_i - q_i, 0)) = p_i without d_i, renormalized; the bonus token from p_k.
@@ -65,8 +65,8 @@ class NgramSpec:
         self.clock = StepClock()
         self.states: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Sequence -> SeqState
 
-    def prefill_row(self, row: int, prompt: list[int]) -> torch.Tensor:
-        return self.target.prefill_row(row, prompt)
+    def prefill_row(self, row: int, prompt: list[int], start: int = 0) -> torch.Tensor:
+        return self.target.prefill_row(row, prompt, start)
 
     def can_speculate(self, seqs: Mapping[int, Sequence[int]]) -> bool:
         """A verify step writes positions p..p+K of every listed row: p + K + 1 <= max_length."""
@@ -118,7 +118,8 @@ class NgramSpec:
             raise NeuronInferError(f"compiled graph {name!r} is missing from the artifact; recompile")
         t0 = time.perf_counter()
         with torch.inference_mode():
-            out = self.graphs[name](ids, pos, self.target.k_cache, self.target.v_cache, steps.expand(b, k + 1))
+            table = self.target.table(range(b), s)  # [B, S/bs]
+            out = self.graphs[name](ids, pos, self.target.k_cache, self.target.v_cache, steps.expand(b, k + 1), table)
         self.clock.add("verify", time.perf_counter() - t0)
         return out  # [B, K+1, V]
 

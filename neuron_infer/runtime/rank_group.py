@@ -50,7 +50,8 @@ DEFAULT_TIMEOUT_S = 600.0  # a rank without a result this long after all ranks j
 
 def tp_generate_ids(engine: Engine, prompts: list[list[int]], max_new_tokens: int, sampling: SamplingConfig = GREEDY,
                     eos_ids: tuple[int, ...] = (), ignore_eos: bool = False, on_tokens: OnTokens | None = None,
-                    collect_logits: bool = False) -> tuple[list[SequenceResult], Metrics, list[torch.Tensor]]:
+                    collect_logits: bool = False, prefix_caching: bool = True
+                    ) -> tuple[list[SequenceResult], Metrics, list[torch.Tensor]]:
     """The generation loop every rank runs: the token is decided on rank 0 and broadcast, so every rank feeds the
     same next input and takes the same stop decisions (the vocab all-gather already hands every rank identical
     logits; the broadcast makes that independent of the sampler). Returns (results, metrics, each step's logits of
@@ -58,16 +59,18 @@ def tp_generate_ids(engine: Engine, prompts: list[list[int]], max_new_tokens: in
     seen: list[torch.Tensor] = []
     results, metrics = generate_ids(engine, prompts, max_new_tokens, sampling, eos_ids, ignore_eos, on_tokens,
                                     agree=broadcast_from_rank0,  # [n] rank 0's choice everywhere
-                                    on_logits=(lambda t: seen.append(t.clone())) if collect_logits else None)
+                                    on_logits=(lambda t: seen.append(t.clone())) if collect_logits else None,
+                                    prefix_caching=prefix_caching)
     return results, metrics, seen
 
 
-def serve_rank(ctx, root: str):
-    """Set-up of every rank (module level: spawned processes import it): load this rank's shard once; returns the
-    handler that serves each request."""
+def serve_rank(ctx, root: str, kv_cache_gib: float | None = None):
+    """Set-up of every rank (module level: spawned processes import it): load this rank's shard once (a KV cache of
+    `kv_cache_gib` per rank, None: the build's default); returns the handler that serves each request."""
     root_p = Path(root)
     manifest = read_manifest(root_p, verify_files=False)  # the parent verified the files once
-    return functools.partial(_serve_request, ctx, load_rank(root_p, ctx.rank, manifest))
+    engine = load_rank(root_p, ctx.rank, manifest, kv_cache_gib=kv_cache_gib)
+    return functools.partial(_serve_request, ctx, engine)
 
 
 def _serve_request(ctx, engine: Engine, request: dict) -> dict | None:
@@ -77,7 +80,8 @@ def _serve_request(ctx, engine: Engine, request: dict) -> dict | None:
     ctx.emit(("pids", pids.tolist()))
     results, metrics, seen = tp_generate_ids(
         engine, req["prompts"], req["max_new_tokens"], req["sampling"], tuple(req["eos_ids"]), req["ignore_eos"],
-        lambda rows: ctx.emit(("tokens", [list(r) for r in rows])), req["collect_logits"])
+        lambda rows: ctx.emit(("tokens", [list(r) for r in rows])), req["collect_logits"],
+        req.get("prefix_caching", True))
     if ctx.rank != 0:
         return None
     return {"results": results, "metrics": [metrics], "logits": [seen], "pids": pids.tolist()}
@@ -94,15 +98,16 @@ class RankGroup:
     timeout_s: float = DEFAULT_TIMEOUT_S
     start_timeout_s: float = 180.0
 
-    def __init__(self, root: Path, manifest: Manifest):
-        self.root, self.manifest = root, manifest
+    def __init__(self, root: Path, manifest: Manifest, kv_cache_gib: float | None = None,
+                 prefix_caching: bool = True):
+        self.root, self.manifest, self.prefix_caching = root, manifest, prefix_caching
         self.plan = manifest_plan(manifest, root)
         self.last_run: dict[str, Any] = {}  # pids and (optionally) logits of the last call, for tests/debugging
         self.procs: RankProcesses | None = None  # None under torchrun: each host launched its own share
         if not torchrun_env_present():
             per_rank = max(r["bytes"] for r in manifest.extra.get("tp_rank_weights", [{"bytes": 0}]))
             check_cpu_ranks(self.plan.tp, per_rank)
-            self.procs = RankProcesses(serve_rank, self.plan.tp, (str(root),), timeout_s=self.timeout_s,
+            self.procs = RankProcesses(serve_rank, self.plan.tp, (str(root), kv_cache_gib), timeout_s=self.timeout_s,
                                        start_timeout_s=self.start_timeout_s)
             # stops the ranks when this group is garbage-collected or the interpreter exits (holds no ref to self)
             self._finalizer = weakref.finalize(self, self.procs.close)
@@ -124,7 +129,7 @@ class RankGroup:
         None under torchrun on ranks other than 0 (rank 0 holds the results)."""
         request = {"prompts": [list(map(int, p)) for p in prompts], "max_new_tokens": max_new_tokens,
                    "sampling": sampling, "eos_ids": list(eos_ids), "ignore_eos": ignore_eos,
-                   "collect_logits": collect_logits}
+                   "collect_logits": collect_logits, "prefix_caching": self.prefix_caching}
 
         def on_emit(msg: tuple[str, Any]) -> None:
             kind, payload = msg

@@ -4,13 +4,14 @@ Every caller drives this one runner: `generate_ids` (CompiledModel.generate: add
 each tensor-parallel rank (fed identical decisions), and the vLLM worker (which maps vLLM's scheduler output onto
 it). A step produces 1 token per scheduled sequence, or 1..K+1 with a draft model (`engine.spec`).
 
-Row contents per state, for a plain step (one token-generation graph over every cache row):
+Slot contents per state, for a plain step (one token-generation graph over every batch slot):
     running, scheduled      its pending token's K/V is written at position len-1 (the real step)
     running, not scheduled  the same pending token is rewritten at the same position: the same K/V, which the
                             sequence's next real step writes again anyway
-    free                    token 0 at position 0 (garbage in a row that is re-encoded before any use)
-So a step runs before newly admitted sequences are encoded (`prefill`): it writes every row, and it would otherwise
-overwrite the rows just encoded.
+    free                    token 0 at position 0, into the scratch block (its table is all block 0)
+Before each step and prefill the runner takes the blocks the step may write from the scheduler (`Scheduler.grow`)
+and binds every slot's blocks on the engine (free slots: none), so a graph never writes another sequence's blocks.
+With prefix caching, a newly admitted sequence whose first blocks were cached encodes only the rest of its prompt.
 
 Speculation: one graph serves one sampling rule per step, so a step is plain (and also writes the draft cache, so
 speculation resumes afterwards) when the scheduled sequences mix greedy and sampled or different temperature /
@@ -51,6 +52,7 @@ from neuron_infer.runtime.engine import Engine
 from neuron_infer.runtime.metrics import Metrics
 from neuron_infer.runtime.ngram_spec import NgramSpec, accept, accept_uniforms
 from neuron_infer.runtime.sampling import draw_uniforms, sample_rows, token_history, token_logprobs
+from neuron_infer.runtime.scheduler import Scheduler
 from neuron_infer.runtime.sequence import Sequence
 from neuron_infer.runtime.spec_engine import SpecEngine
 from neuron_infer.runtime.spec_step import uniforms_width
@@ -59,16 +61,23 @@ Agree = Callable[[torch.Tensor], torch.Tensor]  # a tensor drawn here -> rank 0'
 
 
 class Runner:
-    """Runs steps over sequences that hold cache rows; counts what it did in `stats` (one Metrics)."""
+    """Runs steps over sequences that hold batch slots and cache blocks; counts what it did in `stats` (one Metrics)."""
 
     def __init__(self, engine: Engine | SpecEngine, agree: Agree | None = None,
-                 on_logits: Callable[[torch.Tensor], None] | None = None, keep_step_counts: bool = False):
-        """engine: an Engine (speculating when it carries a draft, `engine.spec`) or a SpecEngine."""
+                 on_logits: Callable[[torch.Tensor], None] | None = None, keep_step_counts: bool = False,
+                 prefix_caching: bool = False):
+        """engine: an Engine (speculating when it carries a draft, `engine.spec`) or a SpecEngine. prefix_caching:
+        reuse cached prompt blocks (not with a draft model, whose prefill always encodes the whole prompt)."""
         spec = engine if isinstance(engine, (SpecEngine, NgramSpec)) else engine.spec
         self.engine = spec.target if spec is not None else engine
         self.spec, self.agree, self.on_logits = spec, agree, on_logits
         self.keep_step_counts = keep_step_counts  # per (step, sequence) emitted counts: bounded runs only
         self.batch, self.max_length = engine.build.batch_size, engine.build.max_length
+        pool = self.engine.pool
+        pool.release_all()  # one runner drives an engine at a time: earlier runners' sequences are gone
+        pool.prefix_caching = prefix_caching and not isinstance(self.spec, SpecEngine)
+        self.lookahead = self.spec.k if self.spec is not None else 0
+        self.scheduler = Scheduler(self.batch, pool, self.lookahead, self.max_length)
         self.stats = Metrics()
         self.reset_stats()
 
@@ -82,8 +91,25 @@ class Runner:
         if not seqs:
             return {}
         encode = self.spec.prefill_row if self.spec is not None else self.engine.prefill_row
-        logits = torch.stack([encode(s.row, s.tokens) for s in seqs])  # [n, V]
+        for s in seqs:
+            self.scheduler.grow(s, len(s) + 1)  # the prompt and the first decode step's position
+        self._bind()
+        logits = torch.stack([encode(s.row, s.tokens, s.cached) for s in seqs])  # [n, V]
+        for s in seqs:
+            self.scheduler.cache_prompt(s)
+        self._note_blocks()
         return self._emit(seqs, logits)
+
+    def _bind(self) -> None:
+        """Every slot's blocks on the engine (free slots: none, so their rows write the scratch block)."""
+        held = {s.row: s.blocks for s in self.scheduler.running}
+        for slot in range(self.batch):
+            self.engine.bind(slot, held.get(slot, []))
+
+    def _note_blocks(self) -> None:
+        pool, st = self.engine.pool, self.stats
+        st.kv_blocks, st.prefix_blocks_queried, st.prefix_blocks_hit = pool.usable, pool.queries, pool.hits
+        st.kv_blocks_in_use = max(st.kv_blocks_in_use, pool.in_use)
 
     # ---- one step ------------------------------------------------------------------------------------------------
     def step(self, scheduled: list[Sequence], live: list[Sequence]) -> dict[Sequence, list[int]]:
@@ -91,6 +117,9 @@ class Runner:
         sequence holding a row (its pending token is rewritten where it already is)."""
         if not scheduled:
             return {}
+        for s in live:
+            self.scheduler.grow(s, len(s) + self.lookahead)  # positions len-1 .. len-1+K
+        self._bind()
         longest = max(len(s) for s in live)
         if longest > self.max_length:
             raise NeuronInferError(f"a request reached {longest} tokens, beyond the artifact's max_length="

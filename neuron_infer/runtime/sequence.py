@@ -82,7 +82,10 @@ class Sequence:
     stop: StopRule
     generator: torch.Generator
     output: list[int] = field(default_factory=list)
-    row: int | None = None  # KV-cache row while running
+    row: int | None = None  # batch slot while running
+    blocks: list[int] = field(default_factory=list)  # KV-cache blocks while running (position p: blocks[p // bs])
+    reserved: int = 0  # blocks promised to this sequence and not yet taken
+    cached: int = 0  # prompt positions found in the prefix cache at admission (not encoded again)
     finish_reason: str | None = None  # "eos" | "stop" (a stop string) | "max_new_tokens" | "max_length"
     logprobs: int | None = None  # record each output token's logprob and this many top alternatives (None: off)
     # one {"token_id", "logprob", "rank", "top": [[id, logprob], ...]} per output token (see token_logprobs)

@@ -8,7 +8,11 @@ Graphs (per tokengen bucket S; names in the artifact, see compile/spec_builder.p
 
 A step at newest-token position p uses the smallest bucket >= p + K + 1. When a row gets so close to max_length that
 p + K + 1 > max_length, the rest of the generation runs as plain target decoding ("tail"), so a speculative block
-never writes past the cache. Finished and idle rows are parked at position 1 (their cache rows are junk from then on).
+never writes past the cache. Finished and idle rows are parked at position 1 (their batch slots hold no blocks, so
+they write the scratch block).
+
+Both caches are block caches with the same block numbers: the target engine's slot tables (`Engine.bind`) address
+the draft cache too (the draft engine shares them). A fused graph is compiled for the artifact's default block count.
 """
 from __future__ import annotations
 
@@ -43,6 +47,7 @@ class SpecEngine:
         self.k_flat, self.v_flat = layout.allocate()
         target.k_cache, draft.k_cache = layout.views(self.k_flat)
         target.v_cache, draft.v_cache = layout.views(self.v_flat)
+        draft.slots, draft.pool = target.slots, target.pool  # one block table for both caches
 
     # ---- graphs ------------------------------------------------------------------------------------------------
     def _graph(self, graphs: dict, name: str):
@@ -66,29 +71,38 @@ class SpecEngine:
         params = params_tensor(sampling.temperature, sampling.top_k, sampling.top_p)  # [3]
         with torch.inference_mode():
             if mode == "fused":
+                if self.layout.target.blocks != self.build.default_kv_blocks:
+                    raise NeuronInferError("fused speculation graphs hold the artifact's default KV cache; load "
+                                           "without --kv-cache-gib, or run the speculation unfused")
                 fn = self._graph(self.graphs, fused_graph_name(k, s, not sampling.greedy))
-                packed = fn(ids2, pos2, self.k_flat, self.v_flat, u, params)
+                packed = fn(ids2, pos2, self.k_flat, self.v_flat, u, params, self._table(s))
             else:
                 packed = speculate(self._draft_fn(s), self._verify_fn(s), ids2, pos2, k, u, params,
                                    not sampling.greedy)
         return unpack(packed, k)
 
+    def _table(self, s: int) -> torch.Tensor:
+        return self.target.table(range(self.build.batch_size), s)  # [B, S/bs] every batch slot
+
     def _draft_fn(self, s: int):
-        eng = self.draft
+        eng, table = self.draft, self._table(s)
 
         def run(ids, pos, li):
             fn = self._graph(eng.graphs, graph_name("tokengen", ids.shape[1], s))
-            return fn(ids, pos, eng.k_cache, eng.v_cache, li)
+            return fn(ids, pos, eng.k_cache, eng.v_cache, li, table)
 
         return run
 
     def _verify_fn(self, s: int):
-        eng, fn = self.target, self._graph(self.graphs, graph_name("verify", self.k + 1, s))
-        return lambda ids, pos, li: fn(ids, pos, eng.k_cache, eng.v_cache, li)
+        eng, fn, table = self.target, self._graph(self.graphs, graph_name("verify", self.k + 1, s)), self._table(s)
+        return lambda ids, pos, li: fn(ids, pos, eng.k_cache, eng.v_cache, li, table)
 
-    # ---- continuous batching: one request per cache row, one step at a time (the vLLM runner) -------------------
-    def prefill_row(self, row: int, prompt: list[int]) -> torch.Tensor:
-        """Encode one prompt into cache row `row` of both models (other rows untouched) -> target logits [V]."""
+    # ---- continuous batching: one request per batch slot, one step at a time (the vLLM runner) ------------------
+    def prefill_row(self, row: int, prompt: list[int], start: int = 0) -> torch.Tensor:
+        """Encode one prompt into the blocks of slot `row` of both models (other slots untouched) -> target logits
+        [V]. The whole prompt: the draft has no context graphs that start past position 0."""
+        if start:
+            raise NeuronInferError("a draft model encodes whole prompts; run it without prefix caching")
         self.draft.prefill_row(row, prompt)
         return self.target.prefill_row(row, prompt)
 

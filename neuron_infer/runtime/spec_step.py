@@ -23,6 +23,7 @@ step signature (ids, positions, k_cache, v_cache, ...) and compiles through any 
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -34,6 +35,7 @@ from neuron_infer.runtime.sampling import processed_probs, sample_from_probs
 from neuron_infer.runtime.speculation import greedy_verify, speculative_verify
 
 RunFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # (ids, pos, logit_index) -> logits
+# (the block table [B, S/bs] is bound into each RunFn: target and draft caches use the same block numbers)
 
 
 def uniforms_width(k: int) -> int:
@@ -48,32 +50,34 @@ def packed_width(k: int) -> int:
 
 @dataclass(frozen=True)
 class SpecCacheLayout:
-    """Target and draft KV caches as two views into one flat buffer (per K and per V)."""
+    """Target and draft KV caches as two views into one flat buffer (per K and per V). Both have the same blocks
+    (count and size), so one block table addresses both."""
 
     target: CacheShape
     draft: CacheShape
 
     def __post_init__(self) -> None:
-        if self.target.dtype != self.draft.dtype or self.target.batch != self.draft.batch:
-            raise ValueError(f"target and draft caches must share dtype and batch: {self.target} vs {self.draft}")
+        t, d = self.target, self.draft
+        if t.dtype != d.dtype or t.blocks != d.blocks or t.block_size != d.block_size:
+            raise ValueError(f"target and draft caches must share dtype and blocks: {t} vs {d}")
 
     @staticmethod
     def _numel(c: CacheShape) -> int:
-        return c.layers * c.batch * c.kv_heads * c.max_length * c.head_dim
+        return math.prod(c.dims)
 
     @staticmethod
     def _dims(c: CacheShape) -> tuple[int, ...]:
-        return (c.layers, c.batch, c.kv_heads, c.max_length, c.head_dim)  # [L, B, Hkv, S, D]
+        return c.dims  # [L, N, Hkv, bs, D]
 
     def allocate(self) -> tuple[torch.Tensor, torch.Tensor]:
         n = self._numel(self.target) + self._numel(self.draft)
         return torch.zeros(n, dtype=self.target.dtype), torch.zeros(n, dtype=self.target.dtype)
 
     def views(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """flat [N] -> (target cache [L, B, Hkv, S, D], draft cache [Ld, B, Hkv_d, S, D_d]), sharing storage."""
+        """flat -> (target cache [L, N, Hkv, bs, D], draft cache [Ld, N, Hkv_d, bs, D_d]), sharing storage."""
         nt = self._numel(self.target)
-        t = flat[:nt].view(self._dims(self.target))  # [L, B, Hkv, S, D]
-        d = flat[nt: nt + self._numel(self.draft)].view(self._dims(self.draft))  # [Ld, B, Hkv_d, S, D_d]
+        t = flat[:nt].view(self._dims(self.target))  # [L, N, Hkv, bs, D]
+        d = flat[nt: nt + self._numel(self.draft)].view(self._dims(self.draft))  # [Ld, N, Hkv_d, bs, D_d]
         return t, d
 
 
@@ -129,8 +133,9 @@ def unpack(packed: torch.Tensor, k: int) -> dict[str, torch.Tensor]:
 class FusedSpecStep(nn.Module):
     """The fused-speculation graph of one tokengen bucket: K draft steps + one target pass + acceptance.
 
-    forward(ids2 [B, 2], pos2 [B, 2], k_flat [N], v_flat [N], uniforms [B, 3K+1] fp32, params [3] fp32)
-        -> packed [B, K+5] int64; both caches (views of k_flat / v_flat) are updated in place.
+    forward(ids2 [B, 2], pos2 [B, 2], k_flat [F], v_flat [F], uniforms [B, 3K+1] fp32, params [3] fp32,
+            block_table [B, S/bs]) -> packed [B, K+5] int64; both caches (views of k_flat / v_flat, of the block
+            count compiled in) are updated in place.
     `sample=False` compiles the greedy rule (uniforms and params unused); `sample=True` the lossless sampling rule
     with the sampling parameters as an input, so one graph serves every temperature / top-k / top-p.
     """
@@ -141,26 +146,27 @@ class FusedSpecStep(nn.Module):
         self.target, self.draft = target, draft
         self.k, self.attend_len, self.layout, self.sample = k, attend_len, layout, sample
 
-    def forward(self, ids2, pos2, k_flat, v_flat, uniforms, params):
+    def forward(self, ids2, pos2, k_flat, v_flat, uniforms, params, block_table):
         tk, dk = self.layout.views(k_flat)
         tv, dv = self.layout.views(v_flat)
         s = self.attend_len
 
         def run_draft(ids, pos, li):
-            return self.draft(ids, pos, dk, dv, li, s)
+            return self.draft(ids, pos, dk, dv, li, s, block_table)
 
         def run_target(ids, pos, li):
-            return self.target(ids, pos, tk, tv, li, s)
+            return self.target(ids, pos, tk, tv, li, s, block_table)
 
         return speculate(run_draft, run_target, ids2, pos2, self.k, uniforms, params, self.sample)
 
 
-def fused_example_args(layout: SpecCacheLayout, k: int) -> tuple[torch.Tensor, ...]:
+def fused_example_args(layout: SpecCacheLayout, k: int, batch: int, attend: int) -> tuple[torch.Tensor, ...]:
     """Static-shape example inputs of a fused graph."""
-    b = layout.target.batch
+    b = batch
     kf, vf = layout.allocate()
     ids2 = torch.zeros(b, 2, dtype=torch.int64)  # [B, 2]
     pos2 = torch.tensor([[0, 1]], dtype=torch.int64).expand(b, 2).contiguous()  # [B, 2]
     u = torch.full((b, uniforms_width(k)), 0.5, dtype=torch.float32)  # [B, 3K+1]
     params = torch.tensor([1.0, 0.0, 1.0], dtype=torch.float32)  # [3]
-    return ids2, pos2, kf, vf, u, params
+    table = torch.zeros(b, attend // layout.target.block_size, dtype=torch.int64)  # [B, S/bs]
+    return ids2, pos2, kf, vf, u, params, table

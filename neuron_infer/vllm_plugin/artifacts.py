@@ -24,7 +24,8 @@ from typing import Any
 from neuron_infer.config import BuildConfig
 from neuron_infer.errors import ConfigError
 
-KEYS = ("neuron_infer_artifacts", "neuron_infer_build", "neuron_infer_backend", "neuron_infer_cache_dir")
+KEYS = ("neuron_infer_artifacts", "neuron_infer_build", "neuron_infer_backend", "neuron_infer_cache_dir",
+        "neuron_infer_kv_cache_gib", "neuron_infer_prefix_caching")
 _DTYPES = {"float32": "fp32", "bfloat16": "bf16"}
 
 
@@ -47,6 +48,24 @@ def plugin_options(additional_config: Mapping[str, Any] | None) -> dict[str, Any
     if unknown:
         raise ConfigError(f"unknown additional_config key(s) {unknown}; the neuron-infer plugin reads {list(KEYS)}")
     return ours
+
+
+def kv_cache_gib(options: Mapping[str, Any]) -> float | None:
+    """`neuron_infer_kv_cache_gib`: KV-cache memory per rank in GiB (None: batch_size sequences of max_length)."""
+    v = options.get("neuron_infer_kv_cache_gib")
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
+        raise ConfigError(f"additional_config neuron_infer_kv_cache_gib={v!r} must be a positive number of GiB")
+    return float(v)
+
+
+def prefix_caching(options: Mapping[str, Any]) -> bool:
+    """`neuron_infer_prefix_caching` (default true): reuse the engine's cached prompt blocks across requests."""
+    v = options.get("neuron_infer_prefix_caching", True)
+    if not isinstance(v, bool):
+        raise ConfigError(f"additional_config neuron_infer_prefix_caching={v!r} must be true or false")
+    return v
 
 
 def default_build(args: EngineArgs, overrides: Mapping[str, Any] | None = None) -> BuildConfig:

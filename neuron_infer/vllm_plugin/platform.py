@@ -3,8 +3,9 @@
 It subclasses `CpuPlatform` (keeping `_enum = CPU`) so every CPU default (gloo, spawn, thread binding, memory
 handling) still applies; on a Neuron instance the compiled graphs of the artifact run on the NeuronCores through the
 Neuron backend, while vLLM itself only sees a CPU host. Hooks used:
-  check_and_update_config  worker class, one contiguous cache row per request (no prefix caching, no chunked
-                           prefill), early validation of the artifact/build against vLLM's limits
+  check_and_update_config  worker class; vLLM's own KV manager idle (its prefix caching off: the engine's block pool
+                           caches prefixes itself; no chunked prefill), early validation of the artifact/build
+                           against vLLM's limits
   validate_request         refuses request features the runner does not implement (HTTP 400 with the reason)
 Sample logprobs are the raw log-softmax of the logits (vLLM's default --logprobs-mode raw_logprobs); other modes
 are refused at startup.
@@ -81,7 +82,8 @@ class NeuronInferPlatform(CpuPlatform):
         if mode != RAW_LOGPROBS:
             raise ValueError(f"the neuron-infer vLLM plugin returns raw logprobs only (log-softmax of the model's "
                              f"logits, vLLM's default); drop --logprobs-mode {mode}")
-        # One contiguous cache row per request: nothing to share between requests, prompts encoded whole.
+        # The engine's block pool does prefix caching itself (vllm_plugin/runner.py); vLLM's block manager holds
+        # nothing, so its own prefix caching stays off and every prompt arrives whole.
         vllm_config.cache_config.enable_prefix_caching = False
         sched = vllm_config.scheduler_config
         sched.enable_chunked_prefill = False

@@ -1,7 +1,8 @@
-"""vLLM requests on the runtime's Runner: request ids <-> Sequences in KV-cache rows.
+"""vLLM requests on the runtime's Runner: request ids <-> Sequences in batch slots and KV-cache blocks.
 
 vLLM's scheduler decides which requests run, join and leave; this adapter only maps its decisions onto the one
-runtime: a joining request becomes a `Sequence` admitted into a free row (`Scheduler.admit_now`) and encoded
+runtime: a joining request becomes a `Sequence` admitted into a free slot and KV-cache blocks (`Scheduler.admit_now`;
+its cached prompt blocks are reused) and encoded
 (`Runner.prefill`), each step is `Runner.step` over the scheduled requests (plain, or speculative with a draft model:
 1..K+1 tokens per request), and a finished request frees its row. vLLM applies its own stop rules (EOS, stop ids,
 max_tokens, max_model_len) and trims a speculative block, so the Sequences here never stop by themselves.
@@ -21,7 +22,6 @@ from neuron_infer.errors import NeuronInferError
 from neuron_infer.runtime.engine import Engine
 from neuron_infer.runtime.runner import Agree, Runner
 from neuron_infer.runtime.sampling import make_generator
-from neuron_infer.runtime.scheduler import Scheduler
 from neuron_infer.runtime.sequence import Sequence, StopRule, check_prompt
 from neuron_infer.runtime.spec_engine import SpecEngine
 
@@ -32,11 +32,12 @@ class SlotRunner:
     """Maps request ids to Sequences and produces 1 (or, speculating, 1..K+1) tokens per scheduled request per
     step."""
 
-    def __init__(self, engine: Engine, spec: SpecEngine | None = None, agree: Agree | None = None):
-        self.runner = Runner(spec if spec is not None else engine, agree)
+    def __init__(self, engine: Engine, spec: SpecEngine | None = None, agree: Agree | None = None,
+                 prefix_caching: bool = True):
+        self.runner = Runner(spec if spec is not None else engine, agree, prefix_caching=prefix_caching)
         self.agree, self.batch = agree, engine.build.batch_size
         self.max_context, self.engine_vocab = engine.build.max_context_length, engine.vocab_size
-        self.scheduler = Scheduler(self.batch)
+        self.scheduler = self.runner.scheduler
         self.slots: dict[str, Sequence] = {}
 
     @property

@@ -1,8 +1,10 @@
 """`NeuronInferWorker`: vLLM's worker contract (v1 engine) on top of a neuron-infer artifact.
 
 Startup (called by vLLM's executor, in order): init_device (gloo process group over the tensor-parallel ranks) ->
-load_model (find or compile the artifact, load it, allocate the engine's static KV cache) -> get_kv_cache_spec
-({}: the cache lives inside the engine, so vLLM's block manager has nothing to allocate) -> initialize_from_config
+load_model (find or compile the artifact, load it, allocate the engine's block KV cache: additional_config
+`neuron_infer_kv_cache_gib`, default batch_size sequences of max_length; prefix caching unless
+`neuron_infer_prefix_caching` is false) -> get_kv_cache_spec ({}: the cache and its block pool live inside the engine, so
+vLLM's block manager has nothing to allocate) -> initialize_from_config
 (no-op) -> compile_or_warm_up_model (one prefill + decode so the first request does not pay graph loading).
 Per step: execute_model(SchedulerOutput) -> ModelRunnerOutput with the new tokens of each request whose prompt is
 fully encoded: one, or 1..K+1 when the artifact has a draft model (speculative decoding; vLLM appends them in order
@@ -34,7 +36,13 @@ from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, LogprobsLists, ModelRunne
 from vllm.v1.worker.gpu_worker import init_worker_distributed_environment
 from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 
-from neuron_infer.vllm_plugin.artifacts import ensure_artifact, plugin_options, resolve_model_dir
+from neuron_infer.vllm_plugin.artifacts import (
+    ensure_artifact,
+    kv_cache_gib,
+    plugin_options,
+    prefix_caching,
+    resolve_model_dir,
+)
 from neuron_infer.vllm_plugin.logprobs import logprobs_arrays
 from neuron_infer.vllm_plugin.params import check_request, requested_logprobs, to_sampling_config
 from neuron_infer.vllm_plugin.platform import engine_args
@@ -98,16 +106,19 @@ class NeuronInferWorker(WorkerBase):
         explicit = bool(options.get("neuron_infer_artifacts"))
         expect = resolve_model_dir(args.model) if explicit else None  # the artifact must come from --model
         t0 = time.perf_counter()
+        gib = kv_cache_gib(options)
+        prefix = prefix_caching(options)  # vLLM's own prefix caching stays off: its block manager holds nothing
         if self.tp == 1 or self.group_in_process:
-            self.compiled = CompiledModel.load(root, expect_checkpoint=expect)
+            self.compiled = CompiledModel.load(root, expect_checkpoint=expect, kv_cache_gib=gib)
             manifest, engine, spec = self.compiled.manifest, self.compiled.engine, self.compiled.spec
-            self.runner = SlotRunner(engine, spec)
+            self.runner = SlotRunner(engine, spec, prefix_caching=prefix)
         else:  # this rank's shard (the group was initialised in init_device)
             from neuron_infer.parallel.launch import broadcast_from_rank0
             from neuron_infer.runtime.loader import load_serving_rank
 
-            manifest, engine = load_serving_rank(Path(root), self.rank, self.tp, expect_checkpoint=expect)
-            self.runner = SlotRunner(engine, agree=broadcast_from_rank0)
+            manifest, engine = load_serving_rank(Path(root), self.rank, self.tp, expect_checkpoint=expect,
+                                                 kv_cache_gib=gib)
+            self.runner = SlotRunner(engine, agree=broadcast_from_rank0, prefix_caching=prefix)
         build = manifest.build
         rank = f", rank {self.rank} of tp {self.tp}, {torch.get_num_threads()} threads" if self.runner.agree else ""
         logger.info("neuron-infer: loaded %s in %.1f s (backend %s, %s, batch %d, max_length %d%s%s)", root,
@@ -125,7 +136,7 @@ class NeuronInferWorker(WorkerBase):
         return 0  # vLLM asks only when get_kv_cache_spec is non-empty
 
     def initialize_from_config(self, kv_cache_config: Any) -> None:
-        return None  # the engine allocated its static cache in load_model
+        return None  # the engine allocated its block cache in load_model
 
     def compile_or_warm_up_model(self) -> CompilationTimes:
         t0 = time.perf_counter()

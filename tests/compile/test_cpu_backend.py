@@ -1,6 +1,7 @@
 """CPU backend (torch.export + AOTInductor): compiled graphs equal eager, load in a fresh process, share weights.
 
-One module-scoped compile of a tiny fp32 model (a context graph with seq_ids and a token-generation graph) serves
+One module-scoped compile of a tiny fp32 model (a context graph of one sequence and a token-generation graph over
+two, both through block tables) serves
 every test; it takes ~20-40 s on 2 cores. Tolerance: fp32 logits within 1e-4 absolute of eager. The compiled graph
 sums in another order (Inductor's vectorised reductions, the GEMV rewrite of one-row linears), so results differ
 by float reassociation only; logits here are O(1), where fp32 reassociation error is ~1e-6.
@@ -31,7 +32,14 @@ from neuron_infer.model.ops import rms_norm_ref
 ATOL = 1e-4  # fp32, see module docstring
 CFG = {"vocab_size": 320, "hidden_size": 96, "intermediate_size": 200, "num_layers": 2, "num_heads": 4,
        "num_kv_heads": 2, "head_dim": 24, "attention_bias": True}
-ROWS, S, T_CTX = 2, 32, 8  # cache rows, cache length (tokengen bucket), context bucket
+ROWS, S, T_CTX = 2, 32, 8  # sequences, their length (tokengen bucket), context bucket
+BS = 8  # KV-cache block size: row r holds blocks 1 + 4r .. 4 + 4r (block 0 is scratch)
+
+
+def row_table(rows: list[int], attend: int) -> torch.Tensor:
+    """[len(rows), attend/BS] the blocks of each row."""
+    per = S // BS
+    return torch.tensor([[1 + r * per + j for j in range(attend // BS)] for r in rows])
 
 
 def tiny_model(seed: int = 0, **overrides) -> LlamaModel:
@@ -44,22 +52,22 @@ def tiny_model(seed: int = 0, **overrides) -> LlamaModel:
     return model
 
 
-def empty_cache(model: LlamaModel) -> tuple[torch.Tensor, torch.Tensor]:
+def empty_cache(model: LlamaModel, blocks: int = 1 + ROWS * S // BS) -> tuple[torch.Tensor, torch.Tensor]:
     c = model.cfg
-    shape = (c.num_layers, ROWS, c.num_kv_heads, S, c.head_dim)  # [L, R, Hkv, S, D]
+    shape = (c.num_layers, blocks, c.num_kv_heads, BS, c.head_dim)  # [L, N, Hkv, bs, D]
     return torch.zeros(shape), torch.zeros(shape)
 
 
 def ctx_args(model, k, v, row=1):
     ids = torch.arange(3, 3 + T_CTX).view(1, T_CTX)  # [1, T]
     pos = torch.arange(T_CTX).view(1, T_CTX)  # [1, T]
-    return ids, pos, k, v, torch.tensor([[T_CTX - 1]]), torch.tensor([row])
+    return ids, pos, k, v, torch.tensor([[T_CTX - 1]]), row_table([row], T_CTX)
 
 
 def tg_args(k, v, step):
     ids = torch.tensor([[7 + step], [11 + step]])  # [R, 1]
     pos = torch.full((ROWS, 1), T_CTX + step)  # [R, 1]
-    return ids, pos, k, v, torch.zeros(ROWS, 1, dtype=torch.int64)
+    return ids, pos, k, v, torch.zeros(ROWS, 1, dtype=torch.int64), row_table(list(range(ROWS)), S)
 
 
 def run_steps(ctx, tg, model):
@@ -79,13 +87,13 @@ def compiled(tmp_path_factory):
     k, v = empty_cache(model)
     meta = {}
     with torch.inference_mode():  # as the builder calls it
-        meta["ctx"] = be.compile_graph(BucketStep(model, T_CTX, True), ctx_args(model, k, v), out, "ctx")
+        meta["ctx"] = be.compile_graph(BucketStep(model, T_CTX), ctx_args(model, k, v), out, "ctx")
         meta["tg"] = be.compile_graph(BucketStep(model, S), tg_args(k, v, 0), out, "tg")
     return out, meta
 
 
 def load_pair(be, out: Path, model: LlamaModel):
-    return be.load_graph(out, "ctx", BucketStep(model, T_CTX, True)), be.load_graph(out, "tg", BucketStep(model, S))
+    return be.load_graph(out, "ctx", BucketStep(model, T_CTX)), be.load_graph(out, "tg", BucketStep(model, S))
 
 
 def test_registry_returns_cpu_backend():
@@ -150,13 +158,30 @@ def test_compiled_equals_eager_with_in_place_cache(compiled):
     ctx, tg = load_pair(CpuBackend(), out, model)
     with torch.inference_mode():
         got, kg, vg = run_steps(ctx, tg, model)
-        ref, kr, vr = run_steps(BucketStep(model, T_CTX, True), BucketStep(model, S), model)
+        ref, kr, vr = run_steps(BucketStep(model, T_CTX), BucketStep(model, S), model)
     for g, r in zip(got, ref):
         assert g.shape == r.shape
         torch.testing.assert_close(g, r, atol=ATOL, rtol=0)
-    assert kg[:, 1, :, : T_CTX + 3].abs().sum() > 0  # the graphs wrote the caller's cache tensors ...
+    assert kg[:, 5].abs().sum() > 0  # the graphs wrote the caller's cache tensors (row 1's first block) ...
     torch.testing.assert_close(kg, kr, atol=ATOL, rtol=0)  # ... exactly where eager writes
     torch.testing.assert_close(vg, vr, atol=ATOL, rtol=0)
+
+
+def test_one_graph_serves_a_cache_of_any_block_count(compiled):
+    """The block count is a dynamic dimension: the graph compiled on 9 blocks runs a 23-block cache as eager does."""
+    out, _ = compiled
+    model = tiny_model()
+    tg = CpuBackend().load_graph(out, "tg", BucketStep(model, S))
+    k, v = empty_cache(model, blocks=23)
+    table = torch.tensor([[22, 3, 17, 9], [5, 20, 1, 14]])  # [2, S/BS] anywhere in the bigger cache
+    ids, pos, _, _, idx, _ = tg_args(k, v, 0)
+    kr, vr = k.clone(), v.clone()
+    with torch.inference_mode():
+        got = tg(ids, pos, k, v, idx, table)
+        want = BucketStep(model, S)(ids, pos, kr, vr, idx, table)
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+    torch.testing.assert_close(k, kr, atol=ATOL, rtol=0)
+    assert k[:, 3].abs().sum() > 0  # position T_CTX of row 0 is in its second block
 
 
 def test_load_in_fresh_process(compiled, tmp_path):
@@ -181,7 +206,7 @@ def test_load_in_fresh_process(compiled, tmp_path):
     got = torch.load(result)
     model = tiny_model()
     with torch.inference_mode():
-        ref, kr, _ = run_steps(BucketStep(model, T_CTX, True), BucketStep(model, S), model)
+        ref, kr, _ = run_steps(BucketStep(model, T_CTX), BucketStep(model, S), model)
     for g, r in zip(got["outs"], ref):
         torch.testing.assert_close(g, r, atol=ATOL, rtol=0)
     torch.testing.assert_close(got["k"], kr, atol=ATOL, rtol=0)

@@ -54,9 +54,9 @@ def test_a_placeholder_package_is_detected(monkeypatch):
 def test_compile_traces_one_graph_per_bucket_without_inlined_weights(sdk, tiny_dirs, tmp_path):
     manifest = compile_model(tiny_dirs("gqa"), tmp_path / "a", BUILD, say=lambda m: None)
     traces = [c for name, c in sdk.calls if name == "trace"]
-    assert sorted(manifest.graphs) == ["context_t16_s16", "context_t32_s32", "tokengen_t1_s64"]
-    assert len(traces) == 3 and all(t["inline_weights_to_neff"] is False for t in traces)
-    assert sorted(t["shapes"][0] for t in traces) == [(1, 1), (1, 16), (1, 32)]  # input_ids [B, T] per bucket
+    assert sorted(manifest.graphs) == ["context_t16_s16", "context_t16_s32", "context_t32_s32", "tokengen_t1_s64"]
+    assert len(traces) == 4 and all(t["inline_weights_to_neff"] is False for t in traces)
+    assert sorted(t["shapes"][0] for t in traces) == [(1, 1), (1, 16), (1, 16), (1, 32)]  # input_ids [B, T]
     assert all((tmp_path / "a" / "graphs" / f"{g}.pt").is_file() for g in manifest.graphs)
     assert manifest.backend == "neuron"
 
@@ -70,7 +70,7 @@ def test_generate_through_the_double_equals_the_cpu_reference(sdk, tiny_dirs, tm
     ref = CompiledModel.load(tmp_path / "eager").generate_ids(prompt, 40, ignore_eos=True)
     assert got.outputs[0].token_ids == ref.outputs[0].token_ids
     loads = [c for name, c in sdk.calls if name == "replace_weights"]
-    assert len(loads) == 3 and "step.model.model.embed_tokens.weight" in loads[0]["keys"]
+    assert len(loads) == 4 and "step.model.model.embed_tokens.weight" in loads[0]["keys"]
 
 
 def _compile_args(sdk):
@@ -84,7 +84,7 @@ def test_loading_moves_every_weight_separated_graph_to_the_device(sdk, tiny_dirs
     CompiledModel.load(tmp_path / "a")
     replaced = [c["graph"] for name, c in sdk.calls if name == "replace_weights"]
     moved = [c for name, c in sdk.calls if name == "move_trace_to_device"]
-    assert len(replaced) == 3 and sorted(c["graph"] for c in moved) == sorted(replaced)
+    assert len(replaced) == 4 and sorted(c["graph"] for c in moved) == sorted(replaced)
     assert {c["device_id"] for c in moved} == {0}
 
 

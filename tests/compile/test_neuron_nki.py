@@ -142,11 +142,12 @@ def test_a_traced_tiny_llama_runs_the_kernels_as_graph_ops_and_matches_the_refer
     with torch.no_grad():
         step = BucketStep(model, s)
         weights = {f"step.{k}": v.clone() for k, v in step.state_dict().items()}   # trace poisons the params
-        graph = sdk.trace(FunctionalStep(step, 1), (ids, pos, torch.zeros(cache), torch.zeros(cache), idx))
+        table = torch.zeros(1, 1, dtype=torch.int64)  # [1, 1]: one block of s slots
+        graph = sdk.trace(FunctionalStep(step, 1), (ids, pos, torch.zeros(cache), torch.zeros(cache), idx, table))
         sdk.replace_weights(graph, weights)
-        logits, k_new, _ = graph(ids, pos, torch.zeros(cache), torch.zeros(cache), idx)
+        logits, k_new, _ = graph(ids, pos, torch.zeros(cache), torch.zeros(cache), idx, table)
         k_ref, v_ref = torch.zeros(cache), torch.zeros(cache)
-        want = BucketStep(ref, s)(ids, pos, k_ref, v_ref, idx)
+        want = BucketStep(ref, s)(ids, pos, k_ref, v_ref, idx, table)
     assert (logits - want).abs().max().item() < 2e-4
     torch.testing.assert_close(k_new, k_ref)
     kernels = [launch.kernel for launch in nki_double.launches]
@@ -170,7 +171,7 @@ def test_compile_and_generate_for_neuron_with_nki_kernels_equals_the_cpu_referen
         by_kernel.setdefault(launch.kernel, set()).add((launch.grid, launch.shapes[0]))
     assert by_kernel == {"flash_attention_prefill": {(2, (1, 4, 24, 16)), (2, (1, 4, 24, 32))},   # grid == --lnc
                          "mlp_kernel": {(2, (16, 96)), (2, (32, 96)), (2, (1, 96))},
-                         "attention_decode": {(2, (1, 4, 24, 1))}}
+                         "attention_decode": {(2, (1, 4, 24, 1)), (2, (1, 4, 24, 16))}}  # 16 after a cached prefix
     prompt = [list(range(5, 25))]
     runs = len(RUNS)
     got = CompiledModel.load(tmp_path / "neuron").generate_ids(prompt, 12, ignore_eos=True)

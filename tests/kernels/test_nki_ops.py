@@ -95,15 +95,16 @@ def _model(model_dir, kernels):
 
 
 def _greedy(model, cfg, prompt, steps, cache_len):
-    k = torch.zeros(cfg.num_layers, 1, cfg.num_kv_heads, cache_len, cfg.head_dim)
+    k = torch.zeros(cfg.num_layers, 1, cfg.num_kv_heads, cache_len, cfg.head_dim)  # one block of cache_len slots
     v = torch.zeros_like(k)
+    table = torch.zeros(1, 1, dtype=torch.long)  # [1, 1]: block 0
     t = prompt.shape[1]
     pos = torch.arange(t).view(1, t)
-    logits = [model(prompt, pos, k, v, pos, attend_len=cache_len)]            # [1, T, V]
+    logits = [model(prompt, pos, k, v, pos, cache_len, table)]            # [1, T, V]
     tokens = [int(logits[0][0, -1].argmax())]
     for i in range(steps):
         step = model(torch.tensor([[tokens[-1]]]), torch.tensor([[t + i]]), k, v,
-                     torch.zeros(1, 1, dtype=torch.long), attend_len=cache_len)
+                     torch.zeros(1, 1, dtype=torch.long), cache_len, table)
         logits.append(step)
         tokens.append(int(step[0, -1].argmax()))
     return logits, tokens

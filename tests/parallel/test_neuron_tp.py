@@ -73,7 +73,7 @@ def test_one_model_builder_shares_one_weight_set_across_every_bucket(ckpt, tmp_p
     assert builder["tp_degree"] == 2 and builder["router"] is None
     (trace,) = [c for name, c in nxd.calls if name == "ModelBuilder.trace"]
     assert trace["initialize_model_weights"] is False and sorted(trace["keys"]) == sorted(m.graphs) and \
-        len(m.graphs) == 4                                    # 2 context + 2 decode buckets
+        len(m.graphs) == 5                                    # 2 context + 1 after a cached prefix + 2 decode
     assert "step.model.model.embed_tokens.start" in trace["weights"]   # the rank's vocab start is a weight
     assert {g["files"][0] for g in m.graphs.values()} == {"nxd_model.pt"}
     CompiledModel.load(tmp_path / "n")
@@ -89,9 +89,9 @@ def test_the_kv_cache_is_aliased_device_state_not_an_input_or_output(ckpt, tmp_p
     assert not any(w.endswith("_cache") for w in trace["weights"])
     adds = [c for name, c in nxd.calls if name == "ModelBuilder.add"]
     cache_elems = 2 * BUILD.max_length                     # any input as large as a cache row set would show here
-    for add in adds:                                       # inputs: ids, positions, logit index, attend rows, seq ids
+    for add in adds:                                       # inputs: ids, positions, logit index, attend rows, table
         (shapes,) = add["shapes"]
-        assert len(shapes) in (4, 5) and all(len(s) <= 2 for s in shapes)
+        assert len(shapes) == 5 and all(len(s) <= 2 for s in shapes)
         assert max(x for s in shapes for x in s) < cache_elems
     model = CompiledModel.load(tmp_path / "n")
     assert model.engine.k_cache.numel() == 0                # the host holds no cache

@@ -69,16 +69,17 @@ def tp_greedy(ctx, cfg_dict: dict, full_sd: dict, ids: torch.Tensor, steps: int)
                               LocalLayout(**mine.local_layout_fields()), ops)
     b, t = ids.shape
     cache_len = t + steps
-    k = torch.zeros(cfg.num_layers, b, mine.num_kv_heads, cache_len, cfg.head_dim)  # [L, B, Hkv_local, S, D]
+    k = torch.zeros(cfg.num_layers, b, mine.num_kv_heads, cache_len, cfg.head_dim)  # [L, N=B, Hkv_local, bs=S, D]
     v = torch.zeros_like(k)
+    table = torch.arange(b).view(b, 1)  # [B, 1]: row b in block b (one block per sequence)
     pos = torch.arange(t).expand(b, t)  # [B, T]
     with torch.no_grad():
-        prefill = model(ids, pos, k, v, pos, attend_len=cache_len)  # [B, T, V]
+        prefill = model(ids, pos, k, v, pos, cache_len, table)  # [B, T, V]
         token = broadcast_from_rank0(prefill[:, -1].argmax(-1, keepdim=True))  # [B, 1]
         tokens, step_logits = [token], []
         for i in range(steps - 1):
             p = torch.full((b, 1), t + i)  # [B, 1]
-            logits = model(token, p, k, v, torch.zeros(b, 1, dtype=torch.long), attend_len=cache_len)  # [B, 1, V]
+            logits = model(token, p, k, v, torch.zeros(b, 1, dtype=torch.long), cache_len, table)  # [B, 1, V]
             step_logits.append(logits)
             token = broadcast_from_rank0(logits[:, -1].argmax(-1, keepdim=True))
             tokens.append(token)

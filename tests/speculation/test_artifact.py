@@ -42,11 +42,11 @@ def compile_and_load(model_dir, build, out, backend="cpu-eager"):
     from neuron_infer.compile.builder import example_args
 
     for spec in planned_graphs(build):
-        step = BucketStep(target, spec.attend, spec.select_rows)
+        step = BucketStep(target, spec.attend)
         be.compile_graph(step, example_args(cache_shape(target, build), spec), gdir, spec.name)
     meta, extra = compile_speculation(model_dir, cfg, build, target, be, out, lambda m: None)
     _, target = fresh_target(model_dir, build)
-    core = {s.name: be.load_graph(gdir, s.name, BucketStep(target, s.attend, s.select_rows))
+    core = {s.name: be.load_graph(gdir, s.name, BucketStep(target, s.attend))
             for s in planned_graphs(build)}
     engine = Engine(core, build, cache_shape(target, build), cfg.vocab_size)
     manifest = types.SimpleNamespace(build=build, extra=extra, backend=backend)
@@ -129,7 +129,7 @@ def test_fused_graph_goes_through_the_neuron_backend(tiny_dirs, tmp_path, monkey
     build = SMALL.replace(target="neuron", speculation=SpeculationConfig("self", 3, fused=True, draft_layers=1))
     meta, _, se = compile_and_load(tiny_dirs("gqa"), build, tmp_path, backend="neuron")
     traced = [c["shapes"] for name, c in sdk.calls if name == "trace"]
-    fused = [s for s in traced if len(s) == 6 and s[4] == (1, 10)]  # uniforms [B, 3K+1] mark a fused graph
+    fused = [s for s in traced if len(s) == 7 and s[4] == (1, 10)]  # uniforms [B, 3K+1] mark a fused graph
     assert len(fused) == 2 and all(m["files"] for n, m in meta.items() if n.startswith("fused_"))
     loads = [c["keys"] for name, c in sdk.calls if name == "replace_weights"]
     assert any("step.draft.model.embed_tokens.weight" in k and "step.target.lm_head.weight" in k for k in loads)
@@ -151,7 +151,7 @@ def test_fused_graph_compiled_by_the_cpu_backend_equals_eager(tiny_dirs, tmp_pat
     layout = spec_cache_layout(target, draft, build)
     module = FusedSpecStep(target, draft, 3, 32, layout, sample=False)
     be = get_backend("cpu")
-    be.compile_graph(module, fused_example_args(layout, 3), tmp_path, "fused_greedy_k3_s32")
+    be.compile_graph(module, fused_example_args(layout, 3, build.batch_size, 32), tmp_path, "fused_greedy_k3_s32")
     graph = be.load_graph(tmp_path, "fused_greedy_k3_s32", module)
     se = eager_spec_engine(target, draft, build, mode="fused")
     ref = eager_spec_engine(target, draft, build, mode="fused")

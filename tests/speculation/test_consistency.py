@@ -16,7 +16,7 @@ def test_after_a_rejection_continuing_equals_a_fresh_run_on_the_accepted_prefix(
     c = int(res["counts"][0])
     assert c < 6  # a rejection happened: slots p+c.. of both caches hold rejected drafts
     accepted = res["tokens"][0, :c].tolist()
-    dirty_k = se.target.k_cache[:, 0, :, : p + c].clone()  # [L, Hkv, p+c, D] slots holding prompt, first, accepted[:-1]
+    dirty_k = se.target.slot_kv(0)[0][:, :, : p + c]  # [L, Hkv, p+c, D] slots holding prompt, first, accepted[:-1]
     # continue from the dirty cache with plain target decoding (newest token accepted[-1] at position p + c)
     tok, cont = torch.tensor([accepted[-1]]), []
     for i in range(12):
@@ -29,7 +29,7 @@ def test_after_a_rejection_continuing_equals_a_fresh_run_on_the_accepted_prefix(
     # the visible cache equals a fresh prefill of the same tokens (fp32, T=K+1 pass vs context pass: 1e-5)
     ref = spec_engine(draft="layers1", k=5, batch_size=2)
     ref.prefill_row(0, fresh_prompt[:-1])
-    assert torch.allclose(dirty_k, ref.target.k_cache[:, 0, :, : p + c], atol=1e-5)
+    assert torch.allclose(dirty_k, ref.target.slot_kv(0)[0][:, :, : p + c], atol=1e-5)
 
 
 def test_speculation_continues_correctly_after_rejections(spec_engine):

@@ -178,7 +178,8 @@ def forward_probs(model, seq) -> torch.Tensor:
     k, v = CacheShape(model.cfg.num_layers, 1, model.cfg.num_kv_heads, t, model.cfg.head_dim,
                       torch.float32).allocate()
     with torch.inference_mode():
-        return model(torch.tensor([seq]), torch.arange(t).view(1, t), k, v, torch.arange(t).view(1, t), t)[0]
+        return model(torch.tensor([seq]), torch.arange(t).view(1, t), k, v, torch.arange(t).view(1, t), t,
+                     torch.zeros(1, 1, dtype=torch.int64))[0]  # one block of t slots
 
 
 def lossless_setup(model, ctx):

@@ -27,8 +27,10 @@ SMALL = {"max_context_length": 16, "max_length": 32, "context_buckets": (16,), "
 
 
 def broadcast_row0(se) -> None:
+    src = torch.tensor(se.target.slots[0])  # slot 0's blocks (the draft shares the block tables)
+    dst = torch.tensor(se.target.slots[1:B]).flatten()  # [(B-1) * per] every other slot's blocks, slot-major
     for cache in (se.target.k_cache, se.target.v_cache, se.draft.k_cache, se.draft.v_cache):
-        cache[:, 1:] = cache[:, :1]  # [L, B, Hkv, S, D]: every row holds row 0's prompt
+        cache[:, dst] = cache[:, src].repeat(1, B - 1, 1, 1, 1)  # [L, N, Hkv, bs, D]: every slot holds slot 0's prompt
 
 
 def draw_pairs(se, seed: int) -> torch.Tensor:
@@ -55,7 +57,8 @@ def expected_joint(model) -> dict[tuple[int, int], float]:
         k, v = CacheShape(model.cfg.num_layers, 1, model.cfg.num_kv_heads, t, model.cfg.head_dim,
                           torch.float32).allocate()
         with torch.inference_mode():
-            logits = model(torch.tensor([seq]), torch.arange(t).view(1, t), k, v, torch.tensor([[t - 1]]), t)
+            logits = model(torch.tensor([seq]), torch.arange(t).view(1, t), k, v, torch.tensor([[t - 1]]), t,
+                           torch.zeros(1, 1, dtype=torch.int64))  # one block of t slots
         return processed_probs(logits[0, 0], SAMPLING)  # [V]
 
     ctx = PROMPT + [LAST]

@@ -58,6 +58,7 @@ def test_continuous_batching_steps_equal_target_alone(spec_engine, mode):
     for i, (_, _, prompt, n) in enumerate(SCHEDULE):
         res, _ = generate_ids(se.target, [prompt], n, ignore_eos=True)  # reference first: it reuses the caches
         want[i] = res[0].token_ids
+    se.target.bind_stripes()  # driven without a runner: each row its own blocks
     got, n = drive(se, plain_every=4)
     assert got == want
     assert n["spec"] > 0 and n["plain"] > 0 and n["tail"] > 0 and n["multi"] > 0  # every path really taken
@@ -73,6 +74,7 @@ def test_decode_both_writes_the_draft_cache(spec_engine):
     """Greedy output cannot show a stale draft cache (it only lowers acceptance), so compare the cache itself: plain
     steps must leave the draft's K/V of row 0 equal to a fresh draft prefill of the same tokens into row 1."""
     se = spec_engine(draft="layers1", k=3, mode="fused", batch_size=3)
+    se.target.bind_stripes()  # driven without a runner: each row its own blocks
     prompt = list(range(5, 25))
     seq = prompt + [int(se.prefill_row(0, prompt).argmax())]
     for _ in range(5):
@@ -81,6 +83,6 @@ def test_decode_both_writes_the_draft_cache(spec_engine):
         seq.append(int(se.decode_both(tokens, pos)[0].argmax()))
     cached = len(seq) - 1  # the newest token is not in the cache yet
     se.prefill_row(1, seq[:cached])
-    for c in (se.draft.k_cache, se.draft.v_cache):  # [L, B, Hkv, S, D]
+    for a, b in zip(se.draft.slot_kv(0), se.draft.slot_kv(1)):  # K, V [L, Hkv, S, D] of slots 0 and 1
         # fp32, one-token vs whole-prompt graphs: same math, different reduction order -> ~1e-6 differences
-        torch.testing.assert_close(c[:, 0, :, :cached], c[:, 1, :, :cached], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(a[:, :, :cached], b[:, :, :cached], rtol=1e-4, atol=1e-5)

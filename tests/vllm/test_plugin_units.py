@@ -19,7 +19,9 @@ from neuron_infer.vllm_plugin.artifacts import (
     cache_key,
     check_against_engine,
     default_build,
+    kv_cache_gib,
     plugin_options,
+    prefix_caching,
     ranks_in_one_process,
 )
 from neuron_infer.vllm_plugin.logprobs import logprobs_arrays
@@ -174,6 +176,16 @@ def test_plugin_options_reject_misspelt_keys():
     assert plugin_options(None) == {}
     with pytest.raises(ConfigError, match="neuron_infer_artifact'"):
         plugin_options({"neuron_infer_artifact": "/a"})
+
+
+def test_kv_cache_options():
+    assert kv_cache_gib({}) is None and kv_cache_gib({"neuron_infer_kv_cache_gib": 2}) == 2.0
+    assert prefix_caching({}) is True and prefix_caching({"neuron_infer_prefix_caching": False}) is False
+    for bad in (0, -1, "2", True):
+        with pytest.raises(ConfigError, match="positive number of GiB"):
+            kv_cache_gib({"neuron_infer_kv_cache_gib": bad})
+    with pytest.raises(ConfigError, match="true or false"):
+        prefix_caching({"neuron_infer_prefix_caching": "no"})
 
 
 def test_vllm_version_pin():
