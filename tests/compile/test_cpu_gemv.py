@@ -23,7 +23,7 @@ from neuron_infer.compile import cpu, cpu_gemv
 from neuron_infer.compile.cpu import CpuBackend, CpuCompileOptions
 from neuron_infer.errors import ArtifactError, ConfigError
 from neuron_infer.model.llama import BucketStep
-from tests.compile.test_cpu_backend import T_CTX, S, empty_cache, tg_args, tiny_model
+from tests.compile.test_cpu_backend import T_CTX, S, empty_cache, row_table, tg_args, tiny_model
 
 ISAS = [isa for isa in cpu_gemv.ISAS if cpu_gemv.has_isa(isa)]
 needs_kernel = pytest.mark.skipif(not cpu_gemv.supported(), reason="this CPU has no AVX2 + FMA")
@@ -111,7 +111,7 @@ def step_args(k, v, tokens: int):
         return tg_args(k, v, 0)
     ids = torch.arange(7, 7 + 2 * tokens).view(2, tokens)  # [R, T]
     pos = torch.arange(T_CTX, T_CTX + tokens).repeat(2, 1)  # [R, T]
-    return ids, pos, k, v, torch.arange(tokens).repeat(2, 1)  # logits of every token: [R, T]
+    return ids, pos, k, v, torch.arange(tokens).repeat(2, 1), row_table([0, 1], S)  # logits of every token: [R, T]
 
 
 @needs_kernel
