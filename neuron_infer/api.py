@@ -35,6 +35,7 @@ from neuron_infer.runtime.engine import Engine
 from neuron_infer.runtime.generate import SequenceResult, generate_ids
 from neuron_infer.runtime.loader import load_rank
 from neuron_infer.runtime.metrics import Metrics, pooled
+from neuron_infer.runtime.options import RunOptions
 from neuron_infer.runtime.sequence import Sequence, StopRule, check_prompt, cut_at_stop
 
 OnTokens = Callable[[list[list[int]]], None]
@@ -101,13 +102,14 @@ class CompiledModel:
         self.spec = engine.spec if engine is not None else None  # SpecEngine when compiled with --draft-model
         self.group = group  # runtime.rank_group.RankGroup for a tp > 1 CPU artifact, else None
         self.eos_ids = _eos_ids(manifest, tokenizer, root)
-        self.prefix_caching = True  # reuse cached prompt blocks across prompts and calls (`load` sets it)
+        self.options = RunOptions()  # prefix caching, chunked prefill (`load` sets them)
 
     @classmethod
     def load(cls, artifact_dir: str | Path, verify_files: bool = True,
              expect_checkpoint: str | Path | None = None, threads: int | str | None = None,
              tokenizer=None, on_stage: Callable[[str], None] = lambda _stage: None,
-             kv_cache_gib: float | None = None, prefix_caching: bool = True) -> CompiledModel:
+             kv_cache_gib: float | None = None, prefix_caching: bool = True,
+             prefill_chunk: int | None = None) -> CompiledModel:
         """Load an artifact; with `expect_checkpoint`, also require that it was compiled from that checkpoint.
 
         threads: CPU threads of the graphs: "auto" follows the CPUs other processes leave free (see
@@ -116,10 +118,13 @@ class CompiledModel:
         tokenizer: one already loaded from this artifact's tokenizer/ directory (saves loading it again).
         on_stage: called with each of LOAD_STAGES as it starts (the CLI shows them as a progress bar).
         kv_cache_gib: KV-cache memory per rank (None: the build's batch_size sequences of max_length);
-        prefix_caching: reuse the cached blocks of prompts that start like an earlier one (see docs/serving.md).
+        prefix_caching: reuse the cached blocks of prompts that start like an earlier one (see docs/kv-cache.md);
+        prefill_chunk: prompt tokens encoded per step while other prompts decode (None: the default, 0: whole
+        prompts; see docs/kv-cache.md).
         """
         from neuron_infer.checkpoint import load_tokenizer  # noqa: PLC0415
 
+        options = RunOptions(prefix_caching, prefill_chunk)  # checked before the slow load
         if threads is not None:
             cpu_threads.use(threads)  # validated before the slow load
         root = Path(artifact_dir)
@@ -133,10 +138,10 @@ class CompiledModel:
         if manifest.build.tp_degree != 1 and manifest.backend != "neuron":  # shards live in rank processes
             from neuron_infer.runtime.rank_group import RankGroup  # noqa: PLC0415
 
-            model = cls(root, manifest, None, tokenizer, RankGroup(root, manifest, kv_cache_gib, prefix_caching))
+            model = cls(root, manifest, None, tokenizer, RankGroup(root, manifest, kv_cache_gib, options))
         else:
             model = cls(root, manifest, load_rank(root, 0, manifest, kv_cache_gib=kv_cache_gib), tokenizer)
-        model.prefix_caching = prefix_caching
+        model.options = options
         return model
 
     @classmethod
@@ -209,7 +214,7 @@ class CompiledModel:
                 return GenerationOutput([], [])
             return GenerationOutput([self._text(_apply_stop(r, rule), rule) for r in got[0]], got[1])
         res, m = generate_ids(self.engine, prompts, max_new_tokens, sampling, self.eos_ids, ignore_eos, on_tokens,
-                              stop=rule, logprobs=logprobs, prefix_caching=self.prefix_caching)
+                              stop=rule, logprobs=logprobs, options=self.options)
         return GenerationOutput([self._text(r, rule) for r in res], [m])
 
     def _decode(self, ids: list[int]) -> str:

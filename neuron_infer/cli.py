@@ -200,11 +200,15 @@ def compile_cmd(model_dir, output, backend, overwrite, **kw) -> None:
               help="KV-cache memory per rank in GiB (default: what batch_size sequences of max_length need); "
                    "prompts that do not fit wait for finishing ones")
 @click.option("--no-prefix-caching", "no_prefix_caching", is_flag=True,
-              help="encode every prompt whole (default: prompts reuse the cached KV blocks of a common prefix)")
+              help="never reuse KV blocks across prompts (default: a prompt reuses the cached blocks of a common prefix)")
+@click.option("--prefill-chunk", type=click.IntRange(min=0), default=None,
+              help="prompt tokens encoded per step while other prompts decode (default: the largest context "
+                   "bucket <= 256; 0: whole prompts)")
 @build_options
 def generate_cmd(artifacts, prompts, prompt_file, chat, max_new_tokens, temperature, top_k, top_p, seed, min_p, repetition_penalty,
                  presence_penalty, frequency_penalty, stop,
-                 ignore_eos, as_json, stream_json, logprobs, threads, kv_cache_gib, no_prefix_caching, **kw) -> None:
+                 ignore_eos, as_json, stream_json, logprobs, threads, kv_cache_gib, no_prefix_caching, prefill_chunk,
+                 **kw) -> None:
     """Generate from ARTIFACTS (omit to compile or reuse the embedded default model)."""
     from neuron_infer.api import LOAD_STAGES, CompiledModel, check_request, encode_prompt  # noqa: PLC0415
     from neuron_infer.cli_io import JsonLinesStreamer, TextStreamer, artifact_front  # noqa: PLC0415
@@ -244,7 +248,8 @@ def generate_cmd(artifacts, prompts, prompt_file, chat, max_new_tokens, temperat
     check_request(manifest.build, [len(x) for x in ids], max_new_tokens)
     with stages("loading", list(LOAD_STAGES), None, leave=False) as stage:  # a bar on a terminal, else silent
         model = CompiledModel.load(artifacts, threads=threads or "auto", tokenizer=tokenizer, on_stage=stage,
-                                   kv_cache_gib=kv_cache_gib, prefix_caching=not no_prefix_caching)
+                                   kv_cache_gib=kv_cache_gib, prefix_caching=not no_prefix_caching,
+                                   prefill_chunk=prefill_chunk)
     if as_json:
         stream = JsonLinesStreamer(model.tokenizer, stop) if stream_json else None
     else:

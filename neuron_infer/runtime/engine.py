@@ -158,13 +158,15 @@ class Engine:
         t = pick_bucket(tokens, self.build.context_bucket_list, "prompt", "--max-context-length/--context-buckets")
         return (t, t) if start == 0 else (t, self.build.max_context_length)
 
-    def prefill_row(self, slot: int, prompt: list[int], start: int = 0) -> torch.Tensor:
-        """Encode prompt[start:] at positions start.. into the blocks of `slot` (positions < start are already
-        cached there; other slots untouched) -> next-token logits [V]."""
-        n = len(prompt) - start
+    def prefill_row(self, slot: int, prompt: list[int], start: int = 0, end: int | None = None) -> torch.Tensor:
+        """Encode prompt[start:end] at positions start.. into the blocks of `slot` (positions < start are already
+        cached there; other slots untouched) -> logits [V] after its last token (the next-token logits when `end`
+        is the prompt's end). end - start must fit the largest context bucket."""
+        end = len(prompt) if end is None else end
+        n = end - start
         t, s = self.context_graph(n, start)
         ids = torch.zeros(1, t, dtype=torch.int64)  # [1, T], right-padded; padding writes slots no one reads
-        ids[0, :n] = torch.tensor(prompt[start:], dtype=torch.int64)
+        ids[0, :n] = torch.tensor(prompt[start:end], dtype=torch.int64)
         positions = torch.arange(start, start + t, dtype=torch.int64).view(1, t)  # [1, T]
         last = torch.tensor([[n - 1]], dtype=torch.int64)  # [1, 1]
         return self._run(graph_name("context", t, s), ids, positions, last, self.table([slot], s))[0, 0]  # [V]

@@ -18,6 +18,7 @@ from neuron_infer.config import SamplingConfig
 from neuron_infer.errors import NeuronInferError
 from neuron_infer.runtime.engine import Engine
 from neuron_infer.runtime.metrics import Metrics
+from neuron_infer.runtime.options import RunOptions
 from neuron_infer.runtime.runner import Agree, Runner
 from neuron_infer.runtime.sampling import make_generator
 from neuron_infer.runtime.sequence import Sequence, StopRule, check_prompt
@@ -63,7 +64,7 @@ def generate_ids(
     on_logits: Callable[[torch.Tensor], None] | None = None,
     stop: StopRule | None = None,
     logprobs: int | None = None,
-    prefix_caching: bool = True,
+    options: RunOptions = RunOptions(),  # noqa: B008 (frozen)
 ) -> tuple[list[SequenceResult], Metrics]:
     """Generate up to `max_new_tokens` per prompt; speculative steps when the engine carries a draft model
     (`engine.spec`) or is a SpecEngine, plain steps otherwise.
@@ -72,8 +73,9 @@ def generate_ids(
     actually used (tensor parallelism: rank 0's choice, broadcast); `on_logits` sees the logits [n, V] of every
     sampled position of a plain step or prefill. `stop`: stop strings and their decoder (its count fields are
     replaced by this call's); `logprobs`: record each output token's log-probability and the top-N alternatives;
-    `prefix_caching`: prompts whose first blocks are cached (earlier prompts, this call's or an earlier call's on
-    the same engine) encode only the rest.
+    `options`: prefix caching (prompts whose first blocks are cached, by earlier prompts of this call or an earlier
+    call on the same engine, encode only the rest) and chunked prefill (a prompt that starts while others decode is
+    encoded a chunk per step).
     """
     build = engine.build
     if not prompts:
@@ -84,25 +86,25 @@ def generate_ids(
     stop = StopRule(max_new_tokens, eos_ids, ignore_eos, build.max_length,
                     stop.stop_strings if stop else (), stop.decode if stop else None)
     seqs = [Sequence(i, list(p), sampling, stop, gen, logprobs=logprobs) for i, p in enumerate(prompts)]
-    runner = Runner(engine, agree, on_logits, keep_step_counts=True, prefix_caching=prefix_caching)
+    runner = Runner(engine, agree, on_logits, keep_step_counts=True, options=options)
     sched = runner.scheduler
     for s in seqs:
         sched.add(s)
     metrics = runner.stats
     with gc_paused():
-        t0 = time.perf_counter()
+        start = t0 = time.perf_counter()
         while sched.has_work:
-            running = list(sched.running)
+            running = runner.decoding()
             runner.step(running, running)  # before the prefill of new sequences (the step writes every row)
-            runner.prefill(sched.admit())
+            runner.prefill(sched.admit())  # new prompts, and the next chunk of those still encoding
             sched.release_finished()
             if on_tokens:
                 on_tokens([s.output for s in seqs])
             now = time.perf_counter()  # latency = emission to emission: the whole loop, bookkeeping and callbacks
             if running:
                 metrics.token_latencies_s.append(now - t0)
-            else:
-                metrics.ttft_s = metrics.ttft_s or now - t0
+            elif not metrics.ttft_s and any(s.output for s in seqs):
+                metrics.ttft_s = now - start
             t0 = now
     metrics.num_generated = max(len(s.output) for s in seqs)
     metrics.decode_tokens = sum(len(s.output) - 1 for s in seqs)

@@ -65,8 +65,8 @@ class NgramSpec:
         self.clock = StepClock()
         self.states: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Sequence -> SeqState
 
-    def prefill_row(self, row: int, prompt: list[int], start: int = 0) -> torch.Tensor:
-        return self.target.prefill_row(row, prompt, start)
+    def prefill_row(self, row: int, prompt: list[int], start: int = 0, end: int | None = None) -> torch.Tensor:
+        return self.target.prefill_row(row, prompt, start, end)
 
     def can_speculate(self, seqs: Mapping[int, Sequence[int]]) -> bool:
         """A verify step writes positions p..p+K of every listed row: p + K + 1 <= max_length."""

@@ -51,6 +51,7 @@ from neuron_infer.errors import NeuronInferError
 from neuron_infer.runtime.engine import Engine
 from neuron_infer.runtime.metrics import Metrics
 from neuron_infer.runtime.ngram_spec import NgramSpec, accept, accept_uniforms
+from neuron_infer.runtime.options import RunOptions
 from neuron_infer.runtime.sampling import draw_uniforms, sample_rows, token_history, token_logprobs
 from neuron_infer.runtime.scheduler import Scheduler
 from neuron_infer.runtime.sequence import Sequence
@@ -65,19 +66,22 @@ class Runner:
 
     def __init__(self, engine: Engine | SpecEngine, agree: Agree | None = None,
                  on_logits: Callable[[torch.Tensor], None] | None = None, keep_step_counts: bool = False,
-                 prefix_caching: bool = False):
-        """engine: an Engine (speculating when it carries a draft, `engine.spec`) or a SpecEngine. prefix_caching:
-        reuse cached prompt blocks (not with a draft model, whose prefill always encodes the whole prompt)."""
+                 options: RunOptions = RunOptions()):  # noqa: B008 (frozen)
+        """engine: an Engine (speculating when it carries a draft, `engine.spec`) or a SpecEngine. options: prefix
+        caching and chunked prefill (neither with a draft model, whose prefill always encodes the whole prompt)."""
         spec = engine if isinstance(engine, (SpecEngine, NgramSpec)) else engine.spec
         self.engine = spec.target if spec is not None else engine
         self.spec, self.agree, self.on_logits = spec, agree, on_logits
         self.keep_step_counts = keep_step_counts  # per (step, sequence) emitted counts: bounded runs only
         self.batch, self.max_length = engine.build.batch_size, engine.build.max_length
+        whole = isinstance(self.spec, SpecEngine)
+        self.chunk = options.chunk_tokens(engine.build, whole_prompts=whole)  # 0: whole prompts
         pool = self.engine.pool
         pool.release_all()  # one runner drives an engine at a time: earlier runners' sequences are gone
-        pool.prefix_caching = prefix_caching and not isinstance(self.spec, SpecEngine)
+        pool.prefix_caching = options.prefix_caching and not whole
         self.lookahead = self.spec.k if self.spec is not None else 0
         self.scheduler = Scheduler(self.batch, pool, self.lookahead, self.max_length)
+        self.encoding: dict[Sequence, int] = {}  # admitted sequences still encoding -> positions encoded (in order)
         self.stats = Metrics()
         self.reset_stats()
 
@@ -85,24 +89,70 @@ class Runner:
         spec = self.spec
         self.stats = Metrics(k=spec.k if spec is not None else 0, mode=spec.mode if spec is not None else "")
 
-    # ---- prefill: encode newly admitted sequences, each into its own row --------------------------------------
-    def prefill(self, seqs: list[Sequence]) -> dict[Sequence, list[int]]:
-        """Encode each sequence's tokens into its row (other rows untouched) and sample its next token."""
-        if not seqs:
-            return {}
-        encode = self.spec.prefill_row if self.spec is not None else self.engine.prefill_row
-        for s in seqs:
-            self.scheduler.grow(s, len(s) + 1)  # the prompt and the first decode step's position
-        self._bind()
-        logits = torch.stack([encode(s.row, s.tokens, s.cached) for s in seqs])  # [n, V]
-        for s in seqs:
-            self.scheduler.cache_prompt(s)
-        self._note_blocks()
-        return self._emit(seqs, logits)
+    # ---- prefill: encode admitted sequences into their rows ---------------------------------------------------
+    def decoding(self) -> list[Sequence]:
+        """Running sequences whose prompt is encoded (they take decode steps), in admission order."""
+        return [s for s in self.scheduler.running if s not in self.encoding]
 
-    def _bind(self) -> None:
-        """Every slot's blocks on the engine (free slots: none, so their rows write the scratch block)."""
-        held = {s.row: s.blocks for s in self.scheduler.running}
+    def prefill(self, seqs: list[Sequence]) -> dict[Sequence, list[int]]:
+        """Newly admitted `seqs` join the sequences still encoding; encode prompts (each into its own row, other rows
+        untouched) -> the first token of each sequence whose prompt is now complete.
+
+        While other sequences decode, at most `chunk` prompt tokens are encoded per call (chunked prefill, in
+        admission order), so a long prompt joining the batch delays each of their steps by one chunk instead of its
+        whole prefill; with no sequence decoding there is no one to delay and prompts are encoded whole."""
+        for s in seqs:
+            self.encoding[s] = s.cached
+        busy = self.chunk and any(s not in self.encoding for s in self.scheduler.running)
+        budget = self.chunk if busy else None
+        done: list[tuple[Sequence, torch.Tensor]] = []
+        for s in list(self.encoding):
+            if budget is not None and budget <= 0:
+                break
+            end = len(s) if budget is None else min(len(s), self.encoding[s] + budget)
+            if budget is not None:
+                budget -= end - self.encoding[s]
+            logits = self._encode(s, end)
+            if logits is not None:
+                done.append((s, logits))
+        return self._emit([s for s, _ in done], torch.stack([lg for _, lg in done])) if done else {}
+
+    def prefill_to(self, seq: Sequence, end: int) -> list[int]:
+        """Encode `seq` (admitted, still encoding) up to position `end` -> [its first token] once its prompt is
+        complete, else [] (the vLLM worker: vLLM's scheduler chose the chunk)."""
+        self.encoding.setdefault(seq, seq.cached)
+        logits = self._encode(seq, min(end, len(seq)))
+        return self._emit([seq], logits[None])[seq] if logits is not None else []
+
+    def release(self, seq: Sequence) -> None:
+        """Free the slot and blocks of a running sequence, encoded or not."""
+        self.encoding.pop(seq, None)
+        self.scheduler.release(seq)
+
+    def _encode(self, seq: Sequence, end: int) -> torch.Tensor | None:
+        """Encode seq.tokens[encoded:end] in pieces of at most the largest context bucket -> next-token logits [V]
+        when the prompt is complete (it leaves `encoding` and its full blocks enter the prefix cache), else None."""
+        encode = self.spec.prefill_row if self.spec is not None else self.engine.prefill_row
+        self.scheduler.grow(seq, len(seq) + 1)  # the prompt and the first decode step's position
+        self._bind()
+        start, piece, tokens = self.encoding[seq], self.engine.build.max_context_length, seq.tokens
+        logits = None
+        while start < end:
+            stop = min(end, start + piece)
+            logits = encode(seq.row, tokens, start, stop)
+            start = stop
+        self.encoding[seq] = start
+        if start < len(seq):
+            return None
+        del self.encoding[seq]
+        self.scheduler.cache_prompt(seq)
+        self._note_blocks()
+        return logits
+
+    def _bind(self, idle: dict | None = None) -> None:
+        """Every slot's blocks on the engine (free slots, and the sequences in `idle`: none, so their rows write
+        the scratch block)."""
+        held = {s.row: s.blocks for s in self.scheduler.running if not idle or s not in idle}
         for slot in range(self.batch):
             self.engine.bind(slot, held.get(slot, []))
 
@@ -115,11 +165,13 @@ class Runner:
     def step(self, scheduled: list[Sequence], live: list[Sequence]) -> dict[Sequence, list[int]]:
         """One step over every row; the new tokens of each scheduled sequence (after its stop rule). `live`: every
         sequence holding a row (its pending token is rewritten where it already is)."""
+        scheduled = [s for s in scheduled if s not in self.encoding]
+        live = [s for s in live if s not in self.encoding]
         if not scheduled:
             return {}
         for s in live:
             self.scheduler.grow(s, len(s) + self.lookahead)  # positions len-1 .. len-1+K
-        self._bind()
+        self._bind(idle=self.encoding)  # rows still encoding their prompt sit this step out
         longest = max(len(s) for s in live)
         if longest > self.max_length:
             raise NeuronInferError(f"a request reached {longest} tokens, beyond the artifact's max_length="

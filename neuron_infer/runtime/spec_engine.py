@@ -98,11 +98,12 @@ class SpecEngine:
         return lambda ids, pos, li: fn(ids, pos, eng.k_cache, eng.v_cache, li, table)
 
     # ---- continuous batching: one request per batch slot, one step at a time (the vLLM runner) ------------------
-    def prefill_row(self, row: int, prompt: list[int], start: int = 0) -> torch.Tensor:
+    def prefill_row(self, row: int, prompt: list[int], start: int = 0, end: int | None = None) -> torch.Tensor:
         """Encode one prompt into the blocks of slot `row` of both models (other slots untouched) -> target logits
         [V]. The whole prompt: the draft has no context graphs that start past position 0."""
-        if start:
-            raise NeuronInferError("a draft model encodes whole prompts; run it without prefix caching")
+        if start or end not in (None, len(prompt)):
+            raise NeuronInferError("a draft model encodes whole prompts; run it without prefix caching and without "
+                                   "chunked prefill")
         self.draft.prefill_row(row, prompt)
         return self.target.prefill_row(row, prompt)
 

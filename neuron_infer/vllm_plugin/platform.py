@@ -4,8 +4,8 @@ It subclasses `CpuPlatform` (keeping `_enum = CPU`) so every CPU default (gloo, 
 handling) still applies; on a Neuron instance the compiled graphs of the artifact run on the NeuronCores through the
 Neuron backend, while vLLM itself only sees a CPU host. Hooks used:
   check_and_update_config  worker class; vLLM's own KV manager idle (its prefix caching off: the engine's block pool
-                           caches prefixes itself; no chunked prefill), early validation of the artifact/build
-                           against vLLM's limits
+                           caches prefixes itself); vLLM's chunked prefill sends prompts in the engine's chunks
+                           (`schedule_prompts`); early validation of the artifact/build against vLLM's limits
   validate_request         refuses request features the runner does not implement (HTTP 400 with the reason)
 Sample logprobs are the raw log-softmax of the logits (vLLM's default --logprobs-mode raw_logprobs); other modes
 are refused at startup.
@@ -33,6 +33,8 @@ from neuron_infer.vllm_plugin.artifacts import (
     default_build,
     plugin_options,
     ranks_in_one_process,
+    run_options,
+    schedule_prompts,
 )
 from neuron_infer.vllm_plugin.params import UnsupportedRequestError, check_request
 
@@ -83,11 +85,8 @@ class NeuronInferPlatform(CpuPlatform):
             raise ValueError(f"the neuron-infer vLLM plugin returns raw logprobs only (log-softmax of the model's "
                              f"logits, vLLM's default); drop --logprobs-mode {mode}")
         # The engine's block pool does prefix caching itself (vllm_plugin/runner.py); vLLM's block manager holds
-        # nothing, so its own prefix caching stays off and every prompt arrives whole.
+        # nothing, so its own prefix caching stays off.
         vllm_config.cache_config.enable_prefix_caching = False
-        sched = vllm_config.scheduler_config
-        sched.enable_chunked_prefill = False
-        sched.max_num_batched_tokens = max(int(sched.max_num_batched_tokens), int(vllm_config.model_config.max_model_len))
         args = engine_args(vllm_config)
         options = plugin_options(vllm_config.additional_config)
         if options.get("neuron_infer_artifacts"):
@@ -101,6 +100,7 @@ class NeuronInferPlatform(CpuPlatform):
             build = default_build(args, options.get("neuron_infer_build"))  # fails early on a bad dtype/override
             backend = options.get("neuron_infer_backend") or build.target  # what the plugin will compile with
         cls.max_prompt_len = build.max_context_length
+        schedule_prompts(vllm_config.scheduler_config, run_options(options), build, args.max_model_len)
         if ranks_in_one_process(backend, build):
             par.distributed_executor_backend = "uni"  # one worker drives the whole group (see artifacts.py)
         elif args.tensor_parallel_size > 1 and BIND_ENV not in os.environ:

@@ -2,8 +2,8 @@
 
 vLLM's scheduler decides which requests run, join and leave; this adapter only maps its decisions onto the one
 runtime: a joining request becomes a `Sequence` admitted into a free slot and KV-cache blocks (`Scheduler.admit_now`;
-its cached prompt blocks are reused) and encoded
-(`Runner.prefill`), each step is `Runner.step` over the scheduled requests (plain, or speculative with a draft model:
+its cached prompt blocks are reused) and encoded chunk by chunk as vLLM's scheduler sends its prompt
+(`Runner.prefill_to`; the first token comes with the last chunk), each step is `Runner.step` over the scheduled requests (plain, or speculative with a draft model:
 1..K+1 tokens per request), and a finished request frees its row. vLLM applies its own stop rules (EOS, stop ids,
 max_tokens, max_model_len) and trims a speculative block, so the Sequences here never stop by themselves.
 A request asking for logprobs keeps its tokens' records (logprob, rank, top-n) on its Sequence until `take_logprobs`;
@@ -20,6 +20,7 @@ from __future__ import annotations
 from neuron_infer.config import SamplingConfig
 from neuron_infer.errors import NeuronInferError
 from neuron_infer.runtime.engine import Engine
+from neuron_infer.runtime.options import RunOptions
 from neuron_infer.runtime.runner import Agree, Runner
 from neuron_infer.runtime.sampling import make_generator
 from neuron_infer.runtime.sequence import Sequence, StopRule, check_prompt
@@ -33,8 +34,8 @@ class SlotRunner:
     step."""
 
     def __init__(self, engine: Engine, spec: SpecEngine | None = None, agree: Agree | None = None,
-                 prefix_caching: bool = True):
-        self.runner = Runner(spec if spec is not None else engine, agree, prefix_caching=prefix_caching)
+                 options: RunOptions = RunOptions()):  # noqa: B008 (frozen)
+        self.runner = Runner(spec if spec is not None else engine, agree, options=options)
         self.agree, self.batch = agree, engine.build.batch_size
         self.max_context, self.engine_vocab = engine.build.max_context_length, engine.vocab_size
         self.scheduler = self.runner.scheduler
@@ -51,12 +52,29 @@ class SlotRunner:
     def active(self) -> int:
         return len(self.slots)
 
+    @property
+    def chunks(self) -> bool:
+        """Whether prompts may be encoded in chunks (not with a draft model, which encodes whole prompts)."""
+        return self.runner.chunk > 0
+
     def admit(self, req_id: str, token_ids: list[int], sampling: SamplingConfig, prompt_len: int | None = None,
               logprobs: int | None = None) -> int:
-        """Give `req_id` a free row, encode `token_ids` into it and return its first sampled token. `prompt_len`:
-        for a resumed request, how many of `token_ids` are its prompt (the rest is output, which the presence and
-        frequency penalties count); None = all prompt. `logprobs`: record each new token's logprob, rank and this
-        many top alternatives (read them with `take_logprobs`); such a request makes every step plain."""
+        """`join`, encode all of `token_ids` and return the first sampled token."""
+        self.join(req_id, token_ids, sampling, prompt_len, logprobs)
+        return self.encode(req_id, len(token_ids))[0]
+
+    def encode(self, req_id: str, upto: int) -> list[int]:
+        """Encode the joined request's tokens up to position `upto` (a chunk of its prompt) -> [its first sampled
+        token] once all are encoded, else []."""
+        return self.runner.prefill_to(self.slots[req_id], upto)
+
+    def join(self, req_id: str, token_ids: list[int], sampling: SamplingConfig, prompt_len: int | None = None,
+             logprobs: int | None = None) -> None:
+        """Give `req_id` a free row and the KV-cache blocks of `token_ids` (its cached prefix blocks reused); nothing
+        is encoded yet (`encode`). `prompt_len`: for a resumed request, how many of `token_ids` are its prompt (the
+        rest is output, which the presence and frequency penalties count); None = all prompt. `logprobs`: record
+        each new token's logprob, rank and this many top alternatives (read them with `take_logprobs`); such a
+        request makes every step plain."""
         if req_id in self.slots:
             raise NeuronInferError(f"request {req_id!r} is already in the batch")
         check_prompt(f"request {req_id!r}", token_ids, self.max_context, self.engine_vocab)
@@ -65,14 +83,13 @@ class SlotRunner:
                        output=list(token_ids[cut:]), logprobs=logprobs)
         self.scheduler.admit_now(seq)
         self.slots[req_id] = seq
-        return self.runner.prefill([seq])[seq][0]
 
     def release(self, req_id: str) -> list[int] | None:
         """Free the row of `req_id` (no-op for unknown ids); return its tokens."""
         seq = self.slots.pop(req_id, None)
         if seq is None:
             return None
-        self.scheduler.release(seq)
+        self.runner.release(seq)
         return seq.tokens
 
     def take_logprobs(self, req_id: str) -> list[dict]:

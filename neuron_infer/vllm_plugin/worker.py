@@ -40,8 +40,8 @@ from neuron_infer.vllm_plugin.artifacts import (
     ensure_artifact,
     kv_cache_gib,
     plugin_options,
-    prefix_caching,
     resolve_model_dir,
+    run_options,
 )
 from neuron_infer.vllm_plugin.logprobs import logprobs_arrays
 from neuron_infer.vllm_plugin.params import check_request, requested_logprobs, to_sampling_config
@@ -107,18 +107,18 @@ class NeuronInferWorker(WorkerBase):
         expect = resolve_model_dir(args.model) if explicit else None  # the artifact must come from --model
         t0 = time.perf_counter()
         gib = kv_cache_gib(options)
-        prefix = prefix_caching(options)  # vLLM's own prefix caching stays off: its block manager holds nothing
+        run = run_options(options)  # vLLM's own prefix caching stays off: its block manager holds nothing
         if self.tp == 1 or self.group_in_process:
             self.compiled = CompiledModel.load(root, expect_checkpoint=expect, kv_cache_gib=gib)
             manifest, engine, spec = self.compiled.manifest, self.compiled.engine, self.compiled.spec
-            self.runner = SlotRunner(engine, spec, prefix_caching=prefix)
+            self.runner = SlotRunner(engine, spec, options=run)
         else:  # this rank's shard (the group was initialised in init_device)
             from neuron_infer.parallel.launch import broadcast_from_rank0
             from neuron_infer.runtime.loader import load_serving_rank
 
             manifest, engine = load_serving_rank(Path(root), self.rank, self.tp, expect_checkpoint=expect,
                                                  kv_cache_gib=gib)
-            self.runner = SlotRunner(engine, agree=broadcast_from_rank0, prefix_caching=prefix)
+            self.runner = SlotRunner(engine, agree=broadcast_from_rank0, options=run)
         build = manifest.build
         rank = f", rank {self.rank} of tp {self.tp}, {torch.get_num_threads()} threads" if self.runner.agree else ""
         logger.info("neuron-infer: loaded %s in %.1f s (backend %s, %s, batch %d, max_length %d%s%s)", root,
@@ -198,7 +198,8 @@ class NeuronInferWorker(WorkerBase):
     def _decode_running(self, so: Any) -> dict[str, list[int]]:
         """Requests already in the batch: one decode step over all rows (before any new prefill, see runner)."""
         cached = so.scheduled_cached_reqs
-        running = [r for r in cached.req_ids if r in self.runner.slots and r not in cached.resumed_req_ids]
+        running = [r for r in cached.req_ids
+                   if r in self.runner.slots and r not in cached.resumed_req_ids and r not in self._pending]
         before = self.runner.stats.spec_steps
         out = self.runner.decode(running)
         if self.runner.stats.spec_steps // LOG_EVERY_SPEC_STEPS > before // LOG_EVERY_SPEC_STEPS:
@@ -227,12 +228,17 @@ class NeuronInferWorker(WorkerBase):
         return out
 
     def _progress(self, req_id: str, computed: int, out: dict[str, list[int]]) -> None:
-        """Encode the prompt once vLLM has scheduled all of it (chunked prefill arrives over several steps)."""
+        """Encode the prompt's tokens up to `computed` (vLLM's chunked prefill sends a prompt over several steps);
+        a request gets its first token with its last chunk. A draft-model artifact encodes whole prompts only: its
+        request joins when the last chunk arrives (the platform turns vLLM's chunking off for it)."""
         tokens, params = self._pending[req_id]
-        if computed < len(tokens):
-            out[req_id] = []  # partial prompt: no token yet
-            return
-        del self._pending[req_id]
-        self._params[req_id] = params
-        out[req_id] = [self.runner.admit(req_id, tokens, to_sampling_config(params), self._prompt_lens.get(req_id),
-                                         requested_logprobs(params, self.runner.engine_vocab))]
+        if req_id not in self.runner.slots:
+            if computed < len(tokens) and not self.runner.chunks:
+                out[req_id] = []  # partial prompt: no token yet
+                return
+            self._params[req_id] = params
+            self.runner.join(req_id, tokens, to_sampling_config(params), self._prompt_lens.get(req_id),
+                             requested_logprobs(params, self.runner.engine_vocab))
+        out[req_id] = self.runner.encode(req_id, computed)
+        if out[req_id]:
+            del self._pending[req_id]

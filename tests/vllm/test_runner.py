@@ -69,6 +69,39 @@ def test_interleaved_requests_equal_each_request_alone(models):
     assert rows_used == {0, 1, 2, 3}
 
 
+def test_prompts_sent_in_chunks_equal_each_request_alone(models):
+    """vLLM's chunked prefill: a joining request's prompt arrives 13 tokens per step (chunks crossing block
+    boundaries) while the others decode; it gets no token until its last chunk, then equals its run alone."""
+    runner = SlotRunner(models[4].engine)
+    want = {i: alone(models[1], p, n, s) for i, (_, p, n, s) in enumerate(SCHEDULE)}
+    got: dict[int, list[int]] = {}
+    sent: dict[int, int] = {}  # prompt tokens sent so far, per request still encoding
+    waiting, step, partial = list(enumerate(SCHEDULE)), 0, 0
+    while waiting or runner.active:
+        running = [str(i) for i in got if str(i) in runner.slots and i not in sent]
+        for rid, toks in runner.decode(running).items():
+            got[int(rid)].extend(toks)
+        for i, (join, prompt, n, s) in list(waiting):
+            if join <= step and runner.active < runner.batch:
+                runner.join(str(i), prompt, s)
+                got[i], sent[i] = [], 0
+                waiting.remove((i, (join, prompt, n, s)))
+        for i in list(sent):
+            sent[i] = min(sent[i] + 13, len(SCHEDULE[i][1]))
+            first = runner.encode(str(i), sent[i])
+            assert len(first) == (sent[i] == len(SCHEDULE[i][1]))
+            partial += not first
+            got[i].extend(first)
+            if first:
+                del sent[i]
+        for i in list(got):
+            if str(i) in runner.slots and len(got[i]) >= SCHEDULE[i][2]:
+                runner.release(str(i))
+        step += 1
+    assert got == want
+    assert partial == 10  # prompts of 20, 40, 33 and 64 tokens: 1 + 3 + 2 + 4 partial chunks
+
+
 def test_runner_errors_name_the_fix(models):
     runner = SlotRunner(models[1].engine)
     with pytest.raises(NeuronInferError, match="larger max_context_length"):

@@ -1,0 +1,43 @@
+"""RunOptions: how the runtime schedules prompts on a loaded artifact (prefix caching, chunked prefill).
+
+Runtime choices, not build choices: the same artifact serves with any of them (its graphs are the same).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from neuron_infer.config import BuildConfig
+from neuron_infer.errors import NeuronInferError
+
+DEFAULT_CHUNK_TOKENS = 256  # prompt tokens per step while others decode: the default's upper bound
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """prefix_caching: reuse the cached KV blocks of a prompt's start (see docs/kv-cache.md).
+    prefill_chunk: prompt tokens encoded per step while other sequences decode (chunked prefill); None: the
+    largest context bucket <= 256 (the smallest bucket when all are larger); 0: encode every prompt whole."""
+
+    prefix_caching: bool = True
+    prefill_chunk: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.prefix_caching, bool):
+            raise NeuronInferError(f"prefix_caching must be true or false, got {self.prefix_caching!r}")
+        chunk = self.prefill_chunk
+        if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0):
+            raise NeuronInferError(f"prefill chunk must be a whole number of tokens >= 0 (0: whole prompts), "
+                                   f"got {chunk!r}")
+
+    def chunk_tokens(self, build: BuildConfig, whole_prompts: bool = False) -> int:
+        """Prompt tokens per step while others decode, 0 for whole prompts. `whole_prompts`: the engine encodes
+        prompts only whole (a draft model: its draft has no graphs that start past position 0)."""
+        if whole_prompts:
+            if self.prefill_chunk:
+                raise NeuronInferError("chunked prefill does not work with a draft model (the draft encodes whole "
+                                       "prompts); drop the prefill chunk option")
+            return 0
+        if self.prefill_chunk is not None:
+            return self.prefill_chunk
+        buckets = sorted(build.context_bucket_list)
+        return max((t for t in buckets if t <= DEFAULT_CHUNK_TOKENS), default=buckets[0])
