@@ -236,3 +236,31 @@ def test_an_artifact_from_before_the_block_cache_asks_for_a_recompile(artifact, 
     (old / MANIFEST).write_text(json.dumps(d))
     with pytest.raises(ArtifactError, match="format_version=1 .*recompile"):
         read_manifest(old, verify_files=False)
+
+
+def test_eight_short_requests_run_at_once_in_the_smallest_cache(tiny_dirs, tmp_path):
+    """A batch-8 artifact whose static layout would hold 8 x max_length positions: in the smallest cache allowed
+    (one max_length sequence plus the scratch block, 17 of 129 blocks), 8 requests of max_length / 16 positions
+    still run all at once, with the tokens of the full-size cache (the tiny model's max_length 512 and 32
+    positions per request stand for SmolLM2's 4096 and 256)."""
+    build = BuildConfig(dtype="fp32", batch_size=8, max_context_length=32, max_length=512, context_buckets=(32,),
+                        tokengen_buckets=(64, 512), tokengen_batch_buckets=(8,), kv_block_size=32)
+    d = tmp_path / "long"
+    compile_model(tiny_dirs("gqa"), d, build, backend="cpu-eager", say=lambda m: None)
+    full = CompiledModel.load(d, prefix_caching=False)
+    shape = full.engine.cache_shape
+    assert shape.blocks == build.default_kv_blocks == 8 * 512 // 32 + 1
+    floor = 512 // 32 + 1  # 17 blocks: one max_length sequence and the scratch block
+    with pytest.raises(NeuronInferError, match="needs 17"):
+        CompiledModel.load(d, kv_cache_gib=(floor - 1) * shape.block_bytes() / 2**30)
+    small = CompiledModel.load(d, prefix_caching=False, kv_cache_gib=floor * shape.block_bytes() / 2**30)
+    assert small.engine.cache_shape.nbytes() * 129 == shape.nbytes() * 17  # 1/7.6 of the static cache
+    assert 2 * small.engine.k_cache.nbytes == small.engine.cache_shape.nbytes()  # what was allocated
+    prompts = [[(i * 37 + j * 11) % 300 + 3 for j in range(24)] for i in range(8)]
+    busy = []
+    got = small.generate_ids(prompts, 8, ignore_eos=True,
+                             on_tokens=lambda _o: busy.append(sum(1 for s in small.engine.slots if s)))
+    assert max(busy) == 8  # nobody waited for blocks
+    want = full.generate_ids(prompts, 8, ignore_eos=True)
+    assert [o.token_ids for o in got.outputs] == [o.token_ids for o in want.outputs]
+    assert got.metrics[0].kv_blocks_in_use == 8  # one block of 32 per request

@@ -50,6 +50,7 @@ from neuron_infer.vllm_plugin.runner import SlotRunner
 
 logger = init_logger("vllm.neuron_infer.worker")  # vLLM configures handlers for the `vllm` logger tree only
 LOG_EVERY_SPEC_STEPS = 100  # a speculation summary line in the server log every this many speculative steps
+LOG_EVERY_REQUESTS = 20  # a KV-cache line (blocks in use, prefix-cache hits) every this many finished requests
 
 
 class NeuronInferWorker(WorkerBase):
@@ -76,6 +77,7 @@ class NeuronInferWorker(WorkerBase):
         self._preempted: dict[str, list[int]] = {}  # tokens of preempted requests (re-encoded on resume)
         self._params: dict[str, Any] = {}  # SamplingParams of admitted requests (needed again on resume)
         self._prompt_lens: dict[str, int] = {}  # prompt length per request (penalties tell prompt from output)
+        self._finished = 0  # requests finished (a KV-cache log line every LOG_EVERY_REQUESTS)
 
     def _init_group(self) -> None:
         """vLLM's distributed init (its executor builds message queues on these groups), even at world size 1."""
@@ -153,9 +155,19 @@ class NeuronInferWorker(WorkerBase):
         logger.info("neuron-infer: %d speculative steps so far (acceptance %.3f, %d of %d draft tokens) and %d plain "
                     "steps", st.spec_steps, st.acceptance_rate, st.accepted, st.drafted, st.plain_steps)
 
+    def _log_cache(self) -> None:
+        """The engine's own KV-cache numbers (vLLM's prefix-cache metrics stay at zero: its block manager is idle,
+        see docs/vllm.md)."""
+        st, pool = self.runner.stats, self.runner.runner.engine.pool
+        logger.info("neuron-infer: KV cache %d of %d blocks in use (at most %d so far); prefix cache %d of %d prompt "
+                    "blocks found (hit rate %.1f%%)", pool.in_use, pool.usable, st.kv_blocks_in_use,
+                    pool.hits, pool.queries, 100.0 * pool.hit_rate)
+
     def shutdown(self) -> None:
         if self.runner is not None and self.runner.stats.spec_steps:
             self._log_stats()
+        if self.runner is not None and self._finished:
+            self._log_cache()
         super().shutdown()
 
     def get_supported_tasks(self) -> tuple[str, ...]:
@@ -168,6 +180,9 @@ class NeuronInferWorker(WorkerBase):
         so = scheduler_output
         for req_id in so.finished_req_ids:  # a set: its order may differ per rank; the runner's row choice does not
             self.runner.release(req_id)
+            self._finished += 1
+            if self._finished % LOG_EVERY_REQUESTS == 0:
+                self._log_cache()
             self._pending.pop(req_id, None)
             self._preempted.pop(req_id, None)
             self._params.pop(req_id, None)

@@ -7,6 +7,7 @@ group (API server, engine core, worker) is gone.
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -153,3 +154,6 @@ def test_clean_shutdown(setup):
     rc, seconds, leftover = server.terminate(grace_s=60)
     assert rc is not None, f"API server still running {seconds:.0f} s after SIGTERM"
     assert not leftover, "engine core / worker processes outlived the API server"
+    log = server.log.read_text()  # the engine's KV-cache line (vLLM's prefix-cache metrics cannot see its pool)
+    assert re.search(r"neuron-infer: KV cache \d+ of \d+ blocks in use \(at most [1-9]\d* so far\); prefix cache "
+                     r"\d+ of \d+ prompt blocks found \(hit rate [\d.]+%\)", log), log[-3000:]
