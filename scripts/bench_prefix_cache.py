@@ -5,6 +5,9 @@
                                                            # context buckets 32,256, max_length 512) into DIR first
     python scripts/bench_prefix_cache.py --compile DIR --backend cpu-eager   # the same graphs run eagerly (no
                                                            # compile: the torch modules themselves)
+    python scripts/bench_prefix_cache.py --server http://127.0.0.1:8000 --prefix 1000 --suffix 24
+                                                           # through an OpenAI-compatible server (vLLM): TTFT of a
+                                                           # streamed one-token completion
 
 Each round times three one-token generations on one loaded model (prefix caching on): a cold prompt (a fresh
 random prefix + suffix: nothing cached), then two prompts that share that prefix with new suffixes (the first
@@ -13,8 +16,10 @@ caches the prefix blocks, the second is timed as "warm"). Prints the medians and
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -32,6 +37,26 @@ def ttft(model: CompiledModel, prompt: list[int]) -> float:
     return model.generate_ids([prompt], 1, ignore_eos=True).metrics[0].ttft_s
 
 
+def server_ttft(url: str):
+    """prompt -> seconds to the first streamed chunk of a one-token completion from the server at `url`."""
+    spec = importlib.util.spec_from_file_location("bench_serving", Path(__file__).with_name("bench_serving.py"))
+    serving = importlib.util.module_from_spec(spec)
+    sys.modules["bench_serving"] = serving
+    spec.loader.exec_module(serving)
+    client = serving.Client(url, 600.0)
+    name = client.get_json("/v1/models")["data"][0]["id"]
+
+    def run(prompt: list[int]) -> float:
+        rec = serving.RequestRecord(0)
+        client.post("/v1/completions", {"model": name, "prompt": prompt, "max_tokens": 1, "temperature": 0.0,
+                                        "stream": True}, rec, stream=True)
+        if rec.error or rec.ttft is None:
+            raise SystemExit(f"error: {url}: {rec.error or 'no token streamed'}")
+        return rec.ttft
+
+    return run
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("artifact", nargs="?")
@@ -40,7 +65,13 @@ def main() -> None:
     ap.add_argument("--suffix", type=int, default=16, help="tokens after the prefix")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--backend", default=None, help="with --compile: cpu (default) or cpu-eager")
+    ap.add_argument("--server", metavar="URL", help="time an OpenAI-compatible server instead of an artifact")
     args = ap.parse_args()
+    gen = torch.Generator().manual_seed(int(time.time()))  # fresh prefixes: a server's cache may hold older ones
+    if args.server:
+        measure(server_ttft(args.server), args, lambda n: torch.randint(100, 30000, (n,), generator=gen).tolist(),
+                f"server {args.server}")
+        return
     if args.compile:
         from neuron_infer.embedded import default_model_dir
 
@@ -54,22 +85,22 @@ def main() -> None:
     build = model.manifest.build
     if args.prefix + args.suffix > build.max_context_length:
         sys.exit(f"error: --prefix + --suffix must be <= the artifact's max_context_length={build.max_context_length}")
-    gen = torch.Generator().manual_seed(0)
     vocab = model.manifest.model.vocab_size
+    measure(lambda p: ttft(model, p), args, lambda n: torch.randint(100, vocab, (n,), generator=gen).tolist(),
+            f"block size {build.block_size}, {torch.get_num_threads()} threads")
 
-    def tokens(n: int) -> list[int]:
-        return torch.randint(100, vocab, (n,), generator=gen).tolist()
 
-    ttft(model, tokens(args.prefix + args.suffix))  # warm-up: first calls of every graph
+def measure(first_token, args: argparse.Namespace, tokens, what: str) -> None:
+    """Rounds of cold / cached prompts through `first_token(prompt) -> seconds`; prints medians and the ratio."""
+    first_token(tokens(args.prefix + args.suffix))  # warm-up: first calls of every graph
     cold, warm = [], []
     for _ in range(args.rounds):
         prefix = tokens(args.prefix)
-        cold.append(ttft(model, prefix + tokens(args.suffix)))
-        ttft(model, prefix + tokens(args.suffix))  # the prefix is cached from here on
-        warm.append(ttft(model, prefix + tokens(args.suffix)))
+        cold.append(first_token(prefix + tokens(args.suffix)))
+        first_token(prefix + tokens(args.suffix))  # the prefix is cached from here on
+        warm.append(first_token(prefix + tokens(args.suffix)))
     c, w = statistics.median(cold), statistics.median(warm)
-    print(f"block size {build.block_size}, prompt {args.prefix}+{args.suffix} tokens, {args.rounds} rounds, "
-          f"{torch.get_num_threads()} threads")
+    print(f"{what}, prompt {args.prefix}+{args.suffix} tokens, {args.rounds} rounds")
     print(f"TTFT cold   median {1000 * c:8.1f} ms  ({', '.join(f'{1000 * x:.1f}' for x in cold)})")
     print(f"TTFT cached median {1000 * w:8.1f} ms  ({', '.join(f'{1000 * x:.1f}' for x in warm)})")
     print(f"cold / cached: {c / w:.2f}x (cached prefix: faster)" if w < c else

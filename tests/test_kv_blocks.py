@@ -209,6 +209,18 @@ def test_a_request_whose_prefix_was_evicted_equals_its_solo_run(artifact):
     assert before.outputs[0].token_ids == after.outputs[0].token_ids == solo
 
 
+def test_a_finished_sequences_output_blocks_are_cached(artifact):
+    """A chat's next turn repeats prompt + output: the blocks written while decoding are found too."""
+    m = CompiledModel.load(artifact)
+    prompt = [(i * 5) % 290 + 7 for i in range(20)]
+    out = m.generate_ids([prompt], 30, ignore_eos=True).outputs[0].token_ids  # 50 tokens, 49 of them cached
+    hits = m.engine.pool.hits
+    turn = prompt + out + [7]
+    got = m.generate_ids([turn], 5, ignore_eos=True).outputs[0].token_ids
+    assert m.engine.pool.hits - hits == 3  # 49 // 16 full blocks; only the first held prompt tokens alone
+    assert got == _solo(artifact, [turn], 5)[0]
+
+
 def test_a_new_runner_frees_every_block_and_keeps_the_cached_prefixes():
     pool = BlockPool(5, 4, prefix_caching=True)
     a, b = pool.allocate(), pool.allocate()

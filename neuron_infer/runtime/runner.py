@@ -126,8 +126,7 @@ class Runner:
 
     def release(self, seq: Sequence) -> None:
         """Free the slot and blocks of a running sequence, encoded or not."""
-        self.encoding.pop(seq, None)
-        self.scheduler.release(seq)
+        self.scheduler.release(seq, cache=self.encoding.pop(seq, None) is None)
 
     def _encode(self, seq: Sequence, end: int) -> torch.Tensor | None:
         """Encode seq.tokens[encoded:end] in pieces of at most the largest context bucket -> next-token logits [V]
@@ -145,7 +144,7 @@ class Runner:
         if start < len(seq):
             return None
         del self.encoding[seq]
-        self.scheduler.cache_prompt(seq)
+        self.scheduler.cache_blocks(seq)
         self._note_blocks()
         return logits
 

@@ -99,13 +99,18 @@ class Scheduler:
             seq.reserved -= 1
             self.pool.reserved -= 1
 
-    def cache_prompt(self, seq: Sequence) -> None:
-        """Record the full blocks of `seq`'s encoded tokens in the prefix cache (after its prefill)."""
+    def cache_blocks(self, seq: Sequence) -> None:
+        """Record the full blocks of `seq`'s cached tokens (all but its newest) in the prefix cache: after its prefill,
+        and when it leaves (its output's blocks too: a later prompt that repeats prompt + output, a chat's next
+        turn, finds them)."""
         for block, h in zip(seq.blocks, block_hashes(seq.tokens[: len(seq) - 1], self.pool.block_size)):
             self.pool.register(block, h)
 
-    def release(self, seq: Sequence) -> None:
-        """Free the slot and blocks of a running sequence."""
+    def release(self, seq: Sequence, cache: bool = True) -> None:
+        """Free the slot and blocks of a running sequence (`cache`: its tokens are all in its blocks, so its full
+        blocks enter the prefix cache; not for a sequence whose prompt is still being encoded)."""
+        if cache:
+            self.cache_blocks(seq)
         self.running.remove(seq)
         heapq.heappush(self._free, seq.row)
         self.pool.release(seq.blocks)
