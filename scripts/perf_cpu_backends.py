@@ -92,7 +92,9 @@ def parse_shape(shape: str, batch: int) -> tuple[int, int, int, bool]:
 def build(model: LlamaModel, attend: int, shape: tuple[int, int, int, bool]) -> tuple[BucketStep, tuple]:
     batch, tokens, rows, select = shape
     cfg = model.cfg
-    cache = (cfg.num_layers, rows, cfg.num_kv_heads, attend, cfg.head_dim)  # [L, N=rows, Hkv, bs=S, D]
+    # [L, N, Hkv, bs=S, D]: export leaves N dynamic from 2 blocks up, so a 1-row shape gets a spare block
+    # (never named by the table, never read)
+    cache = (cfg.num_layers, max(rows, 2), cfg.num_kv_heads, attend, cfg.head_dim)
     k, v = torch.zeros(cache, dtype=torch.bfloat16), torch.zeros(cache, dtype=torch.bfloat16)
     pos = attend // 2  # attend over half the bucket, as a decode in the middle of it does
     positions = (pos + torch.arange(tokens)).expand(batch, tokens).contiguous()  # [B, T]
