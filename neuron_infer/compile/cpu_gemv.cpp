@@ -13,7 +13,9 @@
 //   inputs/results to zero (irrelevant at these magnitudes; the tests compare with the reference).
 // * AVX2 + FMA (any other level): 16 weights per 32-byte load are widened to fp32 by a 16-bit shift (even elements)
 //   and a mask (odd elements) - exact, no shuffles - and fused-multiply-added with the activations, which are
-//   widened once per call into the same even/odd order (zero-padded to whole 16-element blocks). The K tail of a
+//   widened once per call into the same even/odd order (zero-padded to whole 16-element blocks). With 1-5 input
+//   rows several weight rows (4 up to 2 input rows, 2 up to 5) share each pass over the activations, so one
+//   activation load feeds that many FMAs, and they are read as that many sequential streams. The K tail of a
 //   weight row goes through a zero-padded copy, so no load reads past a row. Products of two bf16 values are exact
 //   in fp32, so the result differs from the reference only in the order of the fp32 sums.
 #include <torch/csrc/inductor/aoti_torch/c/shim.h>
@@ -86,76 +88,121 @@ inline float from_bf16(uint16_t b) {
   return f;
 }
 
-inline float hsum(__m256 v) {
-  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
-}
-
 constexpr int64_t kBlock = 16;  // bf16 weights per 32-byte load: two fp32 vectors (even, odd elements)
 
 // 16 bf16 values -> their even (lo) and odd (hi) elements as fp32: a bf16 is the top half of an fp32.
-inline void widen(__m256i v, __m256* lo, __m256* hi) {
-  *lo = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
-  *hi = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
+inline __m256 widen_lo(__m256i v) { return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)); }
+inline __m256 widen_hi(__m256i v) {
+  return _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
 }
 
-// Accumulators per row: enough independent FMA chains for the FMA latency, few enough for 16 ymm registers.
+// Weight rows (output columns) per pass over the activations: every activation vector loaded is used by C rows, and
+// the C rows are C sequential streams through memory (see gemv_rows). 4 for 1-2 rows, 2 for 3-5 rows; from 6 rows
+// on C x R accumulators would not fit the 16 ymm registers next to the weights.
 template <int R>
-constexpr int kAcc = R <= 2 ? 4 : R <= 6 ? 2 : 1;
+constexpr int kCols = R <= 2 ? 4 : R <= 5 ? 2 : 1;
+// Accumulators per (weight row, activation row): 4 (two blocks per iteration, even and odd products apart), 2 (even,
+// odd) or 1: enough independent FMA chains for the FMA latency, at most 12 in all.
+template <int R, int C>
+constexpr int kAcc = C * R * 4 <= 8 ? 4 : C * R * 2 <= 12 ? 2 : 1;
 
-// One 16-weight block into row r's accumulators: the even elements into acc[a0], the odd ones into acc[a1].
-template <int R>
-inline void step(__m256i wv, const float* xf, int64_t kp, int64_t i, __m256 (*acc)[kAcc<R>], int a0, int a1) {
-  __m256 lo, hi;
-  widen(wv, &lo, &hi);
+// One 16-weight block (wr[c] + wi) of C weight rows times the activations' block xb (R rows of 16 floats): the even
+// elements into acc[c][r][a0], the odd ones into acc[c][r][a1].
+template <int R, int C, int A>
+inline void step(const uint16_t* const (&wr)[C], int64_t wi, const float* xb, __m256 (&acc)[C][R][A], int a0,
+                 int a1) {
+  __m256i wv[C];
+  for (int c = 0; c < C; c++) wv[c] = _mm256_loadu_si256((const __m256i*)(wr[c] + wi));
   for (int r = 0; r < R; r++) {
-    acc[r][a0] = _mm256_fmadd_ps(lo, _mm256_loadu_ps(xf + r * kp + i), acc[r][a0]);
-    acc[r][a1] = _mm256_fmadd_ps(hi, _mm256_loadu_ps(xf + r * kp + i + 8), acc[r][a1]);
+    __m256 x = _mm256_loadu_ps(xb + r * kBlock);
+    if (C > 1) asm("" : "+x"(x));  // one load for all C columns (not one memory operand per FMA)
+    for (int c = 0; c < C; c++) acc[c][r][a0] = _mm256_fmadd_ps(widen_lo(wv[c]), x, acc[c][r][a0]);
+  }
+  for (int r = 0; r < R; r++) {
+    __m256 x = _mm256_loadu_ps(xb + r * kBlock + 8);
+    if (C > 1) asm("" : "+x"(x));
+    for (int c = 0; c < C; c++) acc[c][r][a1] = _mm256_fmadd_ps(widen_hi(wv[c]), x, acc[c][r][a1]);
   }
 }
 
-// xf: R rows of kp floats (the widened activations in even/odd order per block, kp = k rounded up to whole blocks,
-// zero beyond k); weight rows `ws` apart; y rows `n` apart.
-template <int R>
-void gemv_rows(const float* xf, int64_t kp, const uint16_t* w, int64_t ws, uint16_t* y, int64_t n, int64_t k) {
-  constexpr int A = kAcc<R>;
+// The 8 lanes of each of 4 vectors summed: {sum v0, sum v1, sum v2, sum v3}.
+inline __m128 hsum4(__m256 v0, __m256 v1, __m256 v2, __m256 v3) {
+  const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(v0, v1), _mm256_hadd_ps(v2, v3));
+  return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+}
+
+// Columns j, j + cs, ..., j + (C - 1) cs for R rows: y[r * n + j + c cs] = x[r] . w[j + c cs].
+template <int R, int C>
+void columns(const float* xf, const uint16_t* w, int64_t ws, uint16_t* y, int64_t n, int64_t k, int64_t j,
+             int64_t cs) {
+  constexpr int A = kAcc<R, C>;
   const int64_t kb = k / kBlock * kBlock;
-#pragma omp parallel for schedule(static)
-  for (int64_t j = 0; j < n; j++) {
-    const uint16_t* wr = w + j * ws;
-    __m256 acc[R][A];
+  const uint16_t* wr[C];
+  for (int c = 0; c < C; c++) wr[c] = w + (j + c * cs) * ws;
+  __m256 acc[C][R][A];
+  for (int c = 0; c < C; c++)
     for (int r = 0; r < R; r++)
-      for (int a = 0; a < A; a++) acc[r][a] = _mm256_setzero_ps();
-    int64_t i = 0;
-    if constexpr (A == 4) {
-      for (; i + 2 * kBlock <= kb; i += 2 * kBlock) {
-        step<R>(_mm256_loadu_si256((const __m256i*)(wr + i)), xf, kp, i, acc, 0, 1);
-        step<R>(_mm256_loadu_si256((const __m256i*)(wr + i + kBlock)), xf, kp, i + kBlock, acc, 2, 3);
-      }
+      for (int a = 0; a < A; a++) acc[c][r][a] = _mm256_setzero_ps();
+  int64_t i = 0;
+  if constexpr (A == 4) {
+    for (; i + 2 * kBlock <= kb; i += 2 * kBlock) {
+      step<R, C, A>(wr, i, xf + i * R, acc, 0, 1);
+      step<R, C, A>(wr, i + kBlock, xf + (i + kBlock) * R, acc, 2, 3);
     }
-    for (; i < kb; i += kBlock) step<R>(_mm256_loadu_si256((const __m256i*)(wr + i)), xf, kp, i, acc, 0, A - 1);
-    if (i < k) {  // the K tail through a zero-padded copy (xf is zero there too)
-      alignas(32) uint16_t tail[kBlock] = {};
-      std::memcpy(tail, wr + i, static_cast<size_t>(k - i) * sizeof(uint16_t));
-      step<R>(_mm256_load_si256((const __m256i*)tail), xf, kp, i, acc, 0, A - 1);
+  }
+  for (; i < kb; i += kBlock) step<R, C, A>(wr, i, xf + i * R, acc, 0, A - 1);
+  if (i < k) {  // the K tail through zero-padded copies (xf is zero there too)
+    alignas(32) uint16_t tail[C][kBlock] = {};
+    const uint16_t* tr[C];
+    for (int c = 0; c < C; c++) {
+      std::memcpy(tail[c], wr[c] + i, static_cast<size_t>(k - i) * sizeof(uint16_t));
+      tr[c] = tail[c];
     }
+    step<R, C, A>(tr, 0, xf + i * R, acc, 0, A - 1);
+  }
+  // Each (column, row)'s accumulators summed, then 4 sums per horizontal reduction.
+  constexpr int S = C * R, S4 = (S + 3) / 4 * 4;
+  __m256 v[S4];
+  for (int c = 0; c < C; c++)
     for (int r = 0; r < R; r++) {
-      __m256 s = acc[r][0];
-      for (int a = 1; a < A; a++) s = _mm256_add_ps(s, acc[r][a]);
-      y[r * n + j] = to_bf16(hsum(s));
+      v[r * C + c] = acc[c][r][0];
+      for (int a = 1; a < A; a++) v[r * C + c] = _mm256_add_ps(v[r * C + c], acc[c][r][a]);
     }
+  for (int s = S; s < S4; s++) v[s] = _mm256_setzero_ps();
+  alignas(16) float sums[S4];
+  for (int s = 0; s < S4; s += 4) _mm_store_ps(sums + s, hsum4(v[s], v[s + 1], v[s + 2], v[s + 3]));
+  for (int r = 0; r < R; r++)
+    for (int c = 0; c < C; c++) y[r * n + j + c * cs] = to_bf16(sums[r * C + c]);
+}
+
+// xf: the activations widened (see widen_rows); weight rows `ws` apart; y rows `n` apart.
+// Group g < h = n / C computes the columns g, g + h, ..., g + (C - 1) h: a thread's share of the groups reads C runs
+// of consecutive weight rows, C sequential streams for the hardware prefetchers (adjacent rows in one group would
+// make C short interleaved streams per group: measured slower once the weights come from DRAM). The n % C last
+// columns are groups of one.
+template <int R>
+void gemv_rows(const float* xf, const uint16_t* w, int64_t ws, uint16_t* y, int64_t n, int64_t k) {
+  constexpr int C = kCols<R>;
+  const int64_t h = n / C;
+#pragma omp parallel for schedule(static)
+  for (int64_t g = 0; g < h + n % C; g++) {
+    if (g < h)
+      columns<R, C>(xf, w, ws, y, n, k, g, h);
+    else
+      columns<R, 1>(xf, w, ws, y, n, k, C * h + (g - h), 0);
   }
 }
 
-using Kernel = void (*)(const float*, int64_t, const uint16_t*, int64_t, uint16_t*, int64_t, int64_t);
+using Kernel = void (*)(const float*, const uint16_t*, int64_t, uint16_t*, int64_t, int64_t);
 
-// x [R, K] bf16 rows `xs` apart -> R rows of kp floats, each 16-element block as its even then its odd elements.
-std::vector<float> widen_rows(const uint16_t* x, int64_t xs, int64_t r, int64_t k, int64_t kp) {
-  std::vector<float> xf(static_cast<size_t>(r * kp), 0.0f);
+// x [R, K] bf16 rows `xs` apart -> fp32 blocks of 16, block-major: block b of row r at (b R + r) 16 (one pointer
+// and constant offsets reach every row's block), each as its even then its odd elements; zero beyond k up to whole
+// blocks.
+std::vector<float> widen_rows(const uint16_t* x, int64_t xs, int64_t r, int64_t k) {
+  std::vector<float> xf(static_cast<size_t>(r * ((k + kBlock - 1) / kBlock * kBlock)), 0.0f);
   for (int64_t row = 0; row < r; row++)
     for (int64_t t = 0; t < k; t++)
-      xf[row * kp + t / kBlock * kBlock + (t % 2) * 8 + t % kBlock / 2] = from_bf16(x[row * xs + t]);
+      xf[(t / kBlock * r + row) * kBlock + (t % 2) * 8 + t % kBlock / 2] = from_bf16(x[row * xs + t]);
   return xf;
 }
 
@@ -163,9 +210,8 @@ constexpr Kernel kKernels[] = {nullptr,       gemv_rows<1>, gemv_rows<2>, gemv_r
                                gemv_rows<5>, gemv_rows<6>, gemv_rows<7>, gemv_rows<8>};
 
 void run(int64_t r, const uint16_t* x, int64_t xs, const uint16_t* w, int64_t ws, uint16_t* y, int64_t n, int64_t k) {
-  const int64_t kp = (k + kBlock - 1) / kBlock * kBlock;
-  const std::vector<float> xf = widen_rows(x, xs, r, k, kp);  // R x kp floats, a few KB, once per call
-  kKernels[r](xf.data(), kp, w, ws, y, n, k);
+  const std::vector<float> xf = widen_rows(x, xs, r, k);  // R x K floats, a few KB, once per call
+  kKernels[r](xf.data(), w, ws, y, n, k);
 }
 #endif
 
@@ -190,7 +236,7 @@ extern "C" {
 
 // x [R, K] bf16, w [N, K] bf16 -> *ret0 = new [R, N] bf16 tensor. AOTI_TORCH_FAILURE on any other input
 // (the generated wrapper turns that into a RuntimeError).
-AOTITorchError aoti_torch_cpu_ni_gemv_bf16_v2(AtenTensorHandle x, AtenTensorHandle w, AtenTensorHandle* ret0) {
+AOTITorchError aoti_torch_cpu_ni_gemv_bf16_v3(AtenTensorHandle x, AtenTensorHandle w, AtenTensorHandle* ret0) {
   int64_t r = 0, k = 0, xs = 0, n = 0, kw = 0, ws = 0;
   void *xd = nullptr, *wd = nullptr, *yd = nullptr;
   if (!matrix(x, &r, &k, &xs, &xd) || !matrix(w, &n, &kw, &ws, &wd) || kw != k || r < 1 || r > kMaxRows)

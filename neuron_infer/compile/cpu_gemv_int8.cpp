@@ -63,50 +63,95 @@ inline float hsum(Vec v) {
 }
 #endif
 
+// Weight rows (output columns) per pass over the activations: every activation vector loaded is used by C rows,
+// read as C sequential streams (see gemv_rows); 4 for 1-2 rows, 2 for 3-6; from 7 rows on C x R accumulators would
+// not fit the 16 ymm registers next to the weights.
+template <int R>
+constexpr int kCols = R <= 2 ? 4 : R <= 6 ? 2 : 1;
+// Accumulators per (weight row, activation row), one per vector of an unrolled iteration: enough independent FMA
+// chains for the FMA latency, at most 16 in all (12 when they are not a multiple of 4).
+template <int R, int C>
+constexpr int kAcc = C * R * 4 <= 16 ? 4 : C * R * 2 <= 12 ? 2 : 1;
+
+// Keeps a loaded activation vector in a register for all C columns (not one memory operand per FMA).
+inline void keep(Vec& x) {
+#ifdef __AVX512F__
+  asm("" : "+v"(x));
+#else
+  asm("" : "+x"(x));
+#endif
+}
+
+// Columns j, j + cs, ..., j + (C - 1) cs for R rows: y[r * n + j + c cs] = (x[r] . q[j + c cs]) * scale[j + c cs].
 // xf: R fp32 rows of kp >= k floats (zero beyond k); q rows `qs` apart; y rows `n` apart.
+template <int R, int C>
+void columns(const float* xf, int64_t kp, const int8_t* q, int64_t qs, const uint16_t* scale, uint16_t* y,
+             int64_t n, int64_t k, int64_t j, int64_t cs) {
+  constexpr int A = kAcc<R, C>;
+  const int64_t kv = k / kLanes * kLanes;
+  const int8_t* qr[C];
+  for (int c = 0; c < C; c++) qr[c] = q + (j + c * cs) * qs;
+  Vec acc[C][R][A];
+  for (int c = 0; c < C; c++)
+    for (int r = 0; r < R; r++)
+      for (int a = 0; a < A; a++) acc[c][r][a] = zero();
+  // One vector of weights of each column at qr[c] + i into acc[..][..][a].
+  auto step = [&](int64_t i, int a) {
+    Vec w[C];
+    for (int c = 0; c < C; c++) w[c] = widen(qr[c] + i);
+    for (int r = 0; r < R; r++) {
+      Vec x = load(xf + r * kp + i);
+      if (C > 1) keep(x);
+      for (int c = 0; c < C; c++) acc[c][r][a] = fma(w[c], x, acc[c][r][a]);
+    }
+  };
+  int64_t i = 0;
+  for (; i + A * kLanes <= kv; i += A * kLanes)
+    for (int a = 0; a < A; a++) step(i + a * kLanes, a);
+  for (; i < kv; i += kLanes) step(i, 0);
+  float sum[C][R];
+#ifdef __AVX512F__
+  if (i < k) {  // masked tail: lanes beyond k load 0 (and xf is 0 there)
+    const __mmask16 m = static_cast<__mmask16>((1u << (k - i)) - 1);
+    for (int c = 0; c < C; c++) {
+      const Vec w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, qr[c] + i)));
+      for (int r = 0; r < R; r++) acc[c][r][A - 1] = fma(w, load(xf + r * kp + i), acc[c][r][A - 1]);
+    }
+  }
+  for (int c = 0; c < C; c++)
+    for (int r = 0; r < R; r++) {
+      Vec s = acc[c][r][0];
+      for (int a = 1; a < A; a++) s = _mm512_add_ps(s, acc[c][r][a]);
+      sum[c][r] = hsum(s);
+    }
+#else
+  for (int c = 0; c < C; c++)
+    for (int r = 0; r < R; r++) {
+      Vec s = acc[c][r][0];
+      for (int a = 1; a < A; a++) s = _mm256_add_ps(s, acc[c][r][a]);
+      sum[c][r] = hsum(s);
+      for (int64_t t = i; t < k; t++) sum[c][r] += static_cast<float>(qr[c][t]) * xf[r * kp + t];
+    }
+#endif
+  for (int c = 0; c < C; c++) {
+    const float sc = from_bf16(scale[j + c * cs]);
+    for (int r = 0; r < R; r++) y[r * n + j + c * cs] = to_bf16(sum[c][r] * sc);
+  }
+}
+
+// Group g < h = n / C computes the columns g, g + h, ..., g + (C - 1) h: a thread's share of the groups reads C runs
+// of consecutive weight rows (C sequential streams); the n % C last columns are groups of one.
 template <int R>
 void gemv_rows(const float* xf, int64_t kp, const int8_t* q, int64_t qs, const uint16_t* scale, uint16_t* y,
                int64_t n, int64_t k) {
-  constexpr int A = R <= 4 ? 4 : 2;  // independent accumulators per row (FMA latency)
-  const int64_t kv = k / kLanes * kLanes;
+  constexpr int C = kCols<R>;
+  const int64_t h = n / C;
 #pragma omp parallel for schedule(static)
-  for (int64_t j = 0; j < n; j++) {
-    const int8_t* qr = q + j * qs;
-    Vec acc[R][A];
-    for (int r = 0; r < R; r++)
-      for (int a = 0; a < A; a++) acc[r][a] = zero();
-    int64_t i = 0;
-    for (; i + A * kLanes <= kv; i += A * kLanes)
-      for (int a = 0; a < A; a++) {
-        const Vec w = widen(qr + i + a * kLanes);
-        for (int r = 0; r < R; r++) acc[r][a] = fma(w, load(xf + r * kp + i + a * kLanes), acc[r][a]);
-      }
-    for (; i < kv; i += kLanes) {
-      const Vec w = widen(qr + i);
-      for (int r = 0; r < R; r++) acc[r][0] = fma(w, load(xf + r * kp + i), acc[r][0]);
-    }
-    float sum[R];
-#ifdef __AVX512F__
-    if (i < k) {  // masked tail: lanes beyond k load 0 (and xf is 0 there)
-      const __mmask16 m = static_cast<__mmask16>((1u << (k - i)) - 1);
-      const Vec w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, qr + i)));
-      for (int r = 0; r < R; r++) acc[r][1] = fma(w, load(xf + r * kp + i), acc[r][1]);
-    }
-    for (int r = 0; r < R; r++) {
-      Vec s = acc[r][0];
-      for (int a = 1; a < A; a++) s = _mm512_add_ps(s, acc[r][a]);
-      sum[r] = hsum(s);
-    }
-#else
-    for (int r = 0; r < R; r++) {
-      Vec s = acc[r][0];
-      for (int a = 1; a < A; a++) s = _mm256_add_ps(s, acc[r][a]);
-      sum[r] = hsum(s);
-      for (int64_t t = i; t < k; t++) sum[r] += static_cast<float>(qr[t]) * xf[r * kp + t];
-    }
-#endif
-    const float sc = from_bf16(scale[j]);
-    for (int r = 0; r < R; r++) y[r * n + j] = to_bf16(sum[r] * sc);
+  for (int64_t g = 0; g < h + n % C; g++) {
+    if (g < h)
+      columns<R, C>(xf, kp, q, qs, scale, y, n, k, g, h);
+    else
+      columns<R, 1>(xf, kp, q, qs, scale, y, n, k, C * h + (g - h), 0);
   }
 }
 
@@ -133,7 +178,7 @@ extern "C" {
 
 // x [R, K] bf16, q [N, K] int8, scale [N] bf16 -> *ret0 = new [R, N] bf16 tensor. AOTI_TORCH_FAILURE on any other
 // input (the generated wrapper turns that into a RuntimeError).
-AOTITorchError aoti_torch_cpu_ni_gemv_int8_v1(AtenTensorHandle x, AtenTensorHandle q, AtenTensorHandle scale,
+AOTITorchError aoti_torch_cpu_ni_gemv_int8_v2(AtenTensorHandle x, AtenTensorHandle q, AtenTensorHandle scale,
                                               AtenTensorHandle* ret0) {
   int64_t *xsz = nullptr, *qsz = nullptr, *ssz = nullptr, xs = 0, qs = 0, ss = 0;
   void *xd = nullptr, *qd = nullptr, *sd = nullptr, *yd = nullptr;

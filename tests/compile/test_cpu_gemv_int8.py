@@ -28,9 +28,11 @@ from tests.compile.test_cpu_gemv import assert_one_rounding_apart
 
 ISAS = [isa for isa in ("avx512", "avx2") if cpu_gemv.has_isa(isa)]
 needs_int8 = pytest.mark.skipif(not ISAS, reason="this CPU has neither AVX-512 nor AVX2")
-# (R, N, K): K multiples of 64, of 16 only, 8-element and 4-element tails, K < 8; rows 1..8
+# (R, N, K): K multiples of 64, of 16 only, 8-element and 4-element tails, K < 8; rows 1..8. Column groups (4 weight
+# rows per pass at 1-2 rows, 2 at 3-6): N a multiple of the group, N leaving 1-3 single columns (33, 70, 7 at 1-2
+# rows; 17, 9, 37 at 3-6), N below the group (3 at 2 rows, 1 at 4), with and without K tails.
 SHAPES = [(1, 70, 64), (2, 33, 96), (3, 17, 100), (4, 130, 600), (5, 48, 576), (6, 9, 1544), (7, 40, 5), (8, 65, 200),
-          (1, 257, 31)]
+          (1, 257, 31), (2, 3, 48), (5, 37, 40), (1, 7, 20), (4, 1, 24)]
 
 
 class Int8Linears(torch.nn.Module):
@@ -97,7 +99,7 @@ def test_graph_calls_the_c_function_not_the_dispatcher(linears):
     out = linears[0]
     with zipfile.ZipFile(out / "lin.pt2") as z:
         wrapper = "".join(z.read(n).decode() for n in z.namelist() if n.endswith("wrapper.cpp"))
-    assert wrapper.count("aoti_torch_cpu_ni_gemv_int8_v1(") >= len(SHAPES)
+    assert wrapper.count("aoti_torch_cpu_ni_gemv_int8_v2(") >= len(SHAPES)
     assert "proxy_executor_call_function" not in wrapper
 
 
@@ -127,7 +129,7 @@ def test_int8_token_generation_graph_matches_eager(tmp_path):
     assert meta["gemv_kernel"]
     with zipfile.ZipFile(tmp_path / "tg.pt2") as z:
         wrapper = "".join(z.read(n).decode() for n in z.namelist() if n.endswith("wrapper.cpp"))
-    assert "aoti_torch_cpu_ni_gemv_int8_v1(" in wrapper
+    assert "aoti_torch_cpu_ni_gemv_int8_v2(" in wrapper
     eager_err = (eager - ref).abs().max().item()
     assert 0 < eager_err < 0.1
     assert (got - ref).abs().max().item() <= 1.5 * eager_err
