@@ -26,7 +26,7 @@ from neuron_infer.errors import ConfigError
 from neuron_infer.runtime.options import RunOptions
 
 KEYS = ("neuron_infer_artifacts", "neuron_infer_build", "neuron_infer_backend", "neuron_infer_cache_dir",
-        "neuron_infer_kv_cache_gib", "neuron_infer_prefix_caching", "neuron_infer_prefill_chunk")
+        "neuron_infer_kv_cache_gib", "neuron_infer_prefix_caching")
 _DTYPES = {"float32": "fp32", "bfloat16": "bf16"}
 
 
@@ -62,28 +62,12 @@ def kv_cache_gib(options: Mapping[str, Any]) -> float | None:
 
 
 def run_options(options: Mapping[str, Any]) -> RunOptions:
-    """`neuron_infer_prefix_caching` (default true): reuse the engine's cached prompt blocks across requests;
-    `neuron_infer_prefill_chunk` (default: the largest context bucket <= 256; 0: whole prompts): prompt tokens per
-    step while other requests decode."""
+    """`neuron_infer_prefix_caching` (default true): reuse the engine's cached prompt blocks across requests. (The
+    prefill chunk is vLLM's to choose, and vLLM sends whole prompts to a worker without a reported KV cache.)"""
     v = options.get("neuron_infer_prefix_caching", True)
     if not isinstance(v, bool):
         raise ConfigError(f"additional_config neuron_infer_prefix_caching={v!r} must be true or false")
-    chunk = options.get("neuron_infer_prefill_chunk")
-    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0):
-        raise ConfigError(f"additional_config neuron_infer_prefill_chunk={chunk!r} must be a whole number of tokens "
-                          ">= 0 (0: whole prompts)")
-    return RunOptions(v, chunk)
-
-
-def schedule_prompts(sched: Any, options: RunOptions, build: BuildConfig, max_model_len: int) -> None:
-    """vLLM's scheduler sends prompts the way the engine encodes them: chunks of at most the prefill chunk while
-    other requests run (vLLM's long_prefill_token_threshold; a prompt alone is sent whole), or whole prompts (chunk
-    0, or a draft model). The token budget holds a whole prompt, so nothing else limits a chunk."""
-    draft_model = build.speculation is not None and not build.speculation.is_ngram
-    chunk = options.chunk_tokens(build, whole_prompts=draft_model)
-    sched.enable_chunked_prefill = chunk > 0
-    sched.long_prefill_token_threshold = min(chunk, max_model_len)
-    sched.max_num_batched_tokens = max(int(sched.max_num_batched_tokens), max_model_len)
+    return RunOptions(prefix_caching=v)
 
 
 def default_build(args: EngineArgs, overrides: Mapping[str, Any] | None = None) -> BuildConfig:

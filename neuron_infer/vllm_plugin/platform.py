@@ -4,8 +4,8 @@ It subclasses `CpuPlatform` (keeping `_enum = CPU`) so every CPU default (gloo, 
 handling) still applies; on a Neuron instance the compiled graphs of the artifact run on the NeuronCores through the
 Neuron backend, while vLLM itself only sees a CPU host. Hooks used:
   check_and_update_config  worker class; vLLM's own KV manager idle (its prefix caching off: the engine's block pool
-                           caches prefixes itself); vLLM's chunked prefill sends prompts in the engine's chunks
-                           (`schedule_prompts`); early validation of the artifact/build against vLLM's limits
+                           caches prefixes itself; prompts arrive whole, see docs/vllm.md), early validation of
+                           the artifact/build against vLLM's limits
   validate_request         refuses request features the runner does not implement (HTTP 400 with the reason)
 Sample logprobs are the raw log-softmax of the logits (vLLM's default --logprobs-mode raw_logprobs); other modes
 are refused at startup.
@@ -33,8 +33,6 @@ from neuron_infer.vllm_plugin.artifacts import (
     default_build,
     plugin_options,
     ranks_in_one_process,
-    run_options,
-    schedule_prompts,
 )
 from neuron_infer.vllm_plugin.params import UnsupportedRequestError, check_request
 
@@ -100,7 +98,11 @@ class NeuronInferPlatform(CpuPlatform):
             build = default_build(args, options.get("neuron_infer_build"))  # fails early on a bad dtype/override
             backend = options.get("neuron_infer_backend") or build.target  # what the plugin will compile with
         cls.max_prompt_len = build.max_context_length
-        schedule_prompts(vllm_config.scheduler_config, run_options(options), build, args.max_model_len)
+        # vLLM's engine core turns chunked prefill off for a worker that reports no KV cache (ours: the engine's pool
+        # holds it), so prompts arrive whole; the token budget must then hold the longest one.
+        sched = vllm_config.scheduler_config
+        sched.enable_chunked_prefill = False
+        sched.max_num_batched_tokens = max(int(sched.max_num_batched_tokens), int(args.max_model_len))
         if ranks_in_one_process(backend, build):
             par.distributed_executor_backend = "uni"  # one worker drives the whole group (see artifacts.py)
         elif args.tensor_parallel_size > 1 and BIND_ENV not in os.environ:

@@ -11,8 +11,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from neuron_infer.config import BuildConfig, SamplingConfig, SpeculationConfig
-from neuron_infer.errors import ConfigError, NeuronInferError
+from neuron_infer.config import BuildConfig, SamplingConfig
+from neuron_infer.errors import ConfigError
 from neuron_infer.runtime.options import RunOptions
 from neuron_infer.vllm_plugin import PLATFORM_CLASS, register
 from neuron_infer.vllm_plugin.artifacts import (
@@ -24,7 +24,6 @@ from neuron_infer.vllm_plugin.artifacts import (
     plugin_options,
     ranks_in_one_process,
     run_options,
-    schedule_prompts,
 )
 from neuron_infer.vllm_plugin.logprobs import logprobs_arrays
 from neuron_infer.vllm_plugin.params import (
@@ -183,36 +182,12 @@ def test_plugin_options_reject_misspelt_keys():
 def test_kv_cache_options():
     assert kv_cache_gib({}) is None and kv_cache_gib({"neuron_infer_kv_cache_gib": 2}) == 2.0
     assert run_options({}) == RunOptions()
-    assert run_options({"neuron_infer_prefix_caching": False, "neuron_infer_prefill_chunk": 0}) == RunOptions(False, 0)
+    assert run_options({"neuron_infer_prefix_caching": False}) == RunOptions(prefix_caching=False)
     for bad in (0, -1, "2", True):
         with pytest.raises(ConfigError, match="positive number of GiB"):
             kv_cache_gib({"neuron_infer_kv_cache_gib": bad})
     with pytest.raises(ConfigError, match="true or false"):
         run_options({"neuron_infer_prefix_caching": "no"})
-    for bad in (-1, 1.5, "64", True):
-        with pytest.raises(ConfigError, match="whole number of tokens"):
-            run_options({"neuron_infer_prefill_chunk": bad})
-
-
-def test_vllm_sends_prompts_in_the_engines_chunks():
-    """vLLM's scheduler caps a prompt's tokens per step at the chunk while others run; a draft model and chunk 0
-    take whole prompts; the token budget always holds a whole prompt."""
-    build = BuildConfig(max_context_length=2048, max_length=4096, context_buckets=(256, 2048))
-
-    def sched(options, b=build):
-        s = SimpleNamespace(enable_chunked_prefill=True, long_prefill_token_threshold=0, max_num_batched_tokens=2048)
-        schedule_prompts(s, options, b, 4096)
-        return s.enable_chunked_prefill, s.long_prefill_token_threshold, s.max_num_batched_tokens
-
-    assert sched(RunOptions()) == (True, 256, 4096)
-    assert sched(RunOptions(prefill_chunk=64)) == (True, 64, 4096)
-    assert sched(RunOptions(prefill_chunk=0)) == (False, 0, 4096)
-    spec = build.replace(speculation=SpeculationConfig("self", 4, draft_quant="int8"))
-    assert sched(RunOptions(), spec) == (False, 0, 4096)
-    ngram = build.replace(speculation=SpeculationConfig("ngram", 4))
-    assert sched(RunOptions(), ngram) == (True, 256, 4096)
-    with pytest.raises(NeuronInferError, match="does not work with a draft model"):
-        sched(RunOptions(prefill_chunk=64), spec)
 
 
 def test_vllm_version_pin():

@@ -70,8 +70,8 @@ def test_interleaved_requests_equal_each_request_alone(models):
 
 
 def test_prompts_sent_in_chunks_equal_each_request_alone(models):
-    """vLLM's chunked prefill: a joining request's prompt arrives 13 tokens per step (chunks crossing block
-    boundaries) while the others decode; it gets no token until its last chunk, then equals its run alone."""
+    """A prompt arriving in chunks (as vLLM's chunked prefill would send it: 13 tokens per step, crossing block
+    boundaries) while the others decode gets no token until its last chunk, then equals its run alone."""
     runner = SlotRunner(models[4].engine)
     want = {i: alone(models[1], p, n, s) for i, (_, p, n, s) in enumerate(SCHEDULE)}
     got: dict[int, list[int]] = {}

@@ -33,8 +33,7 @@ if __name__ == "__main__":
     model, cache, prompts, n = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), int(sys.argv[4])
     llm = LLM(model=model, dtype="float32", max_model_len=128, max_num_seqs=4, gpu_memory_utilization=0.3,
               enforce_eager=True, seed=0,
-              additional_config={"neuron_infer_backend": "cpu-eager", "neuron_infer_cache_dir": cache,
-                                 "neuron_infer_prefill_chunk": 16})  # the 20- and 60-token prompts in chunks
+              additional_config={"neuron_infer_backend": "cpu-eager", "neuron_infer_cache_dir": cache})
     res = {"platform": type(current_platform).__name__}
     greedy = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy)
