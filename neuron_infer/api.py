@@ -102,12 +102,14 @@ class CompiledModel:
         self.group = group  # runtime.rank_group.RankGroup for a tp > 1 CPU artifact, else None
         self.eos_ids = _eos_ids(manifest, tokenizer, root)
         self.prefix_caching = True  # reuse cached prompt blocks across prompts and calls (`load` sets it)
+        self.speculation_gate = True  # draft models: speculate only while it is measured to pay (`load` sets it)
 
     @classmethod
     def load(cls, artifact_dir: str | Path, verify_files: bool = True,
              expect_checkpoint: str | Path | None = None, threads: int | str | None = None,
              tokenizer=None, on_stage: Callable[[str], None] = lambda _stage: None,
-             kv_cache_gib: float | None = None, prefix_caching: bool = True) -> CompiledModel:
+             kv_cache_gib: float | None = None, prefix_caching: bool = True,
+             speculation_gate: bool = True) -> CompiledModel:
         """Load an artifact; with `expect_checkpoint`, also require that it was compiled from that checkpoint.
 
         threads: CPU threads of the graphs: "auto" follows the CPUs other processes leave free (see
@@ -117,6 +119,8 @@ class CompiledModel:
         on_stage: called with each of LOAD_STAGES as it starts (the CLI shows them as a progress bar).
         kv_cache_gib: KV-cache memory per rank (None: the build's batch_size sequences of max_length);
         prefix_caching: reuse the cached blocks of prompts that start like an earlier one (see docs/serving.md).
+        speculation_gate: with a draft model, take plain steps while speculative steps are measured not to pay
+        (False: speculate on every step that can, e.g. to measure speculation at a fixed k; docs/speculation.md).
         """
         from neuron_infer.checkpoint import load_tokenizer  # noqa: PLC0415
 
@@ -133,10 +137,11 @@ class CompiledModel:
         if manifest.build.tp_degree != 1 and manifest.backend != "neuron":  # shards live in rank processes
             from neuron_infer.runtime.rank_group import RankGroup  # noqa: PLC0415
 
-            model = cls(root, manifest, None, tokenizer, RankGroup(root, manifest, kv_cache_gib, prefix_caching))
+            model = cls(root, manifest, None, tokenizer, RankGroup(root, manifest, kv_cache_gib, prefix_caching,
+                                                                   speculation_gate))
         else:
             model = cls(root, manifest, load_rank(root, 0, manifest, kv_cache_gib=kv_cache_gib), tokenizer)
-        model.prefix_caching = prefix_caching
+        model.prefix_caching, model.speculation_gate = prefix_caching, speculation_gate
         return model
 
     @classmethod
@@ -209,7 +214,8 @@ class CompiledModel:
                 return GenerationOutput([], [])
             return GenerationOutput([self._text(_apply_stop(r, rule), rule) for r in got[0]], got[1])
         res, m = generate_ids(self.engine, prompts, max_new_tokens, sampling, self.eos_ids, ignore_eos, on_tokens,
-                              stop=rule, logprobs=logprobs, prefix_caching=self.prefix_caching)
+                              stop=rule, logprobs=logprobs, prefix_caching=self.prefix_caching,
+                              speculation_gate=self.speculation_gate)
         return GenerationOutput([self._text(r, rule) for r in res], [m])
 
     def _decode(self, ids: list[int]) -> str:

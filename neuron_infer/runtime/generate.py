@@ -64,6 +64,7 @@ def generate_ids(
     stop: StopRule | None = None,
     logprobs: int | None = None,
     prefix_caching: bool = True,
+    speculation_gate: bool = False,
 ) -> tuple[list[SequenceResult], Metrics]:
     """Generate up to `max_new_tokens` per prompt; speculative steps when the engine carries a draft model
     (`engine.spec`) or is a SpecEngine, plain steps otherwise.
@@ -73,7 +74,8 @@ def generate_ids(
     sampled position of a plain step or prefill. `stop`: stop strings and their decoder (its count fields are
     replaced by this call's); `logprobs`: record each output token's log-probability and the top-N alternatives;
     `prefix_caching`: prompts whose first blocks are cached (earlier prompts, this call's or an earlier call's on
-    the same engine) encode only the rest.
+    the same engine) encode only the rest; `speculation_gate`: with a draft model, speculate only while it is
+    measured to pay (off: every step that can speculate does, as fixed-k measurements need).
     """
     build = engine.build
     if not prompts:
@@ -84,7 +86,8 @@ def generate_ids(
     stop = StopRule(max_new_tokens, eos_ids, ignore_eos, build.max_length,
                     stop.stop_strings if stop else (), stop.decode if stop else None)
     seqs = [Sequence(i, list(p), sampling, stop, gen, logprobs=logprobs) for i, p in enumerate(prompts)]
-    runner = Runner(engine, agree, on_logits, keep_step_counts=True, prefix_caching=prefix_caching)
+    runner = Runner(engine, agree, on_logits, keep_step_counts=True, prefix_caching=prefix_caching,
+                    gate=speculation_gate)
     sched = runner.scheduler
     for s in seqs:
         sched.add(s)

@@ -50,7 +50,7 @@ DEFAULT_TIMEOUT_S = 600.0  # a rank without a result this long after all ranks j
 
 def tp_generate_ids(engine: Engine, prompts: list[list[int]], max_new_tokens: int, sampling: SamplingConfig = GREEDY,
                     eos_ids: tuple[int, ...] = (), ignore_eos: bool = False, on_tokens: OnTokens | None = None,
-                    collect_logits: bool = False, prefix_caching: bool = True
+                    collect_logits: bool = False, prefix_caching: bool = True, speculation_gate: bool = False
                     ) -> tuple[list[SequenceResult], Metrics, list[torch.Tensor]]:
     """The generation loop every rank runs: the token is decided on rank 0 and broadcast, so every rank feeds the
     same next input and takes the same stop decisions (the vocab all-gather already hands every rank identical
@@ -60,7 +60,7 @@ def tp_generate_ids(engine: Engine, prompts: list[list[int]], max_new_tokens: in
     results, metrics = generate_ids(engine, prompts, max_new_tokens, sampling, eos_ids, ignore_eos, on_tokens,
                                     agree=broadcast_from_rank0,  # [n] rank 0's choice everywhere
                                     on_logits=(lambda t: seen.append(t.clone())) if collect_logits else None,
-                                    prefix_caching=prefix_caching)
+                                    prefix_caching=prefix_caching, speculation_gate=speculation_gate)
     return results, metrics, seen
 
 
@@ -81,7 +81,7 @@ def _serve_request(ctx, engine: Engine, request: dict) -> dict | None:
     results, metrics, seen = tp_generate_ids(
         engine, req["prompts"], req["max_new_tokens"], req["sampling"], tuple(req["eos_ids"]), req["ignore_eos"],
         lambda rows: ctx.emit(("tokens", [list(r) for r in rows])), req["collect_logits"],
-        req.get("prefix_caching", True))
+        req.get("prefix_caching", True), req.get("speculation_gate", True))
     if ctx.rank != 0:
         return None
     return {"results": results, "metrics": [metrics], "logits": [seen], "pids": pids.tolist()}
@@ -99,8 +99,9 @@ class RankGroup:
     start_timeout_s: float = 180.0
 
     def __init__(self, root: Path, manifest: Manifest, kv_cache_gib: float | None = None,
-                 prefix_caching: bool = True):
+                 prefix_caching: bool = True, speculation_gate: bool = True):
         self.root, self.manifest, self.prefix_caching = root, manifest, prefix_caching
+        self.speculation_gate = speculation_gate
         self.plan = manifest_plan(manifest, root)
         self.last_run: dict[str, Any] = {}  # pids and (optionally) logits of the last call, for tests/debugging
         self.procs: RankProcesses | None = None  # None under torchrun: each host launched its own share
@@ -129,7 +130,8 @@ class RankGroup:
         None under torchrun on ranks other than 0 (rank 0 holds the results)."""
         request = {"prompts": [list(map(int, p)) for p in prompts], "max_new_tokens": max_new_tokens,
                    "sampling": sampling, "eos_ids": list(eos_ids), "ignore_eos": ignore_eos,
-                   "collect_logits": collect_logits, "prefix_caching": self.prefix_caching}
+                   "collect_logits": collect_logits, "prefix_caching": self.prefix_caching,
+                   "speculation_gate": self.speculation_gate}
 
         def on_emit(msg: tuple[str, Any]) -> None:
             kind, payload = msg

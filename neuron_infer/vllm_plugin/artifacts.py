@@ -25,7 +25,8 @@ from neuron_infer.config import BuildConfig
 from neuron_infer.errors import ConfigError
 
 KEYS = ("neuron_infer_artifacts", "neuron_infer_build", "neuron_infer_backend", "neuron_infer_cache_dir",
-        "neuron_infer_kv_cache_gib", "neuron_infer_prefix_caching")
+        "neuron_infer_kv_cache_gib", "neuron_infer_prefix_caching",
+        "neuron_infer_speculation_gate")
 _DTYPES = {"float32": "fp32", "bfloat16": "bf16"}
 
 
@@ -65,6 +66,15 @@ def prefix_caching(options: Mapping[str, Any]) -> bool:
     v = options.get("neuron_infer_prefix_caching", True)
     if not isinstance(v, bool):
         raise ConfigError(f"additional_config neuron_infer_prefix_caching={v!r} must be true or false")
+    return v
+
+
+def speculation_gate(options: Mapping[str, Any]) -> bool:
+    """`neuron_infer_speculation_gate` (default true): with a draft model, take plain steps while speculative steps
+    are measured not to pay (docs/speculation.md)."""
+    v = options.get("neuron_infer_speculation_gate", True)
+    if not isinstance(v, bool):
+        raise ConfigError(f"additional_config neuron_infer_speculation_gate={v!r} must be true or false")
     return v
 
 

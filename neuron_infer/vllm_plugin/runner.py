@@ -33,8 +33,9 @@ class SlotRunner:
     step."""
 
     def __init__(self, engine: Engine, spec: SpecEngine | None = None, agree: Agree | None = None,
-                 prefix_caching: bool = True):
-        self.runner = Runner(spec if spec is not None else engine, agree, prefix_caching=prefix_caching)
+                 prefix_caching: bool = True, speculation_gate: bool = False):
+        self.runner = Runner(spec if spec is not None else engine, agree, prefix_caching=prefix_caching,
+                             gate=speculation_gate)
         self.agree, self.batch = agree, engine.build.batch_size
         self.max_context, self.engine_vocab = engine.build.max_context_length, engine.vocab_size
         self.scheduler = self.runner.scheduler

@@ -42,6 +42,7 @@ from neuron_infer.vllm_plugin.artifacts import (
     plugin_options,
     prefix_caching,
     resolve_model_dir,
+    speculation_gate,
 )
 from neuron_infer.vllm_plugin.logprobs import logprobs_arrays
 from neuron_infer.vllm_plugin.params import check_request, requested_logprobs, to_sampling_config
@@ -108,17 +109,19 @@ class NeuronInferWorker(WorkerBase):
         t0 = time.perf_counter()
         gib = kv_cache_gib(options)
         prefix = prefix_caching(options)  # vLLM's own prefix caching stays off: its block manager holds nothing
+        gate = speculation_gate(options)
         if self.tp == 1 or self.group_in_process:
             self.compiled = CompiledModel.load(root, expect_checkpoint=expect, kv_cache_gib=gib)
             manifest, engine, spec = self.compiled.manifest, self.compiled.engine, self.compiled.spec
-            self.runner = SlotRunner(engine, spec, prefix_caching=prefix)
+            self.runner = SlotRunner(engine, spec, prefix_caching=prefix, speculation_gate=gate)
         else:  # this rank's shard (the group was initialised in init_device)
             from neuron_infer.parallel.launch import broadcast_from_rank0
             from neuron_infer.runtime.loader import load_serving_rank
 
             manifest, engine = load_serving_rank(Path(root), self.rank, self.tp, expect_checkpoint=expect,
                                                  kv_cache_gib=gib)
-            self.runner = SlotRunner(engine, agree=broadcast_from_rank0, prefix_caching=prefix)
+            self.runner = SlotRunner(engine, agree=broadcast_from_rank0, prefix_caching=prefix,
+                                     speculation_gate=gate)
         build = manifest.build
         rank = f", rank {self.rank} of tp {self.tp}, {torch.get_num_threads()} threads" if self.runner.agree else ""
         logger.info("neuron-infer: loaded %s in %.1f s (backend %s, %s, batch %d, max_length %d%s%s)", root,
