@@ -13,40 +13,13 @@ from neuron_infer.runtime import runner as runner_mod
 from neuron_infer.runtime.generate import generate_ids
 from neuron_infer.runtime.spec_gate import PROBE_EVERY, SpecGate
 from neuron_infer.runtime.step_clock import StepClock
+from tests.speculation.scripted_clock import Scripted
 
 PROMPT = list(range(5, 25))  # 20 tokens
+GREEDY = SamplingConfig()
 
 
-class Scripted:
-    """A fake clock: the engine's step calls advance it by their scripted cost and log their kind ("S" / "P")."""
-
-    def __init__(self, spec_cost, plain_cost: float = 1.0, probe_every: int = PROBE_EVERY):
-        self.now, self.kinds, self.probe_every = 0.0, [], probe_every
-        self.spec_cost = spec_cost if callable(spec_cost) else (lambda _step: spec_cost)
-        self.plain_cost = plain_cost
-
-    def __call__(self) -> float:
-        return self.now
-
-    def install(self, monkeypatch, se) -> None:
-        step_tokens, decode_both = se.step_tokens, se.decode_both
-
-        def spec(*a, **kw):
-            self.now += self.spec_cost(len(self.kinds))
-            self.kinds.append("S")
-            return step_tokens(*a, **kw)
-
-        def plain(*a, **kw):
-            self.now += self.plain_cost
-            self.kinds.append("P")
-            return decode_both(*a, **kw)
-
-        monkeypatch.setattr(se, "step_tokens", spec)
-        monkeypatch.setattr(se, "decode_both", plain)
-        monkeypatch.setattr(runner_mod, "SpecGate", lambda: SpecGate(StepClock(self), self.probe_every))
-
-
-def run(se, prompts, n, gate=True, sampling=SamplingConfig()):
+def run(se, prompts, n, gate=True, sampling=GREEDY):
     return generate_ids(se, prompts, n, sampling, ignore_eos=True, speculation_gate=gate)
 
 
@@ -90,7 +63,7 @@ def expected_kinds(n_steps: int, pays: bool) -> list[str]:
 def test_takes_plain_steps_when_speculation_does_not_pay_and_probes(spec_engine, monkeypatch):
     se = spec_engine(draft="full", k=4)  # every draft accepted: 5 tokens per speculative step
     clock = Scripted(spec_cost=10.0)  # 5 tokens in 10 plain steps' time: payoff 0.5
-    clock.install(monkeypatch, se)
+    clock.install(se, monkeypatch.setattr)
     got, m = run(se, [PROMPT], 60)
     assert clock.kinds == expected_kinds(len(clock.kinds), pays=False)
     assert clock.kinds.count("S") >= 4  # at least two probes happened
@@ -104,7 +77,7 @@ def test_takes_plain_steps_when_speculation_does_not_pay_and_probes(spec_engine,
 def test_speculates_when_it_pays(spec_engine, monkeypatch):
     se = spec_engine(draft="full", k=4)
     clock = Scripted(spec_cost=2.0)  # 5 tokens in 2 plain steps' time: payoff 2.5
-    clock.install(monkeypatch, se)
+    clock.install(se, monkeypatch.setattr)
     _, m = run(se, [PROMPT], 60)
     assert clock.kinds == expected_kinds(len(clock.kinds), pays=True)
     assert m.gated_steps == 2 and m.spec_steps == len(clock.kinds) - 2
@@ -113,7 +86,7 @@ def test_speculates_when_it_pays(spec_engine, monkeypatch):
 def test_a_probe_notices_that_speculation_became_cheap(spec_engine, monkeypatch):
     se = spec_engine(draft="full", k=4)
     clock = Scripted(spec_cost=lambda step: 10.0 if step < 4 else 0.5, probe_every=4)  # cheap after the start
-    clock.install(monkeypatch, se)
+    clock.install(se, monkeypatch.setattr)
     _, m = run(se, [PROMPT], 70)
     # EWMA of the speculative step time over the probes: 10, 8.1, 6.58, 5.36 (payoff 5 / 5.36 < 1), 4.39 (> 1)
     kinds = "".join(clock.kinds)
@@ -128,7 +101,7 @@ def test_greedy_output_is_identical_with_the_gate_on_and_off(spec_engine, monkey
     off, m_off = run(se, prompts, 50, gate=False)
     assert m_off.plain_steps == 0 and m_off.gated_steps == 0  # ungated: every step speculates
     clock = Scripted(spec_cost=10.0, probe_every=4)  # gated, with probes: speculative and plain steps alternate
-    clock.install(monkeypatch, se)
+    clock.install(se, monkeypatch.setattr)
     on, m_on = run(se, prompts, 50)
     assert m_on.gated_steps >= 4 and "S" in clock.kinds[4:]
     ref, _ = generate_ids(se.target, prompts, 50, ignore_eos=True)

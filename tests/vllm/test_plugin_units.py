@@ -23,6 +23,7 @@ from neuron_infer.vllm_plugin.artifacts import (
     plugin_options,
     prefix_caching,
     ranks_in_one_process,
+    speculation_gate,
 )
 from neuron_infer.vllm_plugin.logprobs import logprobs_arrays
 from neuron_infer.vllm_plugin.params import (
@@ -186,6 +187,9 @@ def test_kv_cache_options():
             kv_cache_gib({"neuron_infer_kv_cache_gib": bad})
     with pytest.raises(ConfigError, match="true or false"):
         prefix_caching({"neuron_infer_prefix_caching": "no"})
+    assert speculation_gate({}) is True and speculation_gate({"neuron_infer_speculation_gate": False}) is False
+    with pytest.raises(ConfigError, match="true or false"):
+        speculation_gate({"neuron_infer_speculation_gate": 0})
 
 
 def test_vllm_version_pin():
