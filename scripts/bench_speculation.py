@@ -106,6 +106,7 @@ def run_k(k: int, args, cfg, target, prompt_ids) -> dict:
                 row["acceptance"], row["tokens_per_step"] = m.acceptance_rate, m.mean_accepted_tokens_per_step
             if mode == "gated":
                 row["gated_steps"] = f"{m.spec_steps}/{m.plain_steps}"
+                row["gate"] = m.gate
     return row
 
 
@@ -146,6 +147,10 @@ def main() -> None:
               f"{speedup:>16} | {r['acceptance']:>10.2f} | {r['tokens_per_step']:>11.2f} | {r['gated_steps']:>10} | "
               f"{r['agree_unfused']}/{r['agree_fused']}/{r['agree_gated']} of {args.max_new_tokens}"
               f"   ({time.perf_counter() - t0:.0f} s, load {os.getloadavg()[0]:.1f})", flush=True)
+        g = r["gate"]
+        print(f"      gate (last round): plain step {g['plain_ms']:.1f} ms (target + draft write), speculative step "
+              f"{g['spec_ms']:.1f} ms, {g['tokens_per_spec_step']:.2f} tokens per speculative step: payoff "
+              f"{g['payoff']:.2f}", flush=True)
 
 
 MODEL_DIR: Path

@@ -240,6 +240,7 @@ class Runner:
         if self.gate is None:
             return True
         go = self.gate.want()
+        self.stats.gate = self.gate.summary()  # this rank's measurements (the decision may be rank 0's)
         if self.agree is not None:
             go = bool(self.agree(torch.tensor([int(go)], dtype=torch.int64))[0])  # [1] rank 0's choice
         if not go:

@@ -39,6 +39,13 @@ class SpecGate:
             return None
         return self.tokens * c.mean["plain"] / c.mean["spec"]
 
+    def summary(self) -> dict:
+        """What the decisions rest on: mean plain and speculative step (ms), tokens per speculative step and per
+        sequence, their payoff (0 until measured)."""
+        mean = self.clock.mean
+        return {"plain_ms": 1000 * mean.get("plain", 0.0), "spec_ms": 1000 * mean.get("spec", 0.0),
+                "tokens_per_spec_step": self.tokens or 0.0, "payoff": self.payoff or 0.0}
+
     def want(self) -> bool:
         """This process's choice for the next step that could speculate (tensor parallelism agrees on rank 0's)."""
         if not self.clock.measured("spec"):

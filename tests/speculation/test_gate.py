@@ -70,6 +70,8 @@ def test_takes_plain_steps_when_speculation_does_not_pay_and_probes(spec_engine,
     assert m.spec_steps == clock.kinds.count("S") and m.plain_steps == clock.kinds.count("P")
     assert m.gated_steps == m.plain_steps  # every plain step was the gate's choice (one rule, far from the end)
     assert m.speculation()["gated_steps"] == m.gated_steps
+    gate = m.speculation()["gate"]  # what the decisions rested on: 5 tokens per step of 10 plain steps' time
+    assert gate["payoff"] == pytest.approx(0.5) and gate["spec_ms"] == pytest.approx(10_000.0)
     ref, _ = generate_ids(se.target, [PROMPT], 60, ignore_eos=True)
     assert got[0].token_ids == ref[0].token_ids
 
