@@ -142,7 +142,7 @@ class Runner:
         if self.spec is not None:
             rule = _shared_rule(scheduled)
             rows = {s.row: s.tokens for s in live}  # every live row: its real tokens are rewritten
-            if rule is not None and self.spec.can_speculate(rows) and self._gate_open():
+            if rule is not None and self.spec.can_speculate(rows) and self._gate_open(scheduled):
                 return self._speculate(scheduled, rows, rule)
         return self._plain(scheduled, live)
 
@@ -234,10 +234,11 @@ class Runner:
         return out
 
     # ---- the speculation gate (draft models) ---------------------------------------------------------------------
-    def _gate_open(self) -> bool:
-        """Whether this step, which could speculate, does: always without a gate; with one, its choice (rank 0's,
-        `agree`d: each rank measures its own step times)."""
-        if self.gate is None:
+    def _gate_open(self, scheduled: list[Sequence]) -> bool:
+        """Whether this step, which could speculate, does: always without a gate or when a scheduled sequence is
+        seeded (its random draws, and so its tokens, depend on the kind of each step: seeded output stays
+        reproducible); otherwise the gate's choice (rank 0's, `agree`d: each rank measures its own step times)."""
+        if self.gate is None or any(s.sampling.seed is not None for s in scheduled):
             return True
         go = self.gate.want()
         self.stats.gate = self.gate.summary()  # this rank's measurements (the decision may be rank 0's)

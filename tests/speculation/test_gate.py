@@ -115,3 +115,15 @@ def test_the_gate_leaves_prompt_lookup_and_plain_engines_alone(spec_engine):
     r = runner_mod.Runner(se.target, gate=True)
     assert r.gate is None
     assert runner_mod.Runner(se, gate=True).gate is not None and runner_mod.Runner(se).gate is None
+
+
+def test_seeded_sampling_is_not_gated_and_stays_reproducible(spec_engine, monkeypatch):
+    se = spec_engine(draft="layers1", k=3)
+    seeded = SamplingConfig(temperature=0.9, top_k=20, seed=4)
+    want, _ = run(se, [PROMPT], 30, gate=False, sampling=seeded)
+    Scripted(spec_cost=10.0).install(se, monkeypatch.setattr)  # speculation "never pays"
+    got, m = run(se, [PROMPT], 30, sampling=seeded)
+    assert m.gated_steps == 0 and m.plain_steps == 0  # every step speculated, as without the gate
+    assert got[0].token_ids == want[0].token_ids
+    _, m_unseeded = run(se, [PROMPT], 30, sampling=SamplingConfig(temperature=0.9, top_k=20))
+    assert m_unseeded.gated_steps > 0  # the same rule without a seed is gated
