@@ -19,7 +19,8 @@ top-k / top-p, when a sequence asks for logprobs or uses penalties or min-p, and
 speculative block would not fit.
 
 With `gate`, a step that could speculate still takes a plain step while speculative steps are measured not to
-pay (`runtime/spec_gate.py`; the plain steps write the draft cache, so it can speculate again, and it probes).
+pay (`runtime/spec_gate.py`; the plain steps write the draft cache, so it can speculate again, and it probes), unless
+a scheduled sequence is seeded (its tokens would then follow measured times).
 
 Prompt lookup (`--draft-model ngram`, an NgramSpec): drafts are copied from each sequence's own tokens, so rows
 may mix sampling rules; `runtime/ngram.py` decides per step which sequences draft how many tokens (all none: a plain

@@ -12,7 +12,8 @@ S and P are EWMAs of wall times (`StepClock`, the first sample of each kind is w
     `probe_every` plain steps in a row   speculate once (a probe: a change in acceptance is noticed)
     otherwise                            speculate iff E * P / S > 1
 The Runner asks `want` only when a speculative step is possible (one shared sampling rule, room before
-max_length), times the step it takes through `clock`, and reports each speculative step's yield (`record_spec`).
+max_length, no seeded sequence scheduled), times the step it takes through `clock`, and reports each speculative
+step's yield (`record_spec`).
 """
 from __future__ import annotations
 
