@@ -236,10 +236,11 @@ class Runner:
 
     # ---- the speculation gate (draft models) ---------------------------------------------------------------------
     def _gate_open(self, scheduled: list[Sequence]) -> bool:
-        """Whether this step, which could speculate, does: always without a gate or when a scheduled sequence is
-        seeded (its random draws, and so its tokens, depend on the kind of each step: seeded output stays
-        reproducible); otherwise the gate's choice (rank 0's, `agree`d: each rank measures its own step times)."""
-        if self.gate is None or any(s.sampling.seed is not None for s in scheduled):
+        """Whether this step, which could speculate, does: always without a gate or when a scheduled sequence
+        samples with a seed (its random draws, and so its tokens, depend on the kind of each step: seeded output
+        stays reproducible; greedy draws nothing); otherwise the gate's choice (rank 0's, `agree`d: each rank
+        measures its own step times)."""
+        if self.gate is None or any(not s.sampling.greedy and s.sampling.seed is not None for s in scheduled):
             return True
         go = self.gate.want()
         self.stats.gate = self.gate.summary()  # this rank's measurements (the decision may be rank 0's)

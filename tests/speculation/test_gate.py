@@ -127,3 +127,5 @@ def test_seeded_sampling_is_not_gated_and_stays_reproducible(spec_engine, monkey
     assert got[0].token_ids == want[0].token_ids
     _, m_unseeded = run(se, [PROMPT], 30, sampling=SamplingConfig(temperature=0.9, top_k=20))
     assert m_unseeded.gated_steps > 0  # the same rule without a seed is gated
+    _, m_greedy = run(se, [PROMPT], 30, sampling=SamplingConfig(seed=4))
+    assert m_greedy.gated_steps > 0  # greedy draws nothing: gated whatever its seed (vLLM passes one along)
