@@ -109,7 +109,7 @@ class CompiledModel:
              expect_checkpoint: str | Path | None = None, threads: int | str | None = None,
              tokenizer=None, on_stage: Callable[[str], None] = lambda _stage: None,
              kv_cache_gib: float | None = None, prefix_caching: bool = True,
-             prefill_chunk: int | None = None) -> CompiledModel:
+             prefill_chunk: int | None = None, speculation_gate: bool = True) -> CompiledModel:
         """Load an artifact; with `expect_checkpoint`, also require that it was compiled from that checkpoint.
 
         threads: CPU threads of the graphs: "auto" follows the CPUs other processes leave free (see
@@ -121,10 +121,12 @@ class CompiledModel:
         prefix_caching: reuse the cached blocks of prompts that start like an earlier one (see docs/kv-cache.md);
         prefill_chunk: prompt tokens encoded per step while other prompts decode (None: the default, 0: whole
         prompts; see docs/kv-cache.md).
+        speculation_gate: with a draft model, take plain steps while speculative steps are measured not to pay
+        (False: speculate on every step that can, e.g. to measure speculation at a fixed k; docs/speculation.md).
         """
         from neuron_infer.checkpoint import load_tokenizer  # noqa: PLC0415
 
-        options = RunOptions(prefix_caching, prefill_chunk)  # checked before the slow load
+        options = RunOptions(prefix_caching, prefill_chunk, speculation_gate)  # checked before the slow load
         if threads is not None:
             cpu_threads.use(threads)  # validated before the slow load
         root = Path(artifact_dir)

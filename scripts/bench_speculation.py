@@ -3,10 +3,12 @@
     python scripts/bench_speculation.py --draft-layers 10 --ks 1,2,4,6,8,12,16 --backend cpu-eager
     python scripts/bench_speculation.py --draft-quant int8 --ks 2,4,8
 
-For each K: target-only greedy decoding (the baseline), then speculative greedy decoding unfused (host loop over
-draft/verify graphs) and fused (one graph per step), each `--repeats` times on the CS1 prompt; medians are printed.
-The baseline is re-measured next to every K because this machine is shared (results move 10-25% between runs).
-Every speculative output is checked token for token against the baseline output (greedy is lossless).
+For each K: target-only greedy decoding (the baseline), speculative greedy decoding unfused (host loop over
+draft/verify graphs) and fused (one graph per step), both ungated (every step speculates: the fixed-K measurement),
+and fused with the speculation gate (plain steps while speculation is measured not to pay, see
+docs/speculation.md), in `--repeats` interleaved rounds on the CS1 prompt; medians are printed. The baseline is
+re-measured next to every K because this machine is shared (results move 10-25% between runs). Every speculative
+output is checked token for token against the baseline output (greedy is lossless).
 
 Backends: `cpu-eager` runs the modules as they are (no compile; quick to start). `cpu` compiles every graph with
 AOTInductor first (minutes per K for SmolLM2 on 2 cores), which is what `neuron-infer compile` produces.
@@ -14,6 +16,7 @@ AOTInductor first (minutes per K for SmolLM2 on 2 cores), which is what `neuron-
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import tempfile
@@ -34,6 +37,7 @@ from neuron_infer.model.llama import BucketStep
 from neuron_infer.runtime.engine import Engine, planned_graphs
 from neuron_infer.runtime.generate import generate_ids
 from neuron_infer.runtime.loader import eager_spec_engine, load_speculation
+from neuron_infer.runtime.options import RunOptions
 
 PROMPT = "I am at KDD conference in Barcelona. After the conference tutorial today I will"
 
@@ -67,13 +71,15 @@ def agreement(a: list[int], b: list[int]) -> int:
     return n
 
 
-def timed(fn, repeats: int) -> tuple[float, object]:
-    """Median decode tokens/s over repeats."""
-    rates, out = [], None
+def interleaved(runs: dict, repeats: int) -> dict[str, tuple[float, object]]:
+    """name -> (median decode tokens/s, last output) over `repeats` rounds, each round running every entry once."""
+    rates: dict[str, list[float]] = {name: [] for name in runs}
+    out: dict[str, object] = {}
     for _ in range(repeats):
-        out = fn()
-        rates.append(out[1].tokens_per_s)
-    return statistics.median(rates), out
+        for name, fn in runs.items():
+            out[name] = fn()
+            rates[name].append(out[name][1].tokens_per_s)
+    return {name: (statistics.median(rates[name]), out[name]) for name in runs}
 
 
 def run_k(k: int, args, cfg, target, prompt_ids) -> dict:
@@ -84,15 +90,24 @@ def run_k(k: int, args, cfg, target, prompt_ids) -> dict:
     with tempfile.TemporaryDirectory() as work:
         se = engine_for(target, draft, build, args.backend, Path(work))
         n = args.max_new_tokens
-        base_tps, base = timed(lambda: generate_ids(se.target, [prompt_ids], n, ignore_eos=True), args.repeats)
-        row = {"k": k, "baseline": base_tps}
+        runs = {"baseline": lambda: generate_ids(se.target, [prompt_ids], n, ignore_eos=True)}
         for mode in ("unfused", "fused"):
-            run = lambda mode=mode: generate_ids(se.with_mode(mode), [prompt_ids], n, ignore_eos=True)
-            tps, (res, m) = timed(run, args.repeats)
+            runs[mode] = lambda mode=mode: generate_ids(se.with_mode(mode), [prompt_ids], n, ignore_eos=True)
+        runs["gated"] = lambda: generate_ids(se.with_mode("fused"), [prompt_ids], n, ignore_eos=True,
+                                             options=RunOptions(speculation_gate=True))
+        got = interleaved(runs, args.repeats)
+        base = got["baseline"][1]
+        row = {"k": k, "baseline": got["baseline"][0]}
+        for mode in ("unfused", "fused", "gated"):
+            tps, (res, m) = got[mode]
             row[mode], row[f"agree_{mode}"] = tps, agreement(res[0].token_ids, base[0][0].token_ids)
             if args.dtype == "fp32" and row[f"agree_{mode}"] < n:
                 raise SystemExit(f"K={k} {mode}: fp32 speculative greedy output differs from the target's")
-            row["acceptance"], row["tokens_per_step"] = m.acceptance_rate, m.mean_accepted_tokens_per_step
+            if mode == "fused":
+                row["acceptance"], row["tokens_per_step"] = m.acceptance_rate, m.mean_accepted_tokens_per_step
+            if mode == "gated":
+                row["gated_steps"] = f"{m.spec_steps}/{m.plain_steps}"
+                row["gate"] = m.gate
     return row
 
 
@@ -120,15 +135,23 @@ def main() -> None:
     draft_desc = f"layers={args.draft_layers or cfg.num_layers}/{cfg.num_layers} quant={args.draft_quant}"
     print(f"SmolLM2-135M {args.dtype}, backend {args.backend}, self-draft {draft_desc}, {args.max_new_tokens} "
           f"new tokens, CS1 prompt ({len(prompt_ids)} tokens), {args.threads} threads, median of {args.repeats}")
-    print(f"{'K':>3} | {'baseline tok/s':>14} | {'unfused tok/s':>13} | {'fused tok/s':>11} | {'speedup u/f':>11} | "
-          f"{'acceptance':>10} | {'tokens/step':>11} | agree u/f")
+    print("speedup = speculative / baseline decode tok/s (below 1: slower than plain); gated: fused with the "
+          "speculation gate, spec/plain = its speculative and plain steps (last round)")
+    print(f"{'K':>3} | {'baseline tok/s':>14} | {'unfused tok/s':>13} | {'fused tok/s':>11} | {'gated tok/s':>11} | "
+          f"{'speedup u/f/g':>16} | {'acceptance':>10} | {'tokens/step':>11} | {'spec/plain':>10} | agree u/f/g")
     for k in [int(x) for x in args.ks.split(",")]:
         t0 = time.perf_counter()
         r = run_k(k, args, cfg, target, prompt_ids)
-        print(f"{k:>3} | {r['baseline']:>14.1f} | {r['unfused']:>13.1f} | {r['fused']:>11.1f} | "
-              f"{r['unfused'] / r['baseline']:>5.2f}/{r['fused'] / r['baseline']:<5.2f} | {r['acceptance']:>10.2f} | "
-              f"{r['tokens_per_step']:>11.2f} | {r['agree_unfused']}/{r['agree_fused']} of {args.max_new_tokens}"
-              f"   ({time.perf_counter() - t0:.0f} s)", flush=True)
+        b = r["baseline"]
+        speedup = f"{r['unfused'] / b:.2f}/{r['fused'] / b:.2f}/{r['gated'] / b:.2f}"
+        print(f"{k:>3} | {b:>14.1f} | {r['unfused']:>13.1f} | {r['fused']:>11.1f} | {r['gated']:>11.1f} | "
+              f"{speedup:>16} | {r['acceptance']:>10.2f} | {r['tokens_per_step']:>11.2f} | {r['gated_steps']:>10} | "
+              f"{r['agree_unfused']}/{r['agree_fused']}/{r['agree_gated']} of {args.max_new_tokens}"
+              f"   ({time.perf_counter() - t0:.0f} s, load {os.getloadavg()[0]:.1f})", flush=True)
+        g = r["gate"]
+        print(f"      gate (last round): plain step {g['plain_ms']:.1f} ms (target + draft write), speculative step "
+              f"{g['spec_ms']:.1f} ms, {g['tokens_per_spec_step']:.2f} tokens per speculative step: payoff "
+              f"{g['payoff']:.2f}", flush=True)
 
 
 MODEL_DIR: Path

@@ -10,11 +10,10 @@ Filler tokens past a row's k (and the other rows' slots) write cache slots that 
 the next step writes its own position before attending, as in the draft-model host loop (runtime/spec_step.py).
 
 The cost ratio (one verify step / one plain step) is measured from the steps this engine runs (an EWMA of each
-step's wall time, the first of each kind skipped as warm-up) and feeds `plan_step`.
+step's wall time, the first of each kind skipped as warm-up: `runtime/step_clock.py`) and feeds `plan_step`.
 """
 from __future__ import annotations
 
-import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 
@@ -27,31 +26,9 @@ from neuron_infer.runtime.engine import Engine, graph_name
 from neuron_infer.runtime.ngram import RowView, SeqState, plan_step, propose
 from neuron_infer.runtime.sampling import processed_probs
 from neuron_infer.runtime.speculation import greedy_verify, speculative_verify
+from neuron_infer.runtime.step_clock import StepClock
 
 PRIOR_COST_RATIO = 1.3  # verify / plain step time assumed until both are measured
-TIME_ALPHA = 0.2  # weight of the newest step time
-
-
-class StepClock:
-    """EWMA wall time of plain and verify steps -> their ratio (the first sample of each kind is warm-up)."""
-
-    def __init__(self) -> None:
-        self.mean: dict[str, float] = {}
-        self.seen: dict[str, int] = {}
-
-    def add(self, kind: str, seconds: float) -> None:
-        n = self.seen.get(kind, 0)
-        self.seen[kind] = n + 1
-        if n == 0:
-            return
-        old = self.mean.get(kind)
-        self.mean[kind] = seconds if old is None else (1 - TIME_ALPHA) * old + TIME_ALPHA * seconds
-
-    @property
-    def ratio(self) -> float:
-        if "plain" in self.mean and "verify" in self.mean and self.mean["plain"] > 0:
-            return self.mean["verify"] / self.mean["plain"]
-        return PRIOR_COST_RATIO
 
 
 class NgramSpec:
@@ -74,10 +51,8 @@ class NgramSpec:
 
     def decode_rows(self, rows: list[int], tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """A plain step through the target (timed for the cost ratio)."""
-        t0 = time.perf_counter()
-        out = self.target.decode_rows(rows, tokens, positions)
-        self.clock.add("plain", time.perf_counter() - t0)
-        return out
+        with self.clock.timing("plain"):
+            return self.target.decode_rows(rows, tokens, positions)
 
     # ---- drafting --------------------------------------------------------------------------------------------
     def state(self, seq) -> SeqState:
@@ -91,7 +66,7 @@ class NgramSpec:
         on this process's measured step times, so tensor-parallel ranks use rank 0's (`agree`)."""
         drafts = [propose(s.tokens, self.ngram_size, self.k) for s in seqs]
         views = [RowView(len(d), self.state(s).rate, self.state(s).idle) for s, d in zip(seqs, drafts)]
-        ks = plan_step(views, self.k, self.clock.ratio)
+        ks = plan_step(views, self.k, self.clock.ratio("verify", "plain", PRIOR_COST_RATIO))
         if agree is not None:
             ks = agree(torch.tensor(ks, dtype=torch.int64)).tolist()  # [m] rank 0's draft lengths
         for s, k in zip(seqs, ks):
@@ -116,12 +91,10 @@ class NgramSpec:
         name = graph_name("verify", k + 1, s)
         if name not in self.graphs:
             raise NeuronInferError(f"compiled graph {name!r} is missing from the artifact; recompile")
-        t0 = time.perf_counter()
-        with torch.inference_mode():
+        with torch.inference_mode(), self.clock.timing("verify"):
             table = self.target.table(range(b), s)  # [B, S/bs]
-            out = self.graphs[name](ids, pos, self.target.k_cache, self.target.v_cache, steps.expand(b, k + 1), table)
-        self.clock.add("verify", time.perf_counter() - t0)
-        return out  # [B, K+1, V]
+            return self.graphs[name](ids, pos, self.target.k_cache, self.target.v_cache, steps.expand(b, k + 1),
+                                     table)  # [B, K+1, V]
 
 
 def accept_uniforms(k: int) -> int:

@@ -18,6 +18,10 @@ speculation resumes afterwards) when the scheduled sequences mix greedy and samp
 top-k / top-p, when a sequence asks for logprobs or uses penalties or min-p, and near max_length where a
 speculative block would not fit.
 
+With `gate`, a step that could speculate still takes a plain step while speculative steps are measured not to
+pay (`runtime/spec_gate.py`; the plain steps write the draft cache, so it can speculate again, and it probes), unless
+a scheduled sequence is seeded (its tokens would then follow measured times).
+
 Prompt lookup (`--draft-model ngram`, an NgramSpec): drafts are copied from each sequence's own tokens, so rows
 may mix sampling rules; `runtime/ngram.py` decides per step which sequences draft how many tokens (all none: a plain
 step through the batch buckets), one verify graph checks them (`_lookup`).
@@ -31,6 +35,8 @@ rank by `agree` (rank 0's tensor, broadcast):
                            the target's input on every rank, so they must be equal before the target pass runs;
                            agreeing on the accepted tokens afterwards would come too late (a rank that drafted
                            other tokens has already fed them to the collectives and written their K/V)
+    gate (draft model)     whether a step that could speculate does [1] (`SpecGate` weighs measured step times,
+                           which differ per process)
     prompt-lookup step     the draft lengths [m] (`NgramSpec.plan` weighs measured step times, which differ per
                            process), then each sequence's acceptance uniforms [m, 2K+1]: the drafts come from the
                            sequence's own tokens (equal everywhere), so equal uniforms give equal accepted tokens
@@ -41,6 +47,7 @@ reproducible even at tp = 1: its draft lengths, and so the uniforms it draws, fo
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable
 
@@ -56,6 +63,7 @@ from neuron_infer.runtime.sampling import draw_uniforms, sample_rows, token_hist
 from neuron_infer.runtime.scheduler import Scheduler
 from neuron_infer.runtime.sequence import Sequence
 from neuron_infer.runtime.spec_engine import SpecEngine
+from neuron_infer.runtime.spec_gate import SpecGate
 from neuron_infer.runtime.spec_step import uniforms_width
 
 Agree = Callable[[torch.Tensor], torch.Tensor]  # a tensor drawn here -> rank 0's (same shape) on every rank
@@ -68,7 +76,9 @@ class Runner:
                  on_logits: Callable[[torch.Tensor], None] | None = None, keep_step_counts: bool = False,
                  options: RunOptions = RunOptions()):  # noqa: B008 (frozen)
         """engine: an Engine (speculating when it carries a draft, `engine.spec`) or a SpecEngine. options: prefix
-        caching and chunked prefill (neither with a draft model, whose prefill always encodes the whole prompt)."""
+        caching and chunked prefill (neither with a draft model, whose prefill always encodes the whole prompt), and
+        the speculation gate (with a draft model, speculate only while speculative steps are measured to pay,
+        `SpecGate`; off, every step that can speculate does: fixed-k experiments)."""
         spec = engine if isinstance(engine, (SpecEngine, NgramSpec)) else engine.spec
         self.engine = spec.target if spec is not None else engine
         self.spec, self.agree, self.on_logits = spec, agree, on_logits
@@ -82,6 +92,7 @@ class Runner:
         self.lookahead = self.spec.k if self.spec is not None else 0
         self.scheduler = Scheduler(self.batch, pool, self.lookahead, self.max_length)
         self.encoding: dict[Sequence, int] = {}  # admitted sequences still encoding -> positions encoded (in order)
+        self.gate = SpecGate() if options.speculation_gate and isinstance(self.spec, SpecEngine) else None
         self.stats = Metrics()
         self.reset_stats()
 
@@ -183,7 +194,7 @@ class Runner:
         if self.spec is not None:
             rule = _shared_rule(scheduled)
             rows = {s.row: s.tokens for s in live}  # every live row: its real tokens are rewritten
-            if rule is not None and self.spec.can_speculate(rows):
+            if rule is not None and self.spec.can_speculate(rows) and self._gate_open(scheduled):
                 return self._speculate(scheduled, rows, rule)
         return self._plain(scheduled, live)
 
@@ -199,8 +210,11 @@ class Runner:
             return self._emit(scheduled, logits[[at[s] for s in scheduled]])  # [m, V]
         all_tokens = torch.zeros(self.batch, dtype=torch.int64)  # [B] free rows: token 0 ...
         all_pos = torch.zeros(self.batch, dtype=torch.int64)  # [B] ... at position 0
+        all_prev = torch.zeros(self.batch, dtype=torch.int64)  # [B] the token before each pending one
         all_tokens[rows], all_pos[rows] = tokens, positions
-        logits = self.spec.decode_both(all_tokens, all_pos)  # [B, V]: also writes the draft cache
+        all_prev[rows] = torch.tensor([s.tokens[-2] for s in live], dtype=torch.int64)
+        with self._timed("plain"):
+            logits = self.spec.decode_both(all_tokens, all_pos, all_prev)  # [B, V]: also writes the draft cache
         return self._emit(scheduled, logits[[s.row for s in scheduled]])  # [m, V]
 
     def _emit(self, seqs: list[Sequence], logits: torch.Tensor) -> dict[Sequence, list[int]]:
@@ -255,7 +269,10 @@ class Runner:
                 u[s.row] = torch.rand(u.shape[1], generator=s.generator)
             if self.agree is not None:
                 u = self.agree(u)
-        got = self.spec.step_tokens(rows, rule, u)
+        with self._timed("spec"):
+            got = self.spec.step_tokens(rows, rule, u)
+        if self.gate is not None:
+            self.gate.record_spec(sum(len(got[s.row]) for s in scheduled) / len(scheduled))
         st = self.stats
         st.spec_steps += 1
         out = {}
@@ -267,6 +284,26 @@ class Runner:
                 st.emitted_per_step.append(len(toks))
             out[s] = s.append(toks)
         return out
+
+    # ---- the speculation gate (draft models) ---------------------------------------------------------------------
+    def _gate_open(self, scheduled: list[Sequence]) -> bool:
+        """Whether this step, which could speculate, does: always without a gate or when a scheduled sequence
+        samples with a seed (its random draws, and so its tokens, depend on the kind of each step: seeded output
+        stays reproducible; greedy draws nothing); otherwise the gate's choice (rank 0's, `agree`d: each rank
+        measures its own step times)."""
+        if self.gate is None or any(not s.sampling.greedy and s.sampling.seed is not None for s in scheduled):
+            return True
+        go = self.gate.want()
+        self.stats.gate = self.gate.summary()  # this rank's measurements (the decision may be rank 0's)
+        if self.agree is not None:
+            go = bool(self.agree(torch.tensor([int(go)], dtype=torch.int64))[0])  # [1] rank 0's choice
+        if not go:
+            self.gate.record_plain()
+            self.stats.gated_steps += 1
+        return go
+
+    def _timed(self, kind: str) -> contextlib.AbstractContextManager:
+        return self.gate.clock.timing(kind) if self.gate is not None else contextlib.nullcontext()
 
 
 def _shared_rule(seqs: list[Sequence]) -> SamplingConfig | None:

@@ -126,17 +126,20 @@ class SpecEngine:
         res = self.step(last, prev, pos, sampling, u)
         return {row: res["tokens"][row, : int(res["counts"][row])].tolist() for row in seqs}
 
-    def decode_both(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """A plain one-token target step that also writes the draft cache at the same positions, so speculation
-        can resume after it (tail near max_length, or rows that cannot share one speculative graph).
-        tokens [B], positions [B] -> target logits [B, V]."""
+    def decode_both(self, tokens: torch.Tensor, positions: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+        """A plain one-token target step that also writes the draft cache, so speculation can resume after it
+        (tail near max_length, rows that cannot share one speculative graph, or the speculation gate's choice).
+        The draft writes [prev, last] at [p-1, p], as a speculative step's first draft pass does: a step whose K
+        drafts were all accepted leaves slot p-1 of the draft cache to the next step.
+        tokens [B], positions [B] (free rows: token 0 at 0), prev [B] the tokens at positions - 1 -> logits [B, V]."""
         p = int(positions.max())
         s = pick_bucket(min(p + self.k + 1, self.build.max_length), self.build.tokengen_bucket_list, "sequence",
                         "--max-length")  # draft tokengen graphs exist only for buckets >= K + 2
-        ids = tokens.view(-1, 1).to(torch.int64)  # [B, 1]
-        pos = positions.view(-1, 1).to(torch.int64)  # [B, 1]
+        last = positions.to(torch.int64).clamp(min=1)  # [B] free rows write the scratch block at 0..1
+        ids2 = torch.stack([prev, tokens], dim=1).to(torch.int64)  # [B, 2]
+        pos2 = torch.stack([last - 1, last], dim=1)  # [B, 2]
         with torch.inference_mode():
-            self._draft_fn(s)(ids, pos, torch.zeros_like(pos))  # writes the draft K/V; logits unused
+            self._draft_fn(s)(ids2, pos2, torch.ones_like(pos2[:, :1]))  # writes the draft K/V; logits unused
         return self.target.decode(tokens, positions)
 
     def _parked(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

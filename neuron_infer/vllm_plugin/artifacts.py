@@ -26,7 +26,8 @@ from neuron_infer.errors import ConfigError
 from neuron_infer.runtime.options import RunOptions
 
 KEYS = ("neuron_infer_artifacts", "neuron_infer_build", "neuron_infer_backend", "neuron_infer_cache_dir",
-        "neuron_infer_kv_cache_gib", "neuron_infer_prefix_caching")
+        "neuron_infer_kv_cache_gib", "neuron_infer_prefix_caching",
+        "neuron_infer_speculation_gate")
 _DTYPES = {"float32": "fp32", "bfloat16": "bf16"}
 
 
@@ -62,12 +63,17 @@ def kv_cache_gib(options: Mapping[str, Any]) -> float | None:
 
 
 def run_options(options: Mapping[str, Any]) -> RunOptions:
-    """`neuron_infer_prefix_caching` (default true): reuse the engine's cached prompt blocks across requests. (The
-    prefill chunk is vLLM's to choose, and vLLM sends whole prompts to a worker without a reported KV cache.)"""
-    v = options.get("neuron_infer_prefix_caching", True)
-    if not isinstance(v, bool):
-        raise ConfigError(f"additional_config neuron_infer_prefix_caching={v!r} must be true or false")
-    return RunOptions(prefix_caching=v)
+    """`neuron_infer_prefix_caching` (default true): reuse the engine's cached prompt blocks across requests;
+    `neuron_infer_speculation_gate` (default true): with a draft model, take plain steps while speculative steps are
+    measured not to pay (docs/speculation.md). (The prefill chunk is vLLM's to choose, and vLLM sends whole prompts
+    to a worker without a reported KV cache.)"""
+    flags = {}
+    for key, default in (("prefix_caching", True), ("speculation_gate", True)):
+        v = options.get(f"neuron_infer_{key}", default)
+        if not isinstance(v, bool):
+            raise ConfigError(f"additional_config neuron_infer_{key}={v!r} must be true or false")
+        flags[key] = v
+    return RunOptions(**flags)
 
 
 def default_build(args: EngineArgs, overrides: Mapping[str, Any] | None = None) -> BuildConfig:

@@ -62,8 +62,9 @@ def hf_tokens(ckpt):
 
 
 def run(art) -> tuple[list[list[int]], list[list[int]], object]:
-    """(greedy tokens, seeded sampled tokens, greedy metrics) of one artifact."""
-    with CompiledModel.load(art) as m:
+    """(greedy tokens, seeded sampled tokens, greedy metrics) of one artifact. Ungated: the speculation gate chooses
+    plain or speculative steps from measured times, and seeded sampling draws differently on each kind of step."""
+    with CompiledModel.load(art, speculation_gate=False) as m:
         greedy = m.generate_ids(PROMPTS, NEW, ignore_eos=True)
         sampled = m.generate_ids(PROMPTS, NEW, SEEDED, ignore_eos=True)
     return [o.token_ids for o in greedy.outputs], [o.token_ids for o in sampled.outputs], greedy.metrics[0]
@@ -102,3 +103,19 @@ def test_without_agreeing_on_the_uniforms_the_ranks_diverge(arts):
         return
     first, second = out["tokens"]
     assert first != second
+
+
+def test_ranks_take_rank_0s_gate_decision(arts, hf_tokens):
+    """Each rank times its own steps; scripted here so that rank 0's speculative steps never pay and rank 1's always
+    do. Every rank follows rank 0 (the same plain, probe and speculative steps, the same tokens), and without agreeing
+    on the gate's decision the ranks' steps stop lining up (their collectives hang or their tokens differ)."""
+    out = run_ranks(tw.rank_gated_tokens, 2, (str(arts("fused", 2)), PROMPTS, NEW), timeout_s=300)
+    first, second = out["tokens"]
+    assert first == second == hf_tokens
+    assert out["steps"][0] == out["steps"][1] and out["steps"][1][2] > 0  # rank 1 took rank 0's plain steps
+    try:
+        broken = run_ranks(tw.rank_gated_tokens, 2, (str(arts("fused", 2)), PROMPTS, NEW, False), timeout_s=90)
+    except RankFailure:
+        return
+    assert broken["steps"][0] != broken["steps"][1] or broken["tokens"][0] != broken["tokens"][1]
+

@@ -128,3 +128,29 @@ def rank_sampled_tokens(ctx, root: str, prompts: list[list[int]], n: int, agree_
     toks = torch.tensor([r.token_ids for r in results], dtype=torch.int64)  # [P, n]
     every = all_gather_last_dim(toks.unsqueeze(0).unsqueeze(-1))  # [1, P, n, tp]
     return {"tokens": every[0].permute(2, 0, 1).tolist(), "spec_steps": metrics.spec_steps}
+
+
+def rank_gated_tokens(ctx, root: str, prompts: list[list[int]], n: int, agree_gate: bool = True) -> dict:
+    """Greedy generation with the speculation gate under scripted step times that differ per rank: on rank 0 a
+    speculative step costs 10 plain steps (never pays), on the others 1 (always pays). Rank 0 returns every rank's
+    tokens [tp][P][n] and (spec, plain, gated) step counts [tp][3]. agree_gate=False leaves the gate's decision [1]
+    unagreed (every other tensor is agreed): the broken variant."""
+    from pathlib import Path
+
+    from neuron_infer.runtime.generate import generate_ids
+    from neuron_infer.runtime.loader import load_rank
+    from neuron_infer.runtime.options import RunOptions
+    from tests.speculation.scripted_clock import Scripted
+
+    engine = load_rank(Path(root), ctx.rank)
+    Scripted(spec_cost=10.0 if ctx.rank == 0 else 1.0, probe_every=4).install(engine.spec)
+
+    def agree(t: torch.Tensor) -> torch.Tensor:
+        return broadcast_from_rank0(t) if agree_gate or t.shape != (1,) else t
+
+    results, m = generate_ids(engine, prompts, n, ignore_eos=True, agree=agree,
+                              options=RunOptions(speculation_gate=True))
+    toks = torch.tensor([r.token_ids for r in results], dtype=torch.int64)  # [P, n]
+    every = all_gather_last_dim(toks.unsqueeze(0).unsqueeze(-1))  # [1, P, n, tp]
+    steps = all_gather_last_dim(torch.tensor([[m.spec_steps, m.plain_steps, m.gated_steps]]).unsqueeze(-1))
+    return {"tokens": every[0].permute(2, 0, 1).tolist(), "steps": steps[0].permute(1, 0).tolist()}  # [tp][3]

@@ -26,10 +26,10 @@ def drive(se, plain_every: int):
         if seqs:
             if step % plain_every == 0 or not se.can_speculate(seqs):
                 n["tail" if not se.can_speculate(seqs) else "plain"] += 1
-                tokens, pos = torch.zeros(3, dtype=torch.int64), torch.zeros(3, dtype=torch.int64)  # [B] each
+                tokens, pos, prev = (torch.zeros(3, dtype=torch.int64) for _ in range(3))  # [B] each
                 for r, s in seqs.items():
-                    tokens[r], pos[r] = s[-1], len(s) - 1
-                logits = se.decode_both(tokens, pos)  # [B, V]
+                    tokens[r], pos[r], prev[r] = s[-1], len(s) - 1, s[-2]
+                logits = se.decode_both(tokens, pos, prev)  # [B, V]
                 new = {r: [int(logits[r].argmax())] for r in seqs}
             else:
                 new = se.step_tokens(seqs, SamplingConfig())
@@ -78,11 +78,33 @@ def test_decode_both_writes_the_draft_cache(spec_engine):
     prompt = list(range(5, 25))
     seq = prompt + [int(se.prefill_row(0, prompt).argmax())]
     for _ in range(5):
-        tokens, pos = torch.zeros(3, dtype=torch.int64), torch.zeros(3, dtype=torch.int64)  # [B] each
-        tokens[0], pos[0] = seq[-1], len(seq) - 1
-        seq.append(int(se.decode_both(tokens, pos)[0].argmax()))
+        tokens, pos, prev = (torch.zeros(3, dtype=torch.int64) for _ in range(3))  # [B] each
+        tokens[0], pos[0], prev[0] = seq[-1], len(seq) - 1, seq[-2]
+        seq.append(int(se.decode_both(tokens, pos, prev)[0].argmax()))
     cached = len(seq) - 1  # the newest token is not in the cache yet
     se.prefill_row(1, seq[:cached])
     for a, b in zip(se.draft.slot_kv(0), se.draft.slot_kv(1)):  # K, V [L, Hkv, S, D] of slots 0 and 1
         # fp32, one-token vs whole-prompt graphs: same math, different reduction order -> ~1e-6 differences
+        torch.testing.assert_close(a[:, :, :cached], b[:, :, :cached], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["fused", "unfused"])
+def test_a_plain_step_after_a_fully_accepted_block_fills_the_draft_cache(spec_engine, mode):
+    """A speculative step whose K drafts are all accepted never runs its last draft through the draft model: the
+    next step writes that slot. When the next step is plain, `decode_both` must write it (else the draft attends to
+    a stale slot for the rest of the sequence, which lowers acceptance, unseen by greedy output)."""
+    se = spec_engine(draft="full", k=3, mode=mode, batch_size=3)  # the draft is the target: every draft accepted
+    se.target.bind_stripes()
+    prompt = list(range(5, 25))
+    seq = prompt + [int(se.prefill_row(0, prompt).argmax())]
+    got = se.step_tokens({0: seq}, SamplingConfig())[0]
+    assert len(got) == 4  # the whole block accepted
+    seq += got
+    for _ in range(2):
+        tokens, pos, prev = (torch.zeros(3, dtype=torch.int64) for _ in range(3))  # [B] each
+        tokens[0], pos[0], prev[0] = seq[-1], len(seq) - 1, seq[-2]
+        seq.append(int(se.decode_both(tokens, pos, prev)[0].argmax()))
+    cached = len(seq) - 1
+    se.prefill_row(1, seq[:cached])
+    for a, b in zip(se.draft.slot_kv(0), se.draft.slot_kv(1)):  # K, V [L, Hkv, S, D] of slots 0 and 1
         torch.testing.assert_close(a[:, :, :cached], b[:, :, :cached], rtol=1e-4, atol=1e-5)

@@ -181,13 +181,17 @@ def test_plugin_options_reject_misspelt_keys():
 
 def test_kv_cache_options():
     assert kv_cache_gib({}) is None and kv_cache_gib({"neuron_infer_kv_cache_gib": 2}) == 2.0
-    assert run_options({}) == RunOptions()
-    assert run_options({"neuron_infer_prefix_caching": False}) == RunOptions(prefix_caching=False)
+    assert run_options({}) == RunOptions(speculation_gate=True)  # the server gates by default
+    assert run_options({"neuron_infer_prefix_caching": False}) == RunOptions(False, speculation_gate=True)
     for bad in (0, -1, "2", True):
         with pytest.raises(ConfigError, match="positive number of GiB"):
             kv_cache_gib({"neuron_infer_kv_cache_gib": bad})
     with pytest.raises(ConfigError, match="true or false"):
         run_options({"neuron_infer_prefix_caching": "no"})
+    assert run_options({}).speculation_gate is True
+    assert run_options({"neuron_infer_speculation_gate": False}).speculation_gate is False
+    with pytest.raises(ConfigError, match="true or false"):
+        run_options({"neuron_infer_speculation_gate": 0})
 
 
 def test_vllm_version_pin():

@@ -33,7 +33,8 @@ if __name__ == "__main__":
     llm = LLM(model=model, dtype="float32", max_model_len=128, max_num_seqs=4, gpu_memory_utilization=0.3,
               enforce_eager=True, seed=0,
               additional_config={"neuron_infer_backend": "cpu-eager", "neuron_infer_cache_dir": cache,
-                                 "neuron_infer_build": {"speculation": json.loads(spec)}})
+                                 "neuron_infer_build": {"speculation": json.loads(spec)},
+                                 "neuron_infer_speculation_gate": False})  # reproducible seeded steps
     greedy = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
     res = {"greedy": [o.outputs[0].token_ids for o in
                       llm.generate([{"prompt_token_ids": p} for p in prompts], greedy)]}
@@ -58,7 +59,7 @@ def vllm_spec(tiny, tmp_path_factory):
     cache = tmp_path_factory.mktemp("cache")
     res = run_script(SCRIPT, [str(tiny), str(cache), json.dumps(PROMPTS), str(N), json.dumps(SPEC)], timeout=420)
     (art,) = [p for p in cache.iterdir() if p.is_dir()]
-    return res, CompiledModel.load(art)
+    return res, CompiledModel.load(art, speculation_gate=False)  # its metrics count speculation at fixed k
 
 
 @pytest.fixture(scope="module")

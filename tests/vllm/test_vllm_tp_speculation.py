@@ -33,7 +33,8 @@ if __name__ == "__main__":
     llm = LLM(model=model, dtype="float32", max_model_len=128, max_num_seqs=4, gpu_memory_utilization=0.3,
               enforce_eager=True, seed=0, tensor_parallel_size=2,
               additional_config={"neuron_infer_backend": "cpu-eager", "neuron_infer_cache_dir": cache,
-                                 "neuron_infer_build": {"speculation": json.loads(spec)}})
+                                 "neuron_infer_build": {"speculation": json.loads(spec)},
+                                 "neuron_infer_speculation_gate": False})  # seeded steps as at tp 1
     greedy = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
     res = {"greedy": [o.outputs[0].token_ids for o in
                       llm.generate([{"prompt_token_ids": p} for p in prompts], greedy)]}
@@ -71,6 +72,7 @@ def test_seeded_sampling_at_tp2_equals_speculative_tp1(served, tiny, tmp_path_fa
     build = BuildConfig(dtype="fp32", batch_size=4, max_context_length=128, max_length=128,
                         speculation=SpeculationConfig(**SPEC))
     compile_model(tiny, out, build, backend="cpu-eager", say=lambda m: None)
-    want = CompiledModel.load(out).generate_ids([PROMPTS[1]], N, SEEDED, ignore_eos=True).outputs[0].token_ids
+    model = CompiledModel.load(out, speculation_gate=False)  # the server's steps: every one speculative
+    want = model.generate_ids([PROMPTS[1]], N, SEEDED, ignore_eos=True).outputs[0].token_ids
     assert res["seeded"] == want
     assert want != res["greedy"][1]  # really sampled

@@ -1,0 +1,68 @@
+"""SpecGate: per step, whether a draft-model speculative step pays, from measured step times and yields.
+
+A speculative step emits E tokens per sequence (an EWMA of what the steps emitted) in time S; a plain step emits 1 in
+time P (the plain step of a draft-model engine, `SpecEngine.decode_both`, also writes the draft cache so speculation
+can resume after it). Speculation pays when
+
+    E / (S / P) > 1
+
+S and P are EWMAs of wall times (`StepClock`, the first sample of each kind is warm-up). Policy (`want`):
+    no speculative step measured yet     speculate (optimistic start)
+    no plain step measured yet           plain (to measure one)
+    `probe_every` plain steps in a row   speculate once (a probe: a change in acceptance is noticed)
+    otherwise                            speculate iff E * P / S > 1
+The Runner asks `want` only when a speculative step is possible (one shared sampling rule, room before
+max_length, no seeded sequence scheduled), times the step it takes through `clock`, and reports each speculative
+step's yield (`record_spec`).
+"""
+from __future__ import annotations
+
+from neuron_infer.runtime.step_clock import StepClock
+
+PROBE_EVERY = 16  # plain steps in a row after which one speculative step is taken again
+TOKENS_ALPHA = 0.3  # weight of the newest speculative step's tokens per sequence
+
+
+class SpecGate:
+    """The gate's measurements and decision (one per Runner; see the module docstring)."""
+
+    def __init__(self, clock: StepClock | None = None, probe_every: int = PROBE_EVERY):
+        self.clock = clock or StepClock()
+        self.probe_every = probe_every
+        self.tokens: float | None = None  # EWMA tokens per sequence per speculative step
+        self.plain_run = 0  # plain steps since the last speculative step
+
+    @property
+    def payoff(self) -> float | None:
+        """Expected tokens per speculative step / (its time / a plain step's time); None until measured."""
+        c = self.clock
+        if self.tokens is None or not (c.measured("spec") and c.measured("plain")) or c.mean["spec"] <= 0:
+            return None
+        return self.tokens * c.mean["plain"] / c.mean["spec"]
+
+    def summary(self) -> dict:
+        """What the decisions rest on: mean plain and speculative step (ms), tokens per speculative step and per
+        sequence, their payoff (0 until measured)."""
+        mean = self.clock.mean
+        return {"plain_ms": 1000 * mean.get("plain", 0.0), "spec_ms": 1000 * mean.get("spec", 0.0),
+                "tokens_per_spec_step": self.tokens or 0.0, "payoff": self.payoff or 0.0}
+
+    def want(self) -> bool:
+        """This process's choice for the next step that could speculate (tensor parallelism agrees on rank 0's)."""
+        if not self.clock.measured("spec"):
+            return True
+        if not self.clock.measured("plain"):
+            return False
+        if self.plain_run >= self.probe_every:
+            return True
+        return self.payoff > 1.0
+
+    def record_plain(self) -> None:
+        """A plain step was taken although speculation was possible (its time goes through `clock`)."""
+        self.plain_run += 1
+
+    def record_spec(self, tokens_per_seq: float) -> None:
+        """A speculative step emitted `tokens_per_seq` tokens per scheduled sequence on average."""
+        self.plain_run = 0
+        old = self.tokens
+        self.tokens = tokens_per_seq if old is None else (1 - TOKENS_ALPHA) * old + TOKENS_ALPHA * tokens_per_seq

@@ -1,0 +1,37 @@
+"""A scripted clock for the speculation gate: step times are chosen by the test, never measured."""
+from __future__ import annotations
+
+from neuron_infer.runtime import runner as runner_mod
+from neuron_infer.runtime.spec_gate import PROBE_EVERY, SpecGate
+from neuron_infer.runtime.step_clock import StepClock
+
+
+class Scripted:
+    """A fake clock: the engine's step calls advance it by their scripted cost and log their kind ("S" / "P")."""
+
+    def __init__(self, spec_cost, plain_cost: float = 1.0, probe_every: int = PROBE_EVERY):
+        self.now, self.kinds, self.probe_every = 0.0, [], probe_every
+        self.spec_cost = spec_cost if callable(spec_cost) else (lambda _step: spec_cost)
+        self.plain_cost = plain_cost
+
+    def __call__(self) -> float:
+        return self.now
+
+    def install(self, se, set_attr=setattr) -> None:
+        """Wrap the SpecEngine's step calls and give every new Runner's gate this clock (`set_attr`: pytest's
+        monkeypatch.setattr, or setattr in a throw-away rank process)."""
+        step_tokens, decode_both = se.step_tokens, se.decode_both
+
+        def spec(*a, **kw):
+            self.now += self.spec_cost(len(self.kinds))
+            self.kinds.append("S")
+            return step_tokens(*a, **kw)
+
+        def plain(*a, **kw):
+            self.now += self.plain_cost
+            self.kinds.append("P")
+            return decode_both(*a, **kw)
+
+        set_attr(se, "step_tokens", spec)
+        set_attr(se, "decode_both", plain)
+        set_attr(runner_mod, "SpecGate", lambda: SpecGate(StepClock(self), self.probe_every))
