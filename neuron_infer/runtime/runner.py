@@ -12,6 +12,8 @@ Slot contents per state, for a plain step (one token-generation graph over every
 Before each step and prefill the runner takes the blocks the step may write from the scheduler (`Scheduler.grow`)
 and binds every slot's blocks on the engine (free slots: none), so a graph never writes another sequence's blocks.
 With prefix caching, a newly admitted sequence whose first blocks were cached encodes only the rest of its prompt.
+With chunked prefill (`prefill`), a prompt that starts while others decode is encoded a chunk per call; until its
+last chunk the sequence sits decode steps out (its slot is bound to no blocks for them, like a free slot).
 
 Speculation: one graph serves one sampling rule per step, so a step is plain (and also writes the draft cache, so
 speculation resumes afterwards) when the scheduled sequences mix greedy and sampled or different temperature /
