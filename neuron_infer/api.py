@@ -102,7 +102,7 @@ class CompiledModel:
         self.spec = engine.spec if engine is not None else None  # SpecEngine when compiled with --draft-model
         self.group = group  # runtime.rank_group.RankGroup for a tp > 1 CPU artifact, else None
         self.eos_ids = _eos_ids(manifest, tokenizer, root)
-        self.options = RunOptions()  # prefix caching, chunked prefill (`load` sets them)
+        self.options = RunOptions()  # prefix caching, chunked prefill, speculation gate (`load` sets them)
 
     @classmethod
     def load(cls, artifact_dir: str | Path, verify_files: bool = True,

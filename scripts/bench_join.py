@@ -20,6 +20,7 @@ import random
 import statistics
 import sys
 import time
+from pathlib import Path
 
 from neuron_infer.api import CompiledModel
 from neuron_infer.config import SamplingConfig
@@ -28,12 +29,8 @@ from neuron_infer.runtime.runner import Runner
 from neuron_infer.runtime.sampling import make_generator
 from neuron_infer.runtime.sequence import Sequence, StopRule
 
-
-def percentile(xs: list[float], q: float) -> float:
-    s = sorted(xs)
-    k = (len(s) - 1) * q / 100
-    lo = int(k)
-    return s[lo] + (s[min(lo + 1, len(s) - 1)] - s[lo]) * (k - lo)
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/: the serving benchmark's statistics
+from bench_serving import percentile  # noqa: E402
 
 
 def one_round(model: CompiledModel, chunk: int, args: argparse.Namespace, rng: random.Random) -> dict:

@@ -16,7 +16,6 @@ caches the prefix blocks, the second is timed as "warm"). Prints the medians and
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import statistics
 import sys
 import time
@@ -39,10 +38,9 @@ def ttft(model: CompiledModel, prompt: list[int]) -> float:
 
 def server_ttft(url: str):
     """prompt -> seconds to the first streamed chunk of a one-token completion from the server at `url`."""
-    spec = importlib.util.spec_from_file_location("bench_serving", Path(__file__).with_name("bench_serving.py"))
-    serving = importlib.util.module_from_spec(spec)
-    sys.modules["bench_serving"] = serving
-    spec.loader.exec_module(serving)
+    sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/: the load generator's client
+    import bench_serving as serving
+
     client = serving.Client(url, 600.0)
     name = client.get_json("/v1/models")["data"][0]["id"]
 

@@ -227,12 +227,15 @@ def test_streamers_print_as_tokens_arrive_and_hold_back_a_split_character(model,
 
 
 def test_kv_cache_budget_and_prefix_caching_flags(art, model):
-    """--no-prefix-caching gives the same tokens; a --kv-cache-gib below one max_length sequence is one error line."""
+    """--no-prefix-caching and --prefill-chunk give the same tokens; a --kv-cache-gib below one max_length sequence
+    is one error line, a negative chunk a usage error."""
     want = expected_ids(model, "Hello there")
-    for flags in ([], ["--no-prefix-caching"]):
+    for flags in ([], ["--no-prefix-caching"], ["--prefill-chunk", "0"], ["--prefill-chunk", "16"]):
         code, out, _ = run_main(["generate", str(art), "--prompt", "Hello there", "--prompt", "Hello there",
                                  "--max-new-tokens", "6", "--ignore-eos", "--json", *flags])
         assert code == 0 and [o["token_ids"] for o in json.loads(out)["outputs"]] == [want, want]
     code, out, err = run_main(["generate", str(art), "--prompt", "Hi", "--kv-cache-gib", "0.000001"])
     lines = err.strip().splitlines()
     assert code == 2 and out == "" and len(lines) == 1 and lines[0].startswith("error: --kv-cache-gib 1e-06 holds")
+    code, out, err = run_main(["generate", str(art), "--prompt", "Hi", "--prefill-chunk", "-1"])
+    assert code == 2 and out == "" and "--prefill-chunk" in err and "Traceback" not in err

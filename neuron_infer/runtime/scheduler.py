@@ -103,6 +103,8 @@ class Scheduler:
         """Record the full blocks of `seq`'s cached tokens (all but its newest) in the prefix cache: after its prefill,
         and when it leaves (its output's blocks too: a later prompt that repeats prompt + output, a chat's next
         turn, finds them)."""
+        if not self.pool.prefix_caching:
+            return  # no hashing per finished sequence when nothing would be recorded
         for block, h in zip(seq.blocks, block_hashes(seq.tokens[: len(seq) - 1], self.pool.block_size)):
             self.pool.register(block, h)
 

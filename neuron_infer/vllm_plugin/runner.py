@@ -53,6 +53,11 @@ class SlotRunner:
         return len(self.slots)
 
     @property
+    def pool(self):
+        """The engine's KV-cache block pool (blocks in use, prefix-cache hits)."""
+        return self.runner.engine.pool
+
+    @property
     def chunks(self) -> bool:
         """Whether prompts may be encoded in chunks (not with a draft model, which encodes whole prompts)."""
         return self.runner.chunk > 0

@@ -158,7 +158,7 @@ class NeuronInferWorker(WorkerBase):
     def _log_cache(self) -> None:
         """The engine's own KV-cache numbers (vLLM's prefix-cache metrics stay at zero: its block manager is idle,
         see docs/vllm.md)."""
-        st, pool = self.runner.stats, self.runner.runner.engine.pool
+        st, pool = self.runner.stats, self.runner.pool
         logger.info("neuron-infer: KV cache %d of %d blocks in use (at most %d so far); prefix cache %d of %d prompt "
                     "blocks found (hit rate %.1f%%)", pool.in_use, pool.usable, st.kv_blocks_in_use,
                     pool.hits, pool.queries, 100.0 * pool.hit_rate)
@@ -243,9 +243,10 @@ class NeuronInferWorker(WorkerBase):
         return out
 
     def _progress(self, req_id: str, computed: int, out: dict[str, list[int]]) -> None:
-        """Encode the prompt's tokens up to `computed` (vLLM's chunked prefill sends a prompt over several steps);
-        a request gets its first token with its last chunk. A draft-model artifact encodes whole prompts only: its
-        request joins when the last chunk arrives (the platform turns vLLM's chunking off for it)."""
+        """Encode the prompt's tokens up to `computed`; a request gets its first token with its last token encoded.
+        The platform turns vLLM's chunked prefill off (vLLM 0.32 does so anyway for a worker that reports no KV
+        cache), so prompts arrive whole; should a prompt arrive in chunks, each is encoded as it comes, except with
+        a draft model, which encodes whole prompts: its request then joins when the last chunk arrives."""
         tokens, params = self._pending[req_id]
         if req_id not in self.runner.slots:
             if computed < len(tokens) and not self.runner.chunks:
