@@ -149,7 +149,7 @@ def main() -> None:
               f"{r['agree_unfused']}/{r['agree_fused']}/{r['agree_gated']} of {args.max_new_tokens}"
               f"   ({time.perf_counter() - t0:.0f} s, load {os.getloadavg()[0]:.1f})", flush=True)
         g = r["gate"]
-        print(f"      gate (last round): plain step {g['plain_ms']:.1f} ms (target + draft write), speculative step "
+        print(f"      gate (last round): plain step {g['plain_ms']:.1f} ms (the target alone), speculative step "
               f"{g['spec_ms']:.1f} ms, {g['tokens_per_spec_step']:.2f} tokens per speculative step: payoff "
               f"{g['payoff']:.2f}", flush=True)
 

@@ -25,6 +25,15 @@ def artifact(tiny_dirs, tmp_path_factory):
     return d
 
 
+@pytest.fixture(scope="module")
+def spec_artifact(tiny_dirs, tmp_path_factory):
+    """The same model with an INT8 self-draft (K = 2): the target encodes in chunks, the draft catches up later."""
+    d = tmp_path_factory.mktemp("chunks") / "spec"
+    build = BUILD.replace(speculation=SpeculationConfig("self", 2, draft_quant="int8"))
+    compile_model(tiny_dirs("gqa"), d, build, backend="cpu-eager", say=lambda m: None)
+    return d
+
+
 def _run(artifact, chunk: int, new: list[int]):
     """The generate loop over PROMPTS, prompt i stopping after new[i] tokens -> (token ids, each iteration's output
     lengths)."""
@@ -50,21 +59,22 @@ def test_options_are_checked_and_default_to_a_bucket():
     big = BuildConfig(max_context_length=1024, max_length=2048, context_buckets=(512, 1024))
     assert RunOptions().chunk_tokens(big) == 512  # none <= 256: the smallest
     assert RunOptions(prefill_chunk=0).chunk_tokens(BUILD) == 0
-    assert RunOptions().chunk_tokens(BUILD, whole_prompts=True) == 0  # a draft model: whole prompts
-    with pytest.raises(NeuronInferError, match="does not work with a draft model"):
-        RunOptions(prefill_chunk=32).chunk_tokens(BUILD, whole_prompts=True)
     for bad in (-1, 2.5, True, "16"):
         with pytest.raises(NeuronInferError, match="whole number of tokens"):
             RunOptions(prefill_chunk=bad)
 
 
-def test_a_joining_prompt_is_chunked_and_the_running_sequence_keeps_stepping(artifact):
+@pytest.mark.parametrize("draft", [False, True])
+def test_a_joining_prompt_is_chunked_and_the_running_sequence_keeps_stepping(artifact, spec_artifact, draft):
     """The 60-token prompt takes a slot when the second sequence finishes; with chunk 16 it gets its first token four
-    loop iterations later while the first sequence gains a token in each of them. Whole prefill (chunk 0) gives it
-    the first token at once; the tokens of both runs are identical."""
-    whole, whole_steps = _run(artifact, 0, [30, 2, 8])
-    chunked, steps = _run(artifact, 16, [30, 2, 8])
+    loop iterations later while the first sequence gains a token (with a draft model: 1 to 3) in each of them. Whole
+    prefill (chunk 0) gives it the first token at once; the tokens of both runs are identical, and with a draft
+    model equal to the model's alone (greedy)."""
+    whole, whole_steps = _run(spec_artifact if draft else artifact, 0, [30, 2, 8])
+    chunked, steps = _run(spec_artifact if draft else artifact, 16, [30, 2, 8])
     assert chunked == whole
+    if draft:
+        assert chunked == _run(artifact, 0, [30, 2, 8])[0]
 
     def first_token_at(trace):
         return next(i for i, s in enumerate(trace) if s[2] > 0)
@@ -73,7 +83,7 @@ def test_a_joining_prompt_is_chunked_and_the_running_sequence_keeps_stepping(art
     start = first_token_at(whole_steps)  # the iteration the long prompt was admitted in (whole: encoded at once)
     assert first_token_at(steps) == start + 3  # chunks 16 + 16 + 16 + 12
     for i in range(start, start + 4):  # the running sequence was never stalled
-        assert steps[i][0] == steps[i - 1][0] + 1
+        assert steps[i][0] > steps[i - 1][0] if draft else steps[i][0] == steps[i - 1][0] + 1
 
 
 def test_chunks_write_the_cache_and_logits_of_whole_prefill(artifact):
@@ -107,10 +117,19 @@ def test_chunked_prefill_with_prefix_caching_and_a_small_cache(artifact):
     assert m.engine.pool.hits > 0
 
 
-def test_a_draft_model_refuses_an_explicit_chunk(tiny_dirs, tmp_path):
-    d = tmp_path / "spec"
+def test_a_draft_model_chunks_and_reuses_cached_prefixes(tiny_dirs, tmp_path):
+    """With a draft model the target encodes prompts in chunks and after cached prefix blocks; the draft catches up
+    before the first speculative step. Greedy tokens equal the target alone (another artifact of the same weights,
+    whole prompts, no prefix caching), and the run really chunked, hit the prefix cache and speculated."""
+    spec_dir, plain_dir = tmp_path / "spec", tmp_path / "plain"
     build = BUILD.replace(speculation=SpeculationConfig("self", 2, draft_quant="int8"))
-    compile_model(tiny_dirs("gqa"), d, build, backend="cpu-eager", say=lambda m: None)
-    assert CompiledModel.load(d).generate_ids([LONG], 3, ignore_eos=True).outputs[0].token_ids  # default: whole
-    with pytest.raises(NeuronInferError, match="does not work with a draft model"):
-        CompiledModel.load(d, prefill_chunk=16).generate_ids([LONG], 3, ignore_eos=True)
+    compile_model(tiny_dirs("gqa"), spec_dir, build, backend="cpu-eager", say=lambda m: None)
+    compile_model(tiny_dirs("gqa"), plain_dir, BUILD, backend="cpu-eager", say=lambda m: None)
+    prompts = [LONG[:40] + [1, 2], [3, 99, 150], LONG, LONG[:33] + [9] * 20]  # the 3rd and 4th join while others run
+    plain = CompiledModel.load(plain_dir, prefix_caching=False, prefill_chunk=0)
+    want = [o.token_ids for o in plain.generate_ids(prompts, 12, ignore_eos=True).outputs]
+    m = CompiledModel.load(spec_dir, prefill_chunk=16, speculation_gate=False)
+    out = m.generate_ids(prompts, 12, ignore_eos=True)
+    assert [o.token_ids for o in out.outputs] == want
+    stats = out.metrics[0]
+    assert m.engine.pool.hits > 0 and stats.spec_steps > 0 and stats.accepted > 0 and stats.draft_catch_up > 0

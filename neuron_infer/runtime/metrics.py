@@ -28,6 +28,7 @@ class Metrics:
     spec_steps: int = 0  # speculative steps (all scheduled sequences together)
     plain_steps: int = 0  # one-token steps
     gated_steps: int = 0  # of those, steps that could speculate but the gate measured speculation not to pay
+    draft_catch_up: int = 0  # draft passes that wrote what prompt encoding and plain steps left out (catch_up)
     gate: dict = field(default_factory=dict)  # the gate's last measurements (SpecGate.summary), {} without a gate
     drafted: int = 0  # draft tokens proposed to scheduled sequences
     accepted: int = 0  # of those, accepted by the target
@@ -62,8 +63,8 @@ class Metrics:
             return None
         return {"k": self.k, "mode": self.mode, "acceptance_rate": self.acceptance_rate,
                 "mean_accepted_tokens_per_step": self.mean_accepted_tokens_per_step, "spec_steps": self.spec_steps,
-                "plain_steps": self.plain_steps, "gated_steps": self.gated_steps, "drafted": self.drafted,
-                "accepted": self.accepted, **({"gate": self.gate} if self.gate else {})}
+                "plain_steps": self.plain_steps, "gated_steps": self.gated_steps,
+                "draft_catch_up": self.draft_catch_up, "drafted": self.drafted, "accepted": self.accepted, **({"gate": self.gate} if self.gate else {})}
 
     def to_dict(self) -> dict:
         out = {"ttft_s": self.ttft_s, "ms_per_token": self.ms_per_token, "tokens_per_s": self.tokens_per_s,
@@ -90,6 +91,7 @@ def pooled(batches: list[Metrics]) -> dict:
             total.spec_steps += b.spec_steps
             total.plain_steps += b.plain_steps
             total.gated_steps += b.gated_steps
+            total.draft_catch_up += b.draft_catch_up
             total.drafted += b.drafted
             total.accepted += b.accepted
             total.emitted_per_step += b.emitted_per_step

@@ -34,14 +34,8 @@ class RunOptions:
             raise NeuronInferError(f"prefill chunk must be a whole number of tokens >= 0 (0: whole prompts), "
                                    f"got {chunk!r}")
 
-    def chunk_tokens(self, build: BuildConfig, whole_prompts: bool = False) -> int:
-        """Prompt tokens per step while others decode, 0 for whole prompts. `whole_prompts`: the engine encodes
-        prompts only whole (a draft model: its draft has no graphs that start past position 0)."""
-        if whole_prompts:
-            if self.prefill_chunk:
-                raise NeuronInferError("chunked prefill does not work with a draft model (the draft encodes whole "
-                                       "prompts); drop the prefill chunk option")
-            return 0
+    def chunk_tokens(self, build: BuildConfig) -> int:
+        """Prompt tokens per step while others decode, 0 for whole prompts."""
         if self.prefill_chunk is not None:
             return self.prefill_chunk
         buckets = sorted(build.context_bucket_list)

@@ -15,14 +15,14 @@ With prefix caching, a newly admitted sequence whose first blocks were cached en
 With chunked prefill (`prefill`), a prompt that starts while others decode is encoded a chunk per call; until its
 last chunk the sequence sits decode steps out (its slot is bound to no blocks for them, like a free slot).
 
-Speculation: one graph serves one sampling rule per step, so a step is plain (and also writes the draft cache, so
-speculation resumes afterwards) when the scheduled sequences mix greedy and sampled or different temperature /
-top-k / top-p, when a sequence asks for logprobs or uses penalties or min-p, and near max_length where a
-speculative block would not fit.
+Speculation: one graph serves one sampling rule per step, so a step is plain when the scheduled sequences mix
+greedy and sampled or different temperature / top-k / top-p, when a sequence asks for logprobs or uses penalties or
+min-p, and near max_length where a speculative block would not fit. Plain steps and prompt encoding write only the
+target cache; before a speculative step the draft catches up on what it missed (`SpecEngine.catch_up`).
 
 With `gate`, a step that could speculate still takes a plain step while speculative steps are measured not to
-pay (`runtime/spec_gate.py`; the plain steps write the draft cache, so it can speculate again, and it probes), unless
-a scheduled sequence is seeded (its tokens would then follow measured times).
+pay (`runtime/spec_gate.py`; it probes now and then), unless a scheduled sequence is seeded (its tokens would then
+follow measured times).
 
 Prompt lookup (`--draft-model ngram`, an NgramSpec): drafts are copied from each sequence's own tokens, so rows
 may mix sampling rules; `runtime/ngram.py` decides per step which sequences draft how many tokens (all none: a plain
@@ -78,19 +78,17 @@ class Runner:
                  on_logits: Callable[[torch.Tensor], None] | None = None, keep_step_counts: bool = False,
                  options: RunOptions = RunOptions()):  # noqa: B008 (frozen)
         """engine: an Engine (speculating when it carries a draft, `engine.spec`) or a SpecEngine. options: prefix
-        caching and chunked prefill (neither with a draft model, whose prefill always encodes the whole prompt), and
-        the speculation gate (with a draft model, speculate only while speculative steps are measured to pay,
+        caching, chunked prefill and the speculation gate (with a draft model, speculate only while speculative steps are measured to pay,
         `SpecGate`; off, every step that can speculate does: fixed-k experiments)."""
         spec = engine if isinstance(engine, (SpecEngine, NgramSpec)) else engine.spec
         self.engine = spec.target if spec is not None else engine
         self.spec, self.agree, self.on_logits = spec, agree, on_logits
         self.keep_step_counts = keep_step_counts  # per (step, sequence) emitted counts: bounded runs only
         self.batch, self.max_length = engine.build.batch_size, engine.build.max_length
-        whole = isinstance(self.spec, SpecEngine)
-        self.chunk = options.chunk_tokens(engine.build, whole_prompts=whole)  # 0: whole prompts
+        self.chunk = options.chunk_tokens(engine.build)  # 0: whole prompts
         pool = self.engine.pool
         pool.release_all()  # one runner drives an engine at a time: earlier runners' sequences are gone
-        pool.prefix_caching = options.prefix_caching and not whole
+        pool.prefix_caching = options.prefix_caching
         self.lookahead = self.spec.k if self.spec is not None else 0
         self.scheduler = Scheduler(self.batch, pool, self.lookahead, self.max_length)
         self.encoding: dict[Sequence, int] = {}  # admitted sequences still encoding -> positions encoded (in order)
@@ -205,19 +203,12 @@ class Runner:
         tokens = torch.tensor([s.tokens[-1] for s in live], dtype=torch.int64)  # [n] pending tokens ...
         positions = torch.tensor([len(s) - 1 for s in live], dtype=torch.int64)  # [n] ... at their own slots
         rows = [s.row for s in live]
-        if self.spec is None or isinstance(self.spec, NgramSpec):  # the smallest graph holding the live rows
-            decode = self.engine.decode_rows if self.spec is None else self.spec.decode_rows  # (timed)
-            logits = decode(rows, tokens, positions)  # [n, V]
-            at = {s: i for i, s in enumerate(live)}
-            return self._emit(scheduled, logits[[at[s] for s in scheduled]])  # [m, V]
-        all_tokens = torch.zeros(self.batch, dtype=torch.int64)  # [B] free rows: token 0 ...
-        all_pos = torch.zeros(self.batch, dtype=torch.int64)  # [B] ... at position 0
-        all_prev = torch.zeros(self.batch, dtype=torch.int64)  # [B] the token before each pending one
-        all_tokens[rows], all_pos[rows] = tokens, positions
-        all_prev[rows] = torch.tensor([s.tokens[-2] for s in live], dtype=torch.int64)
+        # the smallest graph holding the live rows; a draft model's cache is left to `SpecEngine.catch_up`
+        decode = self.spec.decode_rows if isinstance(self.spec, NgramSpec) else self.engine.decode_rows  # (timed)
         with self._timed("plain"):
-            logits = self.spec.decode_both(all_tokens, all_pos, all_prev)  # [B, V]: also writes the draft cache
-        return self._emit(scheduled, logits[[s.row for s in scheduled]])  # [m, V]
+            logits = decode(rows, tokens, positions)  # [n, V]
+        at = {s: i for i, s in enumerate(live)}
+        return self._emit(scheduled, logits[[at[s] for s in scheduled]])  # [m, V]
 
     def _emit(self, seqs: list[Sequence], logits: torch.Tensor) -> dict[Sequence, list[int]]:
         """Sample every sequence in one call (logits [n, V]), agree across ranks, append under the stop rules."""
@@ -271,6 +262,7 @@ class Runner:
                 u[s.row] = torch.rand(u.shape[1], generator=s.generator)
             if self.agree is not None:
                 u = self.agree(u)
+        self.stats.draft_catch_up += self.spec.catch_up(rows)  # untimed: the gate weighs the step itself
         with self._timed("spec"):
             got = self.spec.step_tokens(rows, rule, u)
         if self.gate is not None:

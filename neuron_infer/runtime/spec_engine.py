@@ -13,6 +13,13 @@ they write the scratch block).
 
 Both caches are block caches with the same block numbers: the target engine's slot tables (`Engine.bind`) address
 the draft cache too (the draft engine shares them). A fused graph is compiled for the artifact's default block count.
+
+The draft cache is filled lazily. Prompt encoding and plain steps write only the target cache (so a plain step costs
+what it costs without a draft, prompts may be encoded in chunks and after cached prefix blocks); before a speculative
+step, `catch_up` writes the draft K/V the step needs: a row with little drafted is encoded by the draft's context
+graph (positions from 0, up to its largest context bucket), a short lag by two-token draft passes over every row.
+Per row the engine keeps the tokens whose draft K/V are in place (`drafted`), so a row whose speculative tokens
+the caller discarded, or a new request in a reused row, is caught up from where its tokens really agree.
 """
 from __future__ import annotations
 
@@ -29,6 +36,15 @@ from neuron_infer.runtime.sampling import params_tensor
 from neuron_infer.runtime.spec_step import SpecCacheLayout, speculate, uniforms_width, unpack
 
 MODES = ("fused", "unfused")
+PREFILL_LAG = 16  # a lag of more tokens is re-encoded by the draft's context graph rather than two-token passes
+
+
+def _agree(drafted: list[int], seq: Sequence[int]) -> int:
+    """How many leading tokens of `seq` the draft cache holds (the common prefix of the two)."""
+    n = min(len(drafted), len(seq))
+    if list(seq[:n]) == drafted[:n]:
+        return n
+    return next(i for i in range(n) if drafted[i] != seq[i])
 
 
 def fused_graph_name(k: int, attend: int, sample: bool) -> str:
@@ -48,6 +64,7 @@ class SpecEngine:
         target.k_cache, draft.k_cache = layout.views(self.k_flat)
         target.v_cache, draft.v_cache = layout.views(self.v_flat)
         draft.slots, draft.pool = target.slots, target.pool  # one block table for both caches
+        self.drafted: list[list[int]] = [[] for _ in range(target.build.batch_size)]  # per slot: draft K/V in place
 
     # ---- graphs ------------------------------------------------------------------------------------------------
     def _graph(self, graphs: dict, name: str):
@@ -97,15 +114,45 @@ class SpecEngine:
         eng, fn, table = self.target, self._graph(self.graphs, graph_name("verify", self.k + 1, s)), self._table(s)
         return lambda ids, pos, li: fn(ids, pos, eng.k_cache, eng.v_cache, li, table)
 
-    # ---- continuous batching: one request per batch slot, one step at a time (the vLLM runner) ------------------
+    # ---- continuous batching: one request per batch slot, one step at a time (the Runner) ------------------------
     def prefill_row(self, row: int, prompt: list[int], start: int = 0, end: int | None = None) -> torch.Tensor:
-        """Encode one prompt into the blocks of slot `row` of both models (other slots untouched) -> target logits
-        [V]. The whole prompt: the draft has no context graphs that start past position 0."""
-        if start or end not in (None, len(prompt)):
-            raise NeuronInferError("a draft model encodes whole prompts; run it without prefix caching and without "
-                                   "chunked prefill")
-        self.draft.prefill_row(row, prompt)
-        return self.target.prefill_row(row, prompt)
+        """Encode prompt[start:end] into the target blocks of slot `row` (Engine.prefill_row) -> target logits [V].
+        The draft cache of the row is written before its first speculative step (`catch_up`)."""
+        self.drafted[row] = []
+        return self.target.prefill_row(row, prompt, start, end)
+
+    def catch_up(self, seqs: Mapping[int, Sequence[int]]) -> int:
+        """Write the draft K/V a speculative step over `seqs` needs (row -> all its tokens, the last one not yet
+        cached): positions 0..len-3 of each row (the step's first draft pass writes len-2 and len-1) -> draft
+        passes run (0: nothing lagged)."""
+        need = {row: len(seq) - 2 for row, seq in seqs.items()}
+        have = {row: _agree(self.drafted[row], seqs[row]) for row in seqs}
+        passes = 0
+        for row, n in need.items():
+            m = min(n, self.build.max_context_length)
+            if m > have[row] and (have[row] == 0 or n - have[row] > PREFILL_LAG):
+                self.draft.prefill_row(row, list(seqs[row][:m]))  # positions 0..m-1
+                have[row], passes = m, passes + 1
+        while any(have[row] < need[row] for row in seqs):
+            last, prev, pos = self._parked()
+            for row, seq in seqs.items():
+                q = have[row] if have[row] < need[row] else len(seq) - 2  # the caught-up rewrite the step's two
+                prev[row], last[row], pos[row] = seq[q], seq[q + 1], q + 1
+                have[row] = q + 2
+            self._draft_pass(prev, last, pos)
+            passes += 1
+        for row, seq in seqs.items():
+            self.drafted[row] = list(seq[: have[row]])
+        return passes
+
+    def _draft_pass(self, prev: torch.Tensor, last: torch.Tensor, pos: torch.Tensor) -> None:
+        """One two-token draft pass over every slot: [prev, last] at [pos-1, pos] (each [B]); logits unused."""
+        s = pick_bucket(min(int(pos.max()) + self.k + 1, self.build.max_length), self.build.tokengen_bucket_list,
+                        "sequence", "--max-length")  # draft tokengen graphs exist only for buckets >= K + 2
+        ids2 = torch.stack([prev, last], dim=1).to(torch.int64)  # [B, 2]
+        pos2 = torch.stack([pos - 1, pos], dim=1).to(torch.int64)  # [B, 2]
+        with torch.inference_mode():
+            self._draft_fn(s)(ids2, pos2, torch.ones_like(pos2[:, :1]))
 
     def can_speculate(self, seqs: Mapping[int, Sequence[int]]) -> bool:
         """Whether a speculative step fits every row of `seqs` (row -> tokens, the last one not yet cached): the
@@ -123,24 +170,12 @@ class SpecEngine:
                 raise NeuronInferError(f"row {row} has {len(seq)} token(s); a speculative step needs the prompt "
                                        "and its first generated token (prefill_row, then sample)")
             last[row], prev[row], pos[row] = seq[-1], seq[-2], len(seq) - 1
+        self.catch_up(seqs)
         res = self.step(last, prev, pos, sampling, u)
-        return {row: res["tokens"][row, : int(res["counts"][row])].tolist() for row in seqs}
-
-    def decode_both(self, tokens: torch.Tensor, positions: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
-        """A plain one-token target step that also writes the draft cache, so speculation can resume after it
-        (tail near max_length, rows that cannot share one speculative graph, or the speculation gate's choice).
-        The draft writes [prev, last] at [p-1, p], as a speculative step's first draft pass does: a step whose K
-        drafts were all accepted leaves slot p-1 of the draft cache to the next step.
-        tokens [B], positions [B] (free rows: token 0 at 0), prev [B] the tokens at positions - 1 -> logits [B, V]."""
-        p = int(positions.max())
-        s = pick_bucket(min(p + self.k + 1, self.build.max_length), self.build.tokengen_bucket_list, "sequence",
-                        "--max-length")  # draft tokengen graphs exist only for buckets >= K + 2
-        last = positions.to(torch.int64).clamp(min=1)  # [B] free rows write the scratch block at 0..1
-        ids2 = torch.stack([prev, tokens], dim=1).to(torch.int64)  # [B, 2]
-        pos2 = torch.stack([last - 1, last], dim=1)  # [B, 2]
-        with torch.inference_mode():
-            self._draft_fn(s)(ids2, pos2, torch.ones_like(pos2[:, :1]))  # writes the draft K/V; logits unused
-        return self.target.decode(tokens, positions)
+        got = {row: res["tokens"][row, : int(res["counts"][row])].tolist() for row in seqs}
+        for row, seq in seqs.items():  # the drafts written at len..len+K-2 were the accepted tokens, as far as they go
+            self.drafted[row] = list(seq) + got[row][: min(len(got[row]) - 1, self.k - 1)]
+        return got
 
     def _parked(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """last [B], prev [B], pos [B] of rows without a live request: token 0 at position 1 (junk rows)."""

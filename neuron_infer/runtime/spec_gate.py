@@ -1,25 +1,28 @@
 """SpecGate: per step, whether a draft-model speculative step pays, from measured step times and yields.
 
 A speculative step emits E tokens per sequence (an EWMA of what the steps emitted) in time S; a plain step emits 1 in
-time P (the plain step of a draft-model engine, `SpecEngine.decode_both`, also writes the draft cache so speculation
-can resume after it). Speculation pays when
+time P (the target alone: plain steps leave the draft cache to `SpecEngine.catch_up`, which runs before a speculative
+step, outside its timing). Speculation pays when
 
     E / (S / P) > 1
 
 S and P are EWMAs of wall times (`StepClock`, the first sample of each kind is warm-up). Policy (`want`):
     no speculative step measured yet     speculate (optimistic start)
     no plain step measured yet           plain (to measure one)
-    `probe_every` plain steps in a row   speculate once (a probe: a change in acceptance is noticed)
+    `interval` plain steps in a row      speculate once (a probe: a change in acceptance is noticed)
     otherwise                            speculate iff E * P / S > 1
-The Runner asks `want` only when a speculative step is possible (one shared sampling rule, room before
-max_length, no seeded sequence scheduled), times the step it takes through `clock`, and reports each speculative
-step's yield (`record_spec`).
+The probe interval starts at `probe_every` and doubles after each probe that finds speculation still not paying, up
+to `probe_every` * MAX_BACKOFF (a probe costs a speculative step and the draft's catch-up on what it missed); it
+returns to `probe_every` once speculation pays. The Runner asks `want` only when a speculative step is possible (one
+shared sampling rule, room before max_length, no seeded sequence scheduled), times the step it takes through
+`clock`, and reports each speculative step's yield (`record_spec`).
 """
 from __future__ import annotations
 
 from neuron_infer.runtime.step_clock import StepClock
 
-PROBE_EVERY = 16  # plain steps in a row after which one speculative step is taken again
+PROBE_EVERY = 16  # plain steps in a row after which one speculative step is taken again (at first)
+MAX_BACKOFF = 16  # the probe interval grows up to PROBE_EVERY * MAX_BACKOFF plain steps
 TOKENS_ALPHA = 0.3  # weight of the newest speculative step's tokens per sequence
 
 
@@ -29,6 +32,8 @@ class SpecGate:
     def __init__(self, clock: StepClock | None = None, probe_every: int = PROBE_EVERY):
         self.clock = clock or StepClock()
         self.probe_every = probe_every
+        self.interval = probe_every  # plain steps in a row before the next probe
+        self.probing = False  # the last speculative step was a probe
         self.tokens: float | None = None  # EWMA tokens per sequence per speculative step
         self.plain_run = 0  # plain steps since the last speculative step
 
@@ -53,9 +58,14 @@ class SpecGate:
             return True
         if not self.clock.measured("plain"):
             return False
-        if self.plain_run >= self.probe_every:
+        if self.plain_run >= self.interval:
+            self.probing = True
             return True
-        return self.payoff > 1.0
+        pays = self.payoff > 1.0
+        if self.probing:  # the first decision after a probe: back off, or start over
+            self.probing = False
+            self.interval = self.probe_every if pays else min(2 * self.interval, self.probe_every * MAX_BACKOFF)
+        return pays
 
     def record_plain(self) -> None:
         """A plain step was taken although speculation was possible (its time goes through `clock`)."""

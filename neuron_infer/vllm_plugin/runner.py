@@ -59,7 +59,7 @@ class SlotRunner:
 
     @property
     def chunks(self) -> bool:
-        """Whether prompts may be encoded in chunks (not with a draft model, which encodes whole prompts)."""
+        """Whether prompts may be encoded in chunks (not when the options ask for whole prompts)."""
         return self.runner.chunk > 0
 
     def admit(self, req_id: str, token_ids: list[int], sampling: SamplingConfig, prompt_len: int | None = None,

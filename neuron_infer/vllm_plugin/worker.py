@@ -245,8 +245,8 @@ class NeuronInferWorker(WorkerBase):
     def _progress(self, req_id: str, computed: int, out: dict[str, list[int]]) -> None:
         """Encode the prompt's tokens up to `computed`; a request gets its first token with its last token encoded.
         The platform turns vLLM's chunked prefill off (vLLM 0.32 does so anyway for a worker that reports no KV
-        cache), so prompts arrive whole; should a prompt arrive in chunks, each is encoded as it comes, except with
-        a draft model, which encodes whole prompts: its request then joins when the last chunk arrives."""
+        cache), so prompts arrive whole; should a prompt arrive in chunks, each is encoded as it comes (with chunked
+        prefill off in the options, the request joins when its last chunk arrives)."""
         tokens, params = self._pending[req_id]
         if req_id not in self.runner.slots:
             if computed < len(tokens) and not self.runner.chunks:

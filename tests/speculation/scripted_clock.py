@@ -20,7 +20,7 @@ class Scripted:
     def install(self, se, set_attr=setattr) -> None:
         """Wrap the SpecEngine's step calls and give every new Runner's gate this clock (`set_attr`: pytest's
         monkeypatch.setattr, or setattr in a throw-away rank process)."""
-        step_tokens, decode_both = se.step_tokens, se.decode_both
+        step_tokens, decode_rows = se.step_tokens, se.target.decode_rows  # a plain step runs the target alone
 
         def spec(*a, **kw):
             self.now += self.spec_cost(len(self.kinds))
@@ -30,8 +30,8 @@ class Scripted:
         def plain(*a, **kw):
             self.now += self.plain_cost
             self.kinds.append("P")
-            return decode_both(*a, **kw)
+            return decode_rows(*a, **kw)
 
         set_attr(se, "step_tokens", spec)
-        set_attr(se, "decode_both", plain)
+        set_attr(se.target, "decode_rows", plain)
         set_attr(runner_mod, "SpecGate", lambda: SpecGate(StepClock(self), self.probe_every))

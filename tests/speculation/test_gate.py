@@ -1,7 +1,7 @@
 """The speculation gate (runtime/spec_gate.py): draft-model steps speculate only while they are measured to pay.
 
 Step times are scripted, never measured: the Runner's gate gets a StepClock whose timer is a fake clock, and the
-engine's two step calls (`step_tokens`: speculative, `decode_both`: plain) advance it by a chosen cost. So every
+engine's two step calls (`step_tokens`: speculative, the target's `decode_rows`: plain) advance it by a chosen cost. So every
 decision is deterministic and each test asserts the exact sequence of step kinds the policy implies.
 """
 from __future__ import annotations
@@ -12,7 +12,7 @@ from neuron_infer.config import SamplingConfig
 from neuron_infer.runtime import runner as runner_mod
 from neuron_infer.runtime.generate import generate_ids
 from neuron_infer.runtime.options import RunOptions
-from neuron_infer.runtime.spec_gate import PROBE_EVERY, SpecGate
+from neuron_infer.runtime.spec_gate import MAX_BACKOFF, PROBE_EVERY, SpecGate
 from neuron_infer.runtime.step_clock import StepClock
 from tests.speculation.scripted_clock import Scripted
 
@@ -44,16 +44,44 @@ def test_policy_starts_optimistic_measures_plain_then_weighs_the_payoff():
         assert not gate.want()
     gate.record_plain()
     assert gate.want()  # a probe after PROBE_EVERY plain steps in a row
+    gate.record_spec(3.0)
+    for _ in range(2 * PROBE_EVERY):  # the probe did not pay: twice as many plain steps before the next one
+        assert not gate.want()
+        gate.record_plain()
+    assert gate.want()
 
 
-def expected_kinds(n_steps: int, pays: bool) -> list[str]:
+def test_probe_interval_doubles_up_to_its_cap_and_starts_over_when_speculation_pays():
+    gate = SpecGate(StepClock(), probe_every=2)
+    for kind, t in (("spec", 1.0), ("spec", 4.0), ("plain", 1.0), ("plain", 1.0)):
+        gate.clock.add(kind, t)
+    gate.record_spec(2.0)  # payoff 2 * 1 / 4 = 0.5
+    runs = []
+    for _ in range(MAX_BACKOFF.bit_length() + 2):  # plain steps before each probe
+        n = 0
+        while not gate.want():
+            gate.record_plain()
+            n += 1
+        runs.append(n)
+        gate.record_spec(2.0)
+    assert runs == [min(2 * 2 ** i, 2 * MAX_BACKOFF) for i in range(len(runs))]  # 2, 4, ... 32, 32
+    while gate.payoff <= 1.0:  # speculation became cheap (the EWMA of its step time falls)
+        gate.clock.add("spec", 0.1)
+    assert gate.want()  # pays: speculate, and the next probe interval is probe_every again
+    assert gate.interval == 2
+
+
+def expected_kinds(n_steps: int, pays: bool, probe_every: int = PROBE_EVERY) -> list[str]:
     """Two speculative steps (warm-up, measured), two plain ones (warm-up, measured), then the decision: always
-    speculate when it pays; else plain, with one probe after every PROBE_EVERY plain steps in a row."""
+    speculate when it pays; else plain, with one probe after `probe_every` plain steps in a row, the interval
+    doubling after each probe (up to probe_every * MAX_BACKOFF)."""
     kinds = ["S", "S", "P", "P"]
-    run_ = 2
+    run_, interval = 2, probe_every
     while len(kinds) < n_steps:
-        if pays or run_ >= PROBE_EVERY:
+        if pays or run_ >= interval:
             kinds.append("S")
+            if not pays:
+                interval = min(2 * interval, probe_every * MAX_BACKOFF)
             run_ = 0
         else:
             kinds.append("P")
@@ -63,11 +91,11 @@ def expected_kinds(n_steps: int, pays: bool) -> list[str]:
 
 def test_takes_plain_steps_when_speculation_does_not_pay_and_probes(spec_engine, monkeypatch):
     se = spec_engine(draft="full", k=4)  # every draft accepted: 5 tokens per speculative step
-    clock = Scripted(spec_cost=10.0)  # 5 tokens in 10 plain steps' time: payoff 0.5
+    clock = Scripted(spec_cost=10.0, probe_every=4)  # 5 tokens in 10 plain steps' time: payoff 0.5
     clock.install(se, monkeypatch.setattr)
     got, m = run(se, [PROMPT], 60)
-    assert clock.kinds == expected_kinds(len(clock.kinds), pays=False)
-    assert clock.kinds.count("S") >= 4  # at least two probes happened
+    assert clock.kinds == expected_kinds(len(clock.kinds), pays=False, probe_every=4)
+    assert clock.kinds.count("S") >= 5  # at least three probes happened
     assert m.spec_steps == clock.kinds.count("S") and m.plain_steps == clock.kinds.count("P")
     assert m.gated_steps == m.plain_steps  # every plain step was the gate's choice (one rule, far from the end)
     assert m.speculation()["gated_steps"] == m.gated_steps
@@ -88,13 +116,15 @@ def test_speculates_when_it_pays(spec_engine, monkeypatch):
 
 def test_a_probe_notices_that_speculation_became_cheap(spec_engine, monkeypatch):
     se = spec_engine(draft="full", k=4)
-    clock = Scripted(spec_cost=lambda step: 10.0 if step < 4 else 0.5, probe_every=4)  # cheap after the start
+    clock = Scripted(spec_cost=lambda step: 10.0 if step < 4 else 0.5, probe_every=2)  # cheap after the start
     clock.install(se, monkeypatch.setattr)
     _, m = run(se, [PROMPT], 70)
-    # EWMA of the speculative step time over the probes: 10, 8.1, 6.58, 5.36 (payoff 5 / 5.36 < 1), 4.39 (> 1)
+    # EWMA of the speculative step time over the probes: 10, 8.1, 6.58, 5.36 (payoff 5 / 5.36 < 1), 4.39 (> 1);
+    # the probe interval doubles after each probe that did not pay: 2 (the two measured plain steps), 4, 8, 16
     kinds = "".join(clock.kinds)
-    assert kinds == "SSPPPPS" + "PPPPS" * 3 + "S" * (len(kinds) - 22)
-    assert m.gated_steps == 16
+    head = "SSPP" + "S" + "P" * 4 + "S" + "P" * 8 + "S" + "P" * 16 + "S"
+    assert kinds == head + "SS"  # 60 tokens in the head, then speculation pays: 2 steps of 5 tokens
+    assert m.gated_steps == 30
 
 
 @pytest.mark.parametrize("mode", ["unfused", "fused"])

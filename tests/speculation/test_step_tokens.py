@@ -1,8 +1,9 @@
-"""SpecEngine's per-step API for continuous batching (prefill_row / step_tokens / decode_both / can_speculate).
+"""SpecEngine's per-step API for continuous batching (prefill_row / catch_up / step_tokens / can_speculate).
 
-Requests join and leave rows at different steps (a freed row is reused), some steps are plain one-token steps
-(`decode_both`, as the vLLM runner does when the batch mixes sampling rules) and the longest request runs into the
-tail where a speculative block no longer fits. Greedy (fp32, eager graphs): every request's tokens must equal
+Requests join and leave rows at different steps (a freed row is reused), some steps are plain one-token steps of
+the target alone (as the Runner takes when the batch mixes sampling rules or the gate closes; the draft catches up
+before the next speculative step) and the longest request runs into the tail where a speculative block no longer
+fits. Greedy (fp32, eager graphs): every request's tokens must equal
 target-only `generate_ids` on that request alone, token for token.
 """
 import pytest
@@ -26,10 +27,10 @@ def drive(se, plain_every: int):
         if seqs:
             if step % plain_every == 0 or not se.can_speculate(seqs):
                 n["tail" if not se.can_speculate(seqs) else "plain"] += 1
-                tokens, pos, prev = (torch.zeros(3, dtype=torch.int64) for _ in range(3))  # [B] each
+                tokens, pos = (torch.zeros(3, dtype=torch.int64) for _ in range(2))  # [B] each
                 for r, s in seqs.items():
-                    tokens[r], pos[r], prev[r] = s[-1], len(s) - 1, s[-2]
-                logits = se.decode_both(tokens, pos, prev)  # [B, V]
+                    tokens[r], pos[r] = s[-1], len(s) - 1
+                logits = se.target.decode(tokens, pos)  # [B, V]
                 new = {r: [int(logits[r].argmax())] for r in seqs}
             else:
                 new = se.step_tokens(seqs, SamplingConfig())
@@ -70,41 +71,60 @@ def test_step_tokens_needs_a_first_token(spec_engine):
         se.step_tokens({0: [5]}, SamplingConfig())
 
 
-def test_decode_both_writes_the_draft_cache(spec_engine):
-    """Greedy output cannot show a stale draft cache (it only lowers acceptance), so compare the cache itself: plain
-    steps must leave the draft's K/V of row 0 equal to a fresh draft prefill of the same tokens into row 1."""
-    se = spec_engine(draft="layers1", k=3, mode="fused", batch_size=3)
-    se.target.bind_stripes()  # driven without a runner: each row its own blocks
-    prompt = list(range(5, 25))
-    seq = prompt + [int(se.prefill_row(0, prompt).argmax())]
-    for _ in range(5):
-        tokens, pos, prev = (torch.zeros(3, dtype=torch.int64) for _ in range(3))  # [B] each
-        tokens[0], pos[0], prev[0] = seq[-1], len(seq) - 1, seq[-2]
-        seq.append(int(se.decode_both(tokens, pos, prev)[0].argmax()))
-    cached = len(seq) - 1  # the newest token is not in the cache yet
-    se.prefill_row(1, seq[:cached])
+def plain_steps(se, seq: list[int], n: int) -> None:
+    """n plain one-token steps of row 0 through the target alone (the draft cache is not written)."""
+    for _ in range(n):
+        tokens, pos = (torch.zeros(3, dtype=torch.int64) for _ in range(2))  # [B] each
+        tokens[0], pos[0] = seq[-1], len(seq) - 1
+        seq.append(int(se.target.decode(tokens, pos)[0].argmax()))
+
+
+def assert_draft_cache_holds(se, seq: list[int], upto: int) -> None:
+    """Row 0's draft K/V at positions < upto equal a fresh draft prefill of the same tokens into row 1."""
+    se.draft.prefill_row(1, seq[:upto])
     for a, b in zip(se.draft.slot_kv(0), se.draft.slot_kv(1)):  # K, V [L, Hkv, S, D] of slots 0 and 1
         # fp32, one-token vs whole-prompt graphs: same math, different reduction order -> ~1e-6 differences
-        torch.testing.assert_close(a[:, :, :cached], b[:, :, :cached], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(a[:, :, :upto], b[:, :, :upto], rtol=1e-4, atol=1e-5)
+
+
+# a 5-token prompt, then 3 plain steps: a lag of 3 tokens, two two-token passes; 18: a lag of 18 > PREFILL_LAG,
+# positions 0..21 re-encoded by one pass of the draft's context graph
+@pytest.mark.parametrize(("plain", "want_passes"), [(3, 2), (18, 1)])
+def test_catch_up_writes_what_plain_steps_left_out(spec_engine, plain, want_passes):
+    """Greedy output cannot show a stale draft cache (it only lowers acceptance), so compare the cache itself: after
+    the prompt and plain steps of the target alone, `catch_up` must leave the draft's K/V of row 0 equal to a fresh
+    draft prefill of the same tokens (positions 0..len-3: the speculative step writes the last two)."""
+    se = spec_engine(draft="layers1", k=3, mode="fused", batch_size=3)
+    se.target.bind_stripes()  # driven without a runner: each row its own blocks
+    prompt = [5, 9, 2, 7, 11]
+    seq = prompt + [int(se.prefill_row(0, prompt).argmax())]
+    assert se.catch_up({0: seq}) == 1  # the prompt: one pass of the draft's context graph
+    plain_steps(se, seq, plain)
+    passes = se.catch_up({0: seq})
+    assert passes == want_passes
+    assert_draft_cache_holds(se, seq, len(seq) - 2)
+    assert se.catch_up({0: seq}) == 0  # nothing lags any more
 
 
 @pytest.mark.parametrize("mode", ["fused", "unfused"])
-def test_a_plain_step_after_a_fully_accepted_block_fills_the_draft_cache(spec_engine, mode):
-    """A speculative step whose K drafts are all accepted never runs its last draft through the draft model: the
-    next step writes that slot. When the next step is plain, `decode_both` must write it (else the draft attends to
-    a stale slot for the rest of the sequence, which lowers acceptance, unseen by greedy output)."""
+def test_catch_up_after_a_fully_accepted_block(spec_engine, mode):
+    """A speculative step whose K drafts are all accepted never runs its last draft through the draft model, and a
+    step's tokens may be discarded by the caller (a row that was not scheduled): `drafted` must record only what
+    the draft really wrote and agrees with the row's tokens, so catch_up fills exactly the rest."""
     se = spec_engine(draft="full", k=3, mode=mode, batch_size=3)  # the draft is the target: every draft accepted
     se.target.bind_stripes()
     prompt = list(range(5, 25))
     seq = prompt + [int(se.prefill_row(0, prompt).argmax())]
     got = se.step_tokens({0: seq}, SamplingConfig())[0]
     assert len(got) == 4  # the whole block accepted
+    assert se.drafted[0] == seq + got[:2]  # the drafts run through the draft model: K - 1 of them
     seq += got
-    for _ in range(2):
-        tokens, pos, prev = (torch.zeros(3, dtype=torch.int64) for _ in range(3))  # [B] each
-        tokens[0], pos[0], prev[0] = seq[-1], len(seq) - 1, seq[-2]
-        seq.append(int(se.decode_both(tokens, pos, prev)[0].argmax()))
-    cached = len(seq) - 1
-    se.prefill_row(1, seq[:cached])
-    for a, b in zip(se.draft.slot_kv(0), se.draft.slot_kv(1)):  # K, V [L, Hkv, S, D] of slots 0 and 1
-        torch.testing.assert_close(a[:, :, :cached], b[:, :, :cached], rtol=1e-4, atol=1e-5)
+    plain_steps(se, seq, 2)
+    se.catch_up({0: seq})
+    assert_draft_cache_holds(se, seq, len(seq) - 2)
+    discarded = se.step_tokens({0: seq}, SamplingConfig())[0]  # the caller keeps none of these tokens
+    assert len(discarded) == 4
+    plain_steps(se, seq, 3)  # other tokens than the discarded ones (the target alone, greedy: the same here) ...
+    seq[-3:] = [t + 1 for t in seq[-3:]]  # ... so make them differ, as a sampled plain step could
+    se.catch_up({0: seq})
+    assert_draft_cache_holds(se, seq, len(seq) - 2)
