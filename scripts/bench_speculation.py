@@ -93,8 +93,15 @@ def run_k(k: int, args, cfg, target, prompt_ids) -> dict:
         runs = {"baseline": lambda: generate_ids(se.target, [prompt_ids], n, ignore_eos=True)}
         for mode in ("unfused", "fused"):
             runs[mode] = lambda mode=mode: generate_ids(se.with_mode(mode), [prompt_ids], n, ignore_eos=True)
-        runs["gated"] = lambda: generate_ids(se.with_mode("fused"), [prompt_ids], n, ignore_eos=True,
-                                             options=RunOptions(speculation_gate=True))
+        gated_rounds: list[float] = []  # the gate keeps its measurements on the engine: round 1 measures
+
+        def gated():
+            out = generate_ids(se.with_mode("fused"), [prompt_ids], n, ignore_eos=True,
+                               options=RunOptions(speculation_gate=True))
+            gated_rounds.append(out[1].tokens_per_s)
+            return out
+
+        runs["gated"] = gated
         got = interleaved(runs, args.repeats)
         base = got["baseline"][1]
         row = {"k": k, "baseline": got["baseline"][0]}
@@ -107,7 +114,7 @@ def run_k(k: int, args, cfg, target, prompt_ids) -> dict:
                 row["acceptance"], row["tokens_per_step"] = m.acceptance_rate, m.mean_accepted_tokens_per_step
             if mode == "gated":
                 row["gated_steps"] = f"{m.spec_steps}/{m.plain_steps}"
-                row["gate"] = m.gate
+                row["gate"], row["gated_rounds"] = m.gate, gated_rounds
     return row
 
 
@@ -151,7 +158,9 @@ def main() -> None:
         g = r["gate"]
         print(f"      gate (last round): plain step {g['plain_ms']:.1f} ms (the target alone), speculative step "
               f"{g['spec_ms']:.1f} ms, {g['tokens_per_spec_step']:.2f} tokens per speculative step: payoff "
-              f"{g['payoff']:.2f}", flush=True)
+              f"{g['payoff']:.2f}; the draft's catch-up {g['catch_up_ms_per_position']:.1f} ms per position; gated "
+              f"tok/s per round {', '.join(f'{x:.1f}' for x in r['gated_rounds'])} (the gate's measurements carry "
+              "over from round to round)", flush=True)
 
 
 MODEL_DIR: Path

@@ -16,6 +16,7 @@ Artifact additions:
                                       At tp > 1 the draft is replicated: this one file serves every rank, and only
                                       the norms (whole on every rank) are shared with the target's shard.
     graphs/draft_context_t{T}_s{T}, draft_tokengen_t{1,2}_s{S}, verify_t{K+1}_s{S}   (unfused host loop)
+    graphs/draft_tokengen_t8_s{S}                   (the draft's catch-up, 8 positions per pass; S >= 8)
     graphs/fused_{greedy,sample}_k{K}_s{S}                                        (--fused-speculation)
     (at tp > 1 under graphs/rank{r}/ on CPU: rank r's target shard with the whole draft, which has no collectives)
 With `--draft-model ngram` (prompt lookup) only the verify graphs are added: no draft weights, no draft graphs.
@@ -38,7 +39,7 @@ from neuron_infer.errors import ConfigError
 from neuron_infer.model.llama import BucketStep, LlamaModel
 from neuron_infer.progress import steps
 from neuron_infer.runtime.engine import CacheShape, GraphSpec, graph_name
-from neuron_infer.runtime.spec_engine import fused_graph_name
+from neuron_infer.runtime.spec_engine import CATCH_UP_TOKENS, fused_graph_name
 from neuron_infer.runtime.spec_step import FusedSpecStep, SpecCacheLayout, fused_example_args
 
 DRAFT_WEIGHTS = "weights/draft_rank0.safetensors"
@@ -179,7 +180,8 @@ def spec_graph_list(build: BuildConfig, draft: bool = True) -> list[SpecGraph]:
         if s < k + 2:
             continue  # a step at position >= 1 needs p + K + 1 <= s slots
         if draft:
-            out += [SpecGraph("draft_" + graph_name("tokengen", t, s), "draft", t, s, b) for t in (1, 2)]
+            widths = (1, 2, CATCH_UP_TOKENS) if s >= CATCH_UP_TOKENS else (1, 2)
+            out += [SpecGraph("draft_" + graph_name("tokengen", t, s), "draft", t, s, b) for t in widths]
         out.append(SpecGraph(graph_name("verify", k + 1, s), "verify", k + 1, s, b))
         if draft and build.speculation.fused:
             out += [SpecGraph(fused_graph_name(k, s, sample), "fused", k, s, b, sample=sample)

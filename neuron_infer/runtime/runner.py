@@ -65,7 +65,6 @@ from neuron_infer.runtime.sampling import draw_uniforms, sample_rows, token_hist
 from neuron_infer.runtime.scheduler import Scheduler
 from neuron_infer.runtime.sequence import Sequence
 from neuron_infer.runtime.spec_engine import SpecEngine
-from neuron_infer.runtime.spec_gate import SpecGate
 from neuron_infer.runtime.spec_step import uniforms_width
 
 Agree = Callable[[torch.Tensor], torch.Tensor]  # a tensor drawn here -> rank 0's (same shape) on every rank
@@ -92,7 +91,7 @@ class Runner:
         self.lookahead = self.spec.k if self.spec is not None else 0
         self.scheduler = Scheduler(self.batch, pool, self.lookahead, self.max_length)
         self.encoding: dict[Sequence, int] = {}  # admitted sequences still encoding -> positions encoded (in order)
-        self.gate = SpecGate() if options.speculation_gate and isinstance(self.spec, SpecEngine) else None
+        self.gate = self.spec.gate if options.speculation_gate and isinstance(self.spec, SpecEngine) else None
         self.stats = Metrics()
         self.reset_stats()
 
@@ -262,7 +261,11 @@ class Runner:
                 u[s.row] = torch.rand(u.shape[1], generator=s.generator)
             if self.agree is not None:
                 u = self.agree(u)
-        self.stats.draft_catch_up += self.spec.catch_up(rows)  # untimed: the gate weighs the step itself
+        t0 = self.gate.clock.timer() if self.gate is not None else 0.0
+        passes, missing = self.spec.catch_up(rows)  # timed apart: the gate weighs it only against probing
+        if self.gate is not None:
+            self.gate.record_catch_up(self.gate.clock.timer() - t0, missing)
+        self.stats.draft_catch_up += passes
         with self._timed("spec"):
             got = self.spec.step_tokens(rows, rule, u)
         if self.gate is not None:

@@ -4,6 +4,7 @@ Graphs (per tokengen bucket S; names in the artifact, see compile/spec_builder.p
     target   context_t{T}_s{T}, tokengen_t1_s{S}       (the core engine's graphs: prefill, and the tail)
              verify_t{K+1}_s{S}                          (unfused: the target pass over K+1 positions)
     draft    draft_context_t{T}_s{T}, draft_tokengen_t{1,2}_s{S}   (unfused draft passes, draft prefill)
+             draft_tokengen_t8_s{S}                      (the draft's catch-up: 8 positions per pass)
     fused    fused_{greedy,sample}_k{K}_s{S}             (one graph: K draft passes + target pass + acceptance)
 
 A step at newest-token position p uses the smallest bucket >= p + K + 1. When a row gets so close to max_length that
@@ -16,8 +17,9 @@ the draft cache too (the draft engine shares them). A fused graph is compiled fo
 
 The draft cache is filled lazily. Prompt encoding and plain steps write only the target cache (so a plain step costs
 what it costs without a draft, prompts may be encoded in chunks and after cached prefix blocks); before a speculative
-step, `catch_up` writes the draft K/V the step needs: a row with little drafted is encoded by the draft's context
-graph (positions from 0, up to its largest context bucket), a short lag by two-token draft passes over every row.
+step, `catch_up` writes the draft K/V the step needs: a row with nothing drafted or a long lag is encoded by the
+draft's context graph (positions from 0, up to its largest context bucket), the rest by draft passes over every row
+of CATCH_UP_TOKENS positions each (two with an artifact compiled without those graphs).
 Per row the engine keeps the tokens whose draft K/V are in place (`drafted`), so a row whose speculative tokens
 the caller discarded, or a new request in a reused row, is caught up from where its tokens really agree.
 """
@@ -33,10 +35,12 @@ from neuron_infer.errors import NeuronInferError
 from neuron_infer.runtime.buckets import pick_bucket
 from neuron_infer.runtime.engine import Engine, graph_name
 from neuron_infer.runtime.sampling import params_tensor
+from neuron_infer.runtime.spec_gate import SpecGate
 from neuron_infer.runtime.spec_step import SpecCacheLayout, speculate, uniforms_width, unpack
 
 MODES = ("fused", "unfused")
-PREFILL_LAG = 16  # a lag of more tokens is re-encoded by the draft's context graph rather than two-token passes
+PREFILL_LAG = 16  # a lag of more tokens is re-encoded by the draft's context graph rather than catch-up passes
+CATCH_UP_TOKENS = 8  # positions per catch-up pass (draft_tokengen_t8_s{S}: the GEMV kernels' row limit)
 
 
 def _agree(drafted: list[int], seq: Sequence[int]) -> int:
@@ -65,6 +69,7 @@ class SpecEngine:
         target.v_cache, draft.v_cache = layout.views(self.v_flat)
         draft.slots, draft.pool = target.slots, target.pool  # one block table for both caches
         self.drafted: list[list[int]] = [[] for _ in range(target.build.batch_size)]  # per slot: draft K/V in place
+        self.gate = SpecGate()  # what the speculation gate measured (used by Runners with the gate on)
 
     # ---- graphs ------------------------------------------------------------------------------------------------
     def _graph(self, graphs: dict, name: str):
@@ -121,12 +126,13 @@ class SpecEngine:
         self.drafted[row] = []
         return self.target.prefill_row(row, prompt, start, end)
 
-    def catch_up(self, seqs: Mapping[int, Sequence[int]]) -> int:
+    def catch_up(self, seqs: Mapping[int, Sequence[int]]) -> tuple[int, int]:
         """Write the draft K/V a speculative step over `seqs` needs (row -> all its tokens, the last one not yet
-        cached): positions 0..len-3 of each row (the step's first draft pass writes len-2 and len-1) -> draft
-        passes run (0: nothing lagged)."""
+        cached): positions 0..len-3 of each row (the step's first draft pass writes len-2 and len-1) -> (draft
+        passes run, positions that were missing); (0, 0): nothing lagged."""
         need = {row: len(seq) - 2 for row, seq in seqs.items()}
         have = {row: _agree(self.drafted[row], seqs[row]) for row in seqs}
+        missing = sum(max(0, need[row] - have[row]) for row in seqs)
         passes = 0
         for row, n in need.items():
             m = min(n, self.build.max_context_length)
@@ -134,25 +140,32 @@ class SpecEngine:
                 self.draft.prefill_row(row, list(seqs[row][:m]))  # positions 0..m-1
                 have[row], passes = m, passes + 1
         while any(have[row] < need[row] for row in seqs):
-            last, prev, pos = self._parked()
-            for row, seq in seqs.items():
-                q = have[row] if have[row] < need[row] else len(seq) - 2  # the caught-up rewrite the step's two
-                prev[row], last[row], pos[row] = seq[q], seq[q + 1], q + 1
-                have[row] = q + 2
-            self._draft_pass(prev, last, pos)
+            self._catch_up_pass(seqs, need, have)
             passes += 1
         for row, seq in seqs.items():
             self.drafted[row] = list(seq[: have[row]])
-        return passes
+        return passes, missing
 
-    def _draft_pass(self, prev: torch.Tensor, last: torch.Tensor, pos: torch.Tensor) -> None:
-        """One two-token draft pass over every slot: [prev, last] at [pos-1, pos] (each [B]); logits unused."""
-        s = pick_bucket(min(int(pos.max()) + self.k + 1, self.build.max_length), self.build.tokengen_bucket_list,
-                        "sequence", "--max-length")  # draft tokengen graphs exist only for buckets >= K + 2
-        ids2 = torch.stack([prev, last], dim=1).to(torch.int64)  # [B, 2]
-        pos2 = torch.stack([pos - 1, pos], dim=1).to(torch.int64)  # [B, 2]
+    def _catch_up_pass(self, seqs: Mapping[int, Sequence[int]], need: dict[int, int], have: dict[int, int]) -> None:
+        """One draft pass of w positions per row (w = CATCH_UP_TOKENS, or 2 without its graph): a lagging row writes
+        the w tokens from its first missing one, moved back to end at its last token; a caught-up row rewrites its
+        last w (the step rewrites the last two anyway); a row shorter than w writes token 0 past its end (those
+        slots are written again before anything reads them); parked rows write the scratch block. Advances `have`."""
+        s = pick_bucket(min(max(len(q) for q in seqs.values()) + self.k, self.build.max_length),
+                        self.build.tokengen_bucket_list, "sequence", "--max-length")
+        w = CATCH_UP_TOKENS if graph_name("tokengen", CATCH_UP_TOKENS, s) in self.draft.graphs else 2
+        ids = torch.zeros(self.build.batch_size, w, dtype=torch.int64)  # [B, w] parked rows: token 0 ...
+        pos = torch.arange(w, dtype=torch.int64).repeat(self.build.batch_size, 1)  # [B, w] ... at 0..w-1
+        for row, seq in seqs.items():
+            first = have[row] if have[row] < need[row] else len(seq)
+            start = max(0, min(first, len(seq) - w))
+            window = list(seq[start: start + w])
+            ids[row, : len(window)] = torch.tensor(window, dtype=torch.int64)
+            pos[row] = torch.arange(start, start + w, dtype=torch.int64)
+            have[row] = max(have[row], start + len(window))
+        last = torch.full((self.build.batch_size, 1), w - 1, dtype=torch.int64)  # [B, 1] logits unused
         with torch.inference_mode():
-            self._draft_fn(s)(ids2, pos2, torch.ones_like(pos2[:, :1]))
+            self._draft_fn(s)(ids, pos, last)
 
     def can_speculate(self, seqs: Mapping[int, Sequence[int]]) -> bool:
         """Whether a speculative step fits every row of `seqs` (row -> tokens, the last one not yet cached): the

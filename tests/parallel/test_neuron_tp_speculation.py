@@ -105,7 +105,8 @@ def test_the_cs3_preset_compiles_through_the_double_at_tp64(cs3_like, tmp_path, 
     (trace,) = [c for name, c in nxd.calls if name == "ModelBuilder.trace"]
     target_graphs = {g.name for g in planned_graphs(build)}  # context (prefix attends included) and tokengen
     assert target_graphs <= set(m.graphs) and "context_t2048_s12288" in target_graphs
-    assert sorted(trace["keys"]) == sorted(m.graphs) and len(m.graphs) == len(target_graphs) + 4 + 2 + 1 + 2
+    # draft context x4, draft tokengen t1/t2/t8 (t8: the draft's catch-up), verify, fused greedy/sample
+    assert sorted(trace["keys"]) == sorted(m.graphs) and len(m.graphs) == len(target_graphs) + 4 + 3 + 1 + 2
     assert trace["aliases"] == {"k_cache": 1, "v_cache": 2, "draft_k_cache": 3, "draft_v_cache": 4}
     (builder,) = [c for name, c in nxd.calls if name == "ModelBuilder"]
     assert builder["tp_degree"] == 64 and builder["logical_nc_config"] == 2

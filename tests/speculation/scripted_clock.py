@@ -1,7 +1,6 @@
 """A scripted clock for the speculation gate: step times are chosen by the test, never measured."""
 from __future__ import annotations
 
-from neuron_infer.runtime import runner as runner_mod
 from neuron_infer.runtime.spec_gate import PROBE_EVERY, SpecGate
 from neuron_infer.runtime.step_clock import StepClock
 
@@ -9,8 +8,8 @@ from neuron_infer.runtime.step_clock import StepClock
 class Scripted:
     """A fake clock: the engine's step calls advance it by their scripted cost and log their kind ("S" / "P")."""
 
-    def __init__(self, spec_cost, plain_cost: float = 1.0, probe_every: int = PROBE_EVERY):
-        self.now, self.kinds, self.probe_every = 0.0, [], probe_every
+    def __init__(self, spec_cost, plain_cost: float = 1.0, probe_every: int = PROBE_EVERY, catch_cost: float = 0.0):
+        self.now, self.kinds, self.probe_every, self.catch_cost = 0.0, [], probe_every, catch_cost
         self.spec_cost = spec_cost if callable(spec_cost) else (lambda _step: spec_cost)
         self.plain_cost = plain_cost
 
@@ -18,7 +17,7 @@ class Scripted:
         return self.now
 
     def install(self, se, set_attr=setattr) -> None:
-        """Wrap the SpecEngine's step calls and give every new Runner's gate this clock (`set_attr`: pytest's
+        """Wrap the SpecEngine's step calls and give it a fresh gate on this clock (`set_attr`: pytest's
         monkeypatch.setattr, or setattr in a throw-away rank process)."""
         step_tokens, decode_rows = se.step_tokens, se.target.decode_rows  # a plain step runs the target alone
 
@@ -32,6 +31,14 @@ class Scripted:
             self.kinds.append("P")
             return decode_rows(*a, **kw)
 
+        catch_up = se.catch_up
+
+        def catch(*a, **kw):  # costs catch_cost per missing position
+            passes, missing = catch_up(*a, **kw)
+            self.now += self.catch_cost * missing
+            return passes, missing
+
+        set_attr(se, "catch_up", catch)
         set_attr(se, "step_tokens", spec)
         set_attr(se.target, "decode_rows", plain)
-        set_attr(runner_mod, "SpecGate", lambda: SpecGate(StepClock(self), self.probe_every))
+        set_attr(se, "gate", SpecGate(StepClock(self), self.probe_every))

@@ -127,6 +127,22 @@ def test_a_probe_notices_that_speculation_became_cheap(spec_engine, monkeypatch)
     assert m.gated_steps == 30
 
 
+def test_a_draft_too_slow_to_catch_up_is_not_probed_and_the_gate_outlives_a_run(spec_engine, monkeypatch):
+    """Catching up costs 0.5 plain steps per missing position (> CATCH_UP_BUDGET): after the first probe measured
+    it, the gate stops probing; a second run on the same engine starts from what the first one measured."""
+    se = spec_engine(draft="full", k=4)
+    clock = Scripted(spec_cost=10.0, catch_cost=0.5)
+    clock.install(se, monkeypatch.setattr)
+    _, m = run(se, [PROMPT], 60)
+    kinds = "".join(clock.kinds)
+    head = "SSPP" + "P" * (PROBE_EVERY - 2) + "S"  # the prompt's catch-up is warm-up; the probe's is measured
+    assert kinds == head + "P" * (len(kinds) - len(head)) and len(kinds) > len(head)
+    assert m.speculation()["gate"]["catch_up_ms_per_position"] == pytest.approx(500.0)
+    clock.kinds.clear()
+    _, m2 = run(se, [PROMPT], 40)
+    assert clock.kinds == ["P"] * 39 and m2.gated_steps == 39  # the first of the 40 tokens comes from the prompt
+
+
 @pytest.mark.parametrize("mode", ["unfused", "fused"])
 def test_greedy_output_is_identical_with_the_gate_on_and_off(spec_engine, monkeypatch, mode):
     se = spec_engine(draft="layers1", k=3, mode=mode, batch_size=2)  # partial acceptance, two rows

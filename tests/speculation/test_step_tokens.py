@@ -87,23 +87,26 @@ def assert_draft_cache_holds(se, seq: list[int], upto: int) -> None:
         torch.testing.assert_close(a[:, :, :upto], b[:, :, :upto], rtol=1e-4, atol=1e-5)
 
 
-# a 5-token prompt, then 3 plain steps: a lag of 3 tokens, two two-token passes; 18: a lag of 18 > PREFILL_LAG,
-# positions 0..21 re-encoded by one pass of the draft's context graph
-@pytest.mark.parametrize(("plain", "want_passes"), [(3, 2), (18, 1)])
-def test_catch_up_writes_what_plain_steps_left_out(spec_engine, plain, want_passes):
+# a 5-token prompt, then 3 plain steps: a lag of 3 tokens, one 8-token catch-up pass (two two-token passes with
+# an artifact without the 8-token graphs); 14: two 8-token passes, 18: a lag of 18 > PREFILL_LAG, positions 0..21
+# re-encoded by one pass of the draft's context graph
+@pytest.mark.parametrize(("plain", "wide", "want_passes"), [(3, True, 1), (3, False, 2), (14, True, 2),
+                                                             (14, False, 7), (18, True, 1)])
+def test_catch_up_writes_what_plain_steps_left_out(spec_engine, monkeypatch, plain, wide, want_passes):
     """Greedy output cannot show a stale draft cache (it only lowers acceptance), so compare the cache itself: after
     the prompt and plain steps of the target alone, `catch_up` must leave the draft's K/V of row 0 equal to a fresh
     draft prefill of the same tokens (positions 0..len-3: the speculative step writes the last two)."""
     se = spec_engine(draft="layers1", k=3, mode="fused", batch_size=3)
+    if not wide:
+        monkeypatch.setattr(se.draft, "graphs", {n: g for n, g in se.draft.graphs.items() if "_t8_" not in n})
     se.target.bind_stripes()  # driven without a runner: each row its own blocks
     prompt = [5, 9, 2, 7, 11]
     seq = prompt + [int(se.prefill_row(0, prompt).argmax())]
-    assert se.catch_up({0: seq}) == 1  # the prompt: one pass of the draft's context graph
+    assert se.catch_up({0: seq}) == (1, 4)  # the prompt: one pass of the draft's context graph, positions 0..3
     plain_steps(se, seq, plain)
-    passes = se.catch_up({0: seq})
-    assert passes == want_passes
+    assert se.catch_up({0: seq}) == (want_passes, plain)  # the plain steps' tokens were missing
     assert_draft_cache_holds(se, seq, len(seq) - 2)
-    assert se.catch_up({0: seq}) == 0  # nothing lags any more
+    assert se.catch_up({0: seq}) == (0, 0)  # nothing lags any more
 
 
 @pytest.mark.parametrize("mode", ["fused", "unfused"])
