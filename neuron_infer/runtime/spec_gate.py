@@ -82,9 +82,11 @@ class SpecGate:
         return c.mean["catch"] <= CATCH_UP_BUDGET * c.mean["plain"]
 
     def record_catch_up(self, seconds: float, positions: int) -> None:
-        """The draft caught up on `positions` positions in `seconds` (nothing is recorded for none)."""
+        """The draft caught up on `positions` positions in `seconds` (nothing is recorded for none). The first
+        sample counts (the first speculative step's catch-up, usually the prompts): probes are what it decides, and
+        a probe would only measure it again, at the price this avoids."""
         if positions:
-            self.clock.add("catch", seconds / positions)
+            self.clock.add("catch", seconds / positions, warm_up=False)
 
     def record_plain(self) -> None:
         """A plain step was taken although speculation was possible (its time goes through `clock`)."""

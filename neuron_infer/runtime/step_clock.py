@@ -22,10 +22,11 @@ class StepClock:
         self.mean: dict[str, float] = {}
         self.seen: dict[str, int] = {}
 
-    def add(self, kind: str, seconds: float) -> None:
+    def add(self, kind: str, seconds: float, warm_up: bool = True) -> None:
+        """One sample of `kind`; with `warm_up` the kind's first sample is skipped."""
         n = self.seen.get(kind, 0)
         self.seen[kind] = n + 1
-        if n == 0:
+        if n == 0 and warm_up:
             return
         old = self.mean.get(kind)
         self.mean[kind] = seconds if old is None else (1 - TIME_ALPHA) * old + TIME_ALPHA * seconds
