@@ -64,7 +64,8 @@ class Metrics:
         return {"k": self.k, "mode": self.mode, "acceptance_rate": self.acceptance_rate,
                 "mean_accepted_tokens_per_step": self.mean_accepted_tokens_per_step, "spec_steps": self.spec_steps,
                 "plain_steps": self.plain_steps, "gated_steps": self.gated_steps,
-                "draft_catch_up": self.draft_catch_up, "drafted": self.drafted, "accepted": self.accepted, **({"gate": self.gate} if self.gate else {})}
+                "draft_catch_up": self.draft_catch_up, "drafted": self.drafted, "accepted": self.accepted,
+                **({"gate": self.gate} if self.gate else {})}
 
     def to_dict(self) -> dict:
         out = {"ttft_s": self.ttft_s, "ms_per_token": self.ms_per_token, "tokens_per_s": self.tokens_per_s,

@@ -77,8 +77,9 @@ class Runner:
                  on_logits: Callable[[torch.Tensor], None] | None = None, keep_step_counts: bool = False,
                  options: RunOptions = RunOptions()):  # noqa: B008 (frozen)
         """engine: an Engine (speculating when it carries a draft, `engine.spec`) or a SpecEngine. options: prefix
-        caching, chunked prefill and the speculation gate (with a draft model, speculate only while speculative steps are measured to pay,
-        `SpecGate`; off, every step that can speculate does: fixed-k experiments)."""
+        caching, chunked prefill and the speculation gate (with a draft model, speculate only while speculative steps
+        are measured to pay, `SpecGate`, kept on the SpecEngine; off, every step that can speculate does: fixed-k
+        experiments)."""
         spec = engine if isinstance(engine, (SpecEngine, NgramSpec)) else engine.spec
         self.engine = spec.target if spec is not None else engine
         self.spec, self.agree, self.on_logits = spec, agree, on_logits
