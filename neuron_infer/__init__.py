@@ -3,4 +3,4 @@
 Importing this package is cheap: torch, transformers and any Neuron SDK module are imported where they are used.
 Python API: `neuron_infer.api` (compile_model, load, generate).
 """
-__version__ = "0.1.5"
+__version__ = "0.1.6"

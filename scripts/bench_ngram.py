@@ -5,7 +5,11 @@
 For each prompt of scripts/ngram_prompts.py (chat template applied): plain greedy decoding on the target engine,
 then n-gram speculation over the same target weights, `--rounds` times interleaved; prints decode tok/s of both
 (medians), their ratio, the acceptance rate, speculative / plain steps and whether the greedy outputs are identical.
-The graphs run eagerly (the modules themselves, `eager_ngram_spec`): the ratio compares the same graph types.
+The graphs run eagerly (the modules themselves, `eager_ngram_spec`), or, with `--artifact`, the compiled graphs of
+an artifact built with `--draft-model ngram` (batch size 1, e.g.
+    neuron-infer compile -o A --dtype bf16 --batch-size 1 --max-context-length 512 --max-length 640 \
+        --context-buckets 512 --tokengen-buckets 640 --draft-model ngram --speculation-length 6
+and `--k`, `--ngram-size`, `--dtype` are the artifact's); either way both sides run the same graph types.
 """
 from __future__ import annotations
 
@@ -23,8 +27,24 @@ from neuron_infer.checkpoint import load_checkpoint, load_tokenizer
 from neuron_infer.compile.weights import build_float_model
 from neuron_infer.config import BuildConfig, ModelConfig, SpeculationConfig
 from neuron_infer.runtime.generate import generate_ids
-from neuron_infer.runtime.loader import eager_ngram_spec
+from neuron_infer.runtime.loader import eager_ngram_spec, load_rank
+from neuron_infer.runtime.ngram_spec import NgramSpec
 from scripts.ngram_prompts import GROUNDED, OPEN_ENDED
+
+
+def eager_spec(a: argparse.Namespace) -> NgramSpec:
+    cfg = ModelConfig.from_model_dir(a.model_dir)
+    build = BuildConfig(dtype=a.dtype, max_context_length=512, max_length=1024, context_buckets=(512,),
+                        tokengen_buckets=(1024,),
+                        speculation=SpeculationConfig("ngram", a.k, ngram_size=a.ngram_size))
+    return eager_ngram_spec(build_float_model(cfg, build, load_checkpoint(a.model_dir, cfg)), build)
+
+
+def compiled_spec(artifact: str) -> NgramSpec:
+    spec = load_rank(artifact).spec
+    if not isinstance(spec, NgramSpec) or spec.build.batch_size != 1:
+        sys.exit(f"error: {artifact} is not a batch-size-1 artifact compiled with --draft-model ngram")
+    return spec
 
 
 def main() -> None:
@@ -36,20 +56,19 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    ap.add_argument("--artifact", default=None, help="a compiled --draft-model ngram artifact (default: eager graphs)")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     if a.model_dir is None:
         from neuron_infer.embedded import default_model_dir
 
         a.model_dir = str(default_model_dir())
-    cfg = ModelConfig.from_model_dir(a.model_dir)
-    build = BuildConfig(dtype=a.dtype, max_context_length=512, max_length=1024, context_buckets=(512,),
-                        tokengen_buckets=(1024,),
-                        speculation=SpeculationConfig("ngram", a.k, ngram_size=a.ngram_size))
-    spec = eager_ngram_spec(build_float_model(cfg, build, load_checkpoint(a.model_dir, cfg)), build)
+    spec = compiled_spec(a.artifact) if a.artifact else eager_spec(a)
     tok = load_tokenizer(a.model_dir)
     eos = (tok.eos_token_id,) if tok.eos_token_id is not None else ()
-    print(f"load before: {os.getloadavg()}  {a.dtype} K={a.k} n={a.ngram_size} new={a.new_tokens} threads={a.threads}")
+    build = spec.build
+    print(f"load before: {os.getloadavg()}  {build.dtype} K={spec.k} n={spec.ngram_size} new={a.new_tokens} "
+          f"threads={a.threads} graphs: {'compiled ' + a.artifact if a.artifact else 'eager'}")
     print(f"{'set':9} {'prompt':10} {'plain':>7} {'ngram':>7} {'ratio':>6} {'accept':>6} {'spec/plain':>10} same")
     for group, prompts in (("grounded", GROUNDED), ("open", OPEN_ENDED)):
         for name, text in prompts.items():

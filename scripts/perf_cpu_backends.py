@@ -9,7 +9,9 @@ variants interleaved (the machine is shared; compare ratios, not absolute number
 Variants
     eager             the model's forward in eager PyTorch (bf16 F.linear -> oneDNN)
     aoti-gemv         neuron_infer's CPU backend: torch.export + AOTInductor, bf16 linears on 1-8 rows call the
-                      C GEMV kernel (compile/cpu_gemv.cpp: AVX512-BF16, or AVX2 + FMA) where the CPU has it
+                      C GEMV kernel (compile/cpu_gemv.cpp: AVX512-BF16, AVX-512 or AVX2 + FMA) where the CPU has it
+    aoti-gemv-avx2    the same with the kernel forced down to AVX2 (gemv_isa="avx2"; on an AVX-512 CPU: the
+                      AVX-512 path against the AVX2 one)
     aoti-reduction    the same without the C kernel: GEMVs on 1-5 rows are Inductor-generated fp32 multiply-and-sum
                       reductions, 6-8 rows the GEMM (the path of CPUs without AVX2 + FMA)
     aoti-gemm         the same without the GEMV rewrite (every linear an extern GEMM call)
@@ -63,8 +65,8 @@ from neuron_infer.model import ops
 from neuron_infer.model.llama import BucketStep, LlamaModel
 from neuron_infer.quant import apply_quantization
 
-VARIANTS = ("eager", "aoti-gemv", "aoti-reduction", "aoti-gemm", "aoti-inlined", "inductor-freeze", "aoti-int8",
-            "aoti-int8-avx2")
+VARIANTS = ("eager", "aoti-gemv", "aoti-gemv-avx2", "aoti-reduction", "aoti-gemm", "aoti-inlined", "inductor-freeze",
+            "aoti-int8", "aoti-int8-avx2")
 
 
 def smollm2_config(layers: int) -> ModelConfig:
@@ -144,8 +146,9 @@ def _prepare(variant: str, step: BucketStep, args: tuple, workdir: Path, graph: 
         t1 = time.perf_counter()
         return be.load_graph(workdir, graph, step), t1 - t0, time.perf_counter() - t1
     if variant.startswith("aoti"):
-        kernel = variant == "aoti-gemv"
-        be = CpuBackend(CpuCompileOptions(gemv_max_rows=0 if variant == "aoti-gemm" else 5, gemv_kernel=kernel))
+        kernel = variant.startswith("aoti-gemv")
+        be = CpuBackend(CpuCompileOptions(gemv_max_rows=0 if variant == "aoti-gemm" else 5, gemv_kernel=kernel,
+                                          gemv_isa="avx2" if variant.endswith("avx2") else "auto"))
         codegen = inlined_producers() if variant == "aoti-inlined" else contextlib.nullcontext()
         t0 = time.perf_counter()
         with torch.inference_mode(), codegen:

@@ -17,17 +17,17 @@ Why this design (measured with scripts/perf_cpu_backends.py; see docs/cpu-backen
   the tensor pointers, so the returned callable keeps those tensors alive.
 - Inductor freezing / max-autotune GEMM templates would prepack the weights into new constants that only exist
   inside each package (one weight copy per bucket), so they are not used.
-- Batch-1 decode is bound by streaming the weights. oneDNN's bf16 GEMM at M=1 streams them at roughly a third of
-  the machine's bandwidth, so linear layers on few rows are rewritten at export; larger inputs (prefill) keep the
-  GEMM. bf16 linears on 1-8 rows call the C kernel of cpu_gemv.cpp (each weight row loaded once for all rows:
-  AVX512-BF16 dot-product instructions, or bf16 widened to fp32 and FMAs on AVX2), which the generated wrapper calls
-  directly (a C shim). Measured on the SmolLM2 decode step with AVX512-BF16 (scripts/perf_cpu_backends.py, 2
-  threads, 10 interleaved rounds): 6.47 ms with Inductor's reductions, 5.99 ms with the kernel; the AVX2 numbers
-  are in docs/performance.md. Without AVX2 + FMA, and for fp32, a GEMV on at most `gemv_max_rows` rows is an fp32
-  multiply-and-sum that Inductor turns into a vectorised, row-parallel C++ reduction reading each weight once; with
-  2-5 rows each row gets its own reduction over the shared weight and Inductor fuses them into one pass. In a
-  30-layer linear stack that reduction loses to the GEMM at 8 rows, hence at most 5 by default; the kernel keeps
-  every row in registers over one weight load, so it takes 1-8 rows regardless (CpuCompileOptions).
+- Batch-1 decode is bound by streaming the weights. oneDNN's bf16 GEMM at M=1 streams them at roughly a third of the
+  machine's bandwidth, so linear layers on few rows are rewritten at export; larger inputs (prefill) keep the GEMM. bf16
+  linears on 1-8 rows call the C kernel of cpu_gemv.cpp (each weight row loaded once for all rows: AVX512-BF16
+  dot-product instructions, or bf16 widened to fp32 and FMAs on AVX-512 or AVX2), which the generated wrapper calls
+  directly (a C shim). Measured on the SmolLM2 decode step with AVX512-BF16 (scripts/perf_cpu_backends.py, 2 threads, 10
+  interleaved rounds): 6.47 ms with Inductor's reductions, 5.99 ms with the kernel; the AVX-512 and AVX2 numbers are in
+  docs/performance.md. Without AVX2 + FMA, and for fp32, a GEMV on at most `gemv_max_rows` rows is an fp32
+  multiply-and-sum that Inductor turns into a vectorised, row-parallel C++ reduction reading each weight once; with 2-5
+  rows each row gets its own reduction over the shared weight and Inductor fuses them into one pass. In a 30-layer
+  linear stack that reduction loses to the GEMM at 8 rows, hence at most 5 by default; the kernel keeps every row in
+  registers over one weight load, so it takes 1-8 rows regardless (CpuCompileOptions).
 - Inductor inlines cheap producers into the reductions that read them, so an RMSNorm in front of a GEMV (or RoPE
   in front of the attention scores) would be recomputed for every output row. `computed_once` (model/ops.py) makes
   the GEMV input, the scaled queries and the softmax probabilities buffers of their own, and the generated C++ may

@@ -11,11 +11,12 @@
 // * AVX512-BF16 (-mavx512bf16): one dot-product instruction (vdpbf16ps: 32 bf16 products summed pairwise into 16
 //   fp32 lanes) per 64-byte weight load, two independent accumulators per row. vdpbf16ps flushes denormal
 //   inputs/results to zero (irrelevant at these magnitudes; the tests compare with the reference).
-// * AVX2 + FMA (any other level): 16 weights per 32-byte load are widened to fp32 by a 16-bit shift (even elements)
-//   and a mask (odd elements) - exact, no shuffles - and fused-multiply-added with the activations, which are
-//   widened once per call into the same even/odd order (zero-padded to whole 16-element blocks). With 1-5 input
-//   rows several weight rows (4 up to 2 input rows, 2 up to 5) share each pass over the activations, so one
-//   activation load feeds that many FMAs, and they are read as that many sequential streams. The K tail of a
+// * AVX-512F without BF16, and AVX2 + FMA (any other level): 32 (AVX-512) or 16 (AVX2) weights per 64- or 32-byte
+//   load are widened to fp32 by a 16-bit shift (even elements) and a mask (odd elements) - exact, no shuffles - and
+//   fused-multiply-added with the activations, which are widened once per call into the same even/odd order
+//   (zero-padded to whole blocks). Several weight rows share each pass over the activations, so one activation
+//   load feeds that many FMAs, and they are read as that many sequential streams: with AVX2's 16 registers 4 up to
+//   2 input rows, 2 up to 5, 1 beyond; with AVX-512's 32, 4 up to 5 input rows and 3 up to 8. The K tail of a
 //   weight row goes through a zero-padded copy, so no load reads past a row. Products of two bf16 values are exact
 //   in fp32, so the result differs from the reference only in the order of the fp32 sums.
 #include <torch/csrc/inductor/aoti_torch/c/shim.h>
@@ -88,40 +89,77 @@ inline float from_bf16(uint16_t b) {
   return f;
 }
 
-constexpr int64_t kBlock = 16;  // bf16 weights per 32-byte load: two fp32 vectors (even, odd elements)
-
-// 16 bf16 values -> their even (lo) and odd (hi) elements as fp32: a bf16 is the top half of an fp32.
-inline __m256 widen_lo(__m256i v) { return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)); }
-inline __m256 widen_hi(__m256i v) {
-  return _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
-}
-
+// The widening path's vectors: AVX-512F (no BF16) where the build allows it, else AVX2. V::kBlock bf16 weights per
+// load, widened into two fp32 vectors of kBlock / 2 lanes (even, odd elements); a bf16 is the top half of an fp32.
+#ifdef __AVX512F__
+struct V {
+  using F = __m512;
+  using I = __m512i;
+  static constexpr int64_t kBlock = 32;  // 64-byte loads
+  static constexpr int kAcc4 = 16, kAcc2 = 16;  // accumulator budgets (32 registers)
+  static I load_w(const uint16_t* p) { return _mm512_loadu_si512(p); }
+  static F lo(I v) { return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)); }
+  static F hi(I v) {
+    return _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
+  }
+  static F load(const float* p) { return _mm512_loadu_ps(p); }
+  static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static F zero() { return _mm512_setzero_ps(); }
+  static F add(F a, F b) { return _mm512_add_ps(a, b); }
+  static __m256 half(F v) {  // the two 8-lane halves summed
+    return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+  }
+};
+// Weight rows (output columns) per pass over the activations, with 32 registers: 4 for 1-5 rows, 3 for 6-8 (C x R
+// accumulators next to C weight vectors).
+template <int R>
+constexpr int kCols = R <= 5 ? 4 : 3;
+#else
+struct V {
+  using F = __m256;
+  using I = __m256i;
+  static constexpr int64_t kBlock = 16;  // 32-byte loads
+  static constexpr int kAcc4 = 8, kAcc2 = 12;  // accumulator budgets (16 registers)
+  static I load_w(const uint16_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+  static F lo(I v) { return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)); }
+  static F hi(I v) {
+    return _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
+  }
+  static F load(const float* p) { return _mm256_loadu_ps(p); }
+  static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static F zero() { return _mm256_setzero_ps(); }
+  static F add(F a, F b) { return _mm256_add_ps(a, b); }
+  static __m256 half(F v) { return v; }
+};
 // Weight rows (output columns) per pass over the activations: every activation vector loaded is used by C rows, and
-// the C rows are C sequential streams through memory (see gemv_rows). 4 for 1-2 rows, 2 for 3-5 rows; from 6 rows
-// on C x R accumulators would not fit the 16 ymm registers next to the weights.
+// the C rows are C sequential streams through memory (see gemv_rows). With 16 registers: 4 for 1-2 rows, 2 for 3-5
+// rows; from 6 rows on C x R accumulators would not fit next to the weights.
 template <int R>
 constexpr int kCols = R <= 2 ? 4 : R <= 5 ? 2 : 1;
-// Accumulators per (weight row, activation row): 4 (two blocks per iteration, even and odd products apart), 2 (even,
-// odd) or 1: enough independent FMA chains for the FMA latency, at most 12 in all.
-template <int R, int C>
-constexpr int kAcc = C * R * 4 <= 8 ? 4 : C * R * 2 <= 12 ? 2 : 1;
+#endif
+constexpr int64_t kBlock = V::kBlock;
 
-// One 16-weight block (wr[c] + wi) of C weight rows times the activations' block xb (R rows of 16 floats): the even
-// elements into acc[c][r][a0], the odd ones into acc[c][r][a1].
+// Accumulators per (weight row, activation row): 4 (two blocks per iteration, even and odd products apart), 2 (even,
+// odd) or 1: enough independent FMA chains for the FMA latency, within the register budget.
+template <int R, int C>
+constexpr int kAcc = C * R * 4 <= V::kAcc4 ? 4 : C * R * 2 <= V::kAcc2 ? 2 : 1;
+
+// One kBlock-weight block (wr[c] + wi) of C weight rows times the activations' block xb (R rows of kBlock floats):
+// the even elements into acc[c][r][a0], the odd ones into acc[c][r][a1].
 template <int R, int C, int A>
-inline void step(const uint16_t* const (&wr)[C], int64_t wi, const float* xb, __m256 (&acc)[C][R][A], int a0,
+inline void step(const uint16_t* const (&wr)[C], int64_t wi, const float* xb, V::F (&acc)[C][R][A], int a0,
                  int a1) {
-  __m256i wv[C];
-  for (int c = 0; c < C; c++) wv[c] = _mm256_loadu_si256((const __m256i*)(wr[c] + wi));
+  V::I wv[C];
+  for (int c = 0; c < C; c++) wv[c] = V::load_w(wr[c] + wi);
   for (int r = 0; r < R; r++) {
-    __m256 x = _mm256_loadu_ps(xb + r * kBlock);
-    if (C > 1) asm("" : "+x"(x));  // one load for all C columns (not one memory operand per FMA)
-    for (int c = 0; c < C; c++) acc[c][r][a0] = _mm256_fmadd_ps(widen_lo(wv[c]), x, acc[c][r][a0]);
+    V::F x = V::load(xb + r * kBlock);
+    if (C > 1) asm("" : "+v"(x));  // one load for all C columns (not one memory operand per FMA)
+    for (int c = 0; c < C; c++) acc[c][r][a0] = V::fma(V::lo(wv[c]), x, acc[c][r][a0]);
   }
   for (int r = 0; r < R; r++) {
-    __m256 x = _mm256_loadu_ps(xb + r * kBlock + 8);
-    if (C > 1) asm("" : "+x"(x));
-    for (int c = 0; c < C; c++) acc[c][r][a1] = _mm256_fmadd_ps(widen_hi(wv[c]), x, acc[c][r][a1]);
+    V::F x = V::load(xb + r * kBlock + kBlock / 2);
+    if (C > 1) asm("" : "+v"(x));
+    for (int c = 0; c < C; c++) acc[c][r][a1] = V::fma(V::hi(wv[c]), x, acc[c][r][a1]);
   }
 }
 
@@ -139,10 +177,10 @@ void columns(const float* xf, const uint16_t* w, int64_t ws, uint16_t* y, int64_
   const int64_t kb = k / kBlock * kBlock;
   const uint16_t* wr[C];
   for (int c = 0; c < C; c++) wr[c] = w + (j + c * cs) * ws;
-  __m256 acc[C][R][A];
+  V::F acc[C][R][A];
   for (int c = 0; c < C; c++)
     for (int r = 0; r < R; r++)
-      for (int a = 0; a < A; a++) acc[c][r][a] = _mm256_setzero_ps();
+      for (int a = 0; a < A; a++) acc[c][r][a] = V::zero();
   int64_t i = 0;
   if constexpr (A == 4) {
     for (; i + 2 * kBlock <= kb; i += 2 * kBlock) {
@@ -165,8 +203,9 @@ void columns(const float* xf, const uint16_t* w, int64_t ws, uint16_t* y, int64_
   __m256 v[S4];
   for (int c = 0; c < C; c++)
     for (int r = 0; r < R; r++) {
-      v[r * C + c] = acc[c][r][0];
-      for (int a = 1; a < A; a++) v[r * C + c] = _mm256_add_ps(v[r * C + c], acc[c][r][a]);
+      V::F t = acc[c][r][0];
+      for (int a = 1; a < A; a++) t = V::add(t, acc[c][r][a]);
+      v[r * C + c] = V::half(t);
     }
   for (int s = S; s < S4; s++) v[s] = _mm256_setzero_ps();
   alignas(16) float sums[S4];
@@ -202,7 +241,7 @@ std::vector<float> widen_rows(const uint16_t* x, int64_t xs, int64_t r, int64_t 
   std::vector<float> xf(static_cast<size_t>(r * ((k + kBlock - 1) / kBlock * kBlock)), 0.0f);
   for (int64_t row = 0; row < r; row++)
     for (int64_t t = 0; t < k; t++)
-      xf[(t / kBlock * r + row) * kBlock + (t % 2) * 8 + t % kBlock / 2] = from_bf16(x[row * xs + t]);
+      xf[(t / kBlock * r + row) * kBlock + (t % 2) * (kBlock / 2) + t % kBlock / 2] = from_bf16(x[row * xs + t]);
   return xf;
 }
 
@@ -236,7 +275,7 @@ extern "C" {
 
 // x [R, K] bf16, w [N, K] bf16 -> *ret0 = new [R, N] bf16 tensor. AOTI_TORCH_FAILURE on any other input
 // (the generated wrapper turns that into a RuntimeError).
-AOTITorchError aoti_torch_cpu_ni_gemv_bf16_v3(AtenTensorHandle x, AtenTensorHandle w, AtenTensorHandle* ret0) {
+AOTITorchError aoti_torch_cpu_ni_gemv_bf16_v4(AtenTensorHandle x, AtenTensorHandle w, AtenTensorHandle* ret0) {
   int64_t r = 0, k = 0, xs = 0, n = 0, kw = 0, ws = 0;
   void *xd = nullptr, *wd = nullptr, *yd = nullptr;
   if (!matrix(x, &r, &k, &xs, &xd) || !matrix(w, &n, &kw, &ws, &wd) || kw != k || r < 1 || r > kMaxRows)

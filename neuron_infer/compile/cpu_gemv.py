@@ -1,9 +1,9 @@
 """The GEMV kernels of the CPU backend: custom ops, their PyTorch twins, and the C library AOTInductor calls.
 
-    export:   bf16 linear on 1-8 rows -> torch.ops.neuron_infer.ni_gemv_bf16_v3(x [R, K], w [N, K]) -> [R, N]
+    export:   bf16 linear on 1-8 rows -> torch.ops.neuron_infer.ni_gemv_bf16_v4(x [R, K], w [N, K]) -> [R, N]
               int8 linear on 1-8 rows -> torch.ops.neuron_infer.ni_gemv_int8_v2(x [R, K], q [N, K], s [N]) -> [R, N]
     compile:  aot_inductor.custom_ops_to_c_shims = C_SHIMS: the generated wrapper calls the C functions
-              aoti_torch_cpu_ni_gemv_bf16_v3, ..._int8_v1 (cpu_gemv.cpp, cpu_gemv_int8.cpp) directly - no dispatcher
+              aoti_torch_cpu_ni_gemv_bf16_v4, ..._int8_v2 (cpu_gemv.cpp, cpu_gemv_int8.cpp) directly - no dispatcher
     build:    the sources a graph calls -> <graph>.gemv.so next to the graph (g++, the compiler Inductor uses),
               for one ISA level (ISAS); the level is recorded and checked against the CPU at load
     load:     the .so is loaded with RTLD_GLOBAL before the graph, so the graph's undefined symbols resolve to it
@@ -35,7 +35,7 @@ MAX_ROWS = 8  # the bf16 C kernel is instantiated for 1..8 input rows
 INT8_MAX_ROWS = 8  # the int8 C kernel for 1..8
 SOURCES = {"bf16": Path(__file__).with_name("cpu_gemv.cpp"), "int8": Path(__file__).with_name("cpu_gemv_int8.cpp")}
 LIB_SUFFIX = ".gemv.so"
-_SYMBOLS = {"bf16": "aoti_torch_cpu_ni_gemv_bf16_v3", "int8": "aoti_torch_cpu_ni_gemv_int8_v2"}
+_SYMBOLS = {"bf16": "aoti_torch_cpu_ni_gemv_bf16_v4", "int8": "aoti_torch_cpu_ni_gemv_int8_v2"}
 # ISA levels, highest first: the /proc/cpuinfo flags each needs and the compiler flags it is built with.
 ISAS = ("avx512-bf16", "avx512", "avx2")
 _CPU_FLAGS = {"avx512-bf16": ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "fma"),
@@ -45,7 +45,7 @@ _CC_FLAGS = {"avx512-bf16": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512b
 LEGACY_ISA = "avx512-bf16"  # sidecars without an "isa" entry hold the AVX512-BF16 bf16 kernel
 
 
-@torch.library.custom_op("neuron_infer::ni_gemv_bf16_v3", mutates_args=())
+@torch.library.custom_op("neuron_infer::ni_gemv_bf16_v4", mutates_args=())
 def gemv_bf16(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [R, K] bf16, w [N, K] bf16 -> x @ w.T [R, N] bf16 (fp32 accumulation, one rounding). The reference."""
     return (x.float() @ w.float().t()).to(torch.bfloat16)
@@ -70,13 +70,13 @@ def _(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 C_SHIMS = {
-    torch.ops.neuron_infer.ni_gemv_bf16_v3.default: [
+    torch.ops.neuron_infer.ni_gemv_bf16_v4.default: [
         f"AOTITorchError {_SYMBOLS['bf16']}(AtenTensorHandle x, AtenTensorHandle w, AtenTensorHandle* ret0)"],
     torch.ops.neuron_infer.ni_gemv_int8_v2.default: [
         (f"AOTITorchError {_SYMBOLS['int8']}(AtenTensorHandle x, AtenTensorHandle q, AtenTensorHandle scale, "
          "AtenTensorHandle* ret0)")],
 }
-OPS = {"bf16": torch.ops.neuron_infer.ni_gemv_bf16_v3.default, "int8": torch.ops.neuron_infer.ni_gemv_int8_v2.default}
+OPS = {"bf16": torch.ops.neuron_infer.ni_gemv_bf16_v4.default, "int8": torch.ops.neuron_infer.ni_gemv_int8_v2.default}
 
 
 @lru_cache(maxsize=1)
