@@ -5,26 +5,27 @@ for n = ngram_size, ngram_size - 1, ..., 1 (the longest suffix first); at the fi
 the (up to k) tokens that followed its **most recent** earlier occurrence. No match at any n: no draft (the step is
 a plain step for that sequence).
 
-Speculation policy (`plan_step`): each sequence keeps an EWMA of its acceptance rate a (accepted / drafted) and
-the number of steps since it last drafted. With one target pass over k+1 positions costing `cost_ratio` plain
-steps (measured at run time), and drafts accepted independently with probability a, a verify step yields
-E(k, a) = 1 + a + ... + a^k tokens for that sequence. Per sequence
-    k = min(draft length, adapt_k(a, K))     adapt_k: about the expected number of accepted tokens a / (1 - a), plus one
-    k = 0 when E(k, a) < cost_ratio          (it would not pay on its own), except every `probe_every` idle steps,
-                                              when it drafts again (a probe), so a sequence whose text turns
-                                              repetitive resumes speculating.
-The step speculates when sum(E) over the scheduled sequences (1 for those with k = 0) exceeds cost_ratio * n, or
-when a probe is due; otherwise every k is 0 and the step is plain.
+Speculation policy (`plan_step`): one verify pass computes K+1 positions whatever the number of drafts, so a
+shorter draft saves nothing; what adapts per sequence is whether it drafts at all. Each sequence keeps an EWMA of
+the drafts accepted per verify step (`accepted`) and the number of steps since it last drafted. Prompt lookup is
+bursty - while the output copies its input whole drafts are accepted, then none - so the policy estimates that count
+directly rather than a per-token rate (a rate a with independent acceptances predicts 1 + a + ... + a^k tokens, far
+below what a copying sequence gets). With one verify step costing `cost_ratio` plain steps (measured at run time),
+a sequence with a draft of d tokens expects E = 1 + min(accepted, d) tokens from it, and
+    k = d       when E >= cost_ratio, or when `probe_every` steps have passed since it last drafted (a probe, so a
+                sequence whose text turns repetitive resumes speculating);
+    k = 0       otherwise (no draft, or it would not pay): that sequence takes a plain step's token.
+The step speculates when the sum of E over the scheduled sequences (1 for those with k = 0) exceeds
+cost_ratio * n, or when a probe is due; otherwise every k is 0 and the step is plain.
 """
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-EWMA_ALPHA = 0.3  # weight of the newest step in a sequence's acceptance rate
-PRIOR_RATE = 0.5  # acceptance rate assumed before a sequence's first draft
-PROBE_EVERY = 16  # idle steps after which a sequence drafts again regardless of its rate
+EWMA_ALPHA = 0.3  # weight of the newest verify step in a sequence's accepted-drafts estimate
+PRIOR_ACCEPTED = 2.0  # accepted drafts per verify step assumed before a sequence's first draft
+PROBE_EVERY = 16  # idle steps after which a sequence drafts again regardless of its estimate
 
 
 def propose(tokens: Sequence[int], ngram_size: int, k: int) -> list[int]:
@@ -41,41 +42,27 @@ def propose(tokens: Sequence[int], ngram_size: int, k: int) -> list[int]:
     return []
 
 
-def expected_tokens(k: int, rate: float) -> float:
-    """Tokens a verify step with k drafts yields when each draft is accepted with probability `rate`."""
-    if rate >= 1.0:
-        return float(k + 1)
-    return (1.0 - rate ** (k + 1)) / (1.0 - rate)
-
-
-def adapt_k(rate: float, k_max: int) -> int:
-    """Draft length for a sequence with acceptance rate `rate`: its expected accepted run + 1, in 1..k_max."""
-    if rate >= 1.0:
-        return k_max
-    run = rate / (1.0 - rate)
-    return max(1, min(k_max, math.ceil(run) + 1))
-
-
 @dataclass(frozen=True)
 class RowView:
     """What the policy sees of one scheduled sequence."""
 
     draft_len: int  # tokens the lookup found (0: no match)
-    rate: float  # EWMA acceptance rate of its drafts
+    accepted: float  # EWMA of its drafts accepted per verify step
     idle: int  # steps since it last drafted
 
+    def expected(self) -> float:
+        """Tokens a verify step with this row's draft yields it (1: no draft)."""
+        return 1.0 + min(self.accepted, self.draft_len)
 
-def plan_step(rows: Sequence[RowView], k_max: int, cost_ratio: float, probe_every: int = PROBE_EVERY) -> list[int]:
+
+def plan_step(rows: Sequence[RowView], cost_ratio: float, probe_every: int = PROBE_EVERY) -> list[int]:
     """Draft length per row for this step; all zeros means a plain step (see the module docstring)."""
     ks, probe = [], False
     for r in rows:
-        k = min(r.draft_len, adapt_k(r.rate, k_max))
-        due = k > 0 and r.idle >= probe_every
-        if k > 0 and expected_tokens(k, r.rate) < cost_ratio and not due:
-            k = 0
+        due = r.draft_len > 0 and r.idle >= probe_every
+        ks.append(r.draft_len if due or r.expected() >= cost_ratio else 0)
         probe = probe or due
-        ks.append(k)
-    gain = sum(expected_tokens(k, r.rate) if k else 1.0 for k, r in zip(ks, rows))
+    gain = sum(r.expected() if k else 1.0 for k, r in zip(ks, rows))
     if probe or gain > cost_ratio * len(rows):
         return ks
     return [0] * len(rows)
@@ -85,7 +72,7 @@ def plan_step(rows: Sequence[RowView], k_max: int, cost_ratio: float, probe_ever
 class SeqState:
     """A sequence's adaptive state (kept by the speculation engine, per sequence)."""
 
-    rate: float = PRIOR_RATE
+    accepted: float = PRIOR_ACCEPTED
     idle: int = 0
 
     def update(self, drafted: int, accepted: int) -> None:
@@ -94,4 +81,4 @@ class SeqState:
             self.idle += 1
             return
         self.idle = 0
-        self.rate = (1.0 - EWMA_ALPHA) * self.rate + EWMA_ALPHA * (accepted / drafted)
+        self.accepted = (1.0 - EWMA_ALPHA) * self.accepted + EWMA_ALPHA * accepted

@@ -1,7 +1,7 @@
 """NgramSpec: prompt-lookup speculation over a target Engine and its verify graphs (no draft model).
 
 Per step (host loop; there is no fused graph: the drafts come from the host, see `runtime/ngram.py`):
-    drafts       propose(tokens, n, k) per scheduled sequence; plan_step decides each k (0..K) or a plain step
+    drafts       propose(tokens, n, k) per scheduled sequence; plan_step decides each k (its draft or 0) or a plain step
     verify       verify_t{K+1}_s{S} over every batch slot: [last, d_1..d_k, filler] at p..p+K  -> logits [B, K+1, V]
     acceptance   per sequence over its own k: greedy_verify, or speculative_verify with the draft distribution a
                  point mass q = one_hot(d_i): accept d_i with probability p_i(d_i), else sample from
@@ -65,8 +65,8 @@ class NgramSpec:
         """Each sequence's drafts for this step ([] = none); all empty means a plain step. The draft lengths depend
         on this process's measured step times, so tensor-parallel ranks use rank 0's (`agree`)."""
         drafts = [propose(s.tokens, self.ngram_size, self.k) for s in seqs]
-        views = [RowView(len(d), self.state(s).rate, self.state(s).idle) for s, d in zip(seqs, drafts)]
-        ks = plan_step(views, self.k, self.clock.ratio("verify", "plain", PRIOR_COST_RATIO))
+        views = [RowView(len(d), self.state(s).accepted, self.state(s).idle) for s, d in zip(seqs, drafts)]
+        ks = plan_step(views, self.clock.ratio("verify", "plain", PRIOR_COST_RATIO))
         if agree is not None:
             ks = agree(torch.tensor(ks, dtype=torch.int64)).tolist()  # [m] rank 0's draft lengths
         for s, k in zip(seqs, ks):

@@ -15,7 +15,7 @@ from neuron_infer.config import ModelConfig, SamplingConfig, SpeculationConfig
 from neuron_infer.errors import ConfigError
 from neuron_infer.runtime.generate import generate_ids
 from neuron_infer.runtime.loader import eager_ngram_spec
-from neuron_infer.runtime.ngram import PROBE_EVERY, RowView, SeqState, adapt_k, expected_tokens, plan_step, propose
+from neuron_infer.runtime.ngram import PROBE_EVERY, RowView, SeqState, plan_step, propose
 from neuron_infer.runtime.ngram_spec import accept
 from neuron_infer.runtime.sampling import processed_probs
 from tests.speculation.conftest import BASE
@@ -42,43 +42,43 @@ def test_propose(tokens, n, k, draft):
 
 
 # ---- the policy --------------------------------------------------------------------------------------------------
-def test_expected_tokens_and_adapt_k():
-    assert expected_tokens(0, 0.7) == pytest.approx(1.0)
-    assert expected_tokens(3, 0.5) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
-    assert expected_tokens(4, 1.0) == 5.0
-    assert [adapt_k(a, 6) for a in (0.0, 0.3, 0.5, 0.75, 0.9, 1.0)] == [1, 2, 2, 4, 6, 6]
+def test_expected_tokens_are_capped_by_the_draft():
+    assert RowView(0, 3.0, 0).expected() == 1.0  # no draft: a plain step's token
+    assert RowView(6, 3.0, 0).expected() == 4.0
+    assert RowView(2, 3.0, 0).expected() == 3.0  # at most the draft's length is accepted
 
 
 PLAN = [
-    # rows (draft_len, rate, idle), k_max, cost_ratio, expected ks
-    ([(5, 0.9, 0)], 5, 1.3, [5]),  # high acceptance: full K
-    ([(2, 0.9, 0)], 5, 1.3, [2]),  # the draft is shorter than K
-    ([(5, 0.5, 0)], 5, 1.3, [2]),  # K adapts to the acceptance rate
-    ([(0, 0.9, 0)], 5, 1.3, [0]),  # no match: plain
-    ([(5, 0.1, 0)], 5, 1.3, [0]),  # E = 1.11 < 1.3: does not pay, plain
-    ([(5, 0.1, PROBE_EVERY)], 5, 1.3, [2]),  # ... but a probe is due
-    ([(5, 0.6, 0)], 5, 3.0, [0]),  # a verify step costing 3 plain steps never pays at rate 0.6
-    ([(5, 0.6, 0)], 5, 1.1, [3]),  # cheap verify: it pays
-    ([(5, 0.9, 0), (0, 0.5, 0)], 5, 1.3, [5, 0]),  # sum E = 4.7 + 1 > 2.6: speculate, the other row k = 0
-    ([(3, 0.4, 0), (0, 0.5, 0), (0, 0.5, 0)], 5, 1.3, [0, 0, 0]),  # 1.56 + 2 < 3.9: one row cannot carry a batch
+    # rows (draft_len, accepted, idle), cost_ratio, expected ks
+    ([(5, 4.0, 0)], 1.3, [5]),  # a copying sequence: its whole draft
+    ([(2, 4.0, 0)], 1.3, [2]),  # the draft is shorter than K
+    ([(5, 0.5, 0)], 1.3, [5]),  # E = 1.5 >= 1.3: pays; the verify pass costs the same for any k, so the whole draft
+    ([(0, 4.0, 0)], 1.3, [0]),  # no match: plain
+    ([(5, 0.1, 0)], 1.3, [0]),  # E = 1.1 < 1.3: does not pay, plain
+    ([(5, 0.1, PROBE_EVERY)], 1.3, [5]),  # ... but a probe is due
+    ([(1, 4.0, 0)], 2.5, [0]),  # a one-token draft yields at most 2 tokens: not worth a 2.5-step verify
+    ([(6, 1.2, 0)], 2.5, [0]),  # a verify step costing 2.5 plain steps does not pay at 1.2 accepted
+    ([(6, 3.1, 0)], 2.5, [6]),  # ... at 3.1 it does (the bursty copying case the per-token rate model missed)
+    ([(5, 4.0, 0), (0, 1.0, 0)], 1.3, [5, 0]),  # sum E = 5 + 1 > 2.6: speculate, the other row k = 0
+    ([(3, 0.4, 0), (0, 1.0, 0), (0, 1.0, 0)], 1.3, [0, 0, 0]),  # 1.4 + 2 < 3.9: one row cannot carry a batch
 ]
 
 
-@pytest.mark.parametrize("rows, k_max, ratio, ks", PLAN)
-def test_plan_step(rows, k_max, ratio, ks):
-    assert plan_step([RowView(*r) for r in rows], k_max, ratio) == ks
+@pytest.mark.parametrize("rows, ratio, ks", PLAN)
+def test_plan_step(rows, ratio, ks):
+    assert plan_step([RowView(*r) for r in rows], ratio) == ks
 
 
 def test_seq_state_ewma_and_idle():
-    st = SeqState(rate=0.5)
+    st = SeqState(accepted=2.0)
     st.update(0, 0)
     st.update(0, 0)
-    assert st.idle == 2 and st.rate == 0.5
-    st.update(4, 4)
-    assert st.idle == 0 and st.rate == pytest.approx(0.7 * 0.5 + 0.3)
+    assert st.idle == 2 and st.accepted == 2.0
+    st.update(6, 6)
+    assert st.idle == 0 and st.accepted == pytest.approx(0.7 * 2.0 + 0.3 * 6)
     for _ in range(30):
-        st.update(4, 0)
-    assert st.rate < 0.01  # shrinks towards 0: K falls to 0 (plain steps) until a probe
+        st.update(6, 0)
+    assert st.accepted < 0.01  # shrinks towards 0: the sequence takes plain steps until a probe
 
 
 # ---- configuration -----------------------------------------------------------------------------------------------
