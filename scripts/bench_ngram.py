@@ -41,7 +41,8 @@ def eager_spec(a: argparse.Namespace) -> NgramSpec:
 
 
 def compiled_spec(artifact: str) -> NgramSpec:
-    spec = load_rank(artifact).spec
+    target = load_rank(artifact)
+    spec, target.spec = target.spec, None  # the target alone decodes plain (an Engine with .spec would speculate)
     if not isinstance(spec, NgramSpec) or spec.build.batch_size != 1:
         sys.exit(f"error: {artifact} is not a batch-size-1 artifact compiled with --draft-model ngram")
     return spec

@@ -17,6 +17,10 @@ a sequence with a draft of d tokens expects E = 1 + min(accepted, d) tokens from
     k = 0       otherwise (no draft, or it would not pay): that sequence takes a plain step's token.
 The step speculates when the sum of E over the scheduled sequences (1 for those with k = 0) exceeds
 cost_ratio * n, or when a probe is due; otherwise every k is 0 and the step is plain.
+A draft the policy declines is still scored, for free: the tokens the plain steps then produce show how many of
+its tokens a verify step would have accepted (the matching prefix; for greedy decoding exactly that, under sampling
+the same expectation for its first token), and that count updates the estimate (`SeqState.watch` / `observe`).
+So a sequence whose output starts copying its input is noticed at once, without waiting for a probe.
 """
 from __future__ import annotations
 
@@ -74,6 +78,7 @@ class SeqState:
 
     accepted: float = PRIOR_ACCEPTED
     idle: int = 0
+    shadow: tuple[int, list[int]] | None = None  # a draft it did not verify: (position of its first token, draft)
 
     def update(self, drafted: int, accepted: int) -> None:
         """After a step: `drafted` tokens proposed to it (0: it did not draft), `accepted` of them kept."""
@@ -81,4 +86,25 @@ class SeqState:
             self.idle += 1
             return
         self.idle = 0
+        self.shadow = None  # a verified draft measures those positions itself
+        self._learn(accepted)
+
+    def watch(self, start: int, draft: list[int]) -> None:
+        """A draft this step did not verify (its first token would sit at `start`): `observe` scores it for free
+        against the tokens that follow, as the drafts a verify step would have accepted."""
+        if self.shadow is None and draft:
+            self.shadow = (start, list(draft))
+
+    def observe(self, tokens: Sequence[int]) -> None:
+        """Score the watched draft once the tokens decide it: a mismatch, or every draft token matched."""
+        if self.shadow is None:
+            return
+        start, draft = self.shadow
+        seen = list(tokens[start: start + len(draft)])
+        hits = next((i for i, (a, b) in enumerate(zip(seen, draft)) if a != b), len(seen))
+        if hits < len(seen) or len(seen) == len(draft):
+            self.shadow, self.idle = None, 0
+            self._learn(hits)
+
+    def _learn(self, accepted: int) -> None:
         self.accepted = (1.0 - EWMA_ALPHA) * self.accepted + EWMA_ALPHA * accepted

@@ -64,14 +64,17 @@ class NgramSpec:
     def plan(self, seqs: list, agree: Callable[[torch.Tensor], torch.Tensor] | None = None) -> list[list[int]]:
         """Each sequence's drafts for this step ([] = none); all empty means a plain step. The draft lengths depend
         on this process's measured step times, so tensor-parallel ranks use rank 0's (`agree`)."""
+        for s in seqs:
+            self.state(s).observe(s.tokens)  # declined drafts of earlier steps, scored by the tokens since
         drafts = [propose(s.tokens, self.ngram_size, self.k) for s in seqs]
         views = [RowView(len(d), self.state(s).accepted, self.state(s).idle) for s, d in zip(seqs, drafts)]
         ks = plan_step(views, self.clock.ratio("verify", "plain", PRIOR_COST_RATIO))
         if agree is not None:
             ks = agree(torch.tensor(ks, dtype=torch.int64)).tolist()  # [m] rank 0's draft lengths
-        for s, k in zip(seqs, ks):
+        for s, d, k in zip(seqs, drafts, ks):
             if k == 0:
                 self.state(s).update(0, 0)
+                self.state(s).watch(len(s.tokens), d)
         return [d[:k] for d, k in zip(drafts, ks)]
 
     # ---- verify ----------------------------------------------------------------------------------------------

@@ -5,6 +5,8 @@ The greedy reference is `generate_ids` on the same target engine (plain steps; i
 tests/test_generate.py) and Hugging Face directly. Every identity test asserts that speculative steps ran with both
 accepted and rejected drafts, so none passes vacuously.
 """
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -16,7 +18,7 @@ from neuron_infer.errors import ConfigError
 from neuron_infer.runtime.generate import generate_ids
 from neuron_infer.runtime.loader import eager_ngram_spec
 from neuron_infer.runtime.ngram import PROBE_EVERY, RowView, SeqState, plan_step, propose
-from neuron_infer.runtime.ngram_spec import accept
+from neuron_infer.runtime.ngram_spec import NgramSpec, accept
 from neuron_infer.runtime.sampling import processed_probs
 from tests.speculation.conftest import BASE
 from tests.speculation.test_sampling_lossless import chi_square_pvalue
@@ -79,6 +81,42 @@ def test_seq_state_ewma_and_idle():
     for _ in range(30):
         st.update(6, 0)
     assert st.accepted < 0.01  # shrinks towards 0: the sequence takes plain steps until a probe
+
+
+def test_a_declined_draft_is_scored_by_the_tokens_that_follow():
+    st = SeqState(accepted=0.0)
+    st.watch(10, [7, 8, 9])
+    st.watch(11, [1, 2])  # one draft watched at a time
+    st.observe([0] * 10 + [7])  # first token matches: undecided, nothing learnt yet
+    assert st.shadow == (10, [7, 8, 9]) and st.accepted == 0.0
+    st.observe([0] * 10 + [7, 8, 5])  # mismatch at the third: a verify step would have accepted 2
+    assert st.shadow is None and st.accepted == pytest.approx(0.3 * 2) and st.idle == 0
+    st.watch(13, [4, 4])
+    st.observe([0] * 13 + [4, 4, 4])  # every draft token matched: 2
+    assert st.shadow is None and st.accepted == pytest.approx(0.7 * 0.6 + 0.3 * 2)
+    st.watch(16, [3])
+    st.observe([0] * 16 + [2])  # rejected at once: 0
+    assert st.accepted == pytest.approx(0.7 * (0.7 * 0.6 + 0.3 * 2))
+    st.watch(17, [5, 6])
+    st.update(4, 4)  # the sequence drafted and was verified: the watched positions are measured by that step
+    assert st.shadow is None and st.accepted == pytest.approx(0.7 * 0.7 * (0.7 * 0.6 + 0.3 * 2) + 0.3 * 4)
+
+
+class _Seq:
+    """What NgramSpec.plan reads of a sequence: its tokens (and it must be weak-referenceable)."""
+
+    def __init__(self, tokens: list[int]):
+        self.tokens = tokens
+
+
+def test_plan_watches_declined_drafts_and_learns_from_plain_steps():
+    spec = NgramSpec(SimpleNamespace(build=None, vocab_size=0), graphs={}, k=4, ngram_size=2)  # no graphs run here
+    seq = _Seq([1, 2, 3, 4, 1, 2])
+    spec.state(seq).accepted = 0.0  # E = 1 < 1.3: the draft [3, 4, 1, 2] is declined and watched
+    assert spec.plan([seq]) == [[]] and spec.state(seq).shadow == (6, [3, 4, 1, 2])
+    seq.tokens += [3, 4, 9]  # the plain steps produced 3, 4, 9: a verify step would have accepted 2
+    spec.plan([seq])
+    assert spec.state(seq).accepted == pytest.approx(0.3 * 2)
 
 
 # ---- configuration -----------------------------------------------------------------------------------------------
