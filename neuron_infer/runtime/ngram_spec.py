@@ -10,7 +10,9 @@ Filler tokens past a row's k (and the other rows' slots) write cache slots that 
 the next step writes its own position before attending, as in the draft-model host loop (runtime/spec_step.py).
 
 The cost ratio (one verify step / one plain step) is measured from the steps this engine runs (an EWMA of each
-step's wall time, the first of each kind skipped as warm-up: `runtime/step_clock.py`) and feeds `plan_step`.
+step's wall time, the first of each kind skipped as warm-up: `runtime/step_clock.py`) and feeds `plan_step`. While
+every step pays, no plain step would ever be timed and the ratio would stay at its prior; so after CALIBRATE_EVERY
+speculative steps in a row (CALIBRATE_FIRST until a plain step is measured) one step is plain.
 """
 from __future__ import annotations
 
@@ -29,6 +31,8 @@ from neuron_infer.runtime.speculation import greedy_verify, speculative_verify
 from neuron_infer.runtime.step_clock import StepClock
 
 PRIOR_COST_RATIO = 1.3  # verify / plain step time assumed until both are measured
+CALIBRATE_EVERY = 32  # after this many speculative steps in a row, one plain step keeps the cost ratio measured
+CALIBRATE_FIRST = 8  # ... and after this many while the plain step has no measurement yet
 
 
 class NgramSpec:
@@ -41,6 +45,7 @@ class NgramSpec:
         self.build, self.vocab_size = target.build, target.vocab_size
         self.clock = StepClock()
         self.states: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Sequence -> SeqState
+        self.spec_run = 0  # speculative steps since the last plain step
 
     def prefill_row(self, row: int, prompt: list[int], start: int = 0, end: int | None = None) -> torch.Tensor:
         return self.target.prefill_row(row, prompt, start, end)
@@ -69,8 +74,12 @@ class NgramSpec:
         drafts = [propose(s.tokens, self.ngram_size, self.k) for s in seqs]
         views = [RowView(len(d), self.state(s).accepted, self.state(s).idle) for s, d in zip(seqs, drafts)]
         ks = plan_step(views, self.clock.ratio("verify", "plain", PRIOR_COST_RATIO))
+        every = CALIBRATE_EVERY if self.clock.measured("plain") else CALIBRATE_FIRST
+        if self.spec_run >= every:  # a plain step now and then: the ratio needs both steps timed
+            ks = [0] * len(ks)
         if agree is not None:
             ks = agree(torch.tensor(ks, dtype=torch.int64)).tolist()  # [m] rank 0's draft lengths
+        self.spec_run = self.spec_run + 1 if any(ks) else 0
         for s, d, k in zip(seqs, drafts, ks):
             if k == 0:
                 self.state(s).update(0, 0)

@@ -18,7 +18,7 @@ from neuron_infer.errors import ConfigError
 from neuron_infer.runtime.generate import generate_ids
 from neuron_infer.runtime.loader import eager_ngram_spec
 from neuron_infer.runtime.ngram import PROBE_EVERY, RowView, SeqState, plan_step, propose
-from neuron_infer.runtime.ngram_spec import NgramSpec, accept
+from neuron_infer.runtime.ngram_spec import CALIBRATE_EVERY, CALIBRATE_FIRST, NgramSpec, accept
 from neuron_infer.runtime.sampling import processed_probs
 from tests.speculation.conftest import BASE
 from tests.speculation.test_sampling_lossless import chi_square_pvalue
@@ -117,6 +117,17 @@ def test_plan_watches_declined_drafts_and_learns_from_plain_steps():
     seq.tokens += [3, 4, 9]  # the plain steps produced 3, 4, 9: a verify step would have accepted 2
     spec.plan([seq])
     assert spec.state(seq).accepted == pytest.approx(0.3 * 2)
+
+
+def test_a_plain_step_now_and_then_keeps_the_cost_ratio_measured():
+    spec = NgramSpec(SimpleNamespace(build=None, vocab_size=0), graphs={}, k=4, ngram_size=2)
+    seq = _Seq([5, 6, 7, 8] * 4)  # a loop: every step has a whole draft worth verifying
+    spec.state(seq).accepted = 4.0
+    plans = [spec.plan([seq]) for _ in range(CALIBRATE_FIRST + 1)]
+    assert all(p[0] for p in plans[:CALIBRATE_FIRST]) and plans[-1] == [[]]  # plain: nothing timed it yet
+    spec.clock.mean["plain"] = 0.01  # once a plain step is measured, calibration is rarer
+    plans = [spec.plan([seq]) for _ in range(CALIBRATE_EVERY + 1)]
+    assert all(p[0] for p in plans[:CALIBRATE_EVERY]) and plans[-1] == [[]]
 
 
 # ---- configuration -----------------------------------------------------------------------------------------------
