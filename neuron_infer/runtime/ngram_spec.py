@@ -69,9 +69,10 @@ class NgramSpec:
     def plan(self, seqs: list, agree: Callable[[torch.Tensor], torch.Tensor] | None = None) -> list[list[int]]:
         """Each sequence's drafts for this step ([] = none); all empty means a plain step. The draft lengths depend
         on this process's measured step times, so tensor-parallel ranks use rank 0's (`agree`)."""
-        for s in seqs:
-            self.state(s).observe(s.tokens)  # declined drafts of earlier steps, scored by the tokens since
-        drafts = [propose(s.tokens, self.ngram_size, self.k) for s in seqs]
+        tokens = [s.tokens for s in seqs]  # prompt + output, built once per sequence
+        for s, t in zip(seqs, tokens):
+            self.state(s).observe(t)  # declined drafts of earlier steps, scored by the tokens since
+        drafts = [propose(t, self.ngram_size, self.k) for t in tokens]
         views = [RowView(len(d), self.state(s).accepted, self.state(s).idle) for s, d in zip(seqs, drafts)]
         ks = plan_step(views, self.clock.ratio("verify", "plain", PRIOR_COST_RATIO))
         every = CALIBRATE_EVERY if self.clock.measured("plain") else CALIBRATE_FIRST
@@ -80,10 +81,10 @@ class NgramSpec:
         if agree is not None:
             ks = agree(torch.tensor(ks, dtype=torch.int64)).tolist()  # [m] rank 0's draft lengths
         self.spec_run = self.spec_run + 1 if any(ks) else 0
-        for s, d, k in zip(seqs, drafts, ks):
+        for s, t, d, k in zip(seqs, tokens, drafts, ks):
             if k == 0:
                 self.state(s).update(0, 0)
-                self.state(s).watch(len(s.tokens), d)
+                self.state(s).watch(len(t), d)
         return [d[:k] for d, k in zip(drafts, ks)]
 
     # ---- verify ----------------------------------------------------------------------------------------------
