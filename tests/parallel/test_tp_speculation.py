@@ -93,11 +93,15 @@ def test_unseeded_sampling_gives_every_rank_the_same_tokens(arts, spec, temperat
     assert first == second
 
 
+HANG_S = 30  # the broken runs below either finish (in seconds) or hang in a collective
+
+
 def test_without_agreeing_on_the_uniforms_the_ranks_diverge(arts):
     """Each rank drafts from its own uniforms: their tokens differ or, once their steps stop lining up (one rank
-    accepts more tokens and stops earlier, or takes a plain step), their collectives hang (RankFailure)."""
+    accepts more tokens and stops earlier, or takes a plain step), their collectives hang (RankFailure). A run that
+    completes takes a few seconds here, so a hang is named after HANG_S."""
     try:
-        out = run_ranks(tw.rank_sampled_tokens, 2, (str(arts("fused", 2)), PROMPTS, NEW, False), timeout_s=90)
+        out = run_ranks(tw.rank_sampled_tokens, 2, (str(arts("fused", 2)), PROMPTS, NEW, False), timeout_s=HANG_S)
     except RankFailure as e:
         assert "hung" in str(e)
         return
@@ -114,7 +118,7 @@ def test_ranks_take_rank_0s_gate_decision(arts, hf_tokens):
     assert first == second == hf_tokens
     assert out["steps"][0] == out["steps"][1] and out["steps"][1][2] > 0  # rank 1 took rank 0's plain steps
     try:
-        broken = run_ranks(tw.rank_gated_tokens, 2, (str(arts("fused", 2)), PROMPTS, NEW, False), timeout_s=90)
+        broken = run_ranks(tw.rank_gated_tokens, 2, (str(arts("fused", 2)), PROMPTS, NEW, False), timeout_s=HANG_S)
     except RankFailure:
         return
     assert broken["steps"][0] != broken["steps"][1] or broken["tokens"][0] != broken["tokens"][1]
