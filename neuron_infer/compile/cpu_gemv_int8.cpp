@@ -64,14 +64,21 @@ inline float hsum(Vec v) {
 #endif
 
 // Weight rows (output columns) per pass over the activations: every activation vector loaded is used by C rows,
-// read as C sequential streams (see gemv_rows); 4 for 1-2 rows, 2 for 3-6; from 7 rows on C x R accumulators would
-// not fit the 16 ymm registers next to the weights.
+// read as C sequential streams (see gemv_rows). With AVX2's 16 registers: 4 for 1-2 rows, 2 for 3-6; from 7 rows on
+// C x R accumulators would not fit next to the weights. With AVX-512's 32: 4 for 1-5 rows, 3 for 6-8.
+// Accumulators per (weight row, activation row), one per vector of an unrolled iteration: enough independent FMA
+// chains for the FMA latency, within a budget (AVX2: 16 in all, 12 when they are not a multiple of 4; AVX-512: 24).
+#ifdef __AVX512F__
+template <int R>
+constexpr int kCols = R <= 5 ? 4 : 3;
+template <int R, int C>
+constexpr int kAcc = C * R * 4 <= 24 ? 4 : C * R * 2 <= 24 ? 2 : 1;
+#else
 template <int R>
 constexpr int kCols = R <= 2 ? 4 : R <= 6 ? 2 : 1;
-// Accumulators per (weight row, activation row), one per vector of an unrolled iteration: enough independent FMA
-// chains for the FMA latency, at most 16 in all (12 when they are not a multiple of 4).
 template <int R, int C>
 constexpr int kAcc = C * R * 4 <= 16 ? 4 : C * R * 2 <= 12 ? 2 : 1;
+#endif
 
 // Keeps a loaded activation vector in a register for all C columns (not one memory operand per FMA).
 inline void keep(Vec& x) {
