@@ -125,7 +125,7 @@ def test_a_plain_step_now_and_then_keeps_the_cost_ratio_measured():
     spec.state(seq).accepted = 4.0
     plans = [spec.plan([seq]) for _ in range(CALIBRATE_FIRST + 1)]
     assert all(p[0] for p in plans[:CALIBRATE_FIRST]) and plans[-1] == [[]]  # plain: nothing timed it yet
-    spec.clock.mean["plain"] = 0.01  # once a plain step is measured, calibration is rarer
+    spec.clock.add("plain", 0.01, warm_up=False)  # once a plain step is measured, calibration is rarer
     plans = [spec.plan([seq]) for _ in range(CALIBRATE_EVERY + 1)]
     assert all(p[0] for p in plans[:CALIBRATE_EVERY]) and plans[-1] == [[]]
 
