@@ -17,8 +17,9 @@ last chunk the sequence sits decode steps out (its slot is bound to no blocks fo
 
 Speculation: one graph serves one sampling rule per step, so a step is plain when the scheduled sequences mix
 greedy and sampled or different temperature / top-k / top-p, when a sequence asks for logprobs or uses penalties or
-min-p, and near max_length where a speculative block would not fit. Plain steps and prompt encoding write only the
-target cache; before a speculative step the draft catches up on what it missed (`SpecEngine.catch_up`).
+min-p, and near max_length where a speculative block would not fit (or, with the caller's blocks, past the end of a
+row's last block: vLLM allocates blocks only for the tokens it scheduled). Plain steps and prompt encoding write only
+the target cache; before a speculative step the draft catches up on what it missed (`SpecEngine.catch_up`).
 
 With `gate`, a step that could speculate still takes a plain step while speculative steps are measured not to
 pay (`runtime/spec_gate.py`; it probes now and then), unless a scheduled sequence is seeded (its tokens would then
@@ -113,7 +114,7 @@ class Runner:
         admission order), so a long prompt joining the batch delays each of their steps by one chunk instead of its
         whole prefill; with no sequence decoding there is no one to delay and prompts are encoded whole."""
         for s in seqs:
-            self.encoding[s] = s.cached
+            self.begin(s)
         busy = self.chunk and any(s not in self.encoding for s in self.scheduler.running)
         budget = self.chunk if busy else None
         done: list[tuple[Sequence, torch.Tensor]] = []
@@ -127,6 +128,11 @@ class Runner:
             if logits is not None:
                 done.append((s, logits))
         return self._emit([s for s, _ in done], torch.stack([lg for _, lg in done])) if done else {}
+
+    def begin(self, seq: Sequence) -> None:
+        """`seq` (admitted) starts encoding after its cached positions; it sits decode steps out until its prompt is
+        complete."""
+        self.encoding[seq] = seq.cached
 
     def prefill_to(self, seq: Sequence, end: int) -> list[int]:
         """Encode `seq` (admitted, still encoding) up to position `end` -> [its first token] once its prompt is
@@ -188,13 +194,15 @@ class Runner:
                                    f"{self.max_length}; serve with --max-model-len <= {self.max_length}")
         if isinstance(self.spec, NgramSpec):  # prompt lookup: per-sequence drafts, any mix of sampling rules
             rows = {s.row: s.tokens for s in live}
-            lookup = self.spec.can_speculate(rows) and not any(_plain_only(s) for s in scheduled)
+            lookup = (self.spec.can_speculate(rows) and self.scheduler.has_room(live, self.lookahead)
+                      and not any(_plain_only(s) for s in scheduled))
             got = self._lookup(scheduled, rows) if lookup else None
             return got if got is not None else self._plain(scheduled, live)
         if self.spec is not None:
             rule = _shared_rule(scheduled)
             rows = {s.row: s.tokens for s in live}  # every live row: its real tokens are rewritten
-            if rule is not None and self.spec.can_speculate(rows) and self._gate_open(scheduled):
+            room = self.scheduler.has_room(live, self.lookahead)  # the caller's blocks may end sooner
+            if rule is not None and self.spec.can_speculate(rows) and room and self._gate_open(scheduled):
                 return self._speculate(scheduled, rows, rule)
         return self._plain(scheduled, live)
 

@@ -9,6 +9,11 @@ A sequence is admitted only when the pool can promise every block it may write: 
 max_new_tokens + lookahead) positions (lookahead: the K speculative positions past its newest token), less the
 blocks of its prompt found in the prefix cache. Otherwise it waits (first come, first served) until finishing
 sequences give blocks back. Blocks are taken as the sequence grows (`grow`).
+
+With `caller_blocks` (the vLLM worker), the caller's block manager owns the blocks: vLLM's scheduler allocates,
+shares (its prefix caching), preempts and frees them, and hands each sequence its block ids, which `admit_now` and
+`extend` record as the sequence's block table. The pool then takes no part: nothing is reserved, grown, hashed or
+freed here.
 """
 from __future__ import annotations
 
@@ -26,6 +31,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
         self._free = list(range(batch_size))  # a heap of free slots
+        self.caller_blocks = False  # True: the caller hands out every block (admit_now / extend), see above
 
     @property
     def has_work(self) -> bool:
@@ -49,20 +55,35 @@ class Scheduler:
                                    f"{self.pool.usable} blocks even alone; raise --kv-cache-gib")
         return new
 
-    def admit_now(self, seq: Sequence) -> None:
-        """Admit one sequence at once (the vLLM worker: vLLM's scheduler already decided), or fail clearly."""
+    def admit_now(self, seq: Sequence, blocks: list[int], computed: int) -> None:
+        """Admit one sequence at once into the blocks its caller allocated (`caller_blocks`: vLLM's scheduler
+        decided; its first `computed` positions are already in `blocks`, vLLM's prefix-cache hit), or fail clearly."""
         if not self._free:
             raise NeuronInferError(
                 f"all {self.batch_size} batch slots are busy: vLLM scheduled more concurrent requests than the "
                 f"artifact's batch_size; serve with --max-num-seqs <= {self.batch_size} or recompile with a larger "
                 "batch_size")
-        if not self._fits(seq):
-            raise NeuronInferError(
-                f"the KV cache has {self.pool.available} free blocks of {self.pool.block_size} tokens, too few for "
-                f"another request of up to {self._bound(seq)} tokens; serve with a larger --kv-cache-gib or fewer "
-                "--max-num-seqs")
-        self.waiting.appendleft(seq)
-        self._admit_first()
+        if not 0 <= computed < len(seq) or computed % self.pool.block_size:
+            raise NeuronInferError(f"a request of {len(seq)} tokens cannot start at position {computed}: cached "
+                                   f"positions come in whole blocks of {self.pool.block_size} and leave a token")
+        seq.row, seq.blocks, seq.cached, seq.reserved = heapq.heappop(self._free), [], computed, 0
+        self.running.append(seq)
+        self.extend(seq, blocks)
+
+    def extend(self, seq: Sequence, blocks: list[int]) -> None:
+        """Append the caller's newly allocated `blocks` to `seq`'s block table (`caller_blocks`)."""
+        bad = [b for b in blocks if not 0 < b < self.pool.num_blocks]
+        if bad:
+            raise NeuronInferError(f"block id {bad[0]} is outside the KV cache's blocks 1..{self.pool.num_blocks - 1}")
+        seq.blocks.extend(blocks)
+
+    def has_room(self, seqs: list[Sequence], positions: int) -> bool:
+        """Whether every sequence holds blocks for `positions` positions past its pending token's (a speculative
+        step writes them). Always, with the pool (`grow` takes them); the caller's blocks may end sooner."""
+        if not self.caller_blocks:
+            return True
+        bs = self.pool.block_size
+        return all(len(s.blocks) * bs >= len(s) + positions for s in seqs)
 
     # ---- blocks --------------------------------------------------------------------------------------------------
     def _bound(self, seq: Sequence) -> int:
@@ -92,7 +113,10 @@ class Scheduler:
         return seq
 
     def grow(self, seq: Sequence, positions: int) -> None:
-        """Give `seq` blocks for its first `positions` positions (from its promise)."""
+        """Give `seq` blocks for its first `positions` positions (from its promise; the caller's blocks: nothing to
+        do)."""
+        if self.caller_blocks:
+            return
         need = blocks_for(min(positions, self._bound(seq)), self.pool.block_size) - len(seq.blocks)
         for _ in range(need):
             seq.blocks.append(self.pool.allocate())
@@ -103,7 +127,7 @@ class Scheduler:
         """Record the full blocks of `seq`'s cached tokens (all but its newest) in the prefix cache: after its prefill,
         and when it leaves (its output's blocks too: a later prompt that repeats prompt + output, a chat's next
         turn, finds them)."""
-        if not self.pool.prefix_caching:
+        if not self.pool.prefix_caching or self.caller_blocks:
             return  # no hashing per finished sequence when nothing would be recorded
         for block, h in zip(seq.blocks, block_hashes(seq.tokens[: len(seq) - 1], self.pool.block_size)):
             self.pool.register(block, h)
@@ -115,8 +139,9 @@ class Scheduler:
             self.cache_blocks(seq)
         self.running.remove(seq)
         heapq.heappush(self._free, seq.row)
-        self.pool.release(seq.blocks)
-        self.pool.reserved -= seq.reserved
+        if not self.caller_blocks:
+            self.pool.release(seq.blocks)
+            self.pool.reserved -= seq.reserved
         seq.row, seq.blocks, seq.reserved = None, [], 0
 
     def release_finished(self) -> list[Sequence]:

@@ -63,17 +63,23 @@ def kv_cache_gib(options: Mapping[str, Any]) -> float | None:
 
 
 def run_options(options: Mapping[str, Any]) -> RunOptions:
-    """`neuron_infer_prefix_caching` (default true): reuse the engine's cached prompt blocks across requests;
-    `neuron_infer_speculation_gate` (default true): with a draft model, take plain steps while speculative steps are
-    measured not to pay (docs/speculation.md). (The prefill chunk is vLLM's to choose, and vLLM sends whole prompts
-    to a worker without a reported KV cache.)"""
-    flags = {}
-    for key, default in (("prefix_caching", True), ("speculation_gate", True)):
-        v = options.get(f"neuron_infer_{key}", default)
-        if not isinstance(v, bool):
-            raise ConfigError(f"additional_config neuron_infer_{key}={v!r} must be true or false")
-        flags[key] = v
-    return RunOptions(**flags)
+    """`neuron_infer_speculation_gate` (default true): with a draft model, take plain steps while speculative steps
+    are measured not to pay (docs/speculation.md). Prefix caching and the prefill chunks are vLLM's to decide (its
+    block manager drives the engine's cache, `prefix_caching`)."""
+    return RunOptions(prefix_caching=False, speculation_gate=_flag(options, "speculation_gate", True))
+
+
+def prefix_caching(options: Mapping[str, Any]) -> bool | None:
+    """`neuron_infer_prefix_caching`: the same as vLLM's --enable-prefix-caching / --no-enable-prefix-caching (None:
+    vLLM's own setting)."""
+    return _flag(options, "prefix_caching", None)
+
+
+def _flag(options: Mapping[str, Any], key: str, default: bool | None) -> bool | None:
+    v = options.get(f"neuron_infer_{key}", default)
+    if v is not default and not isinstance(v, bool):
+        raise ConfigError(f"additional_config neuron_infer_{key}={v!r} must be true or false")
+    return v
 
 
 def default_build(args: EngineArgs, overrides: Mapping[str, Any] | None = None) -> BuildConfig:

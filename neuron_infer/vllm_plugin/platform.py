@@ -3,9 +3,9 @@
 It subclasses `CpuPlatform` (keeping `_enum = CPU`) so every CPU default (gloo, spawn, thread binding, memory
 handling) still applies; on a Neuron instance the compiled graphs of the artifact run on the NeuronCores through the
 Neuron backend, while vLLM itself only sees a CPU host. Hooks used:
-  check_and_update_config  worker class; vLLM's own KV manager idle (its prefix caching off: the engine's block pool
-                           caches prefixes itself; prompts arrive whole, see docs/vllm.md), early validation of
-                           the artifact/build against vLLM's limits
+  check_and_update_config  worker class; additional_config neuron_infer_prefix_caching as vLLM's own flag (vLLM's
+                           block manager drives the engine's KV cache, with its prefix caching and chunked
+                           prefill, see docs/vllm.md); early validation of the artifact/build against vLLM's limits
   validate_request         refuses request features the runner does not implement (HTTP 400 with the reason)
 Sample logprobs are the raw log-softmax of the logits (vLLM's default --logprobs-mode raw_logprobs); other modes
 are refused at startup.
@@ -32,6 +32,7 @@ from neuron_infer.vllm_plugin.artifacts import (
     check_against_engine,
     default_build,
     plugin_options,
+    prefix_caching,
     ranks_in_one_process,
 )
 from neuron_infer.vllm_plugin.params import UnsupportedRequestError, check_request
@@ -82,11 +83,11 @@ class NeuronInferPlatform(CpuPlatform):
         if mode != RAW_LOGPROBS:
             raise ValueError(f"the neuron-infer vLLM plugin returns raw logprobs only (log-softmax of the model's "
                              f"logits, vLLM's default); drop --logprobs-mode {mode}")
-        # The engine's block pool does prefix caching itself (vllm_plugin/runner.py); vLLM's block manager holds
-        # nothing, so its own prefix caching stays off.
-        vllm_config.cache_config.enable_prefix_caching = False
+        # vLLM's block manager drives the engine's KV cache (worker.py): its prefix caching and chunked prefill apply
         args = engine_args(vllm_config)
         options = plugin_options(vllm_config.additional_config)
+        if prefix_caching(options) is not None:
+            vllm_config.cache_config.enable_prefix_caching = prefix_caching(options)
         if options.get("neuron_infer_artifacts"):
             from neuron_infer.compile.artifact import read_manifest
 
@@ -98,11 +99,6 @@ class NeuronInferPlatform(CpuPlatform):
             build = default_build(args, options.get("neuron_infer_build"))  # fails early on a bad dtype/override
             backend = options.get("neuron_infer_backend") or build.target  # what the plugin will compile with
         cls.max_prompt_len = build.max_context_length
-        # vLLM's engine core turns chunked prefill off for a worker that reports no KV cache (ours: the engine's pool
-        # holds it), so prompts arrive whole; the token budget must then hold the longest one.
-        sched = vllm_config.scheduler_config
-        sched.enable_chunked_prefill = False
-        sched.max_num_batched_tokens = max(int(sched.max_num_batched_tokens), int(args.max_model_len))
         if ranks_in_one_process(backend, build):
             par.distributed_executor_backend = "uni"  # one worker drives the whole group (see artifacts.py)
         elif args.tensor_parallel_size > 1 and BIND_ENV not in os.environ:

@@ -1,13 +1,15 @@
 """vLLM requests on the runtime's Runner: request ids <-> Sequences in batch slots and KV-cache blocks.
 
-vLLM's scheduler decides which requests run, join and leave; this adapter only maps its decisions onto the one
-runtime: a joining request becomes a `Sequence` admitted into a free slot and KV-cache blocks (`Scheduler.admit_now`;
-its cached prompt blocks are reused) and encoded chunk by chunk as vLLM's scheduler sends its prompt
-(`Runner.prefill_to`; the first token comes with the last chunk), each step is `Runner.step` over the scheduled requests (plain, or speculative with a draft model:
-1..K+1 tokens per request), and a finished request frees its row. vLLM applies its own stop rules (EOS, stop ids,
-max_tokens, max_model_len) and trims a speculative block, so the Sequences here never stop by themselves.
-A request asking for logprobs keeps its tokens' records (logprob, rank, top-n) on its Sequence until `take_logprobs`;
-the Runner makes every step that schedules it plain.
+vLLM's scheduler decides which requests run, join and leave, and which KV-cache blocks each one holds; this adapter
+only maps its decisions onto the one runtime: a joining request becomes a `Sequence` in a free slot whose block table
+is the block ids vLLM allocated (`Scheduler.admit_now`, then `extend` as vLLM adds blocks; vLLM's block manager counts
+the engine's blocks, block 0 being both vLLM's null block and our scratch block). Its first `computed` positions are
+vLLM's prefix-cache hit, already in those blocks; the rest is encoded chunk by chunk as vLLM's scheduler sends it
+(`Runner.prefill_to`; the first token comes with the last chunk), each step is `Runner.step` over the scheduled
+requests (plain, or speculative with a draft model: 1..K+1 tokens per request), and a finished request frees its
+row. vLLM applies its own stop rules (EOS, stop ids, max_tokens, max_model_len) and trims a speculative block, so
+the Sequences here never stop by themselves. A request asking for logprobs keeps its tokens' records (logprob, rank,
+top-n) on its Sequence until `take_logprobs`; the Runner makes every step that schedules it plain.
 No vLLM types here: `worker.py` adapts SchedulerOutput / ModelRunnerOutput to these calls, so this file is tested
 directly against `generate_ids` (tests/vllm/test_runner.py).
 
@@ -17,9 +19,11 @@ collectives) line up across ranks; `agree` makes every rank use rank 0's sampled
 """
 from __future__ import annotations
 
+import dataclasses
+
 from neuron_infer.config import SamplingConfig
 from neuron_infer.errors import NeuronInferError
-from neuron_infer.runtime.engine import Engine
+from neuron_infer.runtime.engine import CacheShape, Engine
 from neuron_infer.runtime.options import RunOptions
 from neuron_infer.runtime.runner import Agree, Runner
 from neuron_infer.runtime.sampling import make_generator
@@ -35,7 +39,9 @@ class SlotRunner:
 
     def __init__(self, engine: Engine, spec: SpecEngine | None = None, agree: Agree | None = None,
                  options: RunOptions = RunOptions()):  # noqa: B008 (frozen)
+        options = dataclasses.replace(options, prefix_caching=False)  # vLLM's block manager caches prefixes
         self.runner = Runner(spec if spec is not None else engine, agree, options=options)
+        self.runner.scheduler.caller_blocks = True  # vLLM allocates every block
         self.agree, self.batch = agree, engine.build.batch_size
         self.max_context, self.engine_vocab = engine.build.max_context_length, engine.vocab_size
         self.scheduler = self.runner.scheduler
@@ -53,19 +59,14 @@ class SlotRunner:
         return len(self.slots)
 
     @property
-    def pool(self):
-        """The engine's KV-cache block pool (blocks in use, prefix-cache hits)."""
-        return self.runner.engine.pool
+    def engine_cache(self) -> CacheShape:
+        """The (target) engine's KV cache: its block count is what vLLM's block manager hands out."""
+        return self.runner.engine.cache_shape
 
-    @property
-    def chunks(self) -> bool:
-        """Whether prompts may be encoded in chunks (not when the options ask for whole prompts)."""
-        return self.runner.chunk > 0
-
-    def admit(self, req_id: str, token_ids: list[int], sampling: SamplingConfig, prompt_len: int | None = None,
-              logprobs: int | None = None) -> int:
+    def admit(self, req_id: str, token_ids: list[int], sampling: SamplingConfig, blocks: list[int],
+              prompt_len: int | None = None, logprobs: int | None = None) -> int:
         """`join`, encode all of `token_ids` and return the first sampled token."""
-        self.join(req_id, token_ids, sampling, prompt_len, logprobs)
+        self.join(req_id, token_ids, sampling, blocks, prompt_len=prompt_len, logprobs=logprobs)
         return self.encode(req_id, len(token_ids))[0]
 
     def encode(self, req_id: str, upto: int) -> list[int]:
@@ -73,21 +74,26 @@ class SlotRunner:
         token] once all are encoded, else []."""
         return self.runner.prefill_to(self.slots[req_id], upto)
 
-    def join(self, req_id: str, token_ids: list[int], sampling: SamplingConfig, prompt_len: int | None = None,
-             logprobs: int | None = None) -> None:
-        """Give `req_id` a free row and the KV-cache blocks of `token_ids` (its cached prefix blocks reused); nothing
-        is encoded yet (`encode`). `prompt_len`: for a resumed request, how many of `token_ids` are its prompt (the
-        rest is output, which the presence and frequency penalties count); None = all prompt. `logprobs`: record
-        each new token's logprob, rank and this many top alternatives (read them with `take_logprobs`); such a
-        request makes every step plain."""
+    def join(self, req_id: str, token_ids: list[int], sampling: SamplingConfig, blocks: list[int], computed: int = 0,
+             prompt_len: int | None = None, logprobs: int | None = None) -> None:
+        """Give `req_id` a free row whose block table is `blocks` (vLLM's block ids; the first `computed` positions
+        are already cached in them); nothing is encoded yet (`encode`). `prompt_len`: for a resumed request, how many
+        of `token_ids` are its prompt (the rest is output, which the presence and frequency penalties count); None =
+        all prompt. `logprobs`: record each new token's logprob, rank and this many top alternatives (read them with
+        `take_logprobs`); such a request makes every step plain."""
         if req_id in self.slots:
             raise NeuronInferError(f"request {req_id!r} is already in the batch")
         check_prompt(f"request {req_id!r}", token_ids, self.max_context, self.engine_vocab)
         cut = len(token_ids) if prompt_len is None else prompt_len
         seq = Sequence(req_id, list(token_ids[:cut]), sampling, NO_STOP, make_generator(sampling.seed),
                        output=list(token_ids[cut:]), logprobs=logprobs)
-        self.scheduler.admit_now(seq)
+        self.scheduler.admit_now(seq, blocks, computed)
+        self.runner.begin(seq)
         self.slots[req_id] = seq
+
+    def extend(self, req_id: str, blocks: list[int]) -> None:
+        """vLLM allocated `blocks` (appended in order) to the running request `req_id`."""
+        self.scheduler.extend(self.slots[req_id], blocks)
 
     def release(self, req_id: str) -> list[int] | None:
         """Free the row of `req_id` (no-op for unknown ids); return its tokens."""

@@ -1,16 +1,24 @@
 """`NeuronInferWorker`: vLLM's worker contract (v1 engine) on top of a neuron-infer artifact.
 
 Startup (called by vLLM's executor, in order): init_device (gloo process group over the tensor-parallel ranks) ->
-load_model (find or compile the artifact, load it, allocate the engine's block KV cache: additional_config
-`neuron_infer_kv_cache_gib`, default batch_size sequences of max_length; prefix caching unless
-`neuron_infer_prefix_caching` is false) -> get_kv_cache_spec ({}: the cache and its block pool live inside the engine, so
-vLLM's block manager has nothing to allocate) -> initialize_from_config
-(no-op) -> compile_or_warm_up_model (one prefill + decode so the first request does not pay graph loading).
+load_model (find or compile the artifact, load it with a KV cache of additional_config `neuron_infer_kv_cache_gib`
+GiB per rank, default batch_size sequences of max_length) -> get_kv_cache_spec (one full-attention spec per layer:
+the artifact's block size, KV heads, head dim and cache dtype) -> determine_available_memory (that cache's bytes, so
+vLLM counts exactly its blocks) -> initialize_from_config (vLLM's block count; the engine's cache already holds it)
+-> compile_or_warm_up_model (one prefill + decode so the first request does not pay graph loading).
+
+The KV cache is vLLM's to manage: its scheduler allocates the blocks, shares them between requests with a common
+prefix (`--enable-prefix-caching`, on by default), preempts when they run out and splits long prompts into chunks
+(chunked prefill); its metrics (KV-cache usage, prefix-cache hit rate) are the truth. The worker only writes and reads
+K/V in the blocks vLLM names: a new request's block table is `block_ids`, a running one's grows by `new_block_ids`,
+and a prefix-cache hit arrives as `num_computed_tokens` > 0 (those positions are not encoded again).
+
 Per step: execute_model(SchedulerOutput) -> ModelRunnerOutput with the new tokens of each request whose prompt is
 fully encoded: one, or 1..K+1 when the artifact has a draft model (speculative decoding; vLLM appends them in order
 and trims at a stop), and `[]` for a request whose prompt is still arriving in chunks; plus, for requests asking for
 `logprobs`, each new token's logprob, rank and top-n (`LogprobsLists`, see logprobs.py; such requests make the step
-plain, one token each).
+plain, one token each). vLLM reserves blocks only for the tokens it scheduled, so a speculative step runs only when
+every row's blocks hold its K draft positions (otherwise the step is plain).
 
 Tensor parallelism (`--tensor-parallel-size N`, artifact compiled with tp_degree N): vLLM's executor starts one
 worker per rank and sends every rank the same SchedulerOutput. Worker r loads only shard r (weights/rank{r},
@@ -50,7 +58,6 @@ from neuron_infer.vllm_plugin.runner import SlotRunner
 
 logger = init_logger("vllm.neuron_infer.worker")  # vLLM configures handlers for the `vllm` logger tree only
 LOG_EVERY_SPEC_STEPS = 100  # a speculation summary line in the server log every this many speculative steps
-LOG_EVERY_REQUESTS = 20  # a KV-cache line (blocks in use, prefix-cache hits) every this many finished requests
 
 
 class NeuronInferWorker(WorkerBase):
@@ -73,11 +80,10 @@ class NeuronInferWorker(WorkerBase):
         torch.manual_seed(self.model_config.seed or 0)
         self.compiled = None
         self.runner: SlotRunner | None = None
-        self._pending: dict[str, tuple[list[int], Any]] = {}  # prompts still arriving in chunks
+        self._pending: set[str] = set()  # requests whose prompt (or resumed tokens) is not all encoded yet
         self._preempted: dict[str, list[int]] = {}  # tokens of preempted requests (re-encoded on resume)
         self._params: dict[str, Any] = {}  # SamplingParams of admitted requests (needed again on resume)
         self._prompt_lens: dict[str, int] = {}  # prompt length per request (penalties tell prompt from output)
-        self._finished = 0  # requests finished (a KV-cache log line every LOG_EVERY_REQUESTS)
 
     def _init_group(self) -> None:
         """vLLM's distributed init (its executor builds message queues on these groups), even at world size 1."""
@@ -109,7 +115,7 @@ class NeuronInferWorker(WorkerBase):
         expect = resolve_model_dir(args.model) if explicit else None  # the artifact must come from --model
         t0 = time.perf_counter()
         gib = kv_cache_gib(options)
-        run = run_options(options)  # vLLM's own prefix caching stays off: its block manager holds nothing
+        run = run_options(options)
         if self.tp == 1 or self.group_in_process:
             self.compiled = CompiledModel.load(root, expect_checkpoint=expect, kv_cache_gib=gib)
             manifest, engine, spec = self.compiled.manifest, self.compiled.engine, self.compiled.spec
@@ -121,6 +127,7 @@ class NeuronInferWorker(WorkerBase):
             manifest, engine = load_serving_rank(Path(root), self.rank, self.tp, expect_checkpoint=expect,
                                                  kv_cache_gib=gib)
             self.runner = SlotRunner(engine, agree=broadcast_from_rank0, options=run)
+        self._kv_heads = -(-manifest.model.num_kv_heads // self.tp)  # equal on every rank: vLLM compares the specs
         build = manifest.build
         rank = f", rank {self.rank} of tp {self.tp}, {torch.get_num_threads()} threads" if self.runner.agree else ""
         logger.info("neuron-infer: loaded %s in %.1f s (backend %s, %s, batch %d, max_length %d%s%s)", root,
@@ -132,19 +139,37 @@ class NeuronInferWorker(WorkerBase):
                         build.speculation.length + 1)
 
     def get_kv_cache_spec(self) -> dict:
-        return {}
+        """One full-attention spec per layer (vLLM's layer naming); vLLM's block manager then counts our blocks."""
+        from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+        shape = self.runner.engine_cache
+        spec = FullAttentionSpec(block_size=shape.block_size, num_kv_heads=self._kv_heads, head_size=shape.head_dim,
+                                 dtype=shape.dtype)
+        return {f"model.layers.{i}.self_attn.attn": spec for i in range(shape.layers)}
 
     def determine_available_memory(self) -> int:
-        return 0  # vLLM asks only when get_kv_cache_spec is non-empty
+        """The bytes vLLM turns into exactly the engine's block count (its block 0, the null block, is our scratch
+        block): blocks x layers x one layer's page (as vLLM computes it from the spec)."""
+        spec = next(iter(self.get_kv_cache_spec().values()))
+        shape = self.runner.engine_cache
+        return shape.blocks * shape.layers * spec.page_size_bytes
 
     def initialize_from_config(self, kv_cache_config: Any) -> None:
-        return None  # the engine allocated its block cache in load_model
+        """vLLM's block count (the smallest over the ranks) must fit the engine's cache, which load_model
+        allocated; block ids past it are never handed out."""
+        shape, n = self.runner.engine_cache, int(kv_cache_config.num_blocks)
+        if n > shape.blocks:
+            raise ValueError(f"vLLM sized the KV cache at {n} blocks but the engine holds {shape.blocks}; leave "
+                             "--num-gpu-blocks-override unset (size the cache with additional_config "
+                             "neuron_infer_kv_cache_gib)")
+        logger.info("neuron-infer: KV cache of %d blocks of %d tokens (%.3f GiB per rank), managed by vLLM's block "
+                    "manager", n - 1, shape.block_size, shape.with_blocks(n).nbytes() / 2**30)
 
     def compile_or_warm_up_model(self) -> CompilationTimes:
         t0 = time.perf_counter()
         from neuron_infer.config import SamplingConfig
 
-        self.runner.admit("__warmup__", [0], SamplingConfig())
+        self.runner.admit("__warmup__", [0], SamplingConfig(), blocks=[])  # no blocks: writes the scratch block
         self.runner.decode(["__warmup__"])
         self.runner.release("__warmup__")
         self.runner.reset_stats()  # count served requests only
@@ -155,19 +180,9 @@ class NeuronInferWorker(WorkerBase):
         logger.info("neuron-infer: %d speculative steps so far (acceptance %.3f, %d of %d draft tokens) and %d plain "
                     "steps", st.spec_steps, st.acceptance_rate, st.accepted, st.drafted, st.plain_steps)
 
-    def _log_cache(self) -> None:
-        """The engine's own KV-cache numbers (vLLM's prefix-cache metrics stay at zero: its block manager is idle,
-        see docs/vllm.md)."""
-        st, pool = self.runner.stats, self.runner.pool
-        logger.info("neuron-infer: KV cache %d of %d blocks in use (at most %d so far); prefix cache %d of %d prompt "
-                    "blocks found (hit rate %.1f%%)", pool.in_use, pool.usable, st.kv_blocks_in_use,
-                    pool.hits, pool.queries, 100.0 * pool.hit_rate)
-
     def shutdown(self) -> None:
         if self.runner is not None and self.runner.stats.spec_steps:
             self._log_stats()
-        if self.runner is not None and self._finished:
-            self._log_cache()
         super().shutdown()
 
     def get_supported_tasks(self) -> tuple[str, ...]:
@@ -180,21 +195,23 @@ class NeuronInferWorker(WorkerBase):
         so = scheduler_output
         for req_id in so.finished_req_ids:  # a set: its order may differ per rank; the runner's row choice does not
             self.runner.release(req_id)
-            self._finished += 1
-            if self._finished % LOG_EVERY_REQUESTS == 0:
-                self._log_cache()
-            self._pending.pop(req_id, None)
+            self._pending.discard(req_id)
             self._preempted.pop(req_id, None)
             self._params.pop(req_id, None)
             self._prompt_lens.pop(req_id, None)
-        for req_id in so.preempted_req_ids or ():
+        for req_id in so.preempted_req_ids or ():  # vLLM took its blocks back
             tokens = self.runner.release(req_id)
+            self._pending.discard(req_id)
             if tokens is not None:
                 self._preempted[req_id] = tokens
         if not so.total_num_scheduled_tokens:
             return EMPTY_MODEL_RUNNER_OUTPUT
+        upto = self._take_blocks(so)  # joins new and resumed requests, grows running ones
         sampled = self._decode_running(so)
-        sampled.update(self._admit_new(so))
+        for req_id, end in upto.items():  # then this step's prompt tokens (chunked prefill: part of a prompt)
+            sampled[req_id] = self.runner.encode(req_id, end)
+            if sampled[req_id]:
+                self._pending.discard(req_id)
         req_ids = list(so.num_scheduled_tokens)
         tokens = [sampled.get(r, []) for r in req_ids]
         return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
@@ -211,50 +228,43 @@ class NeuronInferWorker(WorkerBase):
         return LogprobsLists(*arrays) if arrays is not None else None
 
     def _decode_running(self, so: Any) -> dict[str, list[int]]:
-        """Requests already in the batch: one decode step over all rows (before any new prefill, see runner)."""
-        cached = so.scheduled_cached_reqs
-        running = [r for r in cached.req_ids
-                   if r in self.runner.slots and r not in cached.resumed_req_ids and r not in self._pending]
+        """Requests whose prompt is encoded: one decode step over all rows (before this step's prompt tokens)."""
+        running = [r for r in so.scheduled_cached_reqs.req_ids if r in self.runner.slots and r not in self._pending]
         before = self.runner.stats.spec_steps
         out = self.runner.decode(running)
         if self.runner.stats.spec_steps // LOG_EVERY_SPEC_STEPS > before // LOG_EVERY_SPEC_STEPS:
             self._log_stats()
         return out
 
-    def _admit_new(self, so: Any) -> dict[str, list[int]]:
-        """New requests (whole or the last chunk of their prompt) and resumed ones: encode into a free row."""
-        out: dict[str, list[int]] = {}
+    def _take_blocks(self, so: Any) -> dict[str, int]:
+        """New and resumed requests join with the blocks vLLM gave them, running ones get their new blocks ->
+        {request still encoding its prompt: the position this step's tokens take it to}."""
+        upto: dict[str, int] = {}
         for new in so.scheduled_new_reqs:
             check_request(new.sampling_params)
-            self._pending[new.req_id] = (list(new.prompt_token_ids or []), new.sampling_params)
-            self._prompt_lens[new.req_id] = len(new.prompt_token_ids or [])
-            self._progress(new.req_id, new.num_computed_tokens + so.num_scheduled_tokens[new.req_id], out)
+            tokens = list(new.prompt_token_ids or [])
+            self._params[new.req_id], self._prompt_lens[new.req_id] = new.sampling_params, len(tokens)
+            self._join(new.req_id, tokens, new.block_ids[0], new.num_computed_tokens)
+            upto[new.req_id] = new.num_computed_tokens + so.num_scheduled_tokens[new.req_id]
         cached = so.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
-            if req_id in cached.resumed_req_ids:
+            blocks = cached.new_block_ids[i][0] if cached.new_block_ids[i] else []
+            if req_id in cached.resumed_req_ids:  # all of its blocks, and its tokens to encode again
                 self.runner.release(req_id)
                 tokens = cached.all_token_ids.get(req_id) or self._preempted.pop(req_id, None)
                 if tokens is None:
                     raise RuntimeError(f"vLLM resumed request {req_id!r} without its tokens; cannot re-encode it")
-                params = self._params.get(req_id)
-                self._pending[req_id] = (list(tokens), params)
+                self._join(req_id, list(tokens), blocks, cached.num_computed_tokens[i])
+            elif blocks:
+                self.runner.extend(req_id, blocks)
             if req_id in self._pending:
-                self._progress(req_id, cached.num_computed_tokens[i] + so.num_scheduled_tokens[req_id], out)
-        return out
+                upto[req_id] = cached.num_computed_tokens[i] + so.num_scheduled_tokens[req_id]
+        return upto
 
-    def _progress(self, req_id: str, computed: int, out: dict[str, list[int]]) -> None:
-        """Encode the prompt's tokens up to `computed`; a request gets its first token with its last token encoded.
-        The platform turns vLLM's chunked prefill off (vLLM 0.32 does so anyway for a worker that reports no KV
-        cache), so prompts arrive whole; should a prompt arrive in chunks, each is encoded as it comes (with chunked
-        prefill off in the options, the request joins when its last chunk arrives)."""
-        tokens, params = self._pending[req_id]
-        if req_id not in self.runner.slots:
-            if computed < len(tokens) and not self.runner.chunks:
-                out[req_id] = []  # partial prompt: no token yet
-                return
-            self._params[req_id] = params
-            self.runner.join(req_id, tokens, to_sampling_config(params), self._prompt_lens.get(req_id),
-                             requested_logprobs(params, self.runner.engine_vocab))
-        out[req_id] = self.runner.encode(req_id, computed)
-        if out[req_id]:
-            del self._pending[req_id]
+    def _join(self, req_id: str, tokens: list[int], blocks: list[int], computed: int) -> None:
+        """A request takes a row with vLLM's blocks; its first `computed` positions are cached there."""
+        params = self._params.get(req_id)
+        self.runner.join(req_id, tokens, to_sampling_config(params), blocks, computed,
+                         prompt_len=self._prompt_lens.get(req_id),
+                         logprobs=requested_logprobs(params, self.runner.engine_vocab))
+        self._pending.add(req_id)

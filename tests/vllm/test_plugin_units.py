@@ -22,6 +22,7 @@ from neuron_infer.vllm_plugin.artifacts import (
     default_build,
     kv_cache_gib,
     plugin_options,
+    prefix_caching,
     ranks_in_one_process,
     run_options,
 )
@@ -181,13 +182,15 @@ def test_plugin_options_reject_misspelt_keys():
 
 def test_kv_cache_options():
     assert kv_cache_gib({}) is None and kv_cache_gib({"neuron_infer_kv_cache_gib": 2}) == 2.0
-    assert run_options({}) == RunOptions(speculation_gate=True)  # the server gates by default
-    assert run_options({"neuron_infer_prefix_caching": False}) == RunOptions(False, speculation_gate=True)
+    # the server gates by default; the engine's own prefix cache stays off (vLLM's block manager caches prefixes)
+    assert run_options({}) == RunOptions(prefix_caching=False, speculation_gate=True)
+    assert prefix_caching({}) is None  # vLLM's own --enable-prefix-caching decides
+    assert prefix_caching({"neuron_infer_prefix_caching": False}) is False
     for bad in (0, -1, "2", True):
         with pytest.raises(ConfigError, match="positive number of GiB"):
             kv_cache_gib({"neuron_infer_kv_cache_gib": bad})
     with pytest.raises(ConfigError, match="true or false"):
-        run_options({"neuron_infer_prefix_caching": "no"})
+        prefix_caching({"neuron_infer_prefix_caching": "no"})
     assert run_options({}).speculation_gate is True
     assert run_options({"neuron_infer_speculation_gate": False}).speculation_gate is False
     with pytest.raises(ConfigError, match="true or false"):

@@ -4,8 +4,14 @@ No vLLM needed. The reference for every request is `generate_ids` on that reques
 runner serves the same requests interleaved in a batch-4 artifact with joins and leaves at different steps and row
 reuse. fp32 + the tiny checkpoints (spread-out logits): greedy tokens must be identical; seeded sampling draws the
 same numbers (one generator per request, one uniform per token in both paths), so it is identical too.
+
+`Served` plays vLLM's block manager as the worker sees it: blocks are allocated only for the positions scheduled so
+far (no lookahead: vLLM reserves none without its own speculative config), come from a FIFO free list (so a freed
+block soon serves another request) and go back when a request leaves.
 """
 from __future__ import annotations
+
+from collections import deque
 
 import pytest
 import torch
@@ -30,6 +36,45 @@ def models(tiny_dirs, tmp_path_factory):
     return out
 
 
+class Served:
+    """A SlotRunner fed block ids the way vLLM's scheduler hands them out (see the module docstring)."""
+
+    def __init__(self, runner: SlotRunner):
+        self.runner, self.bs = runner, runner.engine_cache.block_size
+        self.free = deque(range(1, runner.engine_cache.blocks))
+        self.held: dict[str, list[int]] = {}
+
+    def __getattr__(self, name):
+        return getattr(self.runner, name)
+
+    def cover(self, rid: str, positions: int) -> list[int]:
+        """New blocks so that `rid` holds its first `positions` positions."""
+        held = self.held.setdefault(rid, [])
+        new = [self.free.popleft() for _ in range(-(-positions // self.bs) - len(held))]
+        held += new
+        return new
+
+    def admit(self, rid, prompt, sampling, prompt_len=None, logprobs=None):
+        return self.runner.admit(rid, prompt, sampling, self.cover(rid, len(prompt)), prompt_len=prompt_len,
+                                 logprobs=logprobs)
+
+    def join(self, rid, prompt, sampling):
+        self.runner.join(rid, prompt, sampling, [])
+
+    def encode(self, rid, upto):
+        self.runner.extend(rid, self.cover(rid, upto))
+        return self.runner.encode(rid, upto)
+
+    def decode(self, rids):
+        for r in rids:  # the pending token's position
+            self.runner.extend(r, self.cover(r, len(self.runner.slots[r])))
+        return self.runner.decode(rids)
+
+    def release(self, rid):
+        self.free.extend(self.held.pop(rid, []))
+        return self.runner.release(rid)
+
+
 def alone(model, prompt, n, sampling):
     res, _ = generate_ids(model.engine, [prompt], n, sampling, ignore_eos=True)
     return res[0].token_ids
@@ -47,7 +92,7 @@ SCHEDULE = [
 
 
 def test_interleaved_requests_equal_each_request_alone(models):
-    runner = SlotRunner(models[4].engine)
+    runner = Served(SlotRunner(models[4].engine))
     got: dict[int, list[int]] = {}
     want = {i: alone(models[1], p, n, s) for i, (_, p, n, s) in enumerate(SCHEDULE)}
     waiting, step, rows_used = list(enumerate(SCHEDULE)), 0, set()
@@ -72,7 +117,7 @@ def test_interleaved_requests_equal_each_request_alone(models):
 def test_prompts_sent_in_chunks_equal_each_request_alone(models):
     """A prompt arriving in chunks (as vLLM's chunked prefill would send it: 13 tokens per step, crossing block
     boundaries) while the others decode gets no token until its last chunk, then equals its run alone."""
-    runner = SlotRunner(models[4].engine)
+    runner = Served(SlotRunner(models[4].engine))
     want = {i: alone(models[1], p, n, s) for i, (_, p, n, s) in enumerate(SCHEDULE)}
     got: dict[int, list[int]] = {}
     sent: dict[int, int] = {}  # prompt tokens sent so far, per request still encoding
@@ -103,7 +148,7 @@ def test_prompts_sent_in_chunks_equal_each_request_alone(models):
 
 
 def test_runner_errors_name_the_fix(models):
-    runner = SlotRunner(models[1].engine)
+    runner = Served(SlotRunner(models[1].engine))
     with pytest.raises(NeuronInferError, match="larger max_context_length"):
         runner.admit("a", list(range(65)), SamplingConfig())
     first = runner.admit("a", [5, 6], SamplingConfig())
@@ -125,13 +170,13 @@ def test_agree_decides_the_tokens_every_step_uses(models):
         calls.append(t.tolist())
         return torch.full_like(t, 7)
 
-    runner = SlotRunner(models[4].engine, agree=agree)
+    runner = Served(SlotRunner(models[4].engine, agree=agree))
     assert runner.admit("a", [5, 6, 9], SamplingConfig()) == 7
     assert runner.admit("b", [3], SamplingConfig(temperature=0.9, seed=1)) == 7
     assert runner.decode(["a", "b"]) == {"a": [7], "b": [7]}
     assert runner.slots["a"].tokens == [5, 6, 9, 7, 7] and runner.slots["b"].tokens == [3, 7, 7]
     assert [len(c) for c in calls] == [1, 1, 2]  # one exchange per admission, one per decode step
-    plain = SlotRunner(models[4].engine)  # without agree: the locally sampled greedy token
+    plain = Served(SlotRunner(models[4].engine))  # without agree: the locally sampled greedy token
     assert plain.admit("a", [5, 6, 9], SamplingConfig()) == calls[0][0]
 
 
@@ -140,7 +185,7 @@ def test_row_choice_does_not_depend_on_release_order(models):
     release rows in different orders and must still give the next request the same row."""
     rows = []
     for order in (["a", "b", "c"], ["c", "a", "b"]):
-        runner = SlotRunner(models[4].engine)
+        runner = Served(SlotRunner(models[4].engine))
         for r in ("a", "b", "c", "d"):
             runner.admit(r, [5, 6], SamplingConfig())
         for r in order:
@@ -192,7 +237,7 @@ def run_schedule(runner, schedule):
 
 def test_speculative_runner_greedy_equals_non_speculative(spec_model, models):
     assert spec_model.spec is not None and spec_model.spec.mode == "fused"
-    runner = SlotRunner(spec_model.engine, spec_model.spec)
+    runner = Served(SlotRunner(spec_model.engine, spec_model.spec))
     got = run_schedule(runner, SPEC_SCHEDULE)
     for i, (_, prompt, n, s) in enumerate(SPEC_SCHEDULE):
         assert len(got[i]) == n
@@ -213,19 +258,19 @@ def test_speculation_under_tensor_parallelism_agrees_on_each_sampled_steps_unifo
         return t if t.dim() == 1 else torch.full_like(t, 0.25)  # [B, 3K+1]: "rank 0's" uniforms
 
     sampled = [(0, [200] * 9, 12, SamplingConfig(temperature=0.8, top_k=50, seed=11))]
-    got = run_schedule(SlotRunner(spec_model.engine, spec_model.spec, agree=agree), sampled)
+    got = run_schedule(Served(SlotRunner(spec_model.engine, spec_model.spec, agree=agree)), sampled)
     k = spec_model.spec.k
     assert (spec_model.engine.build.batch_size, 3 * k + 1) in shapes  # the uniforms went through agree
-    own = run_schedule(SlotRunner(spec_model.engine, spec_model.spec), sampled)
+    own = run_schedule(Served(SlotRunner(spec_model.engine, spec_model.spec)), sampled)
     assert got != own  # ... and were used: the step's own draws would have given other tokens
 
 
 def test_speculative_runner_seeded_sampling_is_reproducible(spec_model):
     sampled = [(0, [200] * 9, 12, SamplingConfig(temperature=0.8, top_k=50, seed=11)),
                (0, [9] * 5, 12, SamplingConfig(temperature=0.8, top_k=50, seed=3))]
-    a = run_schedule(SlotRunner(spec_model.engine, spec_model.spec), sampled)
-    b = run_schedule(SlotRunner(spec_model.engine, spec_model.spec), sampled)
-    greedy = run_schedule(SlotRunner(spec_model.engine, spec_model.spec), [(0, p, n, SamplingConfig())
+    a = run_schedule(Served(SlotRunner(spec_model.engine, spec_model.spec)), sampled)
+    b = run_schedule(Served(SlotRunner(spec_model.engine, spec_model.spec)), sampled)
+    greedy = run_schedule(Served(SlotRunner(spec_model.engine, spec_model.spec)), [(0, p, n, SamplingConfig())
                                                                              for _, p, n, _ in sampled])
     assert a == b and a != greedy
 
@@ -239,7 +284,7 @@ def test_a_resumed_request_keeps_its_output_apart_for_the_penalties(models, samp
     the output, so the continuation equals the uninterrupted run (greedy; seeded: the generator restarts, so only
     the greedy case compares tokens after the resume)."""
     prompt = [5, 9, 9, 14, 3]
-    runner = SlotRunner(models[4].engine)
+    runner = Served(SlotRunner(models[4].engine))
     got = [runner.admit("r", prompt, sampling)]
     for _ in range(3):
         got += runner.decode(["r"])["r"]
@@ -264,7 +309,7 @@ LOGPROB_SCHEDULE = [  # (join step, prompt, tokens, sampling, logprobs)
 
 
 def test_logprob_records_equal_each_request_alone(models):
-    runner = SlotRunner(models[4].engine)
+    runner = Served(SlotRunner(models[4].engine))
     got: dict[int, list[int]] = {}
     recs: dict[int, list[dict]] = {}
     waiting, step = list(enumerate(LOGPROB_SCHEDULE)), 0
@@ -298,7 +343,7 @@ def test_logprob_records_equal_each_request_alone(models):
 
 
 def test_a_logprobs_request_makes_speculative_steps_plain(spec_model, models):
-    runner = SlotRunner(spec_model.engine, spec_model.spec)
+    runner = Served(SlotRunner(spec_model.engine, spec_model.spec))
     prompt = list(range(7, 27))
     got = {"a": [runner.admit("a", [3, 99, 150, 4], SamplingConfig())],
            "b": [runner.admit("b", prompt, SamplingConfig(), logprobs=2)]}
@@ -317,3 +362,63 @@ def test_a_logprobs_request_makes_speculative_steps_plain(spec_model, models):
     for _ in range(3):
         runner.decode(["a"])
     assert runner.stats.spec_steps > 0  # without it, "a" speculates again
+
+
+# ---- vLLM's block manager drives the cache: prefix-cache hits and block room for speculation ----------------------
+def test_a_prefix_cache_hit_encodes_only_the_rest_and_equals_alone(models, monkeypatch):
+    """vLLM's prefix caching hands a request the blocks of a prefix another request wrote (still running here) and
+    `num_computed_tokens` = their positions: only the rest is encoded, into the request's own blocks, and both
+    requests still equal their runs alone."""
+    engine = models[4].engine
+    encoded = []
+    real = engine.prefill_row
+
+    def counting(slot, prompt, start=0, end=None):
+        encoded.append((start, len(prompt) if end is None else end))
+        return real(slot, prompt, start, end)
+
+    monkeypatch.setattr(engine, "prefill_row", counting)
+    runner = Served(SlotRunner(engine))
+    bs = runner.bs
+    a = list(range(7, 7 + bs + 9))  # one full block + 9 tokens
+    b = a[:bs] + [200, 201, 3, 4, 5]  # the same first block, then its own tokens
+    got = {"a": [runner.admit("a", a, SamplingConfig())]}
+    for _ in range(3):
+        got["a"] += runner.decode(["a"])["a"]
+    shared = runner.held["a"][:1]
+    runner.held["b"] = list(shared)  # vLLM's hit: the block is shared, not copied
+    runner.runner.join("b", b, SamplingConfig(), shared + runner.cover("b", len(b)), computed=bs)
+    encoded.clear()
+    got["b"] = runner.runner.encode("b", len(b))
+    assert encoded == [(bs, len(b))]  # the cached block is not encoded again
+    for _ in range(5):
+        for r, toks in runner.decode(["a", "b"]).items():
+            got[r] += toks
+    assert got["a"] == alone(models[1], a, 9, SamplingConfig())
+    assert got["b"] == alone(models[1], b, 6, SamplingConfig())
+
+
+def test_blocks_from_the_caller_are_checked(models):
+    runner = SlotRunner(models[4].engine)
+    n, bs = runner.engine_cache.blocks, runner.engine_cache.block_size
+    with pytest.raises(NeuronInferError, match=f"block id {n} is outside the KV cache's blocks 1..{n - 1}"):
+        runner.join("a", [5, 6, 7], SamplingConfig(), [1, n])
+    with pytest.raises(NeuronInferError, match="whole blocks"):
+        runner.join("b", list(range(bs + 3)), SamplingConfig(), [1, 2], computed=5)
+    with pytest.raises(NeuronInferError, match="leave a token"):
+        runner.join("c", list(range(bs)), SamplingConfig(), [1], computed=bs)
+
+
+def test_speculation_waits_for_blocks_that_hold_the_draft_positions(spec_model, models):
+    """vLLM allocates blocks for the scheduled tokens only; the K draft positions of a speculative step must lie
+    in the row's own blocks (past them the table names the shared scratch block), else the step is plain."""
+    runner = SlotRunner(spec_model.engine, spec_model.spec)
+    bs, k = runner.engine_cache.block_size, spec_model.spec.k
+    prompt = list(range(7, 7 + bs - 2))
+    got = [runner.admit("a", prompt, SamplingConfig(), [1])]  # bs - 1 tokens: the pending one is the last but one
+    got += runner.decode(["a"])["a"]
+    assert len(got) == 2 and runner.stats.spec_steps == 0  # its K draft positions would cross into the next block
+    runner.extend("a", [2])
+    got += runner.decode(["a"])["a"]
+    assert runner.stats.spec_steps == 1 and 3 <= len(got) <= k + 2
+    assert got == alone(models[1], prompt, len(got), SamplingConfig())

@@ -31,13 +31,21 @@ from vllm.platforms import current_platform
 
 if __name__ == "__main__":
     model, cache, prompts, n = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), int(sys.argv[4])
+    # 16-token blocks and a 32-token step budget: vLLM splits the 60-token prompt into chunks (chunked prefill) and
+    # finds the shared prompt's first blocks in its prefix cache
     llm = LLM(model=model, dtype="float32", max_model_len=128, max_num_seqs=4, gpu_memory_utilization=0.3,
-              enforce_eager=True, seed=0,
-              additional_config={"neuron_infer_backend": "cpu-eager", "neuron_infer_cache_dir": cache})
+              enforce_eager=True, seed=0, enable_chunked_prefill=True, max_num_batched_tokens=32,
+              enable_prefix_caching=True, disable_log_stats=False,
+              additional_config={"neuron_infer_backend": "cpu-eager", "neuron_infer_cache_dir": cache,
+                                 "neuron_infer_build": {"kv_block_size": 16}})
     res = {"platform": type(current_platform).__name__}
     greedy = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy)
     res["greedy"] = [o.outputs[0].token_ids for o in outs]
+    shared = prompts[2][:48] + [5, 6, 7]  # the first three blocks of the 60-token prompt, sent above
+    res["shared"] = llm.generate([{"prompt_token_ids": shared}], greedy)[0].outputs[0].token_ids
+    res["prefix_cache"] = {m.name: m.value for m in llm.get_metrics()
+                           if m.name in ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits")}
     text = llm.generate(["The capital of France is"], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
     res["text_prompt_ids"] = text[0].prompt_token_ids
     res["text"] = {"ids": text[0].outputs[0].token_ids, "text": text[0].outputs[0].text,
@@ -68,6 +76,14 @@ def hf_greedy(model_dir, prompt, n):
     out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
                       eos_token_id=None, pad_token_id=0)
     return out[0, len(prompt):].tolist()
+
+
+def test_chunked_prompts_and_prefix_cache_hits_equal_neuron_infer(vllm_result, reference):
+    """The 60-token prompt came in chunks of at most 32 tokens; the shared one found its first 48 tokens in vLLM's
+    prefix cache (blocks the 60-token prompt's request wrote) and encoded only the rest."""
+    shared = PROMPTS[2][:48] + [5, 6, 7]
+    assert vllm_result["shared"] == reference.generate_ids([shared], N, ignore_eos=True).outputs[0].token_ids
+    assert vllm_result["prefix_cache"]["vllm:prefix_cache_hits"] >= 48
 
 
 def test_plugin_platform_is_selected(vllm_result):

@@ -11,7 +11,7 @@ import re
 
 import pytest
 
-from tests.vllm.vllm_helpers import TINY_VLLM, Server, post, require_vllm
+from tests.vllm.vllm_helpers import TINY_VLLM, Server, get, post, require_vllm
 
 require_vllm()
 
@@ -28,7 +28,7 @@ def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("srv")
     model = write_tiny_checkpoint(root / "tiny", **TINY_VLLM)
     art = root / "art"
-    build = BuildConfig(dtype="fp32", batch_size=BATCH, max_context_length=128, max_length=128)
+    build = BuildConfig(dtype="fp32", batch_size=BATCH, max_context_length=128, max_length=128, kv_block_size=16)
     compile_model(model, art, build, backend="cpu-eager", say=lambda m: None)
     server = Server(model, ["--dtype", "float32", "--max-model-len", "128", "--max-num-seqs", str(BATCH),
                             "--gpu-memory-utilization", "0.3", "--enforce-eager", "--served-model-name", "tiny",
@@ -149,11 +149,39 @@ def test_load_32_mixed_requests_concurrency_8_equal_alone(setup):
                                                  seed=7, timeout_s=300))
 
 
+def prefix_cache_counters(server) -> tuple[float, float]:
+    """vLLM's own prefix-cache counters (queried, hit prompt tokens) from its Prometheus endpoint."""
+    status, body = get(server.url + "/metrics")
+    assert status == 200
+    text = body.decode()
+
+    def total(name):
+        return sum(float(v) for v in re.findall(rf"^vllm:{name}_total{{[^}}]*}} ([\d.e+]+)$", text, re.MULTILINE))
+
+    return total("prefix_cache_queries"), total("prefix_cache_hits")
+
+
+def test_vllm_prefix_caching_drives_the_engine_cache(setup):
+    """vLLM's block manager owns the KV cache: a prompt sharing its first blocks with an earlier one is a
+    prefix-cache hit in vLLM's metrics, and its tokens still equal neuron-infer's own (the hit's blocks hold the
+    earlier request's K/V)."""
+    server, ours = setup
+    bs = ours.engine.block_size
+    first = list(range(11, 11 + 3 * bs + 5))
+    second = first[: 3 * bs] + [4, 8, 15, 16]
+    queries, hits = prefix_cache_counters(server)
+    for prompt in (first, second):
+        got = complete(server, prompt=prompt, max_tokens=8, ignore_eos=True, return_token_ids=True)
+        assert got["token_ids"] == ours.generate_ids([prompt], 8, ignore_eos=True).outputs[0].token_ids
+    queries2, hits2 = prefix_cache_counters(server)
+    assert queries2 - queries >= len(first) + len(second) and hits2 - hits >= 3 * bs
+
+
 def test_clean_shutdown(setup):
     server, _ = setup
     rc, seconds, leftover = server.terminate(grace_s=60)
     assert rc is not None, f"API server still running {seconds:.0f} s after SIGTERM"
     assert not leftover, "engine core / worker processes outlived the API server"
-    log = server.log.read_text()  # the engine's KV-cache line (vLLM's prefix-cache metrics cannot see its pool)
-    assert re.search(r"neuron-infer: KV cache \d+ of \d+ blocks in use \(at most [1-9]\d* so far\); prefix cache "
-                     r"\d+ of \d+ prompt blocks found \(hit rate [\d.]+%\)", log), log[-3000:]
+    log = server.log.read_text()  # the cache vLLM was told about: the engine's blocks, vLLM's block manager
+    assert re.search(r"neuron-infer: KV cache of \d+ blocks of \d+ tokens \([\d.]+ GiB per rank\), managed by vLLM's "
+                     r"block manager", log), log[-3000:]
