@@ -1,6 +1,9 @@
 """The block KV cache: position -> (block, offset) mapping against a dense cache, the block pool's accounting, the
 scheduler's admission by blocks, block tables across requests, and prefix caching (fp32, eager graphs, tiny
 checkpoints)."""
+import importlib.util
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -16,6 +19,7 @@ from neuron_infer.runtime.sequence import Sequence, StopRule
 
 BUILD = BuildConfig(dtype="fp32", batch_size=4, max_context_length=64, max_length=128, context_buckets=(32, 64),
                     tokengen_buckets=(64, 128), kv_block_size=16)
+ROOT = Path(__file__).resolve().parents[1]
 SHARED = [(i * 7) % 300 + 3 for i in range(40)]  # a 40-token prefix: two full blocks of 16
 
 
@@ -164,9 +168,15 @@ def test_requests_in_a_small_cache_never_share_blocks_and_equal_their_solo_runs(
     assert out.metrics[0].kv_blocks == 12 and 0 < out.metrics[0].kv_blocks_in_use <= 12
 
 
-def test_a_budget_below_one_sequence_is_refused(artifact):
-    with pytest.raises(NeuronInferError, match="needs 9 .*with the scratch block"):
-        CompiledModel.load(artifact, kv_cache_gib=_gib(artifact, 8))
+def test_a_cache_smaller_than_one_long_request_serves_short_ones_and_names_the_fix_for_long_ones(artifact):
+    m = CompiledModel.load(artifact, kv_cache_gib=_gib(artifact, 3), prefix_caching=False)  # 2 blocks + scratch
+    short = [5, 9, 33]
+    assert m.generate_ids([short], 6, ignore_eos=True).outputs[0].token_ids == _solo(artifact, [short], 6)[0]
+    with pytest.raises(NeuronInferError, match="does not fit the KV cache of 2 blocks even alone; raise "
+                                               "--kv-cache-gib"):
+        m.generate_ids([list(range(50, 80))], 40, ignore_eos=True)  # 70 positions: more than 2 blocks hold
+    with pytest.raises(NeuronInferError, match="needs at least 2 .*one block and the scratch block"):
+        CompiledModel.load(artifact, kv_cache_gib=_gib(artifact, 1))
 
 
 # ---- prefix caching ----------------------------------------------------------------------------------------------
@@ -250,11 +260,11 @@ def test_an_artifact_from_before_the_block_cache_asks_for_a_recompile(artifact, 
         read_manifest(old, verify_files=False)
 
 
-def test_eight_short_requests_run_at_once_in_the_smallest_cache(tiny_dirs, tmp_path):
-    """A batch-8 artifact whose static layout would hold 8 x max_length positions: in the smallest cache allowed
-    (one max_length sequence plus the scratch block, 17 of 129 blocks), 8 requests of max_length / 16 positions
-    still run all at once, with the tokens of the full-size cache (the tiny model's max_length 512 and 32
-    positions per request stand for SmolLM2's 4096 and 256)."""
+def test_eight_short_requests_run_at_once_in_a_cache_sized_for_them(tiny_dirs, tmp_path):
+    """A batch-8 artifact whose static layout would hold 8 x max_length positions: in a cache of 9 of 129 blocks
+    (one block per request and the scratch block), 8 requests of max_length / 16 positions still run all at once,
+    with the tokens of the full-size cache (the tiny model's max_length 512 and 32 positions per request stand for
+    SmolLM2's 4096 and 256)."""
     build = BuildConfig(dtype="fp32", batch_size=8, max_context_length=32, max_length=512, context_buckets=(32,),
                         tokengen_buckets=(64, 512), tokengen_batch_buckets=(8,), kv_block_size=32)
     d = tmp_path / "long"
@@ -262,11 +272,9 @@ def test_eight_short_requests_run_at_once_in_the_smallest_cache(tiny_dirs, tmp_p
     full = CompiledModel.load(d, prefix_caching=False)
     shape = full.engine.cache_shape
     assert shape.blocks == build.default_kv_blocks == 8 * 512 // 32 + 1
-    floor = 512 // 32 + 1  # 17 blocks: one max_length sequence and the scratch block
-    with pytest.raises(NeuronInferError, match="needs 17"):
-        CompiledModel.load(d, kv_cache_gib=(floor - 1) * shape.block_bytes() / 2**30)
-    small = CompiledModel.load(d, prefix_caching=False, kv_cache_gib=floor * shape.block_bytes() / 2**30)
-    assert small.engine.cache_shape.nbytes() * 129 == shape.nbytes() * 17  # 1/7.6 of the static cache
+    sized = 8 + 1  # one 32-token block per request and the scratch block
+    small = CompiledModel.load(d, prefix_caching=False, kv_cache_gib=sized * shape.block_bytes() / 2**30)
+    assert small.engine.cache_shape.nbytes() * 129 == shape.nbytes() * 9  # 1/14.3 of the static cache
     assert 2 * small.engine.k_cache.nbytes == small.engine.cache_shape.nbytes()  # what was allocated
     prompts = [[(i * 37 + j * 11) % 300 + 3 for j in range(24)] for i in range(8)]
     busy = []
@@ -276,3 +284,15 @@ def test_eight_short_requests_run_at_once_in_the_smallest_cache(tiny_dirs, tmp_p
     want = full.generate_ids(prompts, 8, ignore_eos=True)
     assert [o.token_ids for o in got.outputs] == [o.token_ids for o in want.outputs]
     assert got.metrics[0].kv_blocks_in_use == 8  # one block of 32 per request
+
+
+def test_the_kv_memory_benchmark_sizes_a_cache_for_its_requests(artifact, capsys):
+    """scripts/bench_kv_memory.py on the tiny artifact: 4 requests of 20 + 4 tokens in 16-token blocks need
+    2 blocks each, so the sized cache holds 9 of the default 33 blocks and gives the same tokens."""
+    spec = importlib.util.spec_from_file_location("bench_kv_memory", ROOT / "scripts" / "bench_kv_memory.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert script.main([str(artifact), "--requests", "4", "--prompt-len", "20", "--new-tokens", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "sized | 9 |" in out and "default | 33 |" in out
+    assert "9 / 33 blocks = 1/3.7 of the static-size cache" in out and "tokens identical: True" in out

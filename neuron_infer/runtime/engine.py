@@ -83,16 +83,14 @@ class CacheShape:
         return dataclasses.replace(self, blocks=blocks)
 
 
-def budget_blocks(cache: CacheShape, build: BuildConfig, gib: float) -> int:
-    """Blocks (the scratch block included) of a KV cache of `gib` GiB; a budget too small for one sequence of
-    max_length is refused."""
+def budget_blocks(cache: CacheShape, gib: float) -> int:
+    """Blocks (the scratch block included) of a KV cache of `gib` GiB; a budget without one block besides the
+    scratch block is refused. (A request longer than the cache holds fails when it is scheduled, naming the fix.)"""
     blocks = round(gib * 2**30) // cache.block_bytes()
-    need = build.max_length // cache.block_size + 1
-    if blocks < need:
+    if blocks < 2:
         raise NeuronInferError(
-            f"--kv-cache-gib {gib:g} holds {blocks} blocks of {cache.block_size} tokens, but one sequence of "
-            f"max_length={build.max_length} needs {need} (with the scratch block): at least "
-            f"{need * cache.block_bytes() / 2**30:.4f} GiB")
+            f"--kv-cache-gib {gib:g} holds {blocks} blocks of {cache.block_size} tokens, but the cache needs at "
+            f"least 2 (one block and the scratch block): at least {2 * cache.block_bytes() / 2**30:.6f} GiB")
     return blocks
 
 

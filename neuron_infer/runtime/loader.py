@@ -71,7 +71,7 @@ def load_rank(artifact: str | Path, rank: int = 0, manifest: Manifest | None = N
         raise ArtifactError(f"{root}: Neuron graphs hold the KV cache of the compiled batch_size x max_length; "
                             "--kv-cache-gib applies to CPU artifacts")
     if kv_cache_gib is not None:
-        cache = cache.with_blocks(budget_blocks(cache, build, kv_cache_gib))
+        cache = cache.with_blocks(budget_blocks(cache, kv_cache_gib))
     engine = Engine(_load_graphs(manifest.backend, graphs_dir, modules), build, cache, manifest.model.vocab_size)
     if build.speculation is not None:
         engine.spec = load_speculation(root, manifest, model, engine, spec_mode, graphs_dir)
