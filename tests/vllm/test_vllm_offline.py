@@ -65,10 +65,46 @@ if __name__ == "__main__":
 """
 
 
+SMALL_CACHE_SCRIPT = r"""
+import json, sys
+from vllm import LLM, SamplingParams
+
+if __name__ == "__main__":
+    model, cache, prompts, n, gib = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+    llm = LLM(model=model, dtype="float32", max_model_len=128, max_num_seqs=4, gpu_memory_utilization=0.3,
+              enforce_eager=True, seed=0, disable_log_stats=False,
+              additional_config={"neuron_infer_backend": "cpu-eager", "neuron_infer_cache_dir": cache,
+                                 "neuron_infer_build": {"kv_block_size": 16}, "neuron_infer_kv_cache_gib": float(gib)})
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+    res = {"greedy": [o.outputs[0].token_ids for o in outs],
+           "preemptions": sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions")}
+    print("RESULT:" + json.dumps(res), flush=True)
+"""
+
+
 @pytest.fixture(scope="module")
-def vllm_result(tiny, tmp_path_factory):
-    cache = tmp_path_factory.mktemp("cache")
-    return run_script(SCRIPT, [str(tiny), str(cache), json.dumps(PROMPTS), str(N)], timeout=420)
+def plugin_cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("cache")  # both scripts build the same artifact: the second run loads it
+
+
+@pytest.fixture(scope="module")
+def vllm_result(tiny, plugin_cache):
+    return run_script(SCRIPT, [str(tiny), str(plugin_cache), json.dumps(PROMPTS), str(N)], timeout=420)
+
+
+def test_a_cache_too_small_for_the_batch_preempts_and_every_request_still_equals_neuron_infer(
+        tiny, plugin_cache, reference, vllm_result):
+    """A KV cache of 10 blocks of 16 tokens (9 usable: one 128-token request and a bit): four requests of 60 + 40
+    tokens need 7 blocks each, so vLLM preempts requests when blocks run out and resumes them later; the worker
+    encodes a resumed request again in the blocks vLLM gives it, and every output equals neuron-infer's own."""
+    block_bytes = 2 * 2 * 2 * 16 * 32 * 4  # K and V x 2 layers x 2 KV heads x 16 positions x head dim 32 x fp32
+    prompts = [[(i * 31 + j * 7) % 400 + 10 for j in range(60)] for i in range(4)]
+    got = run_script(SMALL_CACHE_SCRIPT, [str(tiny), str(plugin_cache), json.dumps(prompts), "40",
+                                          repr(10 * block_bytes / 2**30)], timeout=420)
+    assert got["preemptions"] > 0
+    for prompt, toks in zip(prompts, got["greedy"]):
+        assert toks == reference.generate_ids([prompt], 40, ignore_eos=True).outputs[0].token_ids
 
 
 def hf_greedy(model_dir, prompt, n):
