@@ -66,16 +66,19 @@ class Scheduler:
         if not 0 <= computed < len(seq) or computed % self.pool.block_size:
             raise NeuronInferError(f"a request of {len(seq)} tokens cannot start at position {computed}: cached "
                                    f"positions come in whole blocks of {self.pool.block_size} and leave a token")
-        seq.row, seq.blocks, seq.cached, seq.reserved = heapq.heappop(self._free), [], computed, 0
+        self._check_blocks(blocks)  # before the slot is taken: a refused request leaves nothing behind
+        seq.row, seq.blocks, seq.cached, seq.reserved = heapq.heappop(self._free), list(blocks), computed, 0
         self.running.append(seq)
-        self.extend(seq, blocks)
 
     def extend(self, seq: Sequence, blocks: list[int]) -> None:
         """Append the caller's newly allocated `blocks` to `seq`'s block table (`caller_blocks`)."""
+        self._check_blocks(blocks)
+        seq.blocks.extend(blocks)
+
+    def _check_blocks(self, blocks: list[int]) -> None:
         bad = [b for b in blocks if not 0 < b < self.pool.num_blocks]
         if bad:
             raise NeuronInferError(f"block id {bad[0]} is outside the KV cache's blocks 1..{self.pool.num_blocks - 1}")
-        seq.blocks.extend(blocks)
 
     def has_room(self, seqs: list[Sequence], positions: int) -> bool:
         """Whether every sequence holds blocks for `positions` positions past its pending token's (a speculative

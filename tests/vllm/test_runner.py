@@ -403,6 +403,7 @@ def test_blocks_from_the_caller_are_checked(models):
     n, bs = runner.engine_cache.blocks, runner.engine_cache.block_size
     with pytest.raises(NeuronInferError, match=f"block id {n} is outside the KV cache's blocks 1..{n - 1}"):
         runner.join("a", [5, 6, 7], SamplingConfig(), [1, n])
+    assert runner.active == 0 and runner.scheduler.free_rows == 4  # the refused request took no row
     with pytest.raises(NeuronInferError, match="whole blocks"):
         runner.join("b", list(range(bs + 3)), SamplingConfig(), [1, 2], computed=5)
     with pytest.raises(NeuronInferError, match="leave a token"):
