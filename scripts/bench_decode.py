@@ -7,6 +7,7 @@ Everything runs in this one process/session, interleaved round by round, because
     python scripts/bench_decode.py                       # embedded SmolLM2-135M, bf16, 128 new tokens
     python scripts/bench_decode.py --rounds 5 --no-llamacpp
     python scripts/bench_decode.py --artifacts ART_BF16 --int8-artifacts ART_INT8 --llamacpp F16,Q8_0
+    python scripts/bench_decode.py --artifacts ART_BF16 --int8-artifacts ART_INT8 --w8a8-artifacts ART_W8A8
 
 llama.cpp's files are made from the shipped Q4_1 GGUF of the embedded model with llama.cpp's own quantize API
 (F16: the Q4_1 values widened; Q8_0: those values requantized to 8 bits). Their speed depends on their bytes and
@@ -153,6 +154,9 @@ def build_runners(args, model_dir: Path) -> list:
     if args.int8_artifacts:
         runners.append(NeuronInfer(model_dir, args.dtype, args.backend, Path(args.int8_artifacts),
                                    name="neuron-infer int8"))
+    if args.w8a8_artifacts:
+        runners.append(NeuronInfer(model_dir, args.dtype, args.backend, Path(args.w8a8_artifacts),
+                                   name="neuron-infer w8a8"))
     runners.append(HFEager(model_dir, args.dtype))
     kinds = [k for k in args.llamacpp.split(",") if k] if not args.no_llamacpp else []
     bad = [k for k in kinds if k not in LLAMACPP_TYPES]
@@ -187,6 +191,8 @@ def main() -> None:
                     help=f"llama.cpp files to run, comma list from {','.join(LLAMACPP_TYPES)}")
     ap.add_argument("--int8-artifacts", default=None,
                     help="also run this artifact (e.g. compiled with --quant int8) as 'neuron-infer int8'")
+    ap.add_argument("--w8a8-artifacts", default=None,
+                    help="also run this artifact (compiled with --quant w8a8) as 'neuron-infer w8a8'")
     ap.add_argument("--artifacts", default=None,
                     help="reuse this compiled artifact dir (e.g. from `neuron-infer compile --config smollm2-cpu`)")
     ap.add_argument("--long-prompt", type=int, default=512,
@@ -235,10 +241,10 @@ def report(args, runners, res, bw: list[float]) -> None:
         print(f"| {r.name} | {m['tps']:.1f} | {per_round(tps, hf):.2f}x | {per_round(tps, res[ni.name]['tps']):.2f}x | "
               f"{m['ttft32'] * 1000:.0f} | {m['ttft512'] * 1000:.0f} | {mbu} |".replace("| nan |", "| - |"))
     names = [r.name for r in runners]
-    if "neuron-infer int8" in names:
+    for quant in [n for n in ("neuron-infer int8", "neuron-infer w8a8") if n in names]:
         for peer in [n for n in names if n.startswith("llama.cpp")]:
-            ratio = per_round(res["neuron-infer int8"]["tps"], res[peer]["tps"])
-            print(f"neuron-infer int8 vs {peer}: {ratio:.2f}x decode tok/s (per-round median; > 1: int8 faster)")
+            ratio = per_round(res[quant]["tps"], res[peer]["tps"])
+            print(f"{quant} vs {peer}: {ratio:.2f}x decode tok/s (per-round median; > 1: {quant} faster)")
 
 
 if __name__ == "__main__":

@@ -21,6 +21,10 @@ Variants
     aoti-int8         aoti-gemv on the int8-quantized model (quant.int8): int8 linears on 1-8 rows call the
                       int8 GEMV C kernel (compile/cpu_gemv_int8.cpp)
     aoti-int8-avx2    the same with the kernel forced down to AVX2 (gemv_isa="avx2")
+    aoti-w8a8         aoti-gemv on the w8a8-quantized model (quant.smoothquant, no smoothing: random weights): w8a8
+                      linears on 1-8 rows call the w8a8 GEMV C kernel (compile/cpu_gemv_w8a8.cpp: VNNI where the
+                      CPU has it)
+    aoti-w8a8-avx512  the same with the kernel forced down to AVX-512 without VNNI (gemv_isa="avx512")
 
     python scripts/perf_cpu_backends.py --variants aoti-gemv,aoti-int8 --batch 4   # int8 vs bf16, batch 4
 
@@ -66,7 +70,7 @@ from neuron_infer.model.llama import BucketStep, LlamaModel
 from neuron_infer.quant import apply_quantization
 
 VARIANTS = ("eager", "aoti-gemv", "aoti-gemv-avx2", "aoti-reduction", "aoti-gemm", "aoti-inlined", "inductor-freeze",
-            "aoti-int8", "aoti-int8-avx2")
+            "aoti-int8", "aoti-int8-avx2", "aoti-w8a8", "aoti-w8a8-avx512")
 
 
 def smollm2_config(layers: int) -> ModelConfig:
@@ -134,11 +138,11 @@ def prepare(variant: str, step: BucketStep, args: tuple, workdir: Path, graph: s
 def _prepare(variant: str, step: BucketStep, args: tuple, workdir: Path, graph: str):
     if variant == "eager":
         return step, 0.0, 0.0
-    if variant.startswith("aoti-int8"):
+    if variant.startswith(("aoti-int8", "aoti-w8a8")):
         model = copy.deepcopy(step.model)
-        apply_quantization(model, QuantConfig(scheme="int8"))
+        apply_quantization(model, QuantConfig(scheme=variant.split("-")[1]))
         step = BucketStep(model, step.attend_len)
-        isa = "avx2" if variant.endswith("avx2") else "auto"
+        isa = variant.rsplit("-", 1)[1] if variant.endswith(("avx2", "avx512")) else "auto"
         be = CpuBackend(CpuCompileOptions(gemv_isa=isa))
         t0 = time.perf_counter()
         with torch.inference_mode():

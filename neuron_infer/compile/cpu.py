@@ -55,7 +55,7 @@ from neuron_infer import cpu_threads
 from neuron_infer.compile import cpu_gemv
 from neuron_infer.errors import ArtifactError, ConfigError
 from neuron_infer.model.ops import computed_once
-from neuron_infer.quant import int8
+from neuron_infer.quant.base import few_rows_kernels
 
 GRAPH_FORMAT = "aotinductor-pt2"
 # Weights stay outside the package (shared by every graph); the generated C++ may contract a * b + c into one
@@ -74,12 +74,13 @@ class CpuCompileOptions:
         C kernel takes become GEMV reductions Inductor generates; 0 keeps every linear a GEMM call (no C kernel
         either). Default 5: the fused reductions lose to the GEMM at 8 rows.
     gemv_kernel: bf16 linears on 1-8 bf16 rows (cpu_gemv.MAX_ROWS) call the bf16 C kernel (cpu_gemv.cpp: AVX512-BF16
-        or AVX2 + FMA) where the CPU has AVX2 + FMA, and int8 linears (quant.int8) on 1-8 bf16 rows the int8 C
-        kernel (cpu_gemv_int8.cpp, AVX-512 or AVX2), both regardless of gemv_max_rows (> 0): a kernel streams the
+        or AVX2 + FMA) where the CPU has AVX2 + FMA, int8 linears (quant.int8) on 1-8 bf16 rows the int8 C kernel
+        (cpu_gemv_int8.cpp, AVX-512 or AVX2) and w8a8 linears (quant.smoothquant) the w8a8 one (cpu_gemv_w8a8.cpp,
+        AVX512-VNNI, AVX-512 or AVX2), all regardless of gemv_max_rows (> 0): a kernel streams the
         weights once for all 8 rows at any ISA level, and beyond 5 rows the only alternative is the GEMM, slow in
         bf16 without AVX512-BF16. Elsewhere, and for fp32, GEMVs are the reductions above.
-    gemv_isa: the highest ISA level the C kernels may use ("auto": the best this CPU has; "avx512" or "avx2"
-        force it down, e.g. to build and test the paths of CPUs without AVX512-BF16).
+    gemv_isa: the highest ISA level the C kernels may use ("auto": the best this CPU has; "avx512-vnni", "avx512"
+        or "avx2" force it down, e.g. to build and test the paths of CPUs without AVX512-BF16 or VNNI).
     """
 
     gemv_max_rows: int = 5
@@ -110,7 +111,7 @@ class CpuCompileOptions:
 
     @property
     def uses_int8_kernel(self) -> bool:
-        """Whether int8 linears on 1-8 bf16 rows of graphs compiled on this machine call the C kernel."""
+        """Whether int8 and w8a8 linears on 1-8 bf16 rows of graphs compiled on this machine call C kernels."""
         return "int8" in cpu_gemv.kernels_for(self.kernel_isa())
 
 
@@ -178,9 +179,9 @@ def _export_linears(module: torch.nn.Module, example_args: tuple,
 
 
 def _export(module: torch.nn.Module, example_args: tuple, options: CpuCompileOptions) -> torch.export.ExportedProgram:
-    """Export `module`; int8 linears on few rows call the int8 C kernel (when this machine builds one)."""
-    int8_kernel = cpu_gemv.gemv_int8 if options.uses_int8_kernel else None
-    with int8.few_rows_kernel(int8_kernel, cpu_gemv.INT8_MAX_ROWS):
+    """Export `module`; int8 and w8a8 linears on few rows call their C kernels (when this machine builds them)."""
+    kernels = {"int8": cpu_gemv.gemv_int8, "w8a8": cpu_gemv.gemv_w8a8} if options.uses_int8_kernel else {}
+    with few_rows_kernels(kernels, cpu_gemv.INT8_MAX_ROWS):
         return _export_linears(module, example_args, options)
 
 

@@ -2,20 +2,23 @@
 
     export:   bf16 linear on 1-8 rows -> torch.ops.neuron_infer.ni_gemv_bf16_v4(x [R, K], w [N, K]) -> [R, N]
               int8 linear on 1-8 rows -> torch.ops.neuron_infer.ni_gemv_int8_v2(x [R, K], q [N, K], s [N]) -> [R, N]
+              w8a8 linear on 1-8 rows -> torch.ops.neuron_infer.ni_gemv_w8a8_v1(x [R, K], q [N, K], s [N]) -> [R, N]
     compile:  aot_inductor.custom_ops_to_c_shims = C_SHIMS: the generated wrapper calls the C functions
-              aoti_torch_cpu_ni_gemv_bf16_v4, ..._int8_v2 (cpu_gemv.cpp, cpu_gemv_int8.cpp) directly - no dispatcher
+              aoti_torch_cpu_ni_gemv_bf16_v4, ..._int8_v2, ..._w8a8_v1 (cpu_gemv*.cpp) directly - no dispatcher
     build:    the sources a graph calls -> <graph>.gemv.so next to the graph (g++, the compiler Inductor uses),
               for one ISA level (ISAS); the level is recorded and checked against the CPU at load
     load:     the .so is loaded with RTLD_GLOBAL before the graph, so the graph's undefined symbols resolve to it
 
-Each op's eager implementation is the reference (fp32 matmul of the same values, times the int8 scale, rounded
-once to bf16): the slow twin the tests compare the kernel with. The "_v2"/"_v3" is part of the C symbol and must
+Each op's eager implementation is the reference the tests compare the kernel with (the slow twin): an fp32 matmul
+of the same values, times the int8 scale, rounded once to bf16; for w8a8 the scheme's own per-token quantization
+and exact integer matmul (quant.smoothquant.w8a8_matmul), which its kernel reproduces bit for bit. The "_v2"/"_v3" is part of the C symbol and must
 change with the kernel's contract (arguments, result, numerics, rows accepted): the first library loaded in a
 process serves every graph calling that symbol, so two libraries under one name must be interchangeable (bf16 _v3:
 1-8 rows, on every ISA level).
-Both kernels have a path for every ISA level: the bf16 one uses AVX512-BF16 dot products at that level and AVX2 +
-FMA (bf16 widened to fp32) below it; the int8 one AVX-512 (F, BW, VL) or AVX2 + FMA. Without AVX2 + FMA linears
-stay Inductor-generated reductions (bf16) or the quantized module's own matmul (int8).
+Every kernel has a path for every ISA level: the bf16 one uses AVX512-BF16 dot products at that level and AVX2 +
+FMA (bf16 widened to fp32) below it; the int8 one AVX-512 (F, BW, VL) or AVX2 + FMA; the w8a8 one AVX512-VNNI
+(vpdpbusd) at the avx512-vnni and avx512-bf16 levels, int16 multiply-adds (vpmaddwd) at avx512 and avx2. Without
+AVX2 + FMA linears stay Inductor-generated reductions (bf16) or the quantized module's own matmul (int8, w8a8).
 """
 from __future__ import annotations
 
@@ -30,18 +33,24 @@ from pathlib import Path
 import torch
 
 from neuron_infer.errors import ArtifactError, NeuronInferError
+from neuron_infer.quant.smoothquant import w8a8_matmul
 
 MAX_ROWS = 8  # the bf16 C kernel is instantiated for 1..8 input rows
-INT8_MAX_ROWS = 8  # the int8 C kernel for 1..8
-SOURCES = {"bf16": Path(__file__).with_name("cpu_gemv.cpp"), "int8": Path(__file__).with_name("cpu_gemv_int8.cpp")}
+INT8_MAX_ROWS = 8  # the int8 and w8a8 C kernels for 1..8
+SOURCES = {"bf16": Path(__file__).with_name("cpu_gemv.cpp"), "int8": Path(__file__).with_name("cpu_gemv_int8.cpp"),
+           "w8a8": Path(__file__).with_name("cpu_gemv_w8a8.cpp")}
 LIB_SUFFIX = ".gemv.so"
-_SYMBOLS = {"bf16": "aoti_torch_cpu_ni_gemv_bf16_v4", "int8": "aoti_torch_cpu_ni_gemv_int8_v2"}
-# ISA levels, highest first: the /proc/cpuinfo flags each needs and the compiler flags it is built with.
-ISAS = ("avx512-bf16", "avx512", "avx2")
-_CPU_FLAGS = {"avx512-bf16": ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "fma"),
-              "avx512": ("avx512f", "avx512bw", "avx512vl", "fma"), "avx2": ("avx2", "fma")}
-_CC_FLAGS = {"avx512-bf16": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma"],
-             "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma"], "avx2": ["-mavx2", "-mfma"]}
+_SYMBOLS = {"bf16": "aoti_torch_cpu_ni_gemv_bf16_v4", "int8": "aoti_torch_cpu_ni_gemv_int8_v2",
+            "w8a8": "aoti_torch_cpu_ni_gemv_w8a8_v1"}
+# ISA levels, highest first: the /proc/cpuinfo flags each needs and the compiler flags it is built with. Every CPU
+# with AVX512-BF16 has AVX512-VNNI (Cooper Lake, Sapphire Rapids, Zen 4 and later), so that level includes it.
+ISAS = ("avx512-bf16", "avx512-vnni", "avx512", "avx2")
+_AVX512 = ("avx512f", "avx512bw", "avx512vl", "fma")
+_CPU_FLAGS = {"avx512-bf16": (*_AVX512, "avx512_vnni", "avx512_bf16"), "avx512-vnni": (*_AVX512, "avx512_vnni"),
+              "avx512": _AVX512, "avx2": ("avx2", "fma")}
+_CC_AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma"]
+_CC_FLAGS = {"avx512-bf16": [*_CC_AVX512, "-mavx512vnni", "-mavx512bf16"], "avx512-vnni": [*_CC_AVX512, "-mavx512vnni"],
+             "avx512": _CC_AVX512, "avx2": ["-mavx2", "-mfma"]}
 LEGACY_ISA = "avx512-bf16"  # sidecars without an "isa" entry hold the AVX512-BF16 bf16 kernel
 
 
@@ -69,14 +78,30 @@ def _(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return x.new_empty(x.shape[0], q.shape[0])
 
 
+@torch.library.custom_op("neuron_infer::ni_gemv_w8a8_v1", mutates_args=())
+def gemv_w8a8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [R, K] bf16, q [N, K] int8, scale [N] fp32 -> [R, N] bf16: per-token int8 activations, exact int32 dot
+    products, both scales applied in fp32, one rounding. The reference is the scheme's own math."""
+    return w8a8_matmul(x, q, scale)
+
+
+@gemv_w8a8.register_fake
+def _(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], q.shape[0])
+
+
 C_SHIMS = {
     torch.ops.neuron_infer.ni_gemv_bf16_v4.default: [
         f"AOTITorchError {_SYMBOLS['bf16']}(AtenTensorHandle x, AtenTensorHandle w, AtenTensorHandle* ret0)"],
     torch.ops.neuron_infer.ni_gemv_int8_v2.default: [
         (f"AOTITorchError {_SYMBOLS['int8']}(AtenTensorHandle x, AtenTensorHandle q, AtenTensorHandle scale, "
          "AtenTensorHandle* ret0)")],
+    torch.ops.neuron_infer.ni_gemv_w8a8_v1.default: [
+        (f"AOTITorchError {_SYMBOLS['w8a8']}(AtenTensorHandle x, AtenTensorHandle q, AtenTensorHandle scale, "
+         "AtenTensorHandle* ret0)")],
 }
-OPS = {"bf16": torch.ops.neuron_infer.ni_gemv_bf16_v4.default, "int8": torch.ops.neuron_infer.ni_gemv_int8_v2.default}
+OPS = {"bf16": torch.ops.neuron_infer.ni_gemv_bf16_v4.default, "int8": torch.ops.neuron_infer.ni_gemv_int8_v2.default,
+       "w8a8": torch.ops.neuron_infer.ni_gemv_w8a8_v1.default}
 
 
 @lru_cache(maxsize=1)
@@ -106,8 +131,8 @@ def supported() -> bool:
 
 
 def kernels_for(isa: str | None) -> tuple[str, ...]:
-    """The kernels ("bf16", "int8") a library built for `isa` provides: both at every level (None: none)."""
-    return () if isa is None else ("bf16", "int8")
+    """The kernels ("bf16", "int8", "w8a8") a library built for `isa` provides: all at every level (None: none)."""
+    return () if isa is None else ("bf16", "int8", "w8a8")
 
 
 def build(out: Path, kernels: tuple[str, ...], isa: str = LEGACY_ISA) -> Path:

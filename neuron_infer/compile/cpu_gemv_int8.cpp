@@ -15,7 +15,7 @@
 //
 // Built for AVX-512 (-mavx512f -mavx512bw -mavx512vl: 16 weights per vector, masked K tails) or, on CPUs without
 // it, AVX2 + FMA (8 weights per vector, scalar K tail); the compiler flags pick the path.
-#include <torch/csrc/inductor/aoti_torch/c/shim.h>
+#include "cpu_gemv_common.h"
 
 #include <immintrin.h>
 #include <omp.h>
@@ -26,20 +26,10 @@
 
 namespace {
 
-inline uint16_t to_bf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);  // quiet NaN
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
-}
-
-inline float from_bf16(uint16_t b) {
-  const uint32_t u = static_cast<uint32_t>(b) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
+using ni_gemv::from_bf16;
+using ni_gemv::new_bf16_matrix;
+using ni_gemv::to_bf16;
+using ni_gemv::view;
 
 #ifdef __AVX512F__
 constexpr int64_t kLanes = 16;
@@ -62,6 +52,9 @@ inline float hsum(Vec v) {
   return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
 }
 #endif
+
+// How far ahead of its reads each weight stream is prefetched (bytes).
+constexpr int64_t kPrefetch = 1024;
 
 // Weight rows (output columns) per pass over the activations: every activation vector loaded is used by C rows,
 // read as C sequential streams (see gemv_rows). With AVX2's 16 registers: 4 for 1-2 rows, 2 for 3-6; from 7 rows on
@@ -113,8 +106,11 @@ void columns(const float* xf, int64_t kp, const int8_t* q, int64_t qs, const uin
     }
   };
   int64_t i = 0;
-  for (; i + A * kLanes <= kv; i += A * kLanes)
+  for (; i + A * kLanes <= kv; i += A * kLanes) {
+    if (i % 64 < A * kLanes)  // once per 64-byte line of each stream
+      for (int c = 0; c < C; c++) _mm_prefetch(reinterpret_cast<const char*>(qr[c] + i + kPrefetch), _MM_HINT_T0);
     for (int a = 0; a < A; a++) step(i + a * kLanes, a);
+  }
   for (; i < kv; i += kLanes) step(i, 0);
   float sum[C][R];
 #ifdef __AVX512F__
@@ -167,18 +163,6 @@ constexpr Kernel kKernels[] = {nullptr,       gemv_rows<1>, gemv_rows<2>, gemv_r
                                gemv_rows<5>, gemv_rows<6>, gemv_rows<7>, gemv_rows<8>};
 constexpr int64_t kMaxRows = 8;
 
-// A CPU tensor of `dims` dims and dtype `dtype`, unit stride in its last dim -> sizes, leading stride and data.
-bool view(AtenTensorHandle t, int64_t dims, int32_t dtype, int64_t** sizes, int64_t* lead_stride, void** data) {
-  int64_t dim = 0, *strides = nullptr;
-  int32_t dt = 0, device = 0;
-  if (aoti_torch_get_dim(t, &dim) || dim != dims || aoti_torch_get_dtype(t, &dt) || dt != dtype ||
-      aoti_torch_get_device_type(t, &device) || device != aoti_torch_device_type_cpu() ||
-      aoti_torch_get_sizes(t, sizes) || aoti_torch_get_strides(t, &strides) || aoti_torch_get_data_ptr(t, data))
-    return false;
-  *lead_stride = strides[0];
-  return strides[dims - 1] == 1 || (*sizes)[dims - 1] == 1;
-}
-
 }  // namespace
 
 extern "C" {
@@ -195,13 +179,8 @@ AOTITorchError aoti_torch_cpu_ni_gemv_int8_v2(AtenTensorHandle x, AtenTensorHand
     return AOTI_TORCH_FAILURE;
   const int64_t r = xsz[0], k = xsz[1], n = qsz[0];
   if (qsz[1] != k || ssz[0] != n || r < 1 || r > kMaxRows || k < 1) return AOTI_TORCH_FAILURE;
-  const int64_t sizes[2] = {r, n}, strides[2] = {n, 1};
   AtenTensorHandle y = nullptr;
-  if (aoti_torch_empty_strided(2, sizes, strides, bf16, aoti_torch_device_type_cpu(), 0, &y)) return AOTI_TORCH_FAILURE;
-  if (aoti_torch_get_data_ptr(y, &yd)) {
-    aoti_torch_delete_tensor_object(y);
-    return AOTI_TORCH_FAILURE;
-  }
+  if (!new_bf16_matrix(r, n, &y, &yd)) return AOTI_TORCH_FAILURE;
   // The activations widened to fp32 once (R x K, a few KB), zero-padded to whole vectors.
   const int64_t kp = (k + kLanes - 1) / kLanes * kLanes;
   std::vector<float> xf(static_cast<size_t>(r * kp), 0.0f);

@@ -8,7 +8,7 @@ Bound: |dequant - w| <= scale / 2 per element (round to nearest; no clipping bec
 
 Forward = the scale is applied after the matmul (as on Neuron): y = (x @ q^T) * scale + bias. Chosen from the
 static row count M = prod(x.shape[:-1]) (never from data):
-* inside `few_rows_kernel(fn, max_rows)` (the CPU backend's export, where the machine builds its int8 C GEMV
+* inside `base.few_rows_kernels` (the CPU backend's export, where the machine builds its int8 C GEMV
   kernel, compile/cpu_gemv_int8.cpp), bf16 inputs with M <= max_rows call fn(x [M, in], q, scale) -> [M, out] bf16,
   which streams the int8 weights once for all rows (decode, batched decode, speculative verification);
 * M <= PACK_MAX_ROWS and in % 32 == 0: `torch._weight_int8pack_mm` (int8 weights streamed straight into the dot,
@@ -28,33 +28,17 @@ scripts/bench_quant.py).
 """
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from neuron_infer.quant.base import QuantizedLinear, check_float_linear, per_channel_absmax
+from neuron_infer.quant.base import QuantizedLinear, check_float_linear, few_rows_kernel, per_channel_absmax
 
 QMAX = 127
 PACK_MAX_ROWS = 1  # one row only: AOTInductor graphs calling it with 4 rows at SmolLM2 sizes crash (segfault, torch
 # 2.13; reproduced with a 2-layer SmolLM2-shaped int8 model, batch-4 decode); at 4+ rows it was no faster than bf16
 PACK_K_MULTIPLE = 32  # torch._weight_int8pack_mm is only correct for in_features % 32 == 0
 
-
-_few_rows: tuple[Callable[..., torch.Tensor], int] | None = None  # (kernel, max rows) while a backend exports
-
-
-@contextlib.contextmanager
-def few_rows_kernel(fn: Callable[..., torch.Tensor] | None, max_rows: int) -> Iterator[None]:
-    """While active, Int8Linear on bf16 inputs of <= max_rows rows calls fn(x [M, in], q, scale) (None: no kernel)."""
-    global _few_rows
-    saved, _few_rows = _few_rows, (None if fn is None else (fn, max_rows))
-    try:
-        yield
-    finally:
-        _few_rows = saved
 
 
 def round_up_bf16(s: torch.Tensor) -> torch.Tensor:
@@ -108,9 +92,9 @@ class Int8Linear(QuantizedLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)  # [M, in]
-        kernel = _few_rows
-        if kernel and x2.shape[0] <= kernel[1] and x2.dtype == torch.bfloat16 and self.weight.device.type == "cpu":
-            y = kernel[0](x2.contiguous(), self.weight, self.weight_scale)  # [M, out] bf16
+        kernel = few_rows_kernel(self.scheme, x2, self.weight)
+        if kernel is not None:
+            y = kernel(x2.contiguous(), self.weight, self.weight_scale)  # [M, out] bf16
         elif self.use_pack(x2.shape[0]):
             y = torch._weight_int8pack_mm(x2.to(torch.bfloat16), self.weight, self.weight_scale)  # [M, out] bf16
         else:

@@ -12,7 +12,9 @@ Pipeline (Xiao et al., SmoothQuant; our own implementation):
      weight        int8    [out, in]  per output channel, scale = absmax / 127 (bound: scale / 2 per element)
      weight_scale  float32 [out]
    forward: per-token dynamic int8 activations (row scale = max|x_row| / 127, RNE, clamp +-127), exact int32
-   accumulation via `torch._int_mm`, then y = acc * x_scale * w_scale (+ bias).
+   accumulation, then y = acc * x_scale * w_scale (+ bias): `w8a8_matmul` (`torch._int_mm`), or, inside the CPU
+   backend's export on 1-8 bf16 rows, the C kernel compile/cpu_gemv_w8a8.cpp (VNNI where the CPU has it), which
+   computes the same values bit for bit.
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ import torch
 from torch import nn
 
 from neuron_infer.errors import ConfigError
-from neuron_infer.quant.base import QuantizedLinear, check_float_linear, per_channel_absmax
+from neuron_infer.quant.base import QuantizedLinear, check_float_linear, few_rows_kernel, per_channel_absmax
 
 QMAX = 127
 _EPS = 1e-5  # floor for absmax values so all-zero channels get a finite smoothing factor
@@ -41,6 +43,14 @@ def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     xf = x.float()
     s = (xf.abs().amax(dim=-1, keepdim=True) / QMAX).clamp_min(torch.finfo(torch.float32).tiny)  # [M, 1]
     return torch.round(xf / s).clamp(-QMAX, QMAX).to(torch.int8), s
+
+
+def w8a8_matmul(x: torch.Tensor, q: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """x [M, in] float, q int8 [out, in], w_scale fp32 [out] -> [M, out] in x.dtype: per-token int8 activations,
+    exact int32 products, y = (acc * x_scale) * w_scale in fp32, rounded once."""
+    xq, xs = quantize_per_token(x)  # [M, in] int8, [M, 1]
+    acc = torch._int_mm(xq, q.t())  # [M, out] int32, exact
+    return (acc.float() * xs * w_scale).to(x.dtype)
 
 
 class W8A8Linear(QuantizedLinear):
@@ -68,9 +78,9 @@ class W8A8Linear(QuantizedLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
-        xq, xs = quantize_per_token(x.reshape(-1, self.in_features))  # [M, in] int8, [M, 1]
-        acc = torch._int_mm(xq, self.weight.t())  # [M, out] int32, exact
-        y = (acc.float() * xs * self.weight_scale).to(x.dtype)  # [M, out]
+        x2 = x.reshape(-1, self.in_features)  # [M, in]
+        kernel = few_rows_kernel(self.scheme, x2, self.weight) or w8a8_matmul
+        y = kernel(x2.contiguous(), self.weight, self.weight_scale)  # [M, out]
         if self.bias is not None:
             y = y + self.bias.to(x.dtype)
         return y.reshape(*lead, self.out_features)  # [..., out]

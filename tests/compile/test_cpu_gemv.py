@@ -5,7 +5,8 @@ fp32) and accumulate in fp32, then round once to bf16; they differ only in summa
 ~1e-6 relative), so after the bf16 rounding almost every output is bit-equal and the rest differ by one bf16 step
 (2^-8 relative). Checked: at least 97% bit-equal and all within one step. A kernel dropping the K tail, mixing rows
 or misreading a stride fails both by far.
-Every ISA level this CPU has is tested (AVX512-BF16, AVX-512 and AVX2 + FMA: the lower ones forced with gemv_isa),
+Every ISA level this CPU has is tested (AVX512-BF16, AVX512-VNNI, AVX-512 and AVX2 + FMA: the lower ones forced with
+gemv_isa; each in its own process, see fresh_process.py),
 rows 1..8, K with and without tails of the 16-element (AVX2), 32-element (AVX-512) and 32/64-element (AVX512-BF16)
 blocks, odd N. The widening paths' column groups (AVX2: 4 weight rows per pass up to 2 input rows, 2 up to 5;
 AVX-512: 4 up to 5, 3 up to 8) are covered with N a multiple of the group, N leaving 1-3 single columns, and N
@@ -18,6 +19,7 @@ import hashlib
 import json
 import shutil
 import zipfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -26,6 +28,7 @@ from neuron_infer.compile import cpu, cpu_gemv
 from neuron_infer.compile.cpu import CpuBackend, CpuCompileOptions
 from neuron_infer.errors import ArtifactError, ConfigError
 from neuron_infer.model.llama import BucketStep
+from tests.compile.fresh_process import run_check
 from tests.compile.test_cpu_backend import T_CTX, S, empty_cache, row_table, tg_args, tiny_model
 
 ISAS = [isa for isa in cpu_gemv.ISAS if cpu_gemv.has_isa(isa)]
@@ -90,17 +93,23 @@ def test_reference_is_fp32_accumulation_rounded_once():
     assert_one_rounding_apart(cpu_gemv.gemv_bf16(x, w), exact)
 
 
-@needs_kernel
-def test_compiled_kernel_equals_reference_on_every_shape(linears):
-    out, module, meta, isa = linears
-    assert meta["gemv_kernel"] and "lin.gemv.so" in meta["files"]
-    assert json.loads((out / "lin.json").read_text())["gemv_kernel"]["isa"] == isa
-    graph = CpuBackend().load_graph(out, "lin", module)
+def check_graph(out: str, isa: str) -> None:
+    """The compiled graph against the reference on every shape (run in a fresh process: fresh_process.py)."""
+    module = Linears().eval()
+    assert json.loads((Path(out) / "lin.json").read_text())["gemv_kernel"]["isa"] == isa
+    graph = CpuBackend().load_graph(Path(out), "lin", module)
     with torch.inference_mode():
         got = graph(*inputs())
         ref = reference(module, inputs())
     for g, r in zip(got, ref):
         assert_one_rounding_apart(g, r)
+
+
+@needs_kernel
+def test_compiled_kernel_equals_reference_on_every_shape(linears):
+    out, _, meta, isa = linears
+    assert meta["gemv_kernel"] and "lin.gemv.so" in meta["files"]
+    run_check("tests.compile.test_cpu_gemv", "check_graph", str(out), isa)
 
 
 @needs_kernel

@@ -5,13 +5,15 @@ fp32, multiplies by the per-channel scale and rounds once to bf16; the reference
 summation order (fp32 reassociation, ~1e-6 relative). After the bf16 rounding almost every output is bit-equal and
 the rest differ by one bf16 step: checked as at least 97% bit-equal and all within one step (the bf16 kernel's
 criterion). A kernel dropping a K tail, mixing rows, misreading a stride or a scale is off by far more.
-Both ISA levels are tested on CPUs that have them (AVX-512 and AVX2, the latter forced with gemv_isa="avx2").
+Both ISA levels are tested on CPUs that have them (AVX-512 and AVX2, the latter forced with gemv_isa="avx2"), each in
+its own process (fresh_process.py).
 """
 from __future__ import annotations
 
 import copy
 import json
 import zipfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,6 +25,8 @@ from neuron_infer.errors import ArtifactError, ConfigError
 from neuron_infer.model.llama import BucketStep
 from neuron_infer.quant import apply_quantization
 from neuron_infer.quant.int8 import Int8Linear
+from neuron_infer.quant.smoothquant import W8A8Linear
+from tests.compile.fresh_process import run_check
 from tests.compile.test_cpu_backend import S, empty_cache, tg_args, tiny_model
 from tests.compile.test_cpu_gemv import assert_one_rounding_apart
 
@@ -37,20 +41,24 @@ SHAPES = [(1, 70, 64), (2, 33, 96), (3, 17, 100), (4, 130, 600), (5, 48, 576), (
           (1, 257, 31), (2, 3, 48), (5, 37, 40), (1, 7, 20), (4, 1, 24), (3, 7, 48), (6, 2, 64), (7, 4, 48)]
 
 
-class Int8Linears(torch.nn.Module):
-    """One int8 linear per shape, each fed by its own [R, K] bf16 input (a bias on one)."""
+class QuantLinears(torch.nn.Module):
+    """One quantized linear (`cls`: Int8Linear, W8A8Linear) per (R, N, K) shape, each fed by its own [R, K] bf16
+    input (a bias on the second)."""
 
-    def __init__(self):
+    def __init__(self, cls=Int8Linear, shapes=None):
         super().__init__()
         torch.manual_seed(0)
-        lins = [torch.nn.Linear(k, n, bias=i == 1).to(torch.bfloat16) for i, (_, n, k) in enumerate(SHAPES)]
+        lins = [torch.nn.Linear(k, n, bias=i == 1).to(torch.bfloat16) for i, (_, n, k) in enumerate(shapes or SHAPES)]
         for lin in lins:  # per-channel magnitudes spanning 100x, so a wrong scale index shows
             with torch.no_grad():
                 lin.weight.mul_(torch.logspace(-1, 1, lin.out_features, dtype=torch.bfloat16)[:, None])
-        self.lins = torch.nn.ModuleList(Int8Linear.from_linear(lin) for lin in lins)
+        self.lins = torch.nn.ModuleList(cls.from_linear(lin) for lin in lins)
 
     def forward(self, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return tuple(lin(x) for lin, x in zip(self.lins, xs))
+
+
+Int8Linears = QuantLinears
 
 
 def inputs() -> tuple[torch.Tensor, ...]:
@@ -83,17 +91,23 @@ def test_reference_is_dequantize_then_matmul():
     assert_one_rounding_apart(cpu_gemv.gemv_int8(x, lin.weight, lin.weight_scale), exact)
 
 
-@needs_int8
-def test_compiled_kernel_equals_reference_on_every_shape(linears):
-    out, module, meta, isa = linears
-    assert meta["gemv_kernel"] and "lin.gemv.so" in meta["files"]
-    assert json.loads((out / "lin.json").read_text())["gemv_kernel"]["isa"] == isa
-    graph = CpuBackend().load_graph(out, "lin", module)
+def check_graph(out: str, isa: str) -> None:
+    """The compiled graph against the reference on every shape (run in a fresh process: fresh_process.py)."""
+    module = Int8Linears().eval()
+    assert json.loads((Path(out) / "lin.json").read_text())["gemv_kernel"]["isa"] == isa
+    graph = CpuBackend().load_graph(Path(out), "lin", module)
     with torch.inference_mode():
         got = graph(*inputs())
         ref = reference(module, inputs())
     for g, r in zip(got, ref):
         assert_one_rounding_apart(g, r)
+
+
+@needs_int8
+def test_compiled_kernel_equals_reference_on_every_shape(linears):
+    out, _, meta, isa = linears
+    assert meta["gemv_kernel"] and "lin.gemv.so" in meta["files"]
+    run_check("tests.compile.test_cpu_gemv_int8", "check_graph", str(out), isa)
 
 
 @needs_int8
@@ -106,15 +120,18 @@ def test_graph_calls_the_c_function_not_the_dispatcher(linears):
 
 
 @needs_int8
-def test_int8_token_generation_graph_matches_eager(tmp_path):
-    """A whole int8 decode step (2 rows) through the kernel against the same int8 weights dequantized and computed
-    in fp32. Criterion: no further from it than eager int8 is (up to 1.5x; both round activations to bf16 between
-    ops, and eager rounds the matmul before the scale); a broken kernel is off by O(1)."""
+@pytest.mark.parametrize("scheme,bound", [("int8", 0.1), ("w8a8", 0.2)])
+def test_quantized_token_generation_graph_is_as_accurate_as_eager(tmp_path, scheme, bound):
+    """A whole int8 or w8a8 decode step (2 rows) through its kernel against the same int8 weights dequantized and
+    computed in fp32 (w8a8: without activation quantization). Criterion: no further from it than the eager module
+    is (up to 1.5x; both round activations to bf16 between ops, eager int8 rounds the matmul before the scale, and
+    for w8a8 one bf16 difference in a linear's input can move an activation to the next int8 step); a broken
+    kernel is off by O(1)."""
     model = tiny_model().to(torch.bfloat16)
-    apply_quantization(model, QuantConfig(scheme="int8"))
+    apply_quantization(model, QuantConfig(scheme=scheme))
     exact = copy.deepcopy(model)
     for name, mod in list(exact.named_modules()):
-        if isinstance(mod, Int8Linear):
+        if isinstance(mod, (Int8Linear, W8A8Linear)):
             lin = torch.nn.Linear(mod.in_features, mod.out_features, bias=mod.bias is not None)
             lin.weight.data = mod.dequantized_weight()
             if mod.bias is not None:
@@ -131,9 +148,9 @@ def test_int8_token_generation_graph_matches_eager(tmp_path):
     assert meta["gemv_kernel"]
     with zipfile.ZipFile(tmp_path / "tg.pt2") as z:
         wrapper = "".join(z.read(n).decode() for n in z.namelist() if n.endswith("wrapper.cpp"))
-    assert "aoti_torch_cpu_ni_gemv_int8_v2(" in wrapper
+    assert f"{cpu_gemv._SYMBOLS[scheme]}(" in wrapper
     eager_err = (eager - ref).abs().max().item()
-    assert 0 < eager_err < 0.1
+    assert 0 < eager_err < bound
     assert (got - ref).abs().max().item() <= 1.5 * eager_err
     assert (got.argmax(-1) == ref.argmax(-1)).all()
 
@@ -162,7 +179,8 @@ def test_options_and_cpus_without_the_isa_keep_the_module_matmul(monkeypatch):
 
 def test_forcing_the_isa_down_keeps_both_kernels_at_the_lower_level(monkeypatch):
     monkeypatch.setattr(cpu_gemv, "_cpu_flags",
-                        lambda: frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "fma", "avx2"}))
+                        lambda: frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "fma",
+                                           "avx2"}))
     assert CpuCompileOptions().kernel_isa() == "avx512-bf16"
     for isa in ("avx512", "avx2"):
         low = CpuCompileOptions(gemv_isa=isa)

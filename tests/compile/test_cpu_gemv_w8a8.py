@@ -1,0 +1,132 @@
+"""The W8A8 GEMV kernel (compile/cpu_gemv_w8a8.cpp) against its PyTorch twin, inside real AOTInductor graphs.
+
+Numerics: the kernel quantizes each activation row as the scheme does (s = max|x| / 127, round half to even,
+clamp to +-127), sums the int8 products exactly in int32 and applies both fp32 scales in the reference's order, so
+its output is bit-identical to quant.smoothquant.w8a8_matmul: checked with torch.equal on every shape. The integer
+path itself is checked against the slow twin (fake-quantized activations and dequantized weights in fp32).
+Every ISA level this CPU has is tested (AVX512-VNNI; AVX-512 and AVX2 multiply-adds, forced with gemv_isa), each
+in its own process (see fresh_process.py). A whole w8a8 decode step: test_cpu_gemv_int8.py.
+"""
+from __future__ import annotations
+
+import json
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from neuron_infer.compile import cpu, cpu_gemv
+from neuron_infer.compile.cpu import CpuBackend, CpuCompileOptions
+from neuron_infer.errors import ArtifactError
+from neuron_infer.quant.smoothquant import W8A8Linear, quantize_per_token
+from tests.compile.fresh_process import run_check
+from tests.compile.test_cpu_gemv_int8 import QuantLinears
+
+ISAS = [isa for isa in ("avx512-vnni", "avx512", "avx2") if cpu_gemv.has_isa(isa)]
+needs_kernel = pytest.mark.skipif(not ISAS, reason="this CPU has neither AVX-512 nor AVX2")
+# (R, N, K), rows 1..8. K: whole 64-byte VNNI steps (64, 576), 32- and 16-element steps only (96, 48, 80), tails of
+# every step size (100, 600, 200, 1544, 40, 31, 17) and K below one step (5, 20). Column groups (AVX-512: 4 weight
+# rows per pass at 1-5 rows, 2 at 6-8; AVX2: 4 at 1-2, 2 at 3-5, 1 at 6-8): N a multiple of the group, N leaving
+# 1-3 single columns, N below the group.
+SHAPES = [(1, 70, 64), (2, 33, 96), (3, 17, 100), (4, 130, 600), (5, 48, 576), (6, 9, 1544), (7, 40, 5),
+          (8, 65, 200), (1, 257, 31), (2, 3, 48), (5, 37, 40), (1, 7, 20), (4, 1, 80), (3, 7, 48), (6, 2, 64),
+          (7, 5, 17)]
+
+
+def W8A8Linears() -> QuantLinears:
+    return QuantLinears(W8A8Linear, SHAPES)
+
+
+def inputs() -> tuple[torch.Tensor, ...]:
+    """Rows of different magnitudes (a wrong row scale shows), one all-zero row (the scale's floor)."""
+    torch.manual_seed(1)
+    xs = [(torch.randn(r, k) * torch.logspace(-1, 1, r)[:, None]).to(torch.bfloat16) for r, _, k in SHAPES]
+    xs[3][2] = 0
+    return tuple(xs)
+
+
+def check_graph(out: str, isa: str) -> None:
+    """The compiled graph's outputs are bit-identical to the eager module's (run in a fresh process)."""
+    module = W8A8Linears().eval()
+    assert json.loads((Path(out) / "lin.json").read_text())["gemv_kernel"]["isa"] == isa
+    graph = CpuBackend().load_graph(Path(out), "lin", module)
+    with torch.inference_mode():
+        got, ref = graph(*inputs()), module(*inputs())
+    for i, (g, r) in enumerate(zip(got, ref)):
+        assert g.dtype == r.dtype == torch.bfloat16 and torch.equal(g, r), (isa, SHAPES[i])
+
+
+@pytest.fixture(scope="module", params=ISAS)
+def linears(request, tmp_path_factory):
+    out = tmp_path_factory.mktemp(f"w8a8-{request.param}")
+    with torch.inference_mode():
+        meta = CpuBackend(CpuCompileOptions(gemv_isa=request.param)).compile_graph(
+            W8A8Linears().eval(), inputs(), out, "lin")
+    return out, meta, request.param
+
+
+def test_integer_path_equals_the_fake_quantized_float_twin():
+    """w8a8_matmul (exact int32 sums, two fp32 scalings, one bf16 rounding) against the slow twin's values: the
+    quantized activations and the dequantized weights as reference_forward builds them, multiplied in fp64. The
+    fp32 roundings of the scalings move a result by far less than a bf16 step, so at least 97% of the outputs are
+    bit-equal and every one is within one bf16 step (2^-7 relative at most); a wrong scale, row or tail is off by
+    more."""
+    module = W8A8Linears()
+    for lin, x in zip(module.lins, inputs()):
+        got = cpu_gemv.gemv_w8a8(x, lin.weight, lin.weight_scale).float()
+        xq, xs = quantize_per_token(x)
+        twin = ((xq.float() * xs).double() @ lin.dequantized_weight().double().t()).to(torch.bfloat16).float()
+        assert (got == twin).float().mean() >= 0.97
+        assert ((got - twin).abs() <= twin.abs() * 2.0**-7 + 1e-30).all()
+
+
+@needs_kernel
+def test_compiled_kernel_is_bit_identical_on_every_shape(linears):
+    out, meta, isa = linears
+    assert meta["gemv_kernel"] and "lin.gemv.so" in meta["files"]
+    run_check("tests.compile.test_cpu_gemv_w8a8", "check_graph", str(out), isa)
+
+
+@needs_kernel
+def test_graph_calls_the_c_function_not_the_dispatcher(linears):
+    with zipfile.ZipFile(linears[0] / "lin.pt2") as z:
+        wrapper = "".join(z.read(n).decode() for n in z.namelist() if n.endswith("wrapper.cpp"))
+    assert wrapper.count("aoti_torch_cpu_ni_gemv_w8a8_v1(") == len(SHAPES) + 1  # the calls and the declaration
+    assert "proxy_executor_call_function" not in wrapper and "_int_mm" not in wrapper
+
+
+def _calls(options: CpuCompileOptions) -> int:
+    program = cpu._export(W8A8Linears().eval(), inputs(), options)
+    return sum(node.target is cpu_gemv.OPS["w8a8"] for node in program.graph.nodes)
+
+
+def test_rows_1_to_8_call_the_kernel_and_cpus_without_avx2_keep_the_module_matmul(monkeypatch):
+    assert _calls(CpuCompileOptions(gemv_kernel=False)) == 0
+    if ISAS:
+        assert _calls(CpuCompileOptions()) == _calls(CpuCompileOptions(gemv_max_rows=2)) == len(SHAPES)
+    monkeypatch.setattr(cpu_gemv, "_cpu_flags", lambda: frozenset({"sse2", "avx"}))
+    assert _calls(CpuCompileOptions()) == 0
+
+
+def test_vnni_level_is_chosen_where_the_cpu_has_it(monkeypatch):
+    avx512 = {"avx512f", "avx512bw", "avx512vl", "fma", "avx2"}
+    monkeypatch.setattr(cpu_gemv, "_cpu_flags", lambda: frozenset(avx512 | {"avx512_vnni"}))
+    assert CpuCompileOptions().kernel_isa() == "avx512-vnni"
+    assert CpuCompileOptions(gemv_isa="avx512").kernel_isa() == "avx512"
+    monkeypatch.setattr(cpu_gemv, "_cpu_flags", lambda: frozenset(avx512))  # Skylake-SP: no VNNI
+    assert CpuCompileOptions().kernel_isa() == "avx512"
+    assert "w8a8" in cpu_gemv.kernels_for("avx512") and "w8a8" in cpu_gemv.kernels_for("avx2")
+
+
+@needs_kernel
+def test_vnni_library_refused_on_a_cpu_without_vnni(linears, monkeypatch):
+    out, _, isa = linears
+    if isa != "avx512-vnni":
+        pytest.skip("the VNNI library is the one built for avx512-vnni")
+    cpu_gemv._loaded.clear()  # a library already loaded in this process is not checked again
+    monkeypatch.setattr(cpu_gemv, "_cpu_flags", lambda: frozenset({"avx512f", "avx512bw", "avx512vl", "fma"}))
+    with pytest.raises(ArtifactError, match="needs a CPU with .*avx512_vnni"):
+        CpuBackend().load_graph(out, "lin", W8A8Linears().eval())
+
+
