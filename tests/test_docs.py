@@ -287,9 +287,9 @@ def mapped_files(structure_md: str, package: str = "neuron_infer") -> set[str]:
 
 
 def source_files(package: Path) -> set[str]:
-    """Every .py and .cpp file of `package`, except a sub-package's `__init__.py` that holds only a docstring."""
+    """Every .py, .cpp and .h file of `package`, except a sub-package's `__init__.py` that holds only a docstring."""
     found = set()
-    for p in [*package.rglob("*.py"), *package.rglob("*.cpp")]:
+    for p in [*package.rglob("*.py"), *package.rglob("*.cpp"), *package.rglob("*.h")]:
         rel = p.relative_to(package).as_posix()
         if "__pycache__" in rel:
             continue
