@@ -65,8 +65,8 @@ def kv_cache_gib(options: Mapping[str, Any]) -> float | None:
 def run_options(options: Mapping[str, Any]) -> RunOptions:
     """`neuron_infer_speculation_gate` (default true): with a draft model, take plain steps while speculative steps
     are measured not to pay (docs/speculation.md). Prefix caching and the prefill chunks are vLLM's to decide (its
-    block manager drives the engine's cache, `prefix_caching`)."""
-    return RunOptions(prefix_caching=False, speculation_gate=_flag(options, "speculation_gate", True))
+    block manager drives the engine's cache, `prefix_caching`; SlotRunner turns the engine's own off)."""
+    return RunOptions(speculation_gate=_flag(options, "speculation_gate", True))
 
 
 def prefix_caching(options: Mapping[str, Any]) -> bool | None:

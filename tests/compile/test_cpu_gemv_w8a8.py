@@ -39,10 +39,12 @@ def W8A8Linears() -> QuantLinears:
 
 
 def inputs() -> tuple[torch.Tensor, ...]:
-    """Rows of different magnitudes (a wrong row scale shows), one all-zero row (the scale's floor)."""
+    """Rows of different magnitudes (a wrong row scale shows), one all-zero row (the scale's floor), one row of
+    exact ties (x / s = k + 1/2: round half to even, not away from zero)."""
     torch.manual_seed(1)
     xs = [(torch.randn(r, k) * torch.logspace(-1, 1, r)[:, None]).to(torch.bfloat16) for r, _, k in SHAPES]
     xs[3][2] = 0
+    xs[0][0, :8] = torch.tensor([127, 0.5, 1.5, 2.5, -0.5, -1.5, 126.5, -126.5])  # scale 1: ties round to even
     return tuple(xs)
 
 

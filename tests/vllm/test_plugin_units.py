@@ -183,7 +183,7 @@ def test_plugin_options_reject_misspelt_keys():
 def test_kv_cache_options():
     assert kv_cache_gib({}) is None and kv_cache_gib({"neuron_infer_kv_cache_gib": 2}) == 2.0
     # the server gates by default; the engine's own prefix cache stays off (vLLM's block manager caches prefixes)
-    assert run_options({}) == RunOptions(prefix_caching=False, speculation_gate=True)
+    assert run_options({}) == RunOptions(speculation_gate=True)
     assert prefix_caching({}) is None  # vLLM's own --enable-prefix-caching decides
     assert prefix_caching({"neuron_infer_prefix_caching": False}) is False
     for bad in (0, -1, "2", True):

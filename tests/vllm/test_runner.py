@@ -20,6 +20,7 @@ from neuron_infer.api import CompiledModel, compile_model
 from neuron_infer.config import BuildConfig, SamplingConfig, SpeculationConfig
 from neuron_infer.errors import NeuronInferError
 from neuron_infer.runtime.generate import generate_ids
+from neuron_infer.runtime.options import RunOptions
 from neuron_infer.vllm_plugin.runner import SlotRunner
 
 BUILD = BuildConfig(dtype="fp32", batch_size=4, max_context_length=64, max_length=128, context_buckets=(32, 64),
@@ -423,3 +424,10 @@ def test_speculation_waits_for_blocks_that_hold_the_draft_positions(spec_model, 
     got += runner.decode(["a"])["a"]
     assert runner.stats.spec_steps == 1 and 3 <= len(got) <= k + 2
     assert got == alone(models[1], prompt, len(got), SamplingConfig())
+
+
+def test_engine_prefix_cache_is_off_whatever_the_options_say(models):
+    """vLLM's block manager owns prefix caching through the plugin: the engine's own pool must not also match and
+    share prompt blocks, whatever RunOptions a caller passes."""
+    runner = SlotRunner(models[4].engine, options=RunOptions(prefix_caching=True))
+    assert runner.runner.engine.pool.prefix_caching is False
