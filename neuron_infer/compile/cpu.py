@@ -293,6 +293,7 @@ def _gemv_kernel_file(program: torch.export.ExportedProgram, out_dir: Path, grap
     kernels = tuple(k for k, op in cpu_gemv.OPS.items() if op in targets)
     if not kernels:
         return None
+    isa = cpu_gemv.lowest_isa(kernels, isa)
     lib = cpu_gemv.build(out_dir / f"{graph_name}{cpu_gemv.LIB_SUFFIX}", kernels, isa)
     sha = _sha256(lib)
     cpu_gemv.load(lib, sha, isa)

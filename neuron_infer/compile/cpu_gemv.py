@@ -135,6 +135,12 @@ def kernels_for(isa: str | None) -> tuple[str, ...]:
     return () if isa is None else ("bf16", "int8", "w8a8")
 
 
+def lowest_isa(kernels: tuple[str, ...], isa: str) -> str:
+    """The level to build `kernels` for on a CPU of level `isa`: only the w8a8 kernel uses VNNI, so a library without
+    it is built for avx512 (the same code), and its graphs also load on AVX-512 CPUs without VNNI."""
+    return "avx512" if isa == "avx512-vnni" and "w8a8" not in kernels else isa
+
+
 def build(out: Path, kernels: tuple[str, ...], isa: str = LEGACY_ISA) -> Path:
     """Compile the sources of `kernels` for `isa` into `out` (written to a temporary name, then renamed)."""
     if not kernels or any(k not in kernels_for(isa) for k in kernels):

@@ -53,7 +53,9 @@ inline float hsum(Vec v) {
 }
 #endif
 
-// How far ahead of its reads each weight stream is prefetched (bytes).
+// How far ahead of its reads each weight stream is prefetched (bytes): with the hardware prefetcher alone a
+// thread reading several weight streams stayed well below the memory's read rate (docs/performance.md,
+// "Software prefetch in the GEMV kernels").
 constexpr int64_t kPrefetch = 1024;
 
 // Weight rows (output columns) per pass over the activations: every activation vector loaded is used by C rows,

@@ -68,8 +68,9 @@ inline int32_t ihsum(IVec v) {
 }
 #endif
 
-// How far ahead of its reads each weight stream is prefetched (bytes): the hardware prefetcher alone left a single
-// thread at 7.4 GB/s on a 576 x 49152 matrix, 12.0 GB/s with this (AVX-512 Xeon, 1 thread, batch 1).
+// How far ahead of its reads each weight stream is prefetched (bytes): with the hardware prefetcher alone a
+// thread reading several weight streams stayed well below the memory's read rate (docs/performance.md,
+// "Software prefetch in the GEMV kernels").
 constexpr int64_t kPrefetch = 1024;
 
 // Weight rows (output columns) per pass: each activation vector loaded feeds C dot products, and a thread reads C
