@@ -50,4 +50,30 @@ inline bool new_bf16_matrix(int64_t rows, int64_t cols, AtenTensorHandle* out, v
   return true;
 }
 
+// The operands of a quantized GEMV: x [R, K] bf16 (1 <= R <= max_rows), q [N, K] int8, scale [N] of `scale_dtype`,
+// each with unit stride in its last dim, plus a new [R, N] bf16 result. false (nothing allocated) on any other input.
+struct QuantGemv {
+  int64_t r = 0, k = 0, n = 0, x_stride = 0, q_stride = 0;
+  const uint16_t* x = nullptr;
+  const int8_t* q = nullptr;
+  const void* scale = nullptr;
+  uint16_t* y = nullptr;
+  AtenTensorHandle out = nullptr;
+};
+
+inline bool quant_gemv_operands(AtenTensorHandle x, AtenTensorHandle q, AtenTensorHandle scale, int32_t scale_dtype,
+                                int64_t max_rows, QuantGemv* g) {
+  int64_t *xsz = nullptr, *qsz = nullptr, *ssz = nullptr, ss = 0;
+  void *xd = nullptr, *qd = nullptr, *sd = nullptr, *yd = nullptr;
+  if (!view(x, 2, aoti_torch_dtype_bfloat16(), &xsz, &g->x_stride, &xd) ||
+      !view(q, 2, aoti_torch_dtype_int8(), &qsz, &g->q_stride, &qd) || !view(scale, 1, scale_dtype, &ssz, &ss, &sd))
+    return false;
+  g->r = xsz[0], g->k = xsz[1], g->n = qsz[0];
+  if (qsz[1] != g->k || ssz[0] != g->n || g->r < 1 || g->r > max_rows || g->k < 1) return false;
+  if (!new_bf16_matrix(g->r, g->n, &g->out, &yd)) return false;
+  g->x = static_cast<const uint16_t*>(xd), g->q = static_cast<const int8_t*>(qd), g->scale = sd;
+  g->y = static_cast<uint16_t*>(yd);
+  return true;
+}
+
 }  // namespace ni_gemv

@@ -27,9 +27,9 @@
 namespace {
 
 using ni_gemv::from_bf16;
-using ni_gemv::new_bf16_matrix;
+using ni_gemv::quant_gemv_operands;
+using ni_gemv::QuantGemv;
 using ni_gemv::to_bf16;
-using ni_gemv::view;
 
 #ifdef __AVX512F__
 constexpr int64_t kLanes = 16;
@@ -173,25 +173,15 @@ extern "C" {
 // input (the generated wrapper turns that into a RuntimeError).
 AOTITorchError aoti_torch_cpu_ni_gemv_int8_v2(AtenTensorHandle x, AtenTensorHandle q, AtenTensorHandle scale,
                                               AtenTensorHandle* ret0) {
-  int64_t *xsz = nullptr, *qsz = nullptr, *ssz = nullptr, xs = 0, qs = 0, ss = 0;
-  void *xd = nullptr, *qd = nullptr, *sd = nullptr, *yd = nullptr;
-  const int32_t bf16 = aoti_torch_dtype_bfloat16();
-  if (!view(x, 2, bf16, &xsz, &xs, &xd) || !view(q, 2, aoti_torch_dtype_int8(), &qsz, &qs, &qd) ||
-      !view(scale, 1, bf16, &ssz, &ss, &sd))
-    return AOTI_TORCH_FAILURE;
-  const int64_t r = xsz[0], k = xsz[1], n = qsz[0];
-  if (qsz[1] != k || ssz[0] != n || r < 1 || r > kMaxRows || k < 1) return AOTI_TORCH_FAILURE;
-  AtenTensorHandle y = nullptr;
-  if (!new_bf16_matrix(r, n, &y, &yd)) return AOTI_TORCH_FAILURE;
+  QuantGemv g;
+  if (!quant_gemv_operands(x, q, scale, aoti_torch_dtype_bfloat16(), kMaxRows, &g)) return AOTI_TORCH_FAILURE;
   // The activations widened to fp32 once (R x K, a few KB), zero-padded to whole vectors.
-  const int64_t kp = (k + kLanes - 1) / kLanes * kLanes;
-  std::vector<float> xf(static_cast<size_t>(r * kp), 0.0f);
-  const uint16_t* xb = static_cast<const uint16_t*>(xd);
-  for (int64_t i = 0; i < r; i++)
-    for (int64_t t = 0; t < k; t++) xf[i * kp + t] = from_bf16(xb[i * xs + t]);
-  kKernels[r](xf.data(), kp, static_cast<const int8_t*>(qd), qs, static_cast<const uint16_t*>(sd),
-              static_cast<uint16_t*>(yd), n, k);
-  *ret0 = y;
+  const int64_t kp = (g.k + kLanes - 1) / kLanes * kLanes;
+  std::vector<float> xf(static_cast<size_t>(g.r * kp), 0.0f);
+  for (int64_t i = 0; i < g.r; i++)
+    for (int64_t t = 0; t < g.k; t++) xf[i * kp + t] = from_bf16(g.x[i * g.x_stride + t]);
+  kKernels[g.r](xf.data(), kp, g.q, g.q_stride, static_cast<const uint16_t*>(g.scale), g.y, g.n, g.k);
+  *ret0 = g.out;
   return AOTI_TORCH_SUCCESS;
 }
 

@@ -28,9 +28,9 @@
 namespace {
 
 using ni_gemv::from_bf16;
-using ni_gemv::new_bf16_matrix;
+using ni_gemv::quant_gemv_operands;
+using ni_gemv::QuantGemv;
 using ni_gemv::to_bf16;
-using ni_gemv::view;
 
 #if defined(__AVX512VNNI__)
 constexpr int64_t kStep = 64;  // weights per dot instruction
@@ -223,25 +223,15 @@ extern "C" {
 // input (the generated wrapper turns that into a RuntimeError).
 AOTITorchError aoti_torch_cpu_ni_gemv_w8a8_v1(AtenTensorHandle x, AtenTensorHandle q, AtenTensorHandle scale,
                                               AtenTensorHandle* ret0) {
-  int64_t *xsz = nullptr, *qsz = nullptr, *ssz = nullptr, xst = 0, qs = 0, ss = 0;
-  void *xd = nullptr, *qd = nullptr, *sd = nullptr, *yd = nullptr;
-  const int32_t bf16 = aoti_torch_dtype_bfloat16();
-  if (!view(x, 2, bf16, &xsz, &xst, &xd) || !view(q, 2, aoti_torch_dtype_int8(), &qsz, &qs, &qd) ||
-      !view(scale, 1, aoti_torch_dtype_float32(), &ssz, &ss, &sd))
-    return AOTI_TORCH_FAILURE;
-  const int64_t r = xsz[0], k = xsz[1], n = qsz[0];
-  if (qsz[1] != k || ssz[0] != n || r < 1 || r > kMaxRows || k < 1) return AOTI_TORCH_FAILURE;
-  AtenTensorHandle y = nullptr;
-  if (!new_bf16_matrix(r, n, &y, &yd)) return AOTI_TORCH_FAILURE;
+  QuantGemv g;
+  if (!quant_gemv_operands(x, q, scale, aoti_torch_dtype_float32(), kMaxRows, &g)) return AOTI_TORCH_FAILURE;
   // The activations quantized once per call (R x K bytes or int16s), padded with the zero value to whole steps.
-  const int64_t kp = (k + kStep - 1) / kStep * kStep;
-  std::vector<Act> xa(static_cast<size_t>(r * kp), static_cast<Act>(kActBias));
+  const int64_t kp = (g.k + kStep - 1) / kStep * kStep;
+  std::vector<Act> xa(static_cast<size_t>(g.r * kp), static_cast<Act>(kActBias));
   float xs[kMaxRows];
-  const uint16_t* xb = static_cast<const uint16_t*>(xd);
-  for (int64_t i = 0; i < r; i++) xs[i] = quantize_row(xb + i * xst, k, xa.data() + i * kp);
-  kKernels[r](xa.data(), kp, xs, static_cast<const int8_t*>(qd), qs, static_cast<const float*>(sd),
-              static_cast<uint16_t*>(yd), n, k);
-  *ret0 = y;
+  for (int64_t i = 0; i < g.r; i++) xs[i] = quantize_row(g.x + i * g.x_stride, g.k, xa.data() + i * kp);
+  kKernels[g.r](xa.data(), kp, xs, g.q, g.q_stride, static_cast<const float*>(g.scale), g.y, g.n, g.k);
+  *ret0 = g.out;
   return AOTI_TORCH_SUCCESS;
 }
 

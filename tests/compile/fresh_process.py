@@ -1,9 +1,8 @@
-"""Run a check in a new interpreter, for kernel libraries of one ISA level.
+"""Run a check in a new interpreter: one process per ISA level of the GEMV kernel libraries.
 
-A process resolves a kernel's C symbol (e.g. aoti_torch_cpu_ni_gemv_w8a8_v1) to the first library that defined it
-(they are loaded RTLD_GLOBAL), so a graph built for AVX2 in a process that already loaded the AVX-512 library
-would run the AVX-512 code. Each ISA level's graphs are therefore checked in a process where their library is the
-first and only one loaded.
+Libraries built for different ISA levels export the same C symbols (e.g. aoti_torch_cpu_ni_gemv_w8a8_v1), and a
+process binds each symbol to the first library that defined it (they are loaded RTLD_GLOBAL). A graph's check
+therefore runs in a process where its own library is the only one loaded, so it calls that library's code.
 """
 from __future__ import annotations
 
