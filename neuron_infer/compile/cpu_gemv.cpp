@@ -134,8 +134,8 @@ template <int R, int C>
 constexpr int kAcc = C * R * 4 <= V::kAcc4 ? 4 : C * R * 2 <= V::kAcc2 ? 2 : 1;
 
 // How far ahead of its reads each weight stream is prefetched (elements: 1024 bytes): with the hardware prefetcher alone a
-// thread reading several weight streams stayed well below the memory's read rate (docs/performance.md,
-// "Software prefetch in the GEMV kernels").
+// thread reading several weight streams stayed well below the memory's read rate (docs/cpu-backend.md,
+// "Alternatives measured slower").
 constexpr int64_t kPrefetch = 512;
 
 // One kBlock-weight block (wr[c] + wi) of C weight rows times the activations' block xb (R rows of kBlock floats):

@@ -11,7 +11,7 @@
 //
 // Not VNNI (vpdpbusd, 64 int8 products per instruction): it needs the activations quantized to 8 bits per row, an
 // extra error of about 1/254 of each row's absmax per element; this weight-only kernel keeps the numerics of the
-// eager int8 model. A VNNI variant has not been built or measured against it (docs/performance-cpu.md).
+// eager int8 model. VNNI serves the w8a8 scheme, whose activations are int8 by definition (cpu_gemv_w8a8.cpp).
 //
 // Built for AVX-512 (-mavx512f -mavx512bw -mavx512vl: 16 weights per vector, masked K tails) or, on CPUs without
 // it, AVX2 + FMA (8 weights per vector, scalar K tail); the compiler flags pick the path.
@@ -54,8 +54,8 @@ inline float hsum(Vec v) {
 #endif
 
 // How far ahead of its reads each weight stream is prefetched (bytes): with the hardware prefetcher alone a
-// thread reading several weight streams stayed well below the memory's read rate (docs/performance.md,
-// "Software prefetch in the GEMV kernels").
+// thread reading several weight streams stayed well below the memory's read rate (docs/cpu-backend.md,
+// "Alternatives measured slower").
 constexpr int64_t kPrefetch = 1024;
 
 // Weight rows (output columns) per pass over the activations: every activation vector loaded is used by C rows,

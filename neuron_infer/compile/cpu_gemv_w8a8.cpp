@@ -69,8 +69,8 @@ inline int32_t ihsum(IVec v) {
 #endif
 
 // How far ahead of its reads each weight stream is prefetched (bytes): with the hardware prefetcher alone a
-// thread reading several weight streams stayed well below the memory's read rate (docs/performance.md,
-// "Software prefetch in the GEMV kernels").
+// thread reading several weight streams stayed well below the memory's read rate (docs/cpu-backend.md,
+// "Alternatives measured slower").
 constexpr int64_t kPrefetch = 1024;
 
 // Weight rows (output columns) per pass: each activation vector loaded feeds C dot products, and a thread reads C
