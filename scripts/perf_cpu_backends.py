@@ -25,6 +25,8 @@ Variants
                       linears on 1-8 rows call the w8a8 GEMV C kernel (compile/cpu_gemv_w8a8.cpp: VNNI where the
                       CPU has it)
     aoti-w8a8-avx512  the same with the kernel forced down to AVX-512 without VNNI (gemv_isa="avx512")
+    <aoti-...>-separate  any aoti variant without merging the kernel calls of linears that share an input
+                      (compile/gemv_groups.py): one call per linear, 7 per layer instead of 4
 
     python scripts/perf_cpu_backends.py --variants aoti-gemv,aoti-int8 --batch 4   # int8 vs bf16, batch 4
 
@@ -115,6 +117,17 @@ def build(model: LlamaModel, attend: int, shape: tuple[int, int, int, bool]) -> 
 
 
 @contextlib.contextmanager
+def separate_calls():
+    """Compile without merging the GEMV calls that share an input (one kernel call per linear)."""
+    saved = cpu.group_gemvs
+    cpu.group_gemvs = lambda gm: 0
+    try:
+        yield
+    finally:
+        cpu.group_gemvs = saved
+
+
+@contextlib.contextmanager
 def inlined_producers():
     """Compile without fusion barriers and without -ffp-contract=fast."""
     saved = cpu.computed_once, ops.computed_once, cpu.INDUCTOR_CONFIGS
@@ -136,6 +149,9 @@ def prepare(variant: str, step: BucketStep, args: tuple, workdir: Path, graph: s
 
 
 def _prepare(variant: str, step: BucketStep, args: tuple, workdir: Path, graph: str):
+    if variant.startswith("aoti") and variant.endswith("-separate"):
+        with separate_calls():
+            return _prepare(variant.removesuffix("-separate"), step, args, workdir, graph)
     if variant == "eager":
         return step, 0.0, 0.0
     if variant.startswith(("aoti-int8", "aoti-w8a8")):

@@ -53,6 +53,7 @@ import torch
 
 from neuron_infer import cpu_threads
 from neuron_infer.compile import cpu_gemv
+from neuron_infer.compile.gemv_groups import group_gemvs
 from neuron_infer.errors import ArtifactError, ConfigError
 from neuron_infer.model.ops import computed_once
 from neuron_infer.quant.base import few_rows_kernels
@@ -126,7 +127,7 @@ def gemv_linear(max_rows: int, kernel: bool = False) -> Callable[..., torch.Tens
         rows = x.numel() // x.shape[-1]
         if kernel and rows <= cpu_gemv.MAX_ROWS and x.dtype == weight.dtype == torch.bfloat16:
             # [R, K] x [N, K] -> [R, N]; contiguous() is free for parameters, a copy only for computed views
-            y = cpu_gemv.gemv_bf16(x.reshape(rows, x.shape[-1]).contiguous(), weight.contiguous())
+            y = cpu_gemv.gemv_bf16(x.reshape(rows, x.shape[-1]).contiguous(), [weight.contiguous()])
             y = y.view(*x.shape[:-1], weight.shape[0])
         elif rows == 1:
             # [..., 1, K] * [N, K] -> sum over K -> [..., N]; accumulate in fp32 like the GEMM does. The input is
@@ -179,10 +180,13 @@ def _export_linears(module: torch.nn.Module, example_args: tuple,
 
 
 def _export(module: torch.nn.Module, example_args: tuple, options: CpuCompileOptions) -> torch.export.ExportedProgram:
-    """Export `module`; int8 and w8a8 linears on few rows call their C kernels (when this machine builds them)."""
+    """Export `module`; int8 and w8a8 linears on few rows call their C kernels (when this machine builds them), and
+    kernel calls that share an input are merged (compile/gemv_groups.py)."""
     kernels = {"int8": cpu_gemv.gemv_int8, "w8a8": cpu_gemv.gemv_w8a8} if options.uses_int8_kernel else {}
     with few_rows_kernels(kernels, cpu_gemv.INT8_MAX_ROWS):
-        return _export_linears(module, example_args, options)
+        program = _export_linears(module, example_args, options)
+    group_gemvs(program.graph_module)  # linears sharing an input: one kernel call
+    return program
 
 
 @contextlib.contextmanager

@@ -6,7 +6,8 @@
 // neuron_infer/compile/cpu_gemv.py for the op's definition, its PyTorch reference twin and how this file is built.
 //
 // Why: decode streams every weight once per step. Each weight row is loaded once for all R input rows, every row's
-// accumulators stay in registers, and the threads split the output columns (one OpenMP loop per matrix).
+// accumulators stay in registers, and the threads split the output columns: one OpenMP loop per call, over the columns of every matrix
+// passed (the linears sharing an input, e.g. q/k/v).
 // Two paths, picked by the compiler flags (cpu_gemv.py builds one per ISA level):
 // * AVX512-BF16 (-mavx512bf16): one dot-product instruction (vdpbf16ps: 32 bf16 products summed pairwise into 16
 //   fp32 lanes) per 64-byte weight load, two independent accumulators per row. vdpbf16ps flushes denormal
@@ -30,52 +31,59 @@
 
 namespace {
 
+using ni_gemv::for_column_groups;
 using ni_gemv::from_bf16;
-using ni_gemv::new_bf16_matrix;
+using ni_gemv::Gemv;
+using ni_gemv::gemv_operands;
 using ni_gemv::to_bf16;
 
 #ifdef __AVX512BF16__
 inline __m512bh load_bh(const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
 inline __m512bh load_bh_tail(const uint16_t* p, __mmask32 m) { return (__m512bh)_mm512_maskz_loadu_epi16(m, p); }
 
-// x rows are `xs` elements apart, y rows `n`; weights rows `ws` apart. R input rows share each weight load.
+// Column j: y[r * n + j] = x[r] . w[j] for R rows (x rows `xs` elements apart, y rows `n`, weight rows `ws`). R
+// input rows share each weight load.
 template <int R>
-void gemv_rows(const uint16_t* x, int64_t xs, const uint16_t* w, int64_t ws, uint16_t* y, int64_t n, int64_t k) {
+void column(const uint16_t* x, int64_t xs, const uint16_t* w, int64_t ws, uint16_t* y, int64_t n, int64_t k,
+            int64_t j) {
   const int64_t k64 = k / 64 * 64, k32 = k / 32 * 32;
   const __mmask32 tail = static_cast<__mmask32>((1ull << (k - k32)) - 1);
-#pragma omp parallel for schedule(static)
-  for (int64_t j = 0; j < n; j++) {
-    const uint16_t* wr = w + j * ws;
-    __m512 a0[R], a1[R];
-    for (int r = 0; r < R; r++) a0[r] = a1[r] = _mm512_setzero_ps();
-    int64_t i = 0;
-    for (; i < k64; i += 64) {
-      const __m512bh w0 = load_bh(wr + i), w1 = load_bh(wr + i + 32);
-      for (int r = 0; r < R; r++) {
-        a0[r] = _mm512_dpbf16_ps(a0[r], w0, load_bh(x + r * xs + i));
-        a1[r] = _mm512_dpbf16_ps(a1[r], w1, load_bh(x + r * xs + i + 32));
-      }
+  const uint16_t* wr = w + j * ws;
+  __m512 a0[R], a1[R];
+  for (int r = 0; r < R; r++) a0[r] = a1[r] = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i < k64; i += 64) {
+    const __m512bh w0 = load_bh(wr + i), w1 = load_bh(wr + i + 32);
+    for (int r = 0; r < R; r++) {
+      a0[r] = _mm512_dpbf16_ps(a0[r], w0, load_bh(x + r * xs + i));
+      a1[r] = _mm512_dpbf16_ps(a1[r], w1, load_bh(x + r * xs + i + 32));
     }
-    if (i < k32) {
-      const __m512bh w0 = load_bh(wr + i);
-      for (int r = 0; r < R; r++) a0[r] = _mm512_dpbf16_ps(a0[r], w0, load_bh(x + r * xs + i));
-      i += 32;
-    }
-    if (tail) {
-      const __m512bh w0 = load_bh_tail(wr + i, tail);
-      for (int r = 0; r < R; r++) a1[r] = _mm512_dpbf16_ps(a1[r], w0, load_bh_tail(x + r * xs + i, tail));
-    }
-    for (int r = 0; r < R; r++) y[r * n + j] = to_bf16(_mm512_reduce_add_ps(_mm512_add_ps(a0[r], a1[r])));
   }
+  if (i < k32) {
+    const __m512bh w0 = load_bh(wr + i);
+    for (int r = 0; r < R; r++) a0[r] = _mm512_dpbf16_ps(a0[r], w0, load_bh(x + r * xs + i));
+    i += 32;
+  }
+  if (tail) {
+    const __m512bh w0 = load_bh_tail(wr + i, tail);
+    for (int r = 0; r < R; r++) a1[r] = _mm512_dpbf16_ps(a1[r], w0, load_bh_tail(x + r * xs + i, tail));
+  }
+  for (int r = 0; r < R; r++) y[r * n + j] = to_bf16(_mm512_reduce_add_ps(_mm512_add_ps(a0[r], a1[r])));
 }
 
-using Kernel = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, uint16_t*, int64_t, int64_t);
+// Every matrix's columns in one parallel loop (ni_gemv::for_column_groups), one column per group.
+template <int R>
+void gemv_rows(const Gemv& g) {
+  for_column_groups<1>(g, [&](int64_t m, int64_t j, int64_t, auto) {
+    column<R>(g.x, g.x_stride, static_cast<const uint16_t*>(g.w[m]), g.w_stride[m], g.y + g.off[m], g.ntot, g.k, j);
+  });
+}
+
+using Kernel = void (*)(const Gemv&);
 constexpr Kernel kKernels[] = {nullptr,       gemv_rows<1>, gemv_rows<2>, gemv_rows<3>, gemv_rows<4>,
                                gemv_rows<5>, gemv_rows<6>, gemv_rows<7>, gemv_rows<8>};
 
-void run(int64_t r, const uint16_t* x, int64_t xs, const uint16_t* w, int64_t ws, uint16_t* y, int64_t n, int64_t k) {
-  kKernels[r](x, xs, w, ws, y, n, k);
-}
+void run(const Gemv& g) { kKernels[g.r](g); }
 
 #else
 // The widening path's vectors: AVX-512F (no BF16) where the build allows it, else AVX2. V::kBlock bf16 weights per
@@ -210,25 +218,19 @@ void columns(const float* xf, const uint16_t* w, int64_t ws, uint16_t* y, int64_
     for (int c = 0; c < C; c++) y[r * n + j + c * cs] = to_bf16(sums[r * C + c]);
 }
 
-// xf: the activations widened (see widen_rows); weight rows `ws` apart; y rows `n` apart.
-// Group g < h = n / C computes the columns g, g + h, ..., g + (C - 1) h: a thread's share of the groups reads C runs
-// of consecutive weight rows, C sequential streams for the hardware prefetchers (adjacent rows in one group would
-// make C short interleaved streams per group: measured slower once the weights come from DRAM). The n % C last
-// columns are groups of one.
+// xf: the activations widened (see widen_rows). Every matrix's columns in one parallel loop
+// (ni_gemv::for_column_groups): a group's C columns are C runs of consecutive weight rows, C sequential streams for
+// the hardware prefetchers (adjacent rows in one group would make C short interleaved streams per group: measured
+// slower once the weights come from DRAM).
 template <int R>
-void gemv_rows(const float* xf, const uint16_t* w, int64_t ws, uint16_t* y, int64_t n, int64_t k) {
-  constexpr int C = kCols<R>;
-  const int64_t h = n / C;
-#pragma omp parallel for schedule(static)
-  for (int64_t g = 0; g < h + n % C; g++) {
-    if (g < h)
-      columns<R, C>(xf, w, ws, y, n, k, g, h);
-    else
-      columns<R, 1>(xf, w, ws, y, n, k, C * h + (g - h), 0);
-  }
+void gemv_rows(const float* xf, const Gemv& g) {
+  for_column_groups<kCols<R>>(g, [&](int64_t m, int64_t j, int64_t cs, auto width) {
+    columns<R, decltype(width)::value>(xf, static_cast<const uint16_t*>(g.w[m]), g.w_stride[m], g.y + g.off[m],
+                                       g.ntot, g.k, j, cs);
+  });
 }
 
-using Kernel = void (*)(const float*, const uint16_t*, int64_t, uint16_t*, int64_t, int64_t);
+using Kernel = void (*)(const float*, const Gemv&);
 
 // x [R, K] bf16 rows `xs` apart -> fp32 blocks of 16, block-major: block b of row r at (b R + r) 16 (one pointer
 // and constant offsets reach every row's block), each as its even then its odd elements; zero beyond k up to whole
@@ -244,42 +246,28 @@ std::vector<float> widen_rows(const uint16_t* x, int64_t xs, int64_t r, int64_t 
 constexpr Kernel kKernels[] = {nullptr,       gemv_rows<1>, gemv_rows<2>, gemv_rows<3>, gemv_rows<4>,
                                gemv_rows<5>, gemv_rows<6>, gemv_rows<7>, gemv_rows<8>};
 
-void run(int64_t r, const uint16_t* x, int64_t xs, const uint16_t* w, int64_t ws, uint16_t* y, int64_t n, int64_t k) {
-  const std::vector<float> xf = widen_rows(x, xs, r, k);  // R x K floats, a few KB, once per call
-  kKernels[r](xf.data(), w, ws, y, n, k);
+void run(const Gemv& g) {
+  const std::vector<float> xf = widen_rows(g.x, g.x_stride, g.r, g.k);  // R x K floats, a few KB, once per call
+  kKernels[g.r](xf.data(), g);
 }
 #endif
 
 constexpr int64_t kMaxRows = 8;
 
-// A 2-d bf16 CPU tensor with unit stride in its last dim -> sizes, row stride and data.
-bool matrix(AtenTensorHandle t, int64_t* rows, int64_t* cols, int64_t* row_stride, void** data) {
-  int64_t dim = 0, *sizes = nullptr, *strides = nullptr;
-  int32_t dtype = 0, device = 0;
-  if (aoti_torch_get_dim(t, &dim) || dim != 2 || aoti_torch_get_dtype(t, &dtype) ||
-      dtype != aoti_torch_dtype_bfloat16() || aoti_torch_get_device_type(t, &device) ||
-      device != aoti_torch_device_type_cpu() || aoti_torch_get_sizes(t, &sizes) ||
-      aoti_torch_get_strides(t, &strides) || aoti_torch_get_data_ptr(t, data))
-    return false;
-  *rows = sizes[0], *cols = sizes[1], *row_stride = strides[0];
-  return strides[1] == 1 || sizes[1] == 1;
-}
-
 }  // namespace
 
 extern "C" {
 
-// x [R, K] bf16, w [N, K] bf16 -> *ret0 = new [R, N] bf16 tensor. AOTI_TORCH_FAILURE on any other input
-// (the generated wrapper turns that into a RuntimeError).
-AOTITorchError aoti_torch_cpu_ni_gemv_bf16_v4(AtenTensorHandle x, AtenTensorHandle w, AtenTensorHandle* ret0) {
-  int64_t r = 0, k = 0, xs = 0, n = 0, kw = 0, ws = 0;
-  void *xd = nullptr, *wd = nullptr, *yd = nullptr;
-  if (!matrix(x, &r, &k, &xs, &xd) || !matrix(w, &n, &kw, &ws, &wd) || kw != k || r < 1 || r > kMaxRows)
-    return AOTI_TORCH_FAILURE;
-  AtenTensorHandle y = nullptr;
-  if (!new_bf16_matrix(r, n, &y, &yd)) return AOTI_TORCH_FAILURE;
-  run(r, static_cast<const uint16_t*>(xd), xs, static_cast<const uint16_t*>(wd), ws, static_cast<uint16_t*>(yd), n, k);
-  *ret0 = y;
+// x [R, K] bf16, ws[m] [N_m, K] bf16 (m < n_mats <= 4, the linears sharing x) -> *ret0 = new [R, N_0 + ... ] bf16
+// tensor, the matrices' results side by side. AOTI_TORCH_FAILURE on any other input (the generated wrapper turns
+// that into a RuntimeError).
+AOTITorchError aoti_torch_cpu_ni_gemv_bf16_v5(AtenTensorHandle x, const AtenTensorHandle* ws, int64_t n_mats,
+                                              AtenTensorHandle* ret0) {
+  Gemv g;
+  const int32_t bf16 = aoti_torch_dtype_bfloat16();
+  if (!gemv_operands(x, ws, n_mats, nullptr, 0, bf16, bf16, kMaxRows, &g)) return AOTI_TORCH_FAILURE;
+  run(g);
+  *ret0 = g.out;
   return AOTI_TORCH_SUCCESS;
 }
 

@@ -1,20 +1,24 @@
 """The GEMV kernels of the CPU backend: custom ops, their PyTorch twins, and the C library AOTInductor calls.
 
-    export:   bf16 linear on 1-8 rows -> torch.ops.neuron_infer.ni_gemv_bf16_v4(x [R, K], w [N, K]) -> [R, N]
-              int8 linear on 1-8 rows -> torch.ops.neuron_infer.ni_gemv_int8_v2(x [R, K], q [N, K], s [N]) -> [R, N]
-              w8a8 linear on 1-8 rows -> torch.ops.neuron_infer.ni_gemv_w8a8_v1(x [R, K], q [N, K], s [N]) -> [R, N]
+    export:   the linears on 1-8 rows that share one input x [R, K] (q/k/v, gate/up; any other linear alone: a
+              group of one, see compile/gemv_groups.py) -> one call, the results side by side [R, N_0 + N_1 + ...]:
+                  bf16  torch.ops.neuron_infer.ni_gemv_bf16_v5(x, [w_0, ...])                 w_m [N_m, K] bf16
+                  int8  torch.ops.neuron_infer.ni_gemv_int8_v3(x, [q_0, ...], [s_0, ...])     q_m int8, s_m [N_m]
+                  w8a8  torch.ops.neuron_infer.ni_gemv_w8a8_v2(x, [q_0, ...], [s_0, ...])
     compile:  aot_inductor.custom_ops_to_c_shims = C_SHIMS: the generated wrapper calls the C functions
-              aoti_torch_cpu_ni_gemv_bf16_v4, ..._int8_v2, ..._w8a8_v1 (cpu_gemv*.cpp) directly - no dispatcher
+              aoti_torch_cpu_ni_gemv_bf16_v5, ..._int8_v3, ..._w8a8_v2 (cpu_gemv*.cpp) directly - no dispatcher
     build:    the sources a graph calls -> <graph>.gemv.so next to the graph (g++, the compiler Inductor uses),
               for one ISA level (ISAS); the level is recorded and checked against the CPU at load
     load:     the .so is loaded with RTLD_GLOBAL before the graph, so the graph's undefined symbols resolve to it
 
+One call per group is one OpenMP parallel region over the columns of every matrix in it (and, for w8a8, one
+quantization of the activations): a decode step of a Llama layer runs 4 GEMV regions instead of 7.
 Each op's eager implementation is the reference the tests compare the kernel with (the slow twin): an fp32 matmul
 of the same values, times the int8 scale, rounded once to bf16; for w8a8 the scheme's own per-token quantization
-and exact integer matmul (quant.smoothquant.w8a8_matmul), which its kernel reproduces bit for bit. The "_v2"/"_v3" is part of the C symbol and must
-change with the kernel's contract (arguments, result, numerics, rows accepted): the first library loaded in a
-process serves every graph calling that symbol, so two libraries under one name must be interchangeable (bf16 _v3:
-1-8 rows, on every ISA level).
+and exact integer matmul (quant.smoothquant.w8a8_matmul), which its kernel reproduces bit for bit. The version
+suffix is part of the C symbol and must change with the kernel's contract (arguments, result, numerics, rows
+accepted): the first library loaded in a process serves every graph calling that symbol, so two libraries under
+one name must be interchangeable (1-8 rows and up to MAX_GROUP matrices, on every ISA level).
 Every kernel has a path for every ISA level: the bf16 one uses AVX512-BF16 dot products at that level and AVX2 +
 FMA (bf16 widened to fp32) below it; the int8 one AVX-512 (F, BW, VL) or AVX2 + FMA; the w8a8 one AVX512-VNNI
 (vpdpbusd) at the avx512-vnni and avx512-bf16 levels, int16 multiply-adds (vpmaddwd) at avx512 and avx2. Without
@@ -40,8 +44,8 @@ INT8_MAX_ROWS = 8  # the int8 and w8a8 C kernels for 1..8
 SOURCES = {"bf16": Path(__file__).with_name("cpu_gemv.cpp"), "int8": Path(__file__).with_name("cpu_gemv_int8.cpp"),
            "w8a8": Path(__file__).with_name("cpu_gemv_w8a8.cpp")}
 LIB_SUFFIX = ".gemv.so"
-_SYMBOLS = {"bf16": "aoti_torch_cpu_ni_gemv_bf16_v4", "int8": "aoti_torch_cpu_ni_gemv_int8_v2",
-            "w8a8": "aoti_torch_cpu_ni_gemv_w8a8_v1"}
+_SYMBOLS = {"bf16": "aoti_torch_cpu_ni_gemv_bf16_v5", "int8": "aoti_torch_cpu_ni_gemv_int8_v3",
+            "w8a8": "aoti_torch_cpu_ni_gemv_w8a8_v2"}
 # ISA levels, highest first: the /proc/cpuinfo flags each needs and the compiler flags it is built with. Every CPU
 # with AVX512-BF16 has AVX512-VNNI (Cooper Lake, Sapphire Rapids, Zen 4 and later), so that level includes it.
 ISAS = ("avx512-bf16", "avx512-vnni", "avx512", "avx2")
@@ -54,54 +58,49 @@ _CC_FLAGS = {"avx512-bf16": [*_CC_AVX512, "-mavx512vnni", "-mavx512bf16"], "avx5
 LEGACY_ISA = "avx512-bf16"  # sidecars without an "isa" entry hold the AVX512-BF16 bf16 kernel
 
 
-@torch.library.custom_op("neuron_infer::ni_gemv_bf16_v4", mutates_args=())
-def gemv_bf16(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x [R, K] bf16, w [N, K] bf16 -> x @ w.T [R, N] bf16 (fp32 accumulation, one rounding). The reference."""
-    return (x.float() @ w.float().t()).to(torch.bfloat16)
+def _fake(x: torch.Tensor, ws: list[torch.Tensor], *_: object) -> torch.Tensor:
+    return x.new_empty(x.shape[0], sum(w.shape[0] for w in ws))
 
 
-@gemv_bf16.register_fake
-def _(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return x.new_empty(x.shape[0], w.shape[0])
+@torch.library.custom_op("neuron_infer::ni_gemv_bf16_v5", mutates_args=())
+def gemv_bf16(x: torch.Tensor, ws: list[torch.Tensor]) -> torch.Tensor:
+    """x [R, K] bf16, ws[m] [N_m, K] bf16 -> [x @ ws[0].T, x @ ws[1].T, ...] side by side [R, sum N_m] bf16 (fp32
+    accumulation, one rounding). The reference."""
+    return torch.cat([x.float() @ w.float().t() for w in ws], -1).to(torch.bfloat16)
 
 
-@torch.library.custom_op("neuron_infer::ni_gemv_int8_v2", mutates_args=())
-def gemv_int8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x [R, K] bf16, q [N, K] int8, scale [N] bf16 -> (x @ q.T) * scale [R, N] bf16 (fp32 math, one rounding).
-
-    The reference: the dequantize-then-matmul result with the per-channel scale applied after the fp32 sum."""
-    return ((x.float() @ q.float().t()) * scale.float()).to(torch.bfloat16)
-
-
-@gemv_int8.register_fake
-def _(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return x.new_empty(x.shape[0], q.shape[0])
+@torch.library.custom_op("neuron_infer::ni_gemv_int8_v3", mutates_args=())
+def gemv_int8(x: torch.Tensor, qs: list[torch.Tensor], scales: list[torch.Tensor]) -> torch.Tensor:
+    """x [R, K] bf16, qs[m] [N_m, K] int8, scales[m] [N_m] bf16 -> the (x @ q.T) * scale side by side [R, sum N_m]
+    bf16 (fp32 math, one rounding). The reference: dequantize-then-matmul, the per-channel scale applied after the
+    fp32 sum."""
+    return torch.cat([(x.float() @ q.float().t()) * s.float() for q, s in zip(qs, scales, strict=True)],
+                     -1).to(torch.bfloat16)
 
 
-@torch.library.custom_op("neuron_infer::ni_gemv_w8a8_v1", mutates_args=())
-def gemv_w8a8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x [R, K] bf16, q [N, K] int8, scale [N] fp32 -> [R, N] bf16: per-token int8 activations, exact int32 dot
-    products, both scales applied in fp32, one rounding. The reference is the scheme's own math."""
-    return w8a8_matmul(x, q, scale)
+@torch.library.custom_op("neuron_infer::ni_gemv_w8a8_v2", mutates_args=())
+def gemv_w8a8(x: torch.Tensor, qs: list[torch.Tensor], scales: list[torch.Tensor]) -> torch.Tensor:
+    """x [R, K] bf16, qs[m] [N_m, K] int8, scales[m] [N_m] fp32 -> [R, sum N_m] bf16: per-token int8 activations,
+    exact int32 dot products, both scales applied in fp32, one rounding. The reference is the scheme's own math."""
+    return torch.cat([w8a8_matmul(x, q, s) for q, s in zip(qs, scales, strict=True)], -1)
 
 
-@gemv_w8a8.register_fake
-def _(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return x.new_empty(x.shape[0], q.shape[0])
+for _op in (gemv_bf16, gemv_int8, gemv_w8a8):
+    _op.register_fake(_fake)
 
-
+_LISTS = "const AtenTensorHandle* qs, int64_t qs_len_, const AtenTensorHandle* scales, int64_t scales_len_"
 C_SHIMS = {
-    torch.ops.neuron_infer.ni_gemv_bf16_v4.default: [
-        f"AOTITorchError {_SYMBOLS['bf16']}(AtenTensorHandle x, AtenTensorHandle w, AtenTensorHandle* ret0)"],
-    torch.ops.neuron_infer.ni_gemv_int8_v2.default: [
-        (f"AOTITorchError {_SYMBOLS['int8']}(AtenTensorHandle x, AtenTensorHandle q, AtenTensorHandle scale, "
+    torch.ops.neuron_infer.ni_gemv_bf16_v5.default: [
+        (f"AOTITorchError {_SYMBOLS['bf16']}(AtenTensorHandle x, const AtenTensorHandle* ws, int64_t ws_len_, "
          "AtenTensorHandle* ret0)")],
-    torch.ops.neuron_infer.ni_gemv_w8a8_v1.default: [
-        (f"AOTITorchError {_SYMBOLS['w8a8']}(AtenTensorHandle x, AtenTensorHandle q, AtenTensorHandle scale, "
-         "AtenTensorHandle* ret0)")],
+    torch.ops.neuron_infer.ni_gemv_int8_v3.default: [
+        f"AOTITorchError {_SYMBOLS['int8']}(AtenTensorHandle x, {_LISTS}, AtenTensorHandle* ret0)"],
+    torch.ops.neuron_infer.ni_gemv_w8a8_v2.default: [
+        f"AOTITorchError {_SYMBOLS['w8a8']}(AtenTensorHandle x, {_LISTS}, AtenTensorHandle* ret0)"],
 }
-OPS = {"bf16": torch.ops.neuron_infer.ni_gemv_bf16_v4.default, "int8": torch.ops.neuron_infer.ni_gemv_int8_v2.default,
-       "w8a8": torch.ops.neuron_infer.ni_gemv_w8a8_v1.default}
+OPS = {"bf16": torch.ops.neuron_infer.ni_gemv_bf16_v5.default, "int8": torch.ops.neuron_infer.ni_gemv_int8_v3.default,
+       "w8a8": torch.ops.neuron_infer.ni_gemv_w8a8_v2.default}
+MAX_GROUP = 4  # weight matrices per call (the C kernels' kMaxMats)
 
 
 @lru_cache(maxsize=1)

@@ -1,11 +1,13 @@
-// Helpers shared by the CPU GEMV kernels (cpu_gemv.cpp, cpu_gemv_int8.cpp, cpu_gemv_w8a8.cpp): bf16 conversions and
-// the checks and allocation at the C-shim boundary.
+// Helpers shared by the CPU GEMV kernels (cpu_gemv.cpp, cpu_gemv_int8.cpp, cpu_gemv_w8a8.cpp): bf16 conversions,
+// the operand checks and result allocation at the C-shim boundary, and the one parallel loop over the column groups
+// of every matrix of a call.
 #pragma once
 
 #include <torch/csrc/inductor/aoti_torch/c/shim.h>
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 namespace ni_gemv {
 
@@ -50,30 +52,64 @@ inline bool new_bf16_matrix(int64_t rows, int64_t cols, AtenTensorHandle* out, v
   return true;
 }
 
-// The operands of a quantized GEMV: x [R, K] bf16 (1 <= R <= max_rows), q [N, K] int8, scale [N] of `scale_dtype`,
-// each with unit stride in its last dim, plus a new [R, N] bf16 result. false (nothing allocated) on any other input.
-struct QuantGemv {
-  int64_t r = 0, k = 0, n = 0, x_stride = 0, q_stride = 0;
+// The operands of a GEMV of several weight matrices sharing one input (q/k/v, gate/up): x [R, K] bf16
+// (1 <= R <= max_rows), ws[m] [N_m, K] of `w_dtype` and, for quantized kernels, scales[m] [N_m] of `scale_dtype`,
+// each with unit stride in its last dim, plus a new [R, N_0 + ... + N_{M-1}] bf16 result (matrix m's columns from
+// off[m]). Up to kMaxMats matrices.
+constexpr int64_t kMaxMats = 4;
+
+struct Gemv {
+  int64_t r = 0, k = 0, x_stride = 0, mats = 0, ntot = 0;
   const uint16_t* x = nullptr;
-  const int8_t* q = nullptr;
-  const void* scale = nullptr;
+  const void* w[kMaxMats] = {};
+  const void* scale[kMaxMats] = {};
+  int64_t w_stride[kMaxMats] = {}, n[kMaxMats] = {}, off[kMaxMats] = {};
   uint16_t* y = nullptr;
   AtenTensorHandle out = nullptr;
 };
 
-inline bool quant_gemv_operands(AtenTensorHandle x, AtenTensorHandle q, AtenTensorHandle scale, int32_t scale_dtype,
-                                int64_t max_rows, QuantGemv* g) {
-  int64_t *xsz = nullptr, *qsz = nullptr, *ssz = nullptr, ss = 0;
-  void *xd = nullptr, *qd = nullptr, *sd = nullptr, *yd = nullptr;
-  if (!view(x, 2, aoti_torch_dtype_bfloat16(), &xsz, &g->x_stride, &xd) ||
-      !view(q, 2, aoti_torch_dtype_int8(), &qsz, &g->q_stride, &qd) || !view(scale, 1, scale_dtype, &ssz, &ss, &sd))
+// false (nothing allocated) on any other input. scales: nullptr for an unscaled (bf16) GEMV.
+inline bool gemv_operands(AtenTensorHandle x, const AtenTensorHandle* ws, int64_t mats, const AtenTensorHandle* scales,
+                          int64_t scale_count, int32_t w_dtype, int32_t scale_dtype, int64_t max_rows, Gemv* g) {
+  int64_t* xsz = nullptr;
+  void* xd = nullptr;
+  if (mats < 1 || mats > kMaxMats || (scales != nullptr && scale_count != mats) ||
+      !view(x, 2, aoti_torch_dtype_bfloat16(), &xsz, &g->x_stride, &xd))
     return false;
-  g->r = xsz[0], g->k = xsz[1], g->n = qsz[0];
-  if (qsz[1] != g->k || ssz[0] != g->n || g->r < 1 || g->r > max_rows || g->k < 1) return false;
-  if (!new_bf16_matrix(g->r, g->n, &g->out, &yd)) return false;
-  g->x = static_cast<const uint16_t*>(xd), g->q = static_cast<const int8_t*>(qd), g->scale = sd;
+  g->r = xsz[0], g->k = xsz[1], g->mats = mats, g->x = static_cast<const uint16_t*>(xd);
+  if (g->r < 1 || g->r > max_rows || g->k < 1) return false;
+  for (int64_t m = 0; m < mats; m++) {
+    int64_t *wsz = nullptr, *ssz = nullptr, ss = 0;
+    void *wd = nullptr, *sd = nullptr;
+    if (!view(ws[m], 2, w_dtype, &wsz, &g->w_stride[m], &wd) || wsz[1] != g->k) return false;
+    if (scales != nullptr && (!view(scales[m], 1, scale_dtype, &ssz, &ss, &sd) || ssz[0] != wsz[0])) return false;
+    g->w[m] = wd, g->scale[m] = sd, g->n[m] = wsz[0], g->off[m] = g->ntot;
+    g->ntot += wsz[0];
+  }
+  void* yd = nullptr;
+  if (!new_bf16_matrix(g->r, g->ntot, &g->out, &yd)) return false;
   g->y = static_cast<uint16_t*>(yd);
   return true;
+}
+
+// One OpenMP loop over the column groups of every matrix (one parallel region per call, whatever the matrix
+// count): matrix m of n columns has h = n / C groups of C columns j, j + h, ..., j + (C - 1) h - a thread's share
+// reads C runs of consecutive weight rows, C sequential streams - and its n % C last columns are groups of one.
+// Calls f(m, j, cs, std::integral_constant<int, width>) for each group (width C, or 1 with cs = 0).
+template <int C, class F>
+void for_column_groups(const Gemv& g, F&& f) {
+  int64_t first[kMaxMats + 1] = {0};
+  for (int64_t m = 0; m < g.mats; m++) first[m + 1] = first[m] + g.n[m] / C + g.n[m] % C;
+#pragma omp parallel for schedule(static)
+  for (int64_t t = 0; t < first[g.mats]; t++) {
+    int64_t m = 0;
+    while (t >= first[m + 1]) m++;
+    const int64_t i = t - first[m], h = g.n[m] / C;
+    if (i < h)
+      f(m, i, h, std::integral_constant<int, C>{});
+    else
+      f(m, C * h + (i - h), int64_t{0}, std::integral_constant<int, 1>{});
+  }
 }
 
 }  // namespace ni_gemv

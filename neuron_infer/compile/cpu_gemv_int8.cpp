@@ -26,9 +26,10 @@
 
 namespace {
 
+using ni_gemv::for_column_groups;
 using ni_gemv::from_bf16;
-using ni_gemv::quant_gemv_operands;
-using ni_gemv::QuantGemv;
+using ni_gemv::Gemv;
+using ni_gemv::gemv_operands;
 using ni_gemv::to_bf16;
 
 #ifdef __AVX512F__
@@ -144,23 +145,16 @@ void columns(const float* xf, int64_t kp, const int8_t* q, int64_t qs, const uin
   }
 }
 
-// Group g < h = n / C computes the columns g, g + h, ..., g + (C - 1) h: a thread's share of the groups reads C runs
-// of consecutive weight rows (C sequential streams); the n % C last columns are groups of one.
+// Every matrix's columns in one parallel loop (ni_gemv::for_column_groups). xf, kp: as in `columns`.
 template <int R>
-void gemv_rows(const float* xf, int64_t kp, const int8_t* q, int64_t qs, const uint16_t* scale, uint16_t* y,
-               int64_t n, int64_t k) {
-  constexpr int C = kCols<R>;
-  const int64_t h = n / C;
-#pragma omp parallel for schedule(static)
-  for (int64_t g = 0; g < h + n % C; g++) {
-    if (g < h)
-      columns<R, C>(xf, kp, q, qs, scale, y, n, k, g, h);
-    else
-      columns<R, 1>(xf, kp, q, qs, scale, y, n, k, C * h + (g - h), 0);
-  }
+void gemv_rows(const float* xf, int64_t kp, const Gemv& g) {
+  for_column_groups<kCols<R>>(g, [&](int64_t m, int64_t j, int64_t cs, auto width) {
+    columns<R, decltype(width)::value>(xf, kp, static_cast<const int8_t*>(g.w[m]), g.w_stride[m],
+                                       static_cast<const uint16_t*>(g.scale[m]), g.y + g.off[m], g.ntot, g.k, j, cs);
+  });
 }
 
-using Kernel = void (*)(const float*, int64_t, const int8_t*, int64_t, const uint16_t*, uint16_t*, int64_t, int64_t);
+using Kernel = void (*)(const float*, int64_t, const Gemv&);
 constexpr Kernel kKernels[] = {nullptr,       gemv_rows<1>, gemv_rows<2>, gemv_rows<3>, gemv_rows<4>,
                                gemv_rows<5>, gemv_rows<6>, gemv_rows<7>, gemv_rows<8>};
 constexpr int64_t kMaxRows = 8;
@@ -169,18 +163,22 @@ constexpr int64_t kMaxRows = 8;
 
 extern "C" {
 
-// x [R, K] bf16, q [N, K] int8, scale [N] bf16 -> *ret0 = new [R, N] bf16 tensor. AOTI_TORCH_FAILURE on any other
-// input (the generated wrapper turns that into a RuntimeError).
-AOTITorchError aoti_torch_cpu_ni_gemv_int8_v2(AtenTensorHandle x, AtenTensorHandle q, AtenTensorHandle scale,
+// x [R, K] bf16, qs[m] [N_m, K] int8, scales[m] [N_m] bf16 (m < n_mats <= 4, the linears sharing x) -> *ret0 = new
+// [R, N_0 + ... ] bf16 tensor, the matrices' results side by side. AOTI_TORCH_FAILURE on any other input (the
+// generated wrapper turns that into a RuntimeError).
+AOTITorchError aoti_torch_cpu_ni_gemv_int8_v3(AtenTensorHandle x, const AtenTensorHandle* qs, int64_t n_mats,
+                                              const AtenTensorHandle* scales, int64_t n_scales,
                                               AtenTensorHandle* ret0) {
-  QuantGemv g;
-  if (!quant_gemv_operands(x, q, scale, aoti_torch_dtype_bfloat16(), kMaxRows, &g)) return AOTI_TORCH_FAILURE;
+  Gemv g;
+  if (!gemv_operands(x, qs, n_mats, scales, n_scales, aoti_torch_dtype_int8(), aoti_torch_dtype_bfloat16(), kMaxRows,
+                     &g))
+    return AOTI_TORCH_FAILURE;
   // The activations widened to fp32 once (R x K, a few KB), zero-padded to whole vectors.
   const int64_t kp = (g.k + kLanes - 1) / kLanes * kLanes;
   std::vector<float> xf(static_cast<size_t>(g.r * kp), 0.0f);
   for (int64_t i = 0; i < g.r; i++)
     for (int64_t t = 0; t < g.k; t++) xf[i * kp + t] = from_bf16(g.x[i * g.x_stride + t]);
-  kKernels[g.r](xf.data(), kp, g.q, g.q_stride, static_cast<const uint16_t*>(g.scale), g.y, g.n, g.k);
+  kKernels[g.r](xf.data(), kp, g);
   *ret0 = g.out;
   return AOTI_TORCH_SUCCESS;
 }

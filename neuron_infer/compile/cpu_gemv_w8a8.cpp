@@ -27,9 +27,10 @@
 
 namespace {
 
+using ni_gemv::for_column_groups;
 using ni_gemv::from_bf16;
-using ni_gemv::quant_gemv_operands;
-using ni_gemv::QuantGemv;
+using ni_gemv::Gemv;
+using ni_gemv::gemv_operands;
 using ni_gemv::to_bf16;
 
 #if defined(__AVX512VNNI__)
@@ -136,24 +137,16 @@ void columns(const Act* xa, int64_t kp, const float* xs, const int8_t* q, int64_
   }
 }
 
-// Group g < h = n / C computes the columns g, g + h, ..., g + (C - 1) h (C sequential streams per thread); the
-// n % C last columns are groups of one.
+// Every matrix's columns in one parallel loop (ni_gemv::for_column_groups). xa, kp, xs: as in `columns`.
 template <int R>
-void gemv_rows(const Act* xa, int64_t kp, const float* xs, const int8_t* q, int64_t qs, const float* scale,
-               uint16_t* y, int64_t n, int64_t k) {
-  constexpr int C = kCols<R>;
-  const int64_t h = n / C;
-#pragma omp parallel for schedule(static)
-  for (int64_t g = 0; g < h + n % C; g++) {
-    if (g < h)
-      columns<R, C>(xa, kp, xs, q, qs, scale, y, n, k, g, h);
-    else
-      columns<R, 1>(xa, kp, xs, q, qs, scale, y, n, k, C * h + (g - h), 0);
-  }
+void gemv_rows(const Act* xa, int64_t kp, const float* xs, const Gemv& g) {
+  for_column_groups<kCols<R>>(g, [&](int64_t m, int64_t j, int64_t cs, auto width) {
+    columns<R, decltype(width)::value>(xa, kp, xs, static_cast<const int8_t*>(g.w[m]), g.w_stride[m],
+                                       static_cast<const float*>(g.scale[m]), g.y + g.off[m], g.ntot, g.k, j, cs);
+  });
 }
 
-using Kernel = void (*)(const Act*, int64_t, const float*, const int8_t*, int64_t, const float*, uint16_t*, int64_t,
-                        int64_t);
+using Kernel = void (*)(const Act*, int64_t, const float*, const Gemv&);
 constexpr Kernel kKernels[] = {nullptr,       gemv_rows<1>, gemv_rows<2>, gemv_rows<3>, gemv_rows<4>,
                                gemv_rows<5>, gemv_rows<6>, gemv_rows<7>, gemv_rows<8>};
 constexpr int64_t kMaxRows = 8;
@@ -219,18 +212,23 @@ float quantize_row(const uint16_t* x, int64_t k, Act* out) {
 
 extern "C" {
 
-// x [R, K] bf16, q [N, K] int8, scale [N] fp32 -> *ret0 = new [R, N] bf16 tensor. AOTI_TORCH_FAILURE on any other
-// input (the generated wrapper turns that into a RuntimeError).
-AOTITorchError aoti_torch_cpu_ni_gemv_w8a8_v1(AtenTensorHandle x, AtenTensorHandle q, AtenTensorHandle scale,
+// x [R, K] bf16, qs[m] [N_m, K] int8, scales[m] [N_m] fp32 (m < n_mats <= 4, the linears sharing x) -> *ret0 = new
+// [R, N_0 + ... ] bf16 tensor, the matrices' results side by side. AOTI_TORCH_FAILURE on any other input (the
+// generated wrapper turns that into a RuntimeError).
+AOTITorchError aoti_torch_cpu_ni_gemv_w8a8_v2(AtenTensorHandle x, const AtenTensorHandle* qs, int64_t n_mats,
+                                              const AtenTensorHandle* scales, int64_t n_scales,
                                               AtenTensorHandle* ret0) {
-  QuantGemv g;
-  if (!quant_gemv_operands(x, q, scale, aoti_torch_dtype_float32(), kMaxRows, &g)) return AOTI_TORCH_FAILURE;
-  // The activations quantized once per call (R x K bytes or int16s), padded with the zero value to whole steps.
+  Gemv g;
+  if (!gemv_operands(x, qs, n_mats, scales, n_scales, aoti_torch_dtype_int8(), aoti_torch_dtype_float32(), kMaxRows,
+                     &g))
+    return AOTI_TORCH_FAILURE;
+  // The activations quantized once per call, for every matrix (R x K bytes or int16s), padded with the zero value
+  // to whole steps.
   const int64_t kp = (g.k + kStep - 1) / kStep * kStep;
   std::vector<Act> xa(static_cast<size_t>(g.r * kp), static_cast<Act>(kActBias));
   float xs[kMaxRows];
   for (int64_t i = 0; i < g.r; i++) xs[i] = quantize_row(g.x + i * g.x_stride, g.k, xa.data() + i * kp);
-  kKernels[g.r](xa.data(), kp, xs, g.q, g.q_stride, static_cast<const float*>(g.scale), g.y, g.n, g.k);
+  kKernels[g.r](xa.data(), kp, xs, g);
   *ret0 = g.out;
   return AOTI_TORCH_SUCCESS;
 }

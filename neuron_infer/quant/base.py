@@ -30,14 +30,14 @@ from neuron_infer.errors import ConfigError
 
 ACT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
-FewRowsKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+FewRowsKernel = Callable[[torch.Tensor, list[torch.Tensor], list[torch.Tensor]], torch.Tensor]
 _few_rows: dict[str, tuple[FewRowsKernel, int]] = {}  # scheme -> (kernel, max rows) while a backend exports
 
 
 @contextlib.contextmanager
 def few_rows_kernels(kernels: Mapping[str, FewRowsKernel | None], max_rows: int) -> Iterator[None]:
     """While active, a linear of scheme S on bf16 CPU inputs of <= max_rows rows calls
-    kernels[S](x [M, in], weight, weight_scale) -> [M, out] bf16 (a None entry: no kernel for S)."""
+    kernels[S](x [M, in], [weight], [weight_scale]) -> [M, out] bf16 (a None entry: no kernel for S)."""
     global _few_rows
     saved = _few_rows
     _few_rows = {scheme: (fn, max_rows) for scheme, fn in kernels.items() if fn is not None}

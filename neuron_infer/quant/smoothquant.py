@@ -79,8 +79,11 @@ class W8A8Linear(QuantizedLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)  # [M, in]
-        kernel = few_rows_kernel(self.scheme, x2, self.weight) or w8a8_matmul
-        y = kernel(x2.contiguous(), self.weight, self.weight_scale)  # [M, out]
+        kernel = few_rows_kernel(self.scheme, x2, self.weight)
+        if kernel is not None:
+            y = kernel(x2.contiguous(), [self.weight], [self.weight_scale])  # [M, out]
+        else:
+            y = w8a8_matmul(x2.contiguous(), self.weight, self.weight_scale)  # [M, out]
         if self.bias is not None:
             y = y + self.bias.to(x.dtype)
         return y.reshape(*lead, self.out_features)  # [..., out]

@@ -1,6 +1,6 @@
 """Run a check in a new interpreter: one process per ISA level of the GEMV kernel libraries.
 
-Libraries built for different ISA levels export the same C symbols (e.g. aoti_torch_cpu_ni_gemv_w8a8_v1), and a
+Libraries built for different ISA levels export the same C symbols (e.g. aoti_torch_cpu_ni_gemv_w8a8_v2), and a
 process binds each symbol to the first library that defined it (they are loaded RTLD_GLOBAL). A graph's check
 therefore runs in a process where its own library is the only one loaded, so it calls that library's code.
 """

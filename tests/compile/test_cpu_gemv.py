@@ -44,17 +44,37 @@ SHAPES = [(1, 70, 64), (2, 33, 96), (3, 1, 100), (4, 130, 600), (5, 48, 576), (6
           (6, 2, 64), (7, 4, 48)]
 
 
+# Linears reading another shape's input (input index, N), which the export merges into shared kernel calls
+# (compile/gemv_groups.py): five linears on input 3 (4 rows, K = 600) make a call of four matrices (the most per
+# call) and one of one; three on input 0 make one call of three. So a graph makes len(SHAPES) + 1 calls.
+SHARED = [(3, 9), (3, 130), (3, 1), (3, 7), (0, 33), (0, 5)]
+GROUPED_CALLS = 1
+
+
+def sources(shapes) -> list[int]:
+    """The input each linear reads: its own, then the SHARED ones'."""
+    return list(range(len(shapes))) + [i for i, _ in SHARED]
+
+
+def with_shared(shapes) -> list[tuple[int, int, int]]:
+    """(R, N, K) of every linear: `shapes`, then the SHARED linears on their inputs."""
+    return list(shapes) + [(shapes[i][0], n, shapes[i][2]) for i, n in SHARED]
+
+
 class Linears(torch.nn.Module):
-    """One bf16 linear per shape, each fed by its own [R, K] input (plus a bias on one, fused after the call)."""
+    """One bf16 linear per shape, each fed by its own [R, K] input (plus a bias on one, fused after the call), then
+    the SHARED linears."""
 
     def __init__(self):
         super().__init__()
         torch.manual_seed(0)
-        self.lins = torch.nn.ModuleList(torch.nn.Linear(k, n, bias=i == 1) for i, (_, n, k) in enumerate(SHAPES))
+        self.lins = torch.nn.ModuleList(torch.nn.Linear(k, n, bias=i == 1)
+                                        for i, (_, n, k) in enumerate(with_shared(SHAPES)))
+        self.src = sources(SHAPES)
         self.to(torch.bfloat16)
 
     def forward(self, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return tuple(lin(x) for lin, x in zip(self.lins, xs))
+        return tuple(lin(xs[i]) for lin, i in zip(self.lins, self.src))
 
 
 def inputs() -> tuple[torch.Tensor, ...]:
@@ -64,8 +84,8 @@ def inputs() -> tuple[torch.Tensor, ...]:
 
 def reference(module: Linears, xs) -> list[torch.Tensor]:
     out = []
-    for lin, x in zip(module.lins, xs):
-        y = cpu_gemv.gemv_bf16(x, lin.weight)
+    for lin, i in zip(module.lins, module.src):
+        y = cpu_gemv.gemv_bf16(xs[i], [lin.weight])
         out.append(y if lin.bias is None else y + lin.bias)
     return out
 
@@ -91,7 +111,7 @@ def test_reference_is_fp32_accumulation_rounded_once():
     torch.manual_seed(2)
     x, w = torch.randn(3, 100).to(torch.bfloat16), torch.randn(20, 100).to(torch.bfloat16)
     exact = (x.double() @ w.double().t()).to(torch.bfloat16)  # fp64 sum, one rounding
-    assert_one_rounding_apart(cpu_gemv.gemv_bf16(x, w), exact)
+    assert_one_rounding_apart(cpu_gemv.gemv_bf16(x, [w]), exact)
 
 
 def check_graph(out: str, isa: str) -> None:
@@ -118,7 +138,7 @@ def test_graph_calls_the_c_function_not_the_dispatcher(linears):
     out = linears[0]
     with zipfile.ZipFile(out / "lin.pt2") as z:
         wrapper = "".join(z.read(n).decode() for n in z.namelist() if n.endswith("wrapper.cpp"))
-    assert wrapper.count("aoti_torch_cpu_ni_gemv_bf16_v4(") >= len(SHAPES)
+    assert wrapper.count("aoti_torch_cpu_ni_gemv_bf16_v5(") >= len(SHAPES) + GROUPED_CALLS
     assert "proxy_executor_call_function" not in wrapper  # the boxed-dispatcher route AOTI takes otherwise
 
 
@@ -152,7 +172,7 @@ def test_bf16_step_graph_is_as_accurate_as_eager_bf16(tmp_path, tokens):
     assert meta["gemv_kernel"]
     with zipfile.ZipFile(tmp_path / "tg.pt2") as z:
         wrapper = "".join(z.read(n).decode() for n in z.namelist() if n.endswith("wrapper.cpp"))
-    assert "aoti_torch_cpu_ni_gemv_bf16_v4(" in wrapper
+    assert "aoti_torch_cpu_ni_gemv_bf16_v5(" in wrapper
     eager_err = (eager - ref).abs().max().item()
     assert 0 < eager_err < 0.1
     assert (got - ref).abs().max().item() <= 1.5 * eager_err
@@ -170,8 +190,8 @@ def test_options_route_rows_1_to_8_to_the_kernel_at_every_isa_level(monkeypatch)
     for flags in ({"avx2", "fma"}, {"avx512f", "avx512bw", "avx512vl", "fma", "avx2"}):
         monkeypatch.setattr(cpu_gemv, "_cpu_flags", lambda flags=flags: frozenset(flags))
         assert CpuCompileOptions().uses_kernel
-        assert _calls(CpuCompileOptions()) == len(SHAPES)  # 1..8 rows, whatever gemv_max_rows (> 0) says
-        assert _calls(CpuCompileOptions(gemv_max_rows=2)) == len(SHAPES)
+        calls = len(SHAPES) + GROUPED_CALLS  # 1..8 rows, whatever gemv_max_rows (> 0) says
+        assert _calls(CpuCompileOptions()) == _calls(CpuCompileOptions(gemv_max_rows=2)) == calls
     with pytest.raises(ConfigError, match="gemv_kernel"):
         CpuCompileOptions(gemv_kernel=1)
 
@@ -186,7 +206,7 @@ def test_cpus_without_avx2_keep_the_reduction_and_the_gemm_and_their_values(monk
     program = cpu._export(module, xs, CpuCompileOptions())
     assert not any(node.target is cpu_gemv.OPS["bf16"] for node in program.graph.nodes)
     matmuls = sum(node.target is torch.ops.aten.matmul.default for node in program.graph.nodes)
-    assert matmuls == sum(r > 5 for r, _, _ in SHAPES)
+    assert matmuls == sum(r > 5 for r, _, _ in with_shared(SHAPES))
     with torch.inference_mode():
         got = program.module()(*xs)
         ref = reference(module, xs)

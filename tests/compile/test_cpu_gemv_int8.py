@@ -28,7 +28,7 @@ from neuron_infer.quant.int8 import Int8Linear
 from neuron_infer.quant.smoothquant import W8A8Linear
 from tests.compile.fresh_process import run_check
 from tests.compile.test_cpu_backend import S, empty_cache, tg_args, tiny_model
-from tests.compile.test_cpu_gemv import assert_one_rounding_apart
+from tests.compile.test_cpu_gemv import GROUPED_CALLS, assert_one_rounding_apart, sources, with_shared
 
 ISAS = [isa for isa in ("avx512", "avx2") if cpu_gemv.has_isa(isa)]
 needs_int8 = pytest.mark.skipif(not ISAS, reason="this CPU has neither AVX-512 nor AVX2")
@@ -43,19 +43,21 @@ SHAPES = [(1, 70, 64), (2, 33, 96), (3, 17, 100), (4, 130, 600), (5, 48, 576), (
 
 class QuantLinears(torch.nn.Module):
     """One quantized linear (`cls`: Int8Linear, W8A8Linear) per (R, N, K) shape, each fed by its own [R, K] bf16
-    input (a bias on the second)."""
+    input (a bias on the second), then the SHARED linears (test_cpu_gemv.py)."""
 
     def __init__(self, cls=Int8Linear, shapes=None):
         super().__init__()
         torch.manual_seed(0)
-        lins = [torch.nn.Linear(k, n, bias=i == 1).to(torch.bfloat16) for i, (_, n, k) in enumerate(shapes or SHAPES)]
+        shapes = shapes or SHAPES
+        lins = [torch.nn.Linear(k, n, bias=i == 1).to(torch.bfloat16) for i, (_, n, k) in enumerate(with_shared(shapes))]
         for lin in lins:  # per-channel magnitudes spanning 100x, so a wrong scale index shows
             with torch.no_grad():
                 lin.weight.mul_(torch.logspace(-1, 1, lin.out_features, dtype=torch.bfloat16)[:, None])
         self.lins = torch.nn.ModuleList(cls.from_linear(lin) for lin in lins)
+        self.src = sources(shapes)
 
     def forward(self, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return tuple(lin(x) for lin, x in zip(self.lins, xs))
+        return tuple(lin(xs[i]) for lin, i in zip(self.lins, self.src))
 
 
 Int8Linears = QuantLinears
@@ -68,8 +70,8 @@ def inputs() -> tuple[torch.Tensor, ...]:
 
 def reference(module: Int8Linears, xs) -> list[torch.Tensor]:
     out = []
-    for lin, x in zip(module.lins, xs):
-        y = cpu_gemv.gemv_int8(x, lin.weight, lin.weight_scale)
+    for lin, i in zip(module.lins, module.src):
+        y = cpu_gemv.gemv_int8(xs[i], [lin.weight], [lin.weight_scale])
         out.append(y if lin.bias is None else y + lin.bias)
     return out
 
@@ -88,7 +90,7 @@ def test_reference_is_dequantize_then_matmul():
     lin = Int8Linear.from_linear(torch.nn.Linear(100, 20, bias=False))
     x = torch.randn(3, 100).to(torch.bfloat16)
     exact = (x.double() @ lin.dequantized_weight().double().t()).to(torch.bfloat16)  # fp64 sum, one rounding
-    assert_one_rounding_apart(cpu_gemv.gemv_int8(x, lin.weight, lin.weight_scale), exact)
+    assert_one_rounding_apart(cpu_gemv.gemv_int8(x, [lin.weight], [lin.weight_scale]), exact)
 
 
 def check_graph(out: str, isa: str) -> None:
@@ -115,7 +117,7 @@ def test_graph_calls_the_c_function_not_the_dispatcher(linears):
     out = linears[0]
     with zipfile.ZipFile(out / "lin.pt2") as z:
         wrapper = "".join(z.read(n).decode() for n in z.namelist() if n.endswith("wrapper.cpp"))
-    assert wrapper.count("aoti_torch_cpu_ni_gemv_int8_v2(") >= len(SHAPES)
+    assert wrapper.count("aoti_torch_cpu_ni_gemv_int8_v3(") >= len(SHAPES) + GROUPED_CALLS
     assert "proxy_executor_call_function" not in wrapper
 
 
@@ -165,8 +167,8 @@ def test_options_and_cpus_without_the_isa_keep_the_module_matmul(monkeypatch):
     assert _calls(CpuCompileOptions(gemv_kernel=False)) == 0
     assert _calls(CpuCompileOptions(gemv_max_rows=0)) == 0
     if ISAS:
-        assert _calls(CpuCompileOptions()) == len(SHAPES)  # 1..8 rows, whatever gemv_max_rows (> 0) says
-        assert _calls(CpuCompileOptions(gemv_max_rows=2)) == len(SHAPES)
+        calls = len(SHAPES) + GROUPED_CALLS  # 1..8 rows, whatever gemv_max_rows (> 0) says
+        assert _calls(CpuCompileOptions()) == _calls(CpuCompileOptions(gemv_max_rows=2)) == calls
     monkeypatch.setattr(cpu_gemv, "_cpu_flags", lambda: frozenset({"sse2", "avx"}))
     assert CpuCompileOptions().kernel_isa() is None and not CpuCompileOptions().uses_int8_kernel
     assert _calls(CpuCompileOptions()) == 0

@@ -21,6 +21,7 @@ from neuron_infer.compile.cpu import CpuBackend, CpuCompileOptions
 from neuron_infer.errors import ArtifactError
 from neuron_infer.quant.smoothquant import W8A8Linear, quantize_per_token
 from tests.compile.fresh_process import run_check
+from tests.compile.test_cpu_gemv import GROUPED_CALLS, with_shared
 from tests.compile.test_cpu_gemv_int8 import QuantLinears
 
 ISAS = [isa for isa in ("avx512-vnni", "avx512", "avx2") if cpu_gemv.has_isa(isa)]
@@ -56,7 +57,7 @@ def check_graph(out: str, isa: str) -> None:
     with torch.inference_mode():
         got, ref = graph(*inputs()), module(*inputs())
     for i, (g, r) in enumerate(zip(got, ref)):
-        assert g.dtype == r.dtype == torch.bfloat16 and torch.equal(g, r), (isa, SHAPES[i])
+        assert g.dtype == r.dtype == torch.bfloat16 and torch.equal(g, r), (isa, with_shared(SHAPES)[i])
 
 
 @pytest.fixture(scope="module", params=ISAS)
@@ -75,10 +76,12 @@ def test_integer_path_equals_the_fake_quantized_float_twin():
     bit-equal and every one is within one bf16 step (2^-7 relative at most); a wrong scale, row or tail is off by
     more."""
     module = W8A8Linears()
-    for lin, x in zip(module.lins, inputs()):
-        got = cpu_gemv.gemv_w8a8(x, lin.weight, lin.weight_scale).float()
-        xq, xs = quantize_per_token(x)
-        twin = ((xq.float() * xs).double() @ lin.dequantized_weight().double().t()).to(torch.bfloat16).float()
+    xs = inputs()
+    for lin, i in zip(module.lins, module.src):
+        x = xs[i]  # [R, K]
+        got = cpu_gemv.gemv_w8a8(x, [lin.weight], [lin.weight_scale]).float()
+        xq, row_scale = quantize_per_token(x)
+        twin = ((xq.float() * row_scale).double() @ lin.dequantized_weight().double().t()).to(torch.bfloat16).float()
         assert (got == twin).float().mean() >= 0.97
         assert ((got - twin).abs() <= twin.abs() * 2.0**-7 + 1e-30).all()
 
@@ -94,7 +97,8 @@ def test_compiled_kernel_is_bit_identical_on_every_shape(linears):
 def test_graph_calls_the_c_function_not_the_dispatcher(linears):
     with zipfile.ZipFile(linears[0] / "lin.pt2") as z:
         wrapper = "".join(z.read(n).decode() for n in z.namelist() if n.endswith("wrapper.cpp"))
-    assert wrapper.count("aoti_torch_cpu_ni_gemv_w8a8_v1(") == len(SHAPES) + 1  # the calls and the declaration
+    calls = len(SHAPES) + GROUPED_CALLS
+    assert wrapper.count("aoti_torch_cpu_ni_gemv_w8a8_v2(") == calls + 1  # the calls and the declaration
     assert "proxy_executor_call_function" not in wrapper and "_int_mm" not in wrapper
 
 
@@ -106,7 +110,8 @@ def _calls(options: CpuCompileOptions) -> int:
 def test_rows_1_to_8_call_the_kernel_and_cpus_without_avx2_keep_the_module_matmul(monkeypatch):
     assert _calls(CpuCompileOptions(gemv_kernel=False)) == 0
     if ISAS:
-        assert _calls(CpuCompileOptions()) == _calls(CpuCompileOptions(gemv_max_rows=2)) == len(SHAPES)
+        calls = len(SHAPES) + GROUPED_CALLS
+        assert _calls(CpuCompileOptions()) == _calls(CpuCompileOptions(gemv_max_rows=2)) == calls
     monkeypatch.setattr(cpu_gemv, "_cpu_flags", lambda: frozenset({"sse2", "avx"}))
     assert _calls(CpuCompileOptions()) == 0
 
