@@ -13,13 +13,16 @@ from neuron_infer.compile.cpu import CpuCompileOptions
 needs_kernel = pytest.mark.skipif(not cpu_gemv.supported(), reason="this CPU has no AVX2 + FMA")
 
 
+def lin(n: int, k: int) -> torch.nn.Linear:
+    return torch.nn.Linear(k, n, bias=False)  # weight [n, k]
+
+
 class Block(torch.nn.Module):
     """q/k/v-like and gate/up-like linears on one normed input, a linear on another input, five on a third."""
 
     def __init__(self):
         super().__init__()
         torch.manual_seed(0)
-        lin = lambda n, k: torch.nn.Linear(k, n, bias=False)  # noqa: E731
         self.qkv = torch.nn.ModuleList([lin(48, 32), lin(16, 32), lin(16, 32)])
         self.out = lin(32, 48)
         self.five = torch.nn.ModuleList([lin(8 + i, 32) for i in range(5)])
