@@ -6,8 +6,8 @@
 // neuron_infer/compile/cpu_gemv.py for the op's definition, its PyTorch reference twin and how this file is built.
 //
 // Why: decode streams every weight once per step. Each weight row is loaded once for all R input rows, every row's
-// accumulators stay in registers, and the threads split the output columns: one OpenMP loop per call, over the columns of every matrix
-// passed (the linears sharing an input, e.g. q/k/v).
+// accumulators stay in registers, and the threads split the output columns: one OpenMP loop per call, over the
+// columns of every matrix passed (the linears sharing an input, e.g. q/k/v).
 // Two paths, picked by the compiler flags (cpu_gemv.py builds one per ISA level):
 // * AVX512-BF16 (-mavx512bf16): one dot-product instruction (vdpbf16ps: 32 bf16 products summed pairwise into 16
 //   fp32 lanes) per 64-byte weight load, two independent accumulators per row. vdpbf16ps flushes denormal
@@ -141,8 +141,8 @@ constexpr int64_t kBlock = V::kBlock;
 template <int R, int C>
 constexpr int kAcc = C * R * 4 <= V::kAcc4 ? 4 : C * R * 2 <= V::kAcc2 ? 2 : 1;
 
-// How far ahead of its reads each weight stream is prefetched (elements: 1024 bytes): with the hardware prefetcher alone a
-// thread reading several weight streams stayed well below the memory's read rate (docs/cpu-backend.md,
+// How far ahead of its reads each weight stream is prefetched (elements: 1024 bytes): with the hardware prefetcher
+// alone a thread reading several weight streams stayed well below the memory's read rate (docs/cpu-backend.md,
 // "Alternatives measured slower").
 constexpr int64_t kPrefetch = 512;
 

@@ -169,7 +169,8 @@ float quantize_row(const uint16_t* x, int64_t k, Act* out) {
   const __m512i bias = _mm512_set1_epi32(kActBias);
   for (int64_t t = 0; t < k; t += 16) {
     const __mmask16 m = k - t >= 16 ? 0xffff : static_cast<__mmask16>((1u << (k - t)) - 1);
-    const __m512 q = _mm512_roundscale_ps(_mm512_div_ps(widen16(x + t, m), vs), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 q =
+        _mm512_roundscale_ps(_mm512_div_ps(widen16(x + t, m), vs), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m512i v = _mm512_add_epi32(_mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(q, lo), hi)), bias);
     if constexpr (sizeof(Act) == 1)
       _mm512_mask_cvtepi32_storeu_epi8(out + t, m, v);

@@ -1,4 +1,4 @@
-"""Run a check in a new interpreter: one process per ISA level of the GEMV kernel libraries.
+"""Checks in a new interpreter: one process per ISA level of the GEMV kernel libraries.
 
 Libraries built for different ISA levels export the same C symbols (e.g. aoti_torch_cpu_ni_gemv_w8a8_v2), and a
 process binds each symbol to the first library that defined it (they are loaded RTLD_GLOBAL). A graph's check

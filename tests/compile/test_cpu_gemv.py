@@ -48,7 +48,7 @@ SHAPES = [(1, 70, 64), (2, 33, 96), (3, 1, 100), (4, 130, 600), (5, 48, 576), (6
 # (compile/gemv_groups.py): five linears on input 3 (4 rows, K = 600) make a call of four matrices (the most per
 # call) and one of one; three on input 0 make one call of three. So a graph makes len(SHAPES) + 1 calls.
 SHARED = [(3, 9), (3, 130), (3, 1), (3, 7), (0, 33), (0, 5)]
-GROUPED_CALLS = 1
+SHARED_CALLS = 1  # calls the SHARED linears add: one on input 3 (its five linears make two calls), none on input 0
 
 
 def sources(shapes) -> list[int]:
@@ -138,7 +138,7 @@ def test_graph_calls_the_c_function_not_the_dispatcher(linears):
     out = linears[0]
     with zipfile.ZipFile(out / "lin.pt2") as z:
         wrapper = "".join(z.read(n).decode() for n in z.namelist() if n.endswith("wrapper.cpp"))
-    assert wrapper.count("aoti_torch_cpu_ni_gemv_bf16_v5(") >= len(SHAPES) + GROUPED_CALLS
+    assert wrapper.count("aoti_torch_cpu_ni_gemv_bf16_v5(") >= len(SHAPES) + SHARED_CALLS
     assert "proxy_executor_call_function" not in wrapper  # the boxed-dispatcher route AOTI takes otherwise
 
 
@@ -190,7 +190,7 @@ def test_options_route_rows_1_to_8_to_the_kernel_at_every_isa_level(monkeypatch)
     for flags in ({"avx2", "fma"}, {"avx512f", "avx512bw", "avx512vl", "fma", "avx2"}):
         monkeypatch.setattr(cpu_gemv, "_cpu_flags", lambda flags=flags: frozenset(flags))
         assert CpuCompileOptions().uses_kernel
-        calls = len(SHAPES) + GROUPED_CALLS  # 1..8 rows, whatever gemv_max_rows (> 0) says
+        calls = len(SHAPES) + SHARED_CALLS  # 1..8 rows, whatever gemv_max_rows (> 0) says
         assert _calls(CpuCompileOptions()) == _calls(CpuCompileOptions(gemv_max_rows=2)) == calls
     with pytest.raises(ConfigError, match="gemv_kernel"):
         CpuCompileOptions(gemv_kernel=1)

@@ -28,7 +28,7 @@ from neuron_infer.quant.int8 import Int8Linear
 from neuron_infer.quant.smoothquant import W8A8Linear
 from tests.compile.fresh_process import run_check
 from tests.compile.test_cpu_backend import S, empty_cache, tg_args, tiny_model
-from tests.compile.test_cpu_gemv import GROUPED_CALLS, assert_one_rounding_apart, sources, with_shared
+from tests.compile.test_cpu_gemv import SHARED_CALLS, assert_one_rounding_apart, sources, with_shared
 
 ISAS = [isa for isa in ("avx512", "avx2") if cpu_gemv.has_isa(isa)]
 needs_int8 = pytest.mark.skipif(not ISAS, reason="this CPU has neither AVX-512 nor AVX2")
@@ -117,7 +117,7 @@ def test_graph_calls_the_c_function_not_the_dispatcher(linears):
     out = linears[0]
     with zipfile.ZipFile(out / "lin.pt2") as z:
         wrapper = "".join(z.read(n).decode() for n in z.namelist() if n.endswith("wrapper.cpp"))
-    assert wrapper.count("aoti_torch_cpu_ni_gemv_int8_v3(") >= len(SHAPES) + GROUPED_CALLS
+    assert wrapper.count("aoti_torch_cpu_ni_gemv_int8_v3(") >= len(SHAPES) + SHARED_CALLS
     assert "proxy_executor_call_function" not in wrapper
 
 
@@ -167,7 +167,7 @@ def test_options_and_cpus_without_the_isa_keep_the_module_matmul(monkeypatch):
     assert _calls(CpuCompileOptions(gemv_kernel=False)) == 0
     assert _calls(CpuCompileOptions(gemv_max_rows=0)) == 0
     if ISAS:
-        calls = len(SHAPES) + GROUPED_CALLS  # 1..8 rows, whatever gemv_max_rows (> 0) says
+        calls = len(SHAPES) + SHARED_CALLS  # 1..8 rows, whatever gemv_max_rows (> 0) says
         assert _calls(CpuCompileOptions()) == _calls(CpuCompileOptions(gemv_max_rows=2)) == calls
     monkeypatch.setattr(cpu_gemv, "_cpu_flags", lambda: frozenset({"sse2", "avx"}))
     assert CpuCompileOptions().kernel_isa() is None and not CpuCompileOptions().uses_int8_kernel

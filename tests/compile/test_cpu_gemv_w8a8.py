@@ -21,7 +21,7 @@ from neuron_infer.compile.cpu import CpuBackend, CpuCompileOptions
 from neuron_infer.errors import ArtifactError
 from neuron_infer.quant.smoothquant import W8A8Linear, quantize_per_token
 from tests.compile.fresh_process import run_check
-from tests.compile.test_cpu_gemv import GROUPED_CALLS, with_shared
+from tests.compile.test_cpu_gemv import SHARED_CALLS, with_shared
 from tests.compile.test_cpu_gemv_int8 import QuantLinears
 
 ISAS = [isa for isa in ("avx512-vnni", "avx512", "avx2") if cpu_gemv.has_isa(isa)]
@@ -97,7 +97,7 @@ def test_compiled_kernel_is_bit_identical_on_every_shape(linears):
 def test_graph_calls_the_c_function_not_the_dispatcher(linears):
     with zipfile.ZipFile(linears[0] / "lin.pt2") as z:
         wrapper = "".join(z.read(n).decode() for n in z.namelist() if n.endswith("wrapper.cpp"))
-    calls = len(SHAPES) + GROUPED_CALLS
+    calls = len(SHAPES) + SHARED_CALLS
     assert wrapper.count("aoti_torch_cpu_ni_gemv_w8a8_v2(") == calls + 1  # the calls and the declaration
     assert "proxy_executor_call_function" not in wrapper and "_int_mm" not in wrapper
 
@@ -110,7 +110,7 @@ def _calls(options: CpuCompileOptions) -> int:
 def test_rows_1_to_8_call_the_kernel_and_cpus_without_avx2_keep_the_module_matmul(monkeypatch):
     assert _calls(CpuCompileOptions(gemv_kernel=False)) == 0
     if ISAS:
-        calls = len(SHAPES) + GROUPED_CALLS
+        calls = len(SHAPES) + SHARED_CALLS
         assert _calls(CpuCompileOptions()) == _calls(CpuCompileOptions(gemv_max_rows=2)) == calls
     monkeypatch.setattr(cpu_gemv, "_cpu_flags", lambda: frozenset({"sse2", "avx"}))
     assert _calls(CpuCompileOptions()) == 0

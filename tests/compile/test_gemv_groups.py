@@ -3,6 +3,9 @@ computes the same values. The merged kernels themselves are checked against thei
 test_cpu_gemv*.py (their SHARED linears)."""
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -54,7 +57,13 @@ def calls(program: torch.export.ExportedProgram) -> list[list[int]]:
 def test_calls_reading_one_input_merge_up_to_the_cap(rows):
     program = cpu._export(Block().eval(), inputs(rows), CpuCompileOptions())
     assert calls(program) == [[48, 16, 16], [32], [8, 9, 10, 11], [12], [12]]  # q/k/v, out, five (4 + 1), late
-    assert cpu_gemv.MAX_GROUP == 4
+
+
+def test_the_cap_is_what_the_c_kernels_accept():
+    """A merged call of MAX_GROUP matrices must pass the kernels' operand check (kMaxMats), else it would fail at
+    run time; the compiled graphs of test_cpu_gemv*.py run calls of exactly MAX_GROUP matrices."""
+    header = (Path(cpu_gemv.__file__).parent / "cpu_gemv_common.h").read_text()
+    assert re.search(r"constexpr int64_t kMaxMats = (\d+);", header).group(1) == str(cpu_gemv.MAX_GROUP)
 
 
 @needs_kernel
