@@ -3,7 +3,7 @@
 Prints ms/token and tokens/s per variant and the speed-up over eager, all measured in the same run with the
 variants interleaved (the machine is shared; compare ratios, not absolute numbers across runs).
 
-    python scripts/perf_cpu_backends.py                       # all variants, 30 layers (~5-8 min)
+    python scripts/perf_cpu_backends.py                       # the variants at the CPU's ISA, 30 layers (~5-8 min)
     python scripts/perf_cpu_backends.py --layers 4 --variants eager,aoti-gemv
 
 Variants
@@ -11,7 +11,8 @@ Variants
     aoti-gemv         neuron_infer's CPU backend: torch.export + AOTInductor, bf16 linears on 1-8 rows call the
                       C GEMV kernel (compile/cpu_gemv.cpp: AVX512-BF16, AVX-512 or AVX2 + FMA) where the CPU has it
     aoti-gemv-avx2    the same with the kernel forced down to AVX2 (gemv_isa="avx2"; on an AVX-512 CPU: the
-                      AVX-512 path against the AVX2 one)
+                      AVX2 path; timed in a run of its own, as every forced ISA level: a process runs the first
+                      kernel library it loads for every graph)
     aoti-reduction    the same without the C kernel: GEMVs on 1-5 rows are Inductor-generated fp32 multiply-and-sum
                       reductions, 6-8 rows the GEMM (the path of CPUs without AVX2 + FMA)
     aoti-gemm         the same without the GEMV rewrite (every linear an extern GEMM call)
@@ -227,9 +228,27 @@ def measure(fns: dict, calls: dict, rounds: int, steps: int, clock: str = "wall"
     return out
 
 
+def kernel_isa(variant: str) -> str | None:
+    """The ISA level a variant's GEMV kernels are forced to ("auto": the CPU's best; None: no C kernel)."""
+    name = variant.partition("@")[0].removesuffix("-separate")
+    if not name.startswith(("aoti-gemv", "aoti-int8", "aoti-w8a8")):
+        return None
+    return name.rsplit("-", 1)[1] if name.endswith(("-avx2", "-avx512")) else "auto"
+
+
+def check_one_isa(variants: list[str], compile_only: bool) -> None:
+    """Kernel libraries of every ISA level export the same C symbols and the first one loaded serves every graph of
+    the process (compile/cpu_gemv.py), so timing two levels in one run would time one level twice."""
+    levels = {kernel_isa(v) for v in variants} - {None}
+    if len(levels) > 1 and not compile_only:
+        raise SystemExit(f"error: {', '.join(variants)} call GEMV kernels built for different ISA levels "
+                         f"({', '.join(sorted(levels))}); one process would run the first one loaded for all of them: "
+                         "time each level in its own run")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--variants", default=",".join(v for v in VARIANTS if kernel_isa(v) in (None, "auto")))
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--attend", type=int, default=512, help="token-generation bucket (cache slots attended)")
     ap.add_argument("--rounds", type=int, default=15)
@@ -244,6 +263,7 @@ def main() -> None:
     a = ap.parse_args()
     if a.compile_only and not a.graph_dir:
         ap.error("--compile-only needs --graph-dir")
+    check_one_isa(a.variants.split(","), a.compile_only)
     torch.set_num_threads(a.threads)
     model = build_model(a.layers)
     fns, info, calls = {}, {}, {}

@@ -61,8 +61,12 @@ from neuron_infer.quant.base import few_rows_kernels
 GRAPH_FORMAT = "aotinductor-pt2"
 # Weights stay outside the package (shared by every graph); the generated C++ may contract a * b + c into one
 # fused multiply-add (-ffp-contract=fast: one rounding instead of two, never less accurate), which the GEMV and
-# attention reductions are made of.
-INDUCTOR_CONFIGS = {"aot_inductor.package_constants_in_so": False, "cpp.enable_floating_point_contract_flag": "fast"}
+# attention reductions are made of; every bf16 op's result is rounded to bf16 as eager PyTorch rounds it, also inside
+# fused kernels (emulate_precision_casts), so a value does not depend on what Inductor fused: a residual sum feeding
+# an RMSNorm was otherwise read unrounded in a one-token step and rounded in a verify pass over several tokens
+# (docs/cpu-backend.md, "Batch invariance").
+INDUCTOR_CONFIGS = {"aot_inductor.package_constants_in_so": False, "cpp.enable_floating_point_contract_flag": "fast",
+                    "emulate_precision_casts": True}
 PACKAGE_SUFFIX = ".pt2"
 SIDECAR_SUFFIX = ".json"
 

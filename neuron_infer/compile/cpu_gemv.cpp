@@ -93,7 +93,6 @@ struct V {
   using F = __m512;
   using I = __m512i;
   static constexpr int64_t kBlock = 32;  // 64-byte loads
-  static constexpr int kAcc4 = 16, kAcc2 = 16;  // accumulator budgets (32 registers)
   static I load_w(const uint16_t* p) { return _mm512_loadu_si512(p); }
   static F lo(I v) { return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)); }
   static F hi(I v) {
@@ -102,7 +101,6 @@ struct V {
   static F load(const float* p) { return _mm512_loadu_ps(p); }
   static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
   static F zero() { return _mm512_setzero_ps(); }
-  static F add(F a, F b) { return _mm512_add_ps(a, b); }
   static __m256 half(F v) {  // the two 8-lane halves summed
     return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
   }
@@ -116,7 +114,6 @@ struct V {
   using F = __m256;
   using I = __m256i;
   static constexpr int64_t kBlock = 16;  // 32-byte loads
-  static constexpr int kAcc4 = 8, kAcc2 = 12;  // accumulator budgets (16 registers)
   static I load_w(const uint16_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
   static F lo(I v) { return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)); }
   static F hi(I v) {
@@ -125,7 +122,6 @@ struct V {
   static F load(const float* p) { return _mm256_loadu_ps(p); }
   static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
   static F zero() { return _mm256_setzero_ps(); }
-  static F add(F a, F b) { return _mm256_add_ps(a, b); }
   static __m256 half(F v) { return v; }
 };
 // Weight rows (output columns) per pass over the activations: every activation vector loaded is used by C rows, and
@@ -136,21 +132,21 @@ constexpr int kCols = R <= 2 ? 4 : R <= 5 ? 2 : 1;
 #endif
 constexpr int64_t kBlock = V::kBlock;
 
-// Accumulators per (weight row, activation row): 4 (two blocks per iteration, even and odd products apart), 2 (even,
-// odd) or 1: enough independent FMA chains for the FMA latency, within the register budget.
-template <int R, int C>
-constexpr int kAcc = C * R * 4 <= V::kAcc4 ? 4 : C * R * 2 <= V::kAcc2 ? 2 : 1;
-
 // How far ahead of its reads each weight stream is prefetched (elements: 1024 bytes): with the hardware prefetcher
 // alone a thread reading several weight streams stayed well below the memory's read rate (docs/cpu-backend.md,
 // "Alternatives measured slower").
 constexpr int64_t kPrefetch = 512;
 
-// One kBlock-weight block (wr[c] + wi) of C weight rows times the activations' block xb (R rows of kBlock floats):
-// the even elements into acc[c][r][a0], the odd ones into acc[c][r][a1].
-template <int R, int C, int A>
-inline void step(const uint16_t* const (&wr)[C], int64_t wi, const float* xb, V::F (&acc)[C][R][A], int a0,
-                 int a1) {
+// One accumulator per (weight row, activation row): each block's even products, then its odd ones, block after
+// block. Every row's sum is thus formed in one order whatever R and C are, so a row's result does not depend on the
+// other rows of the call: a speculative verify over K+1 rows computes, bit for bit, what K+1 one-row decode steps
+// compute (docs/cpu-backend.md, "Batch invariance"). The C x R independent FMA chains still outrun the memory's read
+// rate at R = 1 (C = 4 chains: measured, ibid.).
+
+// One kBlock-weight block (wr[c] + wi) of C weight rows times the activations' block xb (R rows of kBlock floats)
+// into acc[c][r]: the even elements, then the odd ones.
+template <int R, int C>
+inline void step(const uint16_t* const (&wr)[C], int64_t wi, const float* xb, V::F (&acc)[C][R]) {
   V::I wv[C];
   if (wi % 32 == 0)  // once per 64-byte line of each stream
     for (int c = 0; c < C; c++) _mm_prefetch(reinterpret_cast<const char*>(wr[c] + wi + kPrefetch), _MM_HINT_T0);
@@ -158,12 +154,12 @@ inline void step(const uint16_t* const (&wr)[C], int64_t wi, const float* xb, V:
   for (int r = 0; r < R; r++) {
     V::F x = V::load(xb + r * kBlock);
     if (C > 1) asm("" : "+v"(x));  // one load for all C columns (not one memory operand per FMA)
-    for (int c = 0; c < C; c++) acc[c][r][a0] = V::fma(V::lo(wv[c]), x, acc[c][r][a0]);
+    for (int c = 0; c < C; c++) acc[c][r] = V::fma(V::lo(wv[c]), x, acc[c][r]);
   }
   for (int r = 0; r < R; r++) {
     V::F x = V::load(xb + r * kBlock + kBlock / 2);
     if (C > 1) asm("" : "+v"(x));
-    for (int c = 0; c < C; c++) acc[c][r][a1] = V::fma(V::hi(wv[c]), x, acc[c][r][a1]);
+    for (int c = 0; c < C; c++) acc[c][r] = V::fma(V::hi(wv[c]), x, acc[c][r]);
   }
 }
 
@@ -177,22 +173,14 @@ inline __m128 hsum4(__m256 v0, __m256 v1, __m256 v2, __m256 v3) {
 template <int R, int C>
 void columns(const float* xf, const uint16_t* w, int64_t ws, uint16_t* y, int64_t n, int64_t k, int64_t j,
              int64_t cs) {
-  constexpr int A = kAcc<R, C>;
   const int64_t kb = k / kBlock * kBlock;
   const uint16_t* wr[C];
   for (int c = 0; c < C; c++) wr[c] = w + (j + c * cs) * ws;
-  V::F acc[C][R][A];
+  V::F acc[C][R];
   for (int c = 0; c < C; c++)
-    for (int r = 0; r < R; r++)
-      for (int a = 0; a < A; a++) acc[c][r][a] = V::zero();
+    for (int r = 0; r < R; r++) acc[c][r] = V::zero();
   int64_t i = 0;
-  if constexpr (A == 4) {
-    for (; i + 2 * kBlock <= kb; i += 2 * kBlock) {
-      step<R, C, A>(wr, i, xf + i * R, acc, 0, 1);
-      step<R, C, A>(wr, i + kBlock, xf + (i + kBlock) * R, acc, 2, 3);
-    }
-  }
-  for (; i < kb; i += kBlock) step<R, C, A>(wr, i, xf + i * R, acc, 0, A - 1);
+  for (; i < kb; i += kBlock) step<R, C>(wr, i, xf + i * R, acc);
   if (i < k) {  // the K tail through zero-padded copies (xf is zero there too)
     alignas(32) uint16_t tail[C][kBlock] = {};
     const uint16_t* tr[C];
@@ -200,17 +188,13 @@ void columns(const float* xf, const uint16_t* w, int64_t ws, uint16_t* y, int64_
       std::memcpy(tail[c], wr[c] + i, static_cast<size_t>(k - i) * sizeof(uint16_t));
       tr[c] = tail[c];
     }
-    step<R, C, A>(tr, 0, xf + i * R, acc, 0, A - 1);
+    step<R, C>(tr, 0, xf + i * R, acc);
   }
-  // Each (column, row)'s accumulators summed, then 4 sums per horizontal reduction.
+  // Each (column, row)'s accumulator, 4 per horizontal reduction.
   constexpr int S = C * R, S4 = (S + 3) / 4 * 4;
   __m256 v[S4];
   for (int c = 0; c < C; c++)
-    for (int r = 0; r < R; r++) {
-      V::F t = acc[c][r][0];
-      for (int a = 1; a < A; a++) t = V::add(t, acc[c][r][a]);
-      v[r * C + c] = V::half(t);
-    }
+    for (int r = 0; r < R; r++) v[r * C + c] = V::half(acc[c][r]);
   for (int s = S; s < S4; s++) v[s] = _mm256_setzero_ps();
   alignas(16) float sums[S4];
   for (int s = 0; s < S4; s += 4) _mm_store_ps(sums + s, hsum4(v[s], v[s + 1], v[s + 2], v[s + 3]));
@@ -261,7 +245,7 @@ extern "C" {
 // x [R, K] bf16, ws[m] [N_m, K] bf16 (m < n_mats <= 4, the linears sharing x) -> *ret0 = new [R, N_0 + ... ] bf16
 // tensor, the matrices' results side by side. AOTI_TORCH_FAILURE on any other input (the generated wrapper turns
 // that into a RuntimeError).
-AOTITorchError aoti_torch_cpu_ni_gemv_bf16_v5(AtenTensorHandle x, const AtenTensorHandle* ws, int64_t n_mats,
+AOTITorchError aoti_torch_cpu_ni_gemv_bf16_v6(AtenTensorHandle x, const AtenTensorHandle* ws, int64_t n_mats,
                                               AtenTensorHandle* ret0) {
   Gemv g;
   const int32_t bf16 = aoti_torch_dtype_bfloat16();

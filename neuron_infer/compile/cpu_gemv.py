@@ -2,11 +2,11 @@
 
     export:   the linears on 1-8 rows that share one input x [R, K] (q/k/v, gate/up; any other linear alone: a
               group of one, see compile/gemv_groups.py) -> one call, the results side by side [R, N_0 + N_1 + ...]:
-                  bf16  torch.ops.neuron_infer.ni_gemv_bf16_v5(x, [w_0, ...])                 w_m [N_m, K] bf16
-                  int8  torch.ops.neuron_infer.ni_gemv_int8_v3(x, [q_0, ...], [s_0, ...])     q_m int8, s_m [N_m]
+                  bf16  torch.ops.neuron_infer.ni_gemv_bf16_v6(x, [w_0, ...])                 w_m [N_m, K] bf16
+                  int8  torch.ops.neuron_infer.ni_gemv_int8_v4(x, [q_0, ...], [s_0, ...])     q_m int8, s_m [N_m]
                   w8a8  torch.ops.neuron_infer.ni_gemv_w8a8_v2(x, [q_0, ...], [s_0, ...])
     compile:  aot_inductor.custom_ops_to_c_shims = C_SHIMS: the generated wrapper calls the C functions
-              aoti_torch_cpu_ni_gemv_bf16_v5, ..._int8_v3, ..._w8a8_v2 (cpu_gemv*.cpp) directly - no dispatcher
+              aoti_torch_cpu_ni_gemv_bf16_v6, ..._int8_v4, ..._w8a8_v2 (cpu_gemv*.cpp) directly - no dispatcher
     build:    the sources a graph calls -> <graph>.gemv.so next to the graph (g++, the compiler Inductor uses),
               for one ISA level (ISAS); the level is recorded and checked against the CPU at load
     load:     the .so is loaded with RTLD_GLOBAL before the graph, so the graph's undefined symbols resolve to it
@@ -44,7 +44,7 @@ INT8_MAX_ROWS = 8  # the int8 and w8a8 C kernels for 1..8
 SOURCES = {"bf16": Path(__file__).with_name("cpu_gemv.cpp"), "int8": Path(__file__).with_name("cpu_gemv_int8.cpp"),
            "w8a8": Path(__file__).with_name("cpu_gemv_w8a8.cpp")}
 LIB_SUFFIX = ".gemv.so"
-_SYMBOLS = {"bf16": "aoti_torch_cpu_ni_gemv_bf16_v5", "int8": "aoti_torch_cpu_ni_gemv_int8_v3",
+_SYMBOLS = {"bf16": "aoti_torch_cpu_ni_gemv_bf16_v6", "int8": "aoti_torch_cpu_ni_gemv_int8_v4",
             "w8a8": "aoti_torch_cpu_ni_gemv_w8a8_v2"}
 # ISA levels, highest first: the /proc/cpuinfo flags each needs and the compiler flags it is built with. Every CPU
 # with AVX512-BF16 has AVX512-VNNI (Cooper Lake, Sapphire Rapids, Zen 4 and later), so that level includes it.
@@ -62,14 +62,14 @@ def _fake(x: torch.Tensor, ws: list[torch.Tensor], *_: object) -> torch.Tensor:
     return x.new_empty(x.shape[0], sum(w.shape[0] for w in ws))
 
 
-@torch.library.custom_op("neuron_infer::ni_gemv_bf16_v5", mutates_args=())
+@torch.library.custom_op("neuron_infer::ni_gemv_bf16_v6", mutates_args=())
 def gemv_bf16(x: torch.Tensor, ws: list[torch.Tensor]) -> torch.Tensor:
     """x [R, K] bf16, ws[m] [N_m, K] bf16 -> [x @ ws[0].T, x @ ws[1].T, ...] side by side [R, sum N_m] bf16 (fp32
     accumulation, one rounding). The reference."""
     return torch.cat([x.float() @ w.float().t() for w in ws], -1).to(torch.bfloat16)
 
 
-@torch.library.custom_op("neuron_infer::ni_gemv_int8_v3", mutates_args=())
+@torch.library.custom_op("neuron_infer::ni_gemv_int8_v4", mutates_args=())
 def gemv_int8(x: torch.Tensor, qs: list[torch.Tensor], scales: list[torch.Tensor]) -> torch.Tensor:
     """x [R, K] bf16, qs[m] [N_m, K] int8, scales[m] [N_m] bf16 -> the (x @ q.T) * scale side by side [R, sum N_m]
     bf16 (fp32 math, one rounding). The reference: dequantize-then-matmul, the per-channel scale applied after the
@@ -90,15 +90,15 @@ for _op in (gemv_bf16, gemv_int8, gemv_w8a8):
 
 _LISTS = "const AtenTensorHandle* qs, int64_t qs_len_, const AtenTensorHandle* scales, int64_t scales_len_"
 C_SHIMS = {
-    torch.ops.neuron_infer.ni_gemv_bf16_v5.default: [
+    torch.ops.neuron_infer.ni_gemv_bf16_v6.default: [
         (f"AOTITorchError {_SYMBOLS['bf16']}(AtenTensorHandle x, const AtenTensorHandle* ws, int64_t ws_len_, "
          "AtenTensorHandle* ret0)")],
-    torch.ops.neuron_infer.ni_gemv_int8_v3.default: [
+    torch.ops.neuron_infer.ni_gemv_int8_v4.default: [
         f"AOTITorchError {_SYMBOLS['int8']}(AtenTensorHandle x, {_LISTS}, AtenTensorHandle* ret0)"],
     torch.ops.neuron_infer.ni_gemv_w8a8_v2.default: [
         f"AOTITorchError {_SYMBOLS['w8a8']}(AtenTensorHandle x, {_LISTS}, AtenTensorHandle* ret0)"],
 }
-OPS = {"bf16": torch.ops.neuron_infer.ni_gemv_bf16_v5.default, "int8": torch.ops.neuron_infer.ni_gemv_int8_v3.default,
+OPS = {"bf16": torch.ops.neuron_infer.ni_gemv_bf16_v6.default, "int8": torch.ops.neuron_infer.ni_gemv_int8_v4.default,
        "w8a8": torch.ops.neuron_infer.ni_gemv_w8a8_v2.default}
 MAX_GROUP = 4  # weight matrices per call (the C kernels' kMaxMats)
 

@@ -62,18 +62,15 @@ constexpr int64_t kPrefetch = 1024;
 // Weight rows (output columns) per pass over the activations: every activation vector loaded is used by C rows,
 // read as C sequential streams (see gemv_rows). With AVX2's 16 registers: 4 for 1-2 rows, 2 for 3-6; from 7 rows on
 // C x R accumulators would not fit next to the weights. With AVX-512's 32: 4 for 1-5 rows, 3 for 6-8.
-// Accumulators per (weight row, activation row), one per vector of an unrolled iteration: enough independent FMA
-// chains for the FMA latency, within a budget (AVX2: 16 in all, 12 when they are not a multiple of 4; AVX-512: 24).
+// One accumulator per (weight row, activation row), the vectors added in order: every row's sum is formed in one
+// order whatever R and C are, so a row's result does not depend on the other rows of the call (a speculative verify
+// computes what one-row decode steps compute; docs/cpu-backend.md, "Batch invariance").
 #ifdef __AVX512F__
 template <int R>
 constexpr int kCols = R <= 5 ? 4 : 3;
-template <int R, int C>
-constexpr int kAcc = C * R * 4 <= 24 ? 4 : C * R * 2 <= 24 ? 2 : 1;
 #else
 template <int R>
 constexpr int kCols = R <= 2 ? 4 : R <= 6 ? 2 : 1;
-template <int R, int C>
-constexpr int kAcc = C * R * 4 <= 16 ? 4 : C * R * 2 <= 12 ? 2 : 1;
 #endif
 
 // Keeps a loaded activation vector in a register for all C columns (not one memory operand per FMA).
@@ -90,52 +87,43 @@ inline void keep(Vec& x) {
 template <int R, int C>
 void columns(const float* xf, int64_t kp, const int8_t* q, int64_t qs, const uint16_t* scale, uint16_t* y,
              int64_t n, int64_t k, int64_t j, int64_t cs) {
-  constexpr int A = kAcc<R, C>;
   const int64_t kv = k / kLanes * kLanes;
   const int8_t* qr[C];
   for (int c = 0; c < C; c++) qr[c] = q + (j + c * cs) * qs;
-  Vec acc[C][R][A];
+  Vec acc[C][R];
   for (int c = 0; c < C; c++)
-    for (int r = 0; r < R; r++)
-      for (int a = 0; a < A; a++) acc[c][r][a] = zero();
-  // One vector of weights of each column at qr[c] + i into acc[..][..][a].
-  auto step = [&](int64_t i, int a) {
+    for (int r = 0; r < R; r++) acc[c][r] = zero();
+  // One vector of weights of each column at qr[c] + i into acc.
+  auto step = [&](int64_t i) {
     Vec w[C];
     for (int c = 0; c < C; c++) w[c] = widen(qr[c] + i);
     for (int r = 0; r < R; r++) {
       Vec x = load(xf + r * kp + i);
       if (C > 1) keep(x);
-      for (int c = 0; c < C; c++) acc[c][r][a] = fma(w[c], x, acc[c][r][a]);
+      for (int c = 0; c < C; c++) acc[c][r] = fma(w[c], x, acc[c][r]);
     }
   };
   int64_t i = 0;
-  for (; i + A * kLanes <= kv; i += A * kLanes) {
-    if (i % 64 < A * kLanes)  // once per 64-byte line of each stream
+  for (; i < kv; i += kLanes) {
+    if (i % 64 == 0)  // once per 64-byte line of each stream
       for (int c = 0; c < C; c++) _mm_prefetch(reinterpret_cast<const char*>(qr[c] + i + kPrefetch), _MM_HINT_T0);
-    for (int a = 0; a < A; a++) step(i + a * kLanes, a);
+    step(i);
   }
-  for (; i < kv; i += kLanes) step(i, 0);
   float sum[C][R];
 #ifdef __AVX512F__
   if (i < k) {  // masked tail: lanes beyond k load 0 (and xf is 0 there)
     const __mmask16 m = static_cast<__mmask16>((1u << (k - i)) - 1);
     for (int c = 0; c < C; c++) {
       const Vec w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, qr[c] + i)));
-      for (int r = 0; r < R; r++) acc[c][r][A - 1] = fma(w, load(xf + r * kp + i), acc[c][r][A - 1]);
+      for (int r = 0; r < R; r++) acc[c][r] = fma(w, load(xf + r * kp + i), acc[c][r]);
     }
   }
   for (int c = 0; c < C; c++)
-    for (int r = 0; r < R; r++) {
-      Vec s = acc[c][r][0];
-      for (int a = 1; a < A; a++) s = _mm512_add_ps(s, acc[c][r][a]);
-      sum[c][r] = hsum(s);
-    }
+    for (int r = 0; r < R; r++) sum[c][r] = hsum(acc[c][r]);
 #else
   for (int c = 0; c < C; c++)
     for (int r = 0; r < R; r++) {
-      Vec s = acc[c][r][0];
-      for (int a = 1; a < A; a++) s = _mm256_add_ps(s, acc[c][r][a]);
-      sum[c][r] = hsum(s);
+      sum[c][r] = hsum(acc[c][r]);
       for (int64_t t = i; t < k; t++) sum[c][r] += static_cast<float>(qr[c][t]) * xf[r * kp + t];
     }
 #endif
@@ -166,7 +154,7 @@ extern "C" {
 // x [R, K] bf16, qs[m] [N_m, K] int8, scales[m] [N_m] bf16 (m < n_mats <= 4, the linears sharing x) -> *ret0 = new
 // [R, N_0 + ... ] bf16 tensor, the matrices' results side by side. AOTI_TORCH_FAILURE on any other input (the
 // generated wrapper turns that into a RuntimeError).
-AOTITorchError aoti_torch_cpu_ni_gemv_int8_v3(AtenTensorHandle x, const AtenTensorHandle* qs, int64_t n_mats,
+AOTITorchError aoti_torch_cpu_ni_gemv_int8_v4(AtenTensorHandle x, const AtenTensorHandle* qs, int64_t n_mats,
                                               const AtenTensorHandle* scales, int64_t n_scales,
                                               AtenTensorHandle* ret0) {
   Gemv g;

@@ -23,11 +23,14 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
 
 
 # Query rows (tokens x folded query heads) up to which attention is written as two fp32 reductions instead of SDPA.
-# Decode (1 token x G heads) and speculative verification with k <= 4 at G = 3 (15 rows) land here: Inductor turns
-# the reductions into one vectorised pass over the cached keys and one over the values (measured with the GQA fold:
-# SmolLM2 decode step 11.0 -> 7.2 ms, README "CPU performance"). Prefill (>= 64 tokens) keeps SDPA, whose flash
-# kernel tiles the T x S work; the reductions would re-read K/V per query row.
-FEW_QUERY_ROWS = 16
+# Decode (1 token x G heads) and speculative verification (K+1 tokens x G heads: K <= 7 at G <= 8, K <= 20 at
+# SmolLM2's G = 3) land here: Inductor turns the reductions into one vectorised pass over the cached keys and one
+# over the values (measured with the GQA fold: SmolLM2 decode step 11.0 -> 7.2 ms), and every query row is reduced
+# in the same order whatever the number of rows, so a verify pass computes what one-token steps compute, bit for
+# bit (docs/cpu-backend.md, "Batch invariance"; a verify pass through SDPA differed in the last bits, and costs ~6%
+# less). Prefill keeps SDPA beyond 64 rows: its flash kernel tiles the T x S work, where the reductions would
+# re-read K/V per query row.
+FEW_QUERY_ROWS = 64
 
 
 def attention_ref(

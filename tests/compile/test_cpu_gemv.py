@@ -138,7 +138,7 @@ def test_graph_calls_the_c_function_not_the_dispatcher(linears):
     out = linears[0]
     with zipfile.ZipFile(out / "lin.pt2") as z:
         wrapper = "".join(z.read(n).decode() for n in z.namelist() if n.endswith("wrapper.cpp"))
-    assert wrapper.count("aoti_torch_cpu_ni_gemv_bf16_v5(") >= len(SHAPES) + SHARED_CALLS
+    assert wrapper.count("aoti_torch_cpu_ni_gemv_bf16_v6(") >= len(SHAPES) + SHARED_CALLS
     assert "proxy_executor_call_function" not in wrapper  # the boxed-dispatcher route AOTI takes otherwise
 
 
@@ -172,7 +172,7 @@ def test_bf16_step_graph_is_as_accurate_as_eager_bf16(tmp_path, tokens):
     assert meta["gemv_kernel"]
     with zipfile.ZipFile(tmp_path / "tg.pt2") as z:
         wrapper = "".join(z.read(n).decode() for n in z.namelist() if n.endswith("wrapper.cpp"))
-    assert "aoti_torch_cpu_ni_gemv_bf16_v5(" in wrapper
+    assert "aoti_torch_cpu_ni_gemv_bf16_v6(" in wrapper
     eager_err = (eager - ref).abs().max().item()
     assert 0 < eager_err < 0.1
     assert (got - ref).abs().max().item() <= 1.5 * eager_err

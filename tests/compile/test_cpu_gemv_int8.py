@@ -117,7 +117,7 @@ def test_graph_calls_the_c_function_not_the_dispatcher(linears):
     out = linears[0]
     with zipfile.ZipFile(out / "lin.pt2") as z:
         wrapper = "".join(z.read(n).decode() for n in z.namelist() if n.endswith("wrapper.cpp"))
-    assert wrapper.count("aoti_torch_cpu_ni_gemv_int8_v3(") >= len(SHAPES) + SHARED_CALLS
+    assert wrapper.count("aoti_torch_cpu_ni_gemv_int8_v4(") >= len(SHAPES) + SHARED_CALLS
     assert "proxy_executor_call_function" not in wrapper
 
 
