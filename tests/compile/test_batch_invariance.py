@@ -9,7 +9,7 @@ each token, exactly the logits a one-token step computes there: in bf16 a differ
   every token and the KV cache written), for a tiny GQA model (3 query heads per KV head, so 18 folded query rows)
   in bf16 at every ISA level and with int8 and w8a8 weights at the best one, and for the first 5 layers of the
   embedded SmolLM2-135M-Instruct in bf16: its real activations showed a residual sum that one graph rounded to bf16
-  before an RMSNorm read it and the other did not (Inductor fused them differently; compile/cpu.py now rounds every
+  before an RMSNorm read it and the other did not (Inductor fused them differently; compile/cpu.py makes it round every
   bf16 op's result as eager does), which the random-weight models did not show.
 Each compiled graph runs in its own process (fresh_process.py: libraries of different ISA levels export the same
 symbols).
