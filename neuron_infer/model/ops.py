@@ -27,9 +27,9 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
 # SmolLM2's G = 3) land here: Inductor turns the reductions into one vectorised pass over the cached keys and one
 # over the values (measured with the GQA fold: SmolLM2 decode step 11.0 -> 7.2 ms), and every query row is reduced
 # in the same order whatever the number of rows, so a verify pass computes what one-token steps compute, bit for
-# bit (docs/cpu-backend.md, "Batch invariance"; a verify pass through SDPA differed in the last bits, and costs ~6%
-# less). Prefill keeps SDPA beyond 64 rows: its flash kernel tiles the T x S work, where the reductions would
-# re-read K/V per query row.
+# bit (docs/cpu-backend.md, "Batch invariance"; a verify pass through SDPA differed in the last bits, and a 7-token
+# step cost 6-12% less with it at 256-640 positions). Prefill keeps SDPA beyond 64 rows: its flash kernel tiles the
+# T x S work, where the reductions would re-read K/V per query row.
 FEW_QUERY_ROWS = 64
 
 
