@@ -5,7 +5,8 @@
              -> run_decompositions(linear with few rows -> GEMV)     see `gemv_linear` below
              -> torch._inductor.aoti_compile_and_package(..., package_constants_in_so=False)
              -> graphs/<name>.pt2 (generated C++ kernels + wrapper .so, no weights), graphs/<name>.json and,
-                when GEMVs call the C kernels, graphs/<name>.gemv.so (cpu_gemv*.cpp, built with the graph)
+                when the graph calls C kernels, graphs/<name>.gemv.so (cpu_gemv*.cpp, cpu_attention.cpp, built with
+                the graph)
     load:    <name>.gemv.so (RTLD_GLOBAL, sha256 checked), then torch._inductor.aoti_load_package(graphs/<name>.pt2)
              -> load_constants({fqn: module tensor}, user_managed=True)   the graph reads the module's own tensors
 
@@ -32,6 +33,9 @@ Why this design (measured with scripts/perf_cpu_backends.py; see docs/cpu-backen
   in front of the attention scores) would be recomputed for every output row. `computed_once` (model/ops.py) makes
   the GEMV input, the scaled queries and the softmax probabilities buffers of their own, and the generated C++ may
   fuse multiply-adds (INDUCTOR_CONFIGS).
+- bf16 attention over few query rows (decode, speculative verify) calls the C kernel of cpu_attention.cpp where the
+  CPU has AVX2 + FMA: each cached key and value is widened once for all query rows of a KV head and only the keys a
+  row sees are read; elsewhere it is model/ops.py's reductions, its reference.
 - The KV caches are graph inputs mutated in place (index_put_); AOTInductor applies the mutation to the caller's
   tensors, so no cache is returned or copied by the runtime.
 """
@@ -55,7 +59,7 @@ from neuron_infer import cpu_threads
 from neuron_infer.compile import cpu_gemv
 from neuron_infer.compile.gemv_groups import group_gemvs
 from neuron_infer.errors import ArtifactError, ConfigError
-from neuron_infer.model.ops import computed_once
+from neuron_infer.model.ops import computed_once, few_rows_attention_kernel
 from neuron_infer.quant.base import few_rows_kernels
 
 GRAPH_FORMAT = "aotinductor-pt2"
@@ -83,7 +87,8 @@ class CpuCompileOptions:
         (cpu_gemv_int8.cpp, AVX-512 or AVX2) and w8a8 linears (quant.smoothquant) the w8a8 one (cpu_gemv_w8a8.cpp,
         AVX512-VNNI, AVX-512 or AVX2), all regardless of gemv_max_rows (> 0): a kernel streams the
         weights once for all 8 rows at any ISA level, and beyond 5 rows the only alternative is the GEMM, slow in
-        bf16 without AVX512-BF16. Elsewhere, and for fp32, GEMVs are the reductions above.
+        bf16 without AVX512-BF16. Elsewhere, and for fp32, GEMVs are the reductions above. With it, bf16 attention
+        on at most ops.FEW_QUERY_ROWS query rows calls the attention kernel (cpu_attention.cpp).
     gemv_isa: the highest ISA level the C kernels may use ("auto": the best this CPU has; "avx512-vnni", "avx512"
         or "avx2" force it down, e.g. to build and test the paths of CPUs without AVX512-BF16 or VNNI).
     """
@@ -187,7 +192,8 @@ def _export(module: torch.nn.Module, example_args: tuple, options: CpuCompileOpt
     """Export `module`; int8 and w8a8 linears on few rows call their C kernels (when this machine builds them), and
     kernel calls that share an input are merged (compile/gemv_groups.py)."""
     kernels = {"int8": cpu_gemv.gemv_int8, "w8a8": cpu_gemv.gemv_w8a8} if options.uses_int8_kernel else {}
-    with few_rows_kernels(kernels, cpu_gemv.INT8_MAX_ROWS):
+    attention = (cpu_gemv.attention, cpu_gemv.attention_fits) if options.uses_kernel else None
+    with few_rows_kernels(kernels, cpu_gemv.INT8_MAX_ROWS), few_rows_attention_kernel(attention):
         program = _export_linears(module, example_args, options)
     group_gemvs(program.graph_module)  # linears sharing an input: one kernel call
     return program
@@ -298,7 +304,7 @@ def _gemv_kernel_file(program: torch.export.ExportedProgram, out_dir: Path, grap
                       isa: str | None) -> dict | None:
     """Build the C GEMV kernels a graph calls next to it and load them (the compile test-loads the graph)."""
     targets = {node.target for node in program.graph.nodes}
-    kernels = tuple(k for k, op in cpu_gemv.OPS.items() if op in targets)
+    kernels = tuple(k for k, op in cpu_gemv.KERNEL_OPS.items() if op in targets)
     if not kernels:
         return None
     isa = cpu_gemv.lowest_isa(kernels, isa)

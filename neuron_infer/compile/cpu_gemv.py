@@ -1,12 +1,17 @@
-"""The GEMV kernels of the CPU backend: custom ops, their PyTorch twins, and the C library AOTInductor calls.
+"""The C kernels of the CPU backend (GEMV, few-row attention): custom ops, their PyTorch twins, and the C library
+AOTInductor calls.
 
     export:   the linears on 1-8 rows that share one input x [R, K] (q/k/v, gate/up; any other linear alone: a
               group of one, see compile/gemv_groups.py) -> one call, the results side by side [R, N_0 + N_1 + ...]:
                   bf16  torch.ops.neuron_infer.ni_gemv_bf16_v6(x, [w_0, ...])                 w_m [N_m, K] bf16
                   int8  torch.ops.neuron_infer.ni_gemv_int8_v4(x, [q_0, ...], [s_0, ...])     q_m int8, s_m [N_m]
                   w8a8  torch.ops.neuron_infer.ni_gemv_w8a8_v2(x, [q_0, ...], [s_0, ...])
+              attention over the cached keys for at most ops.FEW_QUERY_ROWS query rows per KV head (decode,
+              verify; bf16, head dim a multiple of 32 up to 256) -> one call per layer (cpu_attention.cpp):
+                  attn  torch.ops.neuron_infer.ni_attn_v1(q, k, v, positions)   [B, H, R, D], [B, H, S, D] x2, [B, R]
     compile:  aot_inductor.custom_ops_to_c_shims = C_SHIMS: the generated wrapper calls the C functions
-              aoti_torch_cpu_ni_gemv_bf16_v6, ..._int8_v4, ..._w8a8_v2 (cpu_gemv*.cpp) directly - no dispatcher
+              aoti_torch_cpu_ni_gemv_bf16_v6, ..._int8_v4, ..._w8a8_v2 (cpu_gemv*.cpp), ..._attn_v1
+              (cpu_attention.cpp) directly - no dispatcher
     build:    the sources a graph calls -> <graph>.gemv.so next to the graph (g++, the compiler Inductor uses),
               for one ISA level (ISAS); the level is recorded and checked against the CPU at load
     load:     the .so is loaded with RTLD_GLOBAL before the graph, so the graph's undefined symbols resolve to it
@@ -22,7 +27,9 @@ one name must be interchangeable (1-8 rows and up to MAX_GROUP matrices, on ever
 Every kernel has a path for every ISA level: the bf16 one uses AVX512-BF16 dot products at that level and AVX2 +
 FMA (bf16 widened to fp32) below it; the int8 one AVX-512 (F, BW, VL) or AVX2 + FMA; the w8a8 one AVX512-VNNI
 (vpdpbusd) at the avx512-vnni and avx512-bf16 levels, int16 multiply-adds (vpmaddwd) at avx512 and avx2. Without
-AVX2 + FMA linears stay Inductor-generated reductions (bf16) or the quantized module's own matmul (int8, w8a8).
+AVX2 + FMA linears stay Inductor-generated reductions (bf16) or the quantized module's own matmul (int8, w8a8). The
+attention kernel has an AVX-512 path (every level from avx512) and an AVX2 one; without it attention stays the fp32
+reductions of model/ops.py, its reference twin.
 """
 from __future__ import annotations
 
@@ -37,15 +44,16 @@ from pathlib import Path
 import torch
 
 from neuron_infer.errors import ArtifactError, NeuronInferError
+from neuron_infer.model.ops import few_rows_attention
 from neuron_infer.quant.smoothquant import w8a8_matmul
 
 MAX_ROWS = 8  # the bf16 C kernel is instantiated for 1..8 input rows
 INT8_MAX_ROWS = 8  # the int8 and w8a8 C kernels for 1..8
 SOURCES = {"bf16": Path(__file__).with_name("cpu_gemv.cpp"), "int8": Path(__file__).with_name("cpu_gemv_int8.cpp"),
-           "w8a8": Path(__file__).with_name("cpu_gemv_w8a8.cpp")}
+           "w8a8": Path(__file__).with_name("cpu_gemv_w8a8.cpp"), "attn": Path(__file__).with_name("cpu_attention.cpp")}
 LIB_SUFFIX = ".gemv.so"
 _SYMBOLS = {"bf16": "aoti_torch_cpu_ni_gemv_bf16_v6", "int8": "aoti_torch_cpu_ni_gemv_int8_v4",
-            "w8a8": "aoti_torch_cpu_ni_gemv_w8a8_v2"}
+            "w8a8": "aoti_torch_cpu_ni_gemv_w8a8_v2", "attn": "aoti_torch_cpu_ni_attn_v1"}
 # ISA levels, highest first: the /proc/cpuinfo flags each needs and the compiler flags it is built with. Every CPU
 # with AVX512-BF16 has AVX512-VNNI (Cooper Lake, Sapphire Rapids, Zen 4 and later), so that level includes it.
 ISAS = ("avx512-bf16", "avx512-vnni", "avx512", "avx2")
@@ -88,6 +96,31 @@ def gemv_w8a8(x: torch.Tensor, qs: list[torch.Tensor], scales: list[torch.Tensor
 for _op in (gemv_bf16, gemv_int8, gemv_w8a8):
     _op.register_fake(_fake)
 
+
+@torch.library.custom_op("neuron_infer::ni_attn_v1", mutates_args=())
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """q [B, H, R, D], k and v [B, H, S, D] bf16, positions [B, R] int64 -> [B, H, R, D] bf16: key j is visible to
+    row r iff j <= positions[b, r]; scores, softmax and the weighted sum in fp32, one rounding; a row that sees no
+    key gets zeros. The reference: model.ops' fp32 reductions."""
+    visible = torch.arange(k.shape[2]).view(1, 1, 1, -1) <= positions.unsqueeze(1).unsqueeze(-1)  # [B, 1, R, S]
+    out = few_rows_attention(q, k, v, visible)
+    return out.masked_fill(~visible.any(-1, keepdim=True), 0)
+
+
+@attention.register_fake
+def _attention_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+ATTENTION_MAX_D = 256  # head dims the attention kernel takes: multiples of 32 up to this
+
+
+def attention_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether the attention kernel takes these operands (static shapes and dtypes at export)."""
+    d = q.shape[-1]
+    return (q.dtype == k.dtype == v.dtype == torch.bfloat16 and q.device.type == "cpu" and d % 32 == 0
+            and d <= ATTENTION_MAX_D and k.shape[1] == q.shape[1])
+
 _LISTS = "const AtenTensorHandle* qs, int64_t qs_len_, const AtenTensorHandle* scales, int64_t scales_len_"
 C_SHIMS = {
     torch.ops.neuron_infer.ni_gemv_bf16_v6.default: [
@@ -97,10 +130,14 @@ C_SHIMS = {
         f"AOTITorchError {_SYMBOLS['int8']}(AtenTensorHandle x, {_LISTS}, AtenTensorHandle* ret0)"],
     torch.ops.neuron_infer.ni_gemv_w8a8_v2.default: [
         f"AOTITorchError {_SYMBOLS['w8a8']}(AtenTensorHandle x, {_LISTS}, AtenTensorHandle* ret0)"],
+    torch.ops.neuron_infer.ni_attn_v1.default: [
+        (f"AOTITorchError {_SYMBOLS['attn']}(AtenTensorHandle q, AtenTensorHandle k, AtenTensorHandle v, "
+         "AtenTensorHandle positions, AtenTensorHandle* ret0)")],
 }
 OPS = {"bf16": torch.ops.neuron_infer.ni_gemv_bf16_v6.default, "int8": torch.ops.neuron_infer.ni_gemv_int8_v4.default,
        "w8a8": torch.ops.neuron_infer.ni_gemv_w8a8_v2.default}
 MAX_GROUP = 4  # weight matrices per call (the C kernels' kMaxMats)
+KERNEL_OPS = {**OPS, "attn": torch.ops.neuron_infer.ni_attn_v1.default}  # every op a graph's library may provide
 
 
 @lru_cache(maxsize=1)
@@ -130,8 +167,9 @@ def supported() -> bool:
 
 
 def kernels_for(isa: str | None) -> tuple[str, ...]:
-    """The kernels ("bf16", "int8", "w8a8") a library built for `isa` provides: all at every level (None: none)."""
-    return () if isa is None else ("bf16", "int8", "w8a8")
+    """The kernels ("bf16", "int8", "w8a8", "attn") a library built for `isa` provides: all at every level (None:
+    none)."""
+    return () if isa is None else ("bf16", "int8", "w8a8", "attn")
 
 
 def lowest_isa(kernels: tuple[str, ...], isa: str) -> str:

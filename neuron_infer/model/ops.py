@@ -6,6 +6,8 @@ Collectives (`all_reduce`, `all_gather_vocab`) are identity for a single rank an
 """
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
@@ -25,12 +27,30 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
 # Query rows (tokens x folded query heads) up to which attention is written as two fp32 reductions instead of SDPA.
 # Decode (1 token x G heads) and speculative verification (K+1 tokens x G heads: K <= 7 at G <= 8, K <= 20 at
 # SmolLM2's G = 3) land here: Inductor turns the reductions into one vectorised pass over the cached keys and one
-# over the values (measured with the GQA fold: SmolLM2 decode step 11.0 -> 7.2 ms), and every query row is reduced
-# in the same order whatever the number of rows, so a verify pass computes what one-token steps compute, bit for
-# bit (docs/cpu-backend.md, "Batch invariance"; a verify pass through SDPA differed in the last bits, and a 7-token
-# step cost 6-12% less with it at 256-640 positions). Prefill keeps SDPA beyond 64 rows: its flash kernel tiles the
-# T x S work, where the reductions would re-read K/V per query row.
+# over the values, and every query row is reduced in the same order whatever the number of rows, so a verify pass
+# computes what one-token steps compute, bit for bit (docs/cpu-backend.md, "Batch invariance"; a verify pass through
+# SDPA differed in the last bits). The CPU backend replaces the reductions with its attention kernel where it
+# applies (compile/cpu_attention.cpp, same property; `few_rows_attention_kernel`). Prefill keeps SDPA beyond 64 rows:
+# its flash kernel tiles the T x S work, where the reductions would re-read K/V per query row.
 FEW_QUERY_ROWS = 64
+
+# attention(q, k, v, positions) -> out, and the test whether it takes the operands: a backend's kernel for the few-row
+# case while that backend exports (`few_rows_attention_kernel`); the reductions below are its reference.
+FewRowsAttention = tuple[Callable[..., torch.Tensor], Callable[..., bool]]
+_few_rows_kernel: FewRowsAttention | None = None
+
+
+@contextlib.contextmanager
+def few_rows_attention_kernel(kernel: FewRowsAttention | None) -> Iterator[None]:
+    """While active, attention on at most FEW_QUERY_ROWS query rows calls kernel[0](q, k, v, positions) when
+    kernel[1](q, k, v) accepts the operands (dtypes and shapes are static at export)."""
+    global _few_rows_kernel
+    saved = _few_rows_kernel
+    _few_rows_kernel = kernel
+    try:
+        yield
+    finally:
+        _few_rows_kernel = saved
 
 
 def attention_ref(
@@ -45,11 +65,13 @@ def attention_ref(
     if q_to_kv is not None:
         k = k.index_select(1, q_to_kv)  # [B, Hq, S, D]
         v = v.index_select(1, q_to_kv)  # [B, Hq, S, D]
+    if q.shape[2] <= FEW_QUERY_ROWS and _few_rows_kernel is not None and _few_rows_kernel[1](q, k, v):
+        return _few_rows_kernel[0](q, k, v, positions)
     key_pos = torch.arange(k.shape[2], device=q.device)  # [S]
     visible = key_pos.view(1, 1, 1, -1) <= positions.unsqueeze(1).unsqueeze(-1)  # [B, 1, T, S]
     if q.shape[2] > FEW_QUERY_ROWS:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=visible)
-    return _few_rows_attention(q, k, v, visible)
+    return few_rows_attention(q, k, v, visible)
 
 
 def computed_once(t: torch.Tensor) -> torch.Tensor:
@@ -60,7 +82,7 @@ def computed_once(t: torch.Tensor) -> torch.Tensor:
     return torch.as_strided(t, t.shape, t.stride())
 
 
-def _few_rows_attention(q, k, v, visible):
+def few_rows_attention(q, k, v, visible):
     """Attention for a few query rows as fp32 multiply-and-sum reductions (softmax in fp32, like SDPA)."""
     qs = computed_once(q.float() * q.shape[-1] ** -0.5)  # [B, H, T, D] scaled queries
     scores = (qs.unsqueeze(3) * k.float().unsqueeze(2)).sum(-1)  # [B,H,T,1,D]*[B,H,1,S,D] -> [B,H,T,S]

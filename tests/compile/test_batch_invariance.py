@@ -4,9 +4,11 @@ Speculative decoding's greedy output equals plain decoding only if the verify pa
 each token, exactly the logits a one-token step computes there: in bf16 a difference in the last bit flips near-ties
 (docs/cpu-backend.md, "Batch invariance"). Checked with torch.equal, no tolerance:
 * the GEMV kernels (bf16, int8 weights, w8a8) at every ISA level this CPU has: the same weights on the first r of
-  8 input rows, r = 1..8, give the same bits in every row (K with a tail, N leaving single columns);
+  8 input rows, r = 1..8, give the same bits in every row (K with a tail, N leaving single columns); the attention
+  kernel's rows are checked in test_cpu_attention.py;
 * whole compiled steps: six one-token steps against one 6-token pass over the same tokens and cache (the logits of
-  every token and the KV cache written), for a tiny GQA model (3 query heads per KV head, so 18 folded query rows)
+  every token and the KV cache written), for a tiny GQA model (3 query heads per KV head, so 18 folded query rows;
+  head dim 32, so attention runs the attention kernel)
   in bf16 at every ISA level and with int8 and w8a8 weights at the best one, and for the first 5 layers of the
   embedded SmolLM2-135M-Instruct in bf16: its real activations showed a residual sum that one graph rounded to bf16
   before an RMSNorm read it and the other did not (Inductor fused them differently; compile/cpu.py makes it round every
@@ -92,7 +94,7 @@ def test_gemv_kernels_give_each_row_the_same_bits_whatever_the_row_count(tmp_pat
 
 
 # ---- whole steps ---------------------------------------------------------------------------------------------------
-GQA = {"num_heads": 6, "num_kv_heads": 2, "head_dim": 16, "hidden_size": 576}  # G = 3
+GQA = {"num_heads": 6, "num_kv_heads": 2, "head_dim": 32, "hidden_size": 576}  # G = 3; the attention kernel's D
 S, BS, P0, T = 32, 8, 11, 6  # attend bucket, block size, first new position, verify tokens (K = 5 drafts)
 
 

@@ -1,0 +1,324 @@
+// Causal attention for a few query rows per KV head (decode steps, batched steps, speculative verification):
+// out[b, h, r] = softmax(q[b, h, r] . k[b, h, j] / sqrt(D), j <= positions[b, r]) @ v[b, h, j], with q, k, v bf16,
+// every sum in fp32 and the result rounded once to bf16 (round to nearest even).
+//
+// Called directly from AOTInductor-generated wrappers (a C shim); see neuron_infer/compile/cpu_gemv.py for the op,
+// its PyTorch reference twin and how this file is built.
+//
+// Why: decode and verify attention read each cached key and value once for all the query rows of a KV head (the
+// GQA group's heads times the step's tokens), widen them to fp32 once into a small buffer, and compute a row's 16 (8
+// with AVX2) scores as 16 dot products reduced together by one transpose-and-add tree - no horizontal sum per key.
+//
+// Order of work, fixed whatever the number of rows, the batch, the cache bucket or the thread count, so each query
+// row's result depends only on its own query and the keys and values it sees: a verify pass over K+1 tokens computes
+// bit for bit what K+1 one-token steps compute (docs/cpu-backend.md, "Batch invariance").
+// * Keys are split into chunks of kChunk positions from position 0. Per (batch row, KV head, chunk) and query row:
+//   the scores of the visible keys of the chunk, their max m, p = exp(s - m), l = the sum of p (lane-wise partial
+//   sums over the chunk's key groups in order, then one horizontal sum), o = sum of p_j v_j (key by key in order).
+// * Per query row: M = max of the chunks' m; out = (sum of exp(m_c - M) o_c) / (sum of exp(m_c - M) l_c), chunks in
+//   order. Keys past a row's position are never read into its sums; a row that sees no key gets zeros.
+// The chunks of all (batch row, KV head) pairs are one OpenMP loop; the per-row merge a second loop in the same
+// parallel region.
+#include "cpu_gemv_common.h"
+
+#include <immintrin.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+using ni_gemv::from_bf16;
+using ni_gemv::to_bf16;
+
+constexpr int64_t kChunk = 128;  // key positions per work item (K and V of a chunk widened: 2 x 32 KB at D = 64)
+constexpr int64_t kMaxD = 256;   // head dims up to this, a multiple of 32
+
+#ifdef __AVX512F__
+struct V {
+  using F = __m512;
+  static constexpr int64_t kLanes = 16;
+  static F load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
+  static F set1(float f) { return _mm512_set1_ps(f); }
+  static F zero() { return _mm512_setzero_ps(); }
+  static F add(F a, F b) { return _mm512_add_ps(a, b); }
+  static F sub(F a, F b) { return _mm512_sub_ps(a, b); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F max(F a, F b) { return _mm512_max_ps(a, b); }
+  static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static float hsum(F v) { return _mm512_reduce_add_ps(v); }
+  static float hmax(F v) { return _mm512_reduce_max_ps(v); }
+  // 16 bf16 -> 16 fp32 in order (exact)
+  static F widen(const uint16_t* p) {
+    const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+  }
+  // Lanes i >= n set to `fill` (0 <= n <= 16).
+  static F keep_first(F v, int64_t n, float fill) {
+    const __mmask16 m = static_cast<__mmask16>(n >= 16 ? 0xffff : (1u << n) - 1);
+    return _mm512_mask_blend_ps(m, _mm512_set1_ps(fill), v);
+  }
+  static F floor(F v) { return _mm512_roundscale_ps(v, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC); }
+  static F pow2(F n) {  // 2^n for integral n in [-126, 127]
+    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_castsi512_ps(e);
+  }
+  // a[i] summed: lane i of the result. A transpose-and-add tree: halves of pairs, then quarters, then pairs of lanes
+  // inside each 128-bit quarter; lane 4q + j then holds the sum of a[4j + q], which one permutation puts in order.
+  static F sums(const F (&a)[16]) {
+    F b[8], c[4], d[2];
+    for (int i = 0; i < 8; i++)
+      b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44),
+                           _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xee));
+    for (int i = 0; i < 4; i++)
+      c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
+                           _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xdd));
+    for (int i = 0; i < 2; i++)
+      d[i] = _mm512_add_ps(_mm512_shuffle_ps(c[2 * i], c[2 * i + 1], 0x44),
+                           _mm512_shuffle_ps(c[2 * i], c[2 * i + 1], 0xee));
+    const F e = _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], 0x88), _mm512_shuffle_ps(d[0], d[1], 0xdd));
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    return _mm512_permutexvar_ps(order, e);
+  }
+};
+#else
+struct V {
+  using F = __m256;
+  static constexpr int64_t kLanes = 8;
+  static F load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
+  static F set1(float f) { return _mm256_set1_ps(f); }
+  static F zero() { return _mm256_setzero_ps(); }
+  static F add(F a, F b) { return _mm256_add_ps(a, b); }
+  static F sub(F a, F b) { return _mm256_sub_ps(a, b); }
+  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F max(F a, F b) { return _mm256_max_ps(a, b); }
+  static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static float hsum(F v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+  }
+  static float hmax(F v) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+  }
+  static F widen(const uint16_t* p) {
+    const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+  }
+  static F keep_first(F v, int64_t n, float fill) {
+    const __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256 m = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), idx));
+    return _mm256_blendv_ps(_mm256_set1_ps(fill), v, m);
+  }
+  static F floor(F v) { return _mm256_floor_ps(v); }
+  static F pow2(F n) {
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_castsi256_ps(e);
+  }
+  // a[i] summed: lane i of the result (pairwise horizontal adds, then the two 128-bit halves).
+  static F sums(const F (&a)[8]) {
+    const __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    const __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+    // t0 = [a0 a1 a2 a3 (low halves) | a0 a1 a2 a3 (high halves)], t1 likewise for a4..a7
+    return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
+  }
+};
+#endif
+constexpr int64_t L = V::kLanes;
+
+// exp(x) for x <= 0 (scores minus their max), Cephes' single-precision method: x = n ln2 + r with |r| <= ln2 / 2, a
+// degree-5 polynomial for exp(r), times 2^n. Relative error ~1e-7; x below -87 is taken as -87 (exp ~1.6e-38).
+inline V::F exp_neg(V::F x) {
+  x = V::max(x, V::set1(-87.0f));
+  const V::F n = V::floor(V::fma(x, V::set1(1.44269504088896341f), V::set1(0.5f)));
+  V::F r = V::fma(n, V::set1(-0.693359375f), x);
+  r = V::fma(n, V::set1(2.12194440e-4f), r);
+  V::F p = V::set1(1.9875691500e-4f);
+  p = V::fma(p, r, V::set1(1.3981999507e-3f));
+  p = V::fma(p, r, V::set1(8.3334519073e-3f));
+  p = V::fma(p, r, V::set1(4.1665795894e-2f));
+  p = V::fma(p, r, V::set1(1.6666665459e-1f));
+  p = V::fma(p, r, V::set1(5.0000001201e-1f));
+  p = V::fma(V::mul(p, r), r, V::add(r, V::set1(1.0f)));
+  return V::mul(p, V::pow2(n));
+}
+
+// A CPU bf16 (or int64) tensor of `dims` dims with unit stride in its last dim -> sizes, strides and data.
+bool view_nd(AtenTensorHandle t, int64_t dims, int32_t dtype, int64_t** sizes, int64_t** strides, void** data) {
+  int64_t dim = 0;
+  int32_t dt = 0, device = 0;
+  if (aoti_torch_get_dim(t, &dim) || dim != dims || aoti_torch_get_dtype(t, &dt) || dt != dtype ||
+      aoti_torch_get_device_type(t, &device) || device != aoti_torch_device_type_cpu() ||
+      aoti_torch_get_sizes(t, sizes) || aoti_torch_get_strides(t, strides) || aoti_torch_get_data_ptr(t, data))
+    return false;
+  return (*strides)[dims - 1] == 1 || (*sizes)[dims - 1] == 1;
+}
+
+// The operands: q [B, H, R, D], k and v [B, H, S, D] (bf16, any strides but a unit one in D), positions [B, R]
+// int64; out a new contiguous [B, H, R, D] bf16 tensor.
+struct Attn {
+  int64_t b = 0, h = 0, r = 0, s = 0, d = 0;
+  const uint16_t *q = nullptr, *k = nullptr, *v = nullptr;
+  const int64_t* pos = nullptr;
+  int64_t qs[3] = {}, ks[3] = {}, vs[3] = {}, ps[2] = {};
+  uint16_t* out = nullptr;
+
+  // Keys row `row` of batch row `bi` sees: positions 0..pos (none if pos < 0, all S if pos >= S).
+  int64_t visible(int64_t bi, int64_t row) const {
+    const int64_t p = pos[bi * ps[0] + row * ps[1]];
+    return p < 0 ? 0 : std::min(p + 1, s);
+  }
+};
+
+// One work item: chunk c of KV head (bi, hi) for every query row that sees part of it. Writes, per row, the chunk's
+// max score m, sum of exponentials l and unnormalised output o [D] into part ([B][H][R][chunks][D + 2], fp32).
+// kf, vf: kChunk x D floats; sc: R x kChunk floats (this thread's buffers).
+void chunk(const Attn& a, int64_t bi, int64_t hi, int64_t c, int64_t chunks, float scale, float* kf, float* vf,
+           float* sc, float* part) {
+  const int64_t d = a.d, c0 = c * kChunk, nd = d / L;
+  int64_t end = c0;  // keys [c0, end) are seen by some row
+  for (int64_t row = 0; row < a.r; row++) end = std::max(end, std::min(a.visible(bi, row), c0 + kChunk));
+  const int64_t nk = end - c0, groups = (nk + L - 1) / L;
+  const uint16_t* kb = a.k + bi * a.ks[0] + hi * a.ks[1];
+  const uint16_t* vb = a.v + bi * a.vs[0] + hi * a.vs[1];
+  for (int64_t j = 0; j < groups * L; j++) {  // widen the chunk's keys and values once for all rows (zeros past nk)
+    for (int64_t i = 0; i < nd; i++) {
+      V::store(kf + j * d + i * L, j < nk ? V::widen(kb + (c0 + j) * a.ks[2] + i * L) : V::zero());
+      V::store(vf + j * d + i * L, j < nk ? V::widen(vb + (c0 + j) * a.vs[2] + i * L) : V::zero());
+    }
+  }
+  for (int64_t row = 0; row < a.r; row++) {
+    const int64_t seen = std::min(a.visible(bi, row), c0 + kChunk) - c0;  // keys of this chunk the row sees
+    if (seen <= 0) continue;
+    float* s = sc + row * kChunk;
+    V::F qv[kMaxD / L];  // the row's query, times 1/sqrt(D) in fp32 (as the reference scales it)
+    const uint16_t* qr = a.q + bi * a.qs[0] + hi * a.qs[1] + row * a.qs[2];
+    for (int64_t i = 0; i < nd; i++) qv[i] = V::mul(V::widen(qr + i * L), V::set1(scale));
+    const int64_t row_groups = (seen + L - 1) / L;
+    V::F mv = V::set1(-INFINITY);
+    for (int64_t g = 0; g < row_groups; g++) {
+      V::F dots[L];
+      for (int64_t j = 0; j < L; j++) {
+        const float* kj = kf + (g * L + j) * d;
+        V::F acc = V::mul(qv[0], V::load(kj));
+        for (int64_t i = 1; i < nd; i++) acc = V::fma(qv[i], V::load(kj + i * L), acc);
+        dots[j] = acc;
+      }
+      const V::F sg = V::keep_first(V::sums(dots), seen - g * L, -INFINITY);
+      V::store(s + g * L, sg);
+      mv = V::max(mv, sg);
+    }
+    const float m = V::hmax(mv);
+    V::F lv = V::zero();
+    for (int64_t g = 0; g < row_groups; g++) {
+      const V::F p = V::keep_first(exp_neg(V::sub(V::load(s + g * L), V::set1(m))), seen - g * L, 0.0f);
+      V::store(s + g * L, p);
+      lv = V::add(lv, p);
+    }
+    V::F o[kMaxD / L];
+    for (int64_t i = 0; i < nd; i++) o[i] = V::zero();
+    for (int64_t j = 0; j < seen; j++) {
+      const V::F p = V::set1(s[j]);
+      const float* vj = vf + j * d;
+      for (int64_t i = 0; i < nd; i++) o[i] = V::fma(p, V::load(vj + i * L), o[i]);
+    }
+    float* out = part + ((((bi * a.h + hi) * a.r + row) * chunks) + c) * (d + 2);
+    out[0] = m;
+    out[1] = V::hsum(lv);
+    for (int64_t i = 0; i < nd; i++) V::store(out + 2 + i * L, o[i]);
+  }
+}
+
+// Row `row` of KV head (bi, hi): the chunks' partial results merged, divided by the softmax sum, rounded to bf16.
+void merge(const Attn& a, int64_t bi, int64_t hi, int64_t row, int64_t chunks, const float* part) {
+  const int64_t d = a.d, n = (a.visible(bi, row) + kChunk - 1) / kChunk;  // chunks the row saw
+  uint16_t* y = a.out + ((bi * a.h + hi) * a.r + row) * d;
+  if (n == 0) {
+    std::memset(y, 0, static_cast<size_t>(d) * sizeof(uint16_t));
+    return;
+  }
+  const float* pr = part + (((bi * a.h + hi) * a.r + row) * chunks) * (d + 2);
+  float mx = pr[0];
+  for (int64_t c = 1; c < n; c++) mx = std::max(mx, pr[c * (d + 2)]);
+  float l = 0.0f, acc[kMaxD];
+  for (int64_t i = 0; i < d; i++) acc[i] = 0.0f;
+  for (int64_t c = 0; c < n; c++) {
+    const float* pc = pr + c * (d + 2);
+    const float w = std::exp(pc[0] - mx);
+    l += w * pc[1];
+    for (int64_t i = 0; i < d; i++) acc[i] += w * pc[2 + i];
+  }
+  for (int64_t i = 0; i < d; i++) y[i] = to_bf16(acc[i] / l);
+}
+
+void run(const Attn& a) {
+  const float scale = 1.0f / std::sqrt(static_cast<float>(a.d));
+  std::vector<int64_t> items;  // (bi, hi, c) flattened: every chunk some row of batch row bi sees
+  int64_t chunks = 1;
+  for (int64_t bi = 0; bi < a.b; bi++) {
+    int64_t seen = 0;
+    for (int64_t row = 0; row < a.r; row++) seen = std::max(seen, a.visible(bi, row));
+    chunks = std::max(chunks, (seen + kChunk - 1) / kChunk);
+    for (int64_t hi = 0; hi < a.h; hi++)
+      for (int64_t c = 0; c * kChunk < seen; c++) items.insert(items.end(), {bi, hi, c});
+  }
+  std::vector<float> part(static_cast<size_t>(a.b * a.h * a.r * chunks * (a.d + 2)));
+  const int64_t n_items = static_cast<int64_t>(items.size() / 3), n_rows = a.b * a.h * a.r;
+#pragma omp parallel
+  {
+    std::vector<float> buf(static_cast<size_t>(2 * kChunk * a.d + a.r * kChunk));
+    float *kf = buf.data(), *vf = kf + kChunk * a.d, *sc = vf + kChunk * a.d;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t t = 0; t < n_items; t++)
+      chunk(a, items[3 * t], items[3 * t + 1], items[3 * t + 2], chunks, scale, kf, vf, sc, part.data());
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < n_rows; t++) merge(a, t / (a.h * a.r), t / a.r % a.h, t % a.r, chunks, part.data());
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// q [B, H, R, D], k, v [B, H, S, D] bf16 (unit stride in D; D a multiple of 32, at most 256), positions [B, R]
+// int64 -> *ret0 = new contiguous [B, H, R, D] bf16 tensor. AOTI_TORCH_FAILURE on any other input (the generated
+// wrapper turns that into a RuntimeError).
+AOTITorchError aoti_torch_cpu_ni_attn_v1(AtenTensorHandle q, AtenTensorHandle k, AtenTensorHandle v,
+                                         AtenTensorHandle positions, AtenTensorHandle* ret0) {
+  const int32_t bf16 = aoti_torch_dtype_bfloat16();
+  int64_t *qsz, *qst, *ksz, *kst, *vsz, *vst, *psz, *pst;
+  void *qd, *kd, *vd, *pd;
+  if (!view_nd(q, 4, bf16, &qsz, &qst, &qd) || !view_nd(k, 4, bf16, &ksz, &kst, &kd) ||
+      !view_nd(v, 4, bf16, &vsz, &vst, &vd) || !view_nd(positions, 2, aoti_torch_dtype_int64(), &psz, &pst, &pd))
+    return AOTI_TORCH_FAILURE;
+  Attn a;
+  a.b = qsz[0], a.h = qsz[1], a.r = qsz[2], a.d = qsz[3], a.s = ksz[2];
+  for (int i = 0; i < 4; i++)
+    if ((i != 2 && ksz[i] != qsz[i]) || vsz[i] != ksz[i]) return AOTI_TORCH_FAILURE;
+  if (a.d % 32 != 0 || a.d > kMaxD || a.r < 1 || psz[0] != a.b || psz[1] != a.r) return AOTI_TORCH_FAILURE;
+  a.q = static_cast<const uint16_t*>(qd), a.k = static_cast<const uint16_t*>(kd);
+  a.v = static_cast<const uint16_t*>(vd), a.pos = static_cast<const int64_t*>(pd);
+  for (int i = 0; i < 3; i++) a.qs[i] = qst[i], a.ks[i] = kst[i], a.vs[i] = vst[i];
+  a.ps[0] = pst[0], a.ps[1] = pst[1];
+  const int64_t sizes[4] = {a.b, a.h, a.r, a.d}, strides[4] = {a.h * a.r * a.d, a.r * a.d, a.d, 1};
+  void* od = nullptr;
+  if (aoti_torch_empty_strided(4, sizes, strides, bf16, aoti_torch_device_type_cpu(), 0, ret0))
+    return AOTI_TORCH_FAILURE;
+  if (aoti_torch_get_data_ptr(*ret0, &od)) {
+    aoti_torch_delete_tensor_object(*ret0);
+    return AOTI_TORCH_FAILURE;
+  }
+  a.out = static_cast<uint16_t*>(od);
+  run(a);
+  return AOTI_TORCH_SUCCESS;
+}
+
+}  // extern "C"
