@@ -12,7 +12,11 @@ the next step writes its own position before attending, as in the draft-model ho
 The cost ratio (one verify step / one plain step) is measured from the steps this engine runs (an EWMA of each
 step's wall time, the first of each kind skipped as warm-up: `runtime/step_clock.py`) and feeds `plan_step`. While
 every step pays, no plain step would ever be timed and the ratio would stay at its prior; so after CALIBRATE_EVERY
-speculative steps in a row (CALIBRATE_FIRST until a plain step is measured) one step is plain.
+speculative steps in a row (CALIBRATE_FIRST until a plain step is measured) one step is plain. The other way round,
+while no step speculates the verify time is never re-measured: one slow verify step (a busy machine) would keep the
+ratio high, every draft declined and - declined drafts being scored for free, which resets a sequence's probe count
+- speculation off for the life of the engine. So after RECHECK_EVERY plain steps in a row, a step where some
+sequence has a draft verifies it (one verify step's cost per RECHECK_EVERY plain steps when it does not pay).
 """
 from __future__ import annotations
 
@@ -33,6 +37,7 @@ from neuron_infer.runtime.step_clock import StepClock
 PRIOR_COST_RATIO = 1.3  # verify / plain step time assumed until both are measured
 CALIBRATE_EVERY = 32  # after this many speculative steps in a row, one plain step keeps the cost ratio measured
 CALIBRATE_FIRST = 8  # ... and after this many while the plain step has no measurement yet
+RECHECK_EVERY = 32  # after this many plain steps in a row, a step with a draft verifies it: the verify time stays fresh
 
 
 class NgramSpec:
@@ -46,6 +51,7 @@ class NgramSpec:
         self.clock = StepClock()
         self.states: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Sequence -> SeqState
         self.spec_run = 0  # speculative steps since the last plain step
+        self.plain_run = 0  # plain steps since the last speculative step
 
     def prefill_row(self, row: int, prompt: list[int], start: int = 0, end: int | None = None) -> torch.Tensor:
         return self.target.prefill_row(row, prompt, start, end)
@@ -78,9 +84,12 @@ class NgramSpec:
         every = CALIBRATE_EVERY if self.clock.measured("plain") else CALIBRATE_FIRST
         if self.spec_run >= every:  # a plain step now and then: the ratio needs both steps timed
             ks = [0] * len(ks)
+        elif self.plain_run >= RECHECK_EVERY and not any(ks):  # ... and a verify step now and then
+            ks = [len(d) for d in drafts]
         if agree is not None:
             ks = agree(torch.tensor(ks, dtype=torch.int64)).tolist()  # [m] rank 0's draft lengths
         self.spec_run = self.spec_run + 1 if any(ks) else 0
+        self.plain_run = 0 if any(ks) else self.plain_run + 1
         for s, t, d, k in zip(seqs, tokens, drafts, ks):
             if k == 0:
                 self.state(s).update(0, 0)

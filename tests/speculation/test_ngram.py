@@ -18,7 +18,7 @@ from neuron_infer.errors import ConfigError
 from neuron_infer.runtime.generate import generate_ids
 from neuron_infer.runtime.loader import eager_ngram_spec
 from neuron_infer.runtime.ngram import PROBE_EVERY, RowView, SeqState, plan_step, propose
-from neuron_infer.runtime.ngram_spec import CALIBRATE_EVERY, CALIBRATE_FIRST, NgramSpec, accept
+from neuron_infer.runtime.ngram_spec import CALIBRATE_EVERY, CALIBRATE_FIRST, RECHECK_EVERY, NgramSpec, accept
 from neuron_infer.runtime.sampling import processed_probs
 from tests.speculation.conftest import BASE
 from tests.speculation.test_sampling_lossless import chi_square_pvalue
@@ -128,6 +128,22 @@ def test_a_plain_step_now_and_then_keeps_the_cost_ratio_measured():
     spec.clock.add("plain", 0.01, warm_up=False)  # once a plain step is measured, calibration is rarer
     plans = [spec.plan([seq]) for _ in range(CALIBRATE_EVERY + 1)]
     assert all(p[0] for p in plans[:CALIBRATE_EVERY]) and plans[-1] == [[]]
+
+
+def test_a_verify_step_now_and_then_keeps_a_stale_cost_ratio_from_stopping_speculation():
+    """One slow verify step made the ratio 10: every draft is declined (and scored for free, so no probe is due),
+    yet after RECHECK_EVERY plain steps the next step with a draft verifies it, and only that one."""
+    spec = NgramSpec(SimpleNamespace(build=None, vocab_size=0), graphs={}, k=4, ngram_size=2)
+    spec.clock.add("plain", 0.01, warm_up=False)
+    spec.clock.add("verify", 0.10, warm_up=False)
+    seq = _Seq([5, 6, 7, 8] * 4)
+    spec.state(seq).accepted = 4.0  # E = 5 < 10
+    plans = []
+    for _ in range(2 * RECHECK_EVERY + 2):
+        plans.append(spec.plan([seq]))
+        seq.tokens.append(seq.tokens[-4])  # the plain step's token (the loop goes on; a verify step is not run)
+    spoke = [i for i, p in enumerate(plans) if p[0]]
+    assert spoke == [RECHECK_EVERY, 2 * RECHECK_EVERY + 1] and len(plans[RECHECK_EVERY][0]) == 4
 
 
 # ---- configuration -----------------------------------------------------------------------------------------------
