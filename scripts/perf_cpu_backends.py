@@ -28,6 +28,8 @@ Variants
     aoti-w8a8-avx512  the same with the kernel forced down to AVX-512 without VNNI (gemv_isa="avx512")
     <aoti-...>-separate  any aoti variant without merging the kernel calls of linears that share an input
                       (compile/gemv_groups.py): one call per linear, 7 per layer instead of 4
+    <aoti-...>-attnref   any aoti variant with attention left to the reference reductions (model/ops.py) instead of
+                      the few-row attention kernel (compile/cpu_attention.cpp)
 
     python scripts/perf_cpu_backends.py --variants aoti-gemv,aoti-int8 --batch 4   # int8 vs bf16, batch 4
 
@@ -65,7 +67,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from neuron_infer.compile import cpu
+from neuron_infer.compile import cpu, cpu_gemv
 from neuron_infer.compile.cpu import CpuBackend, CpuCompileOptions
 from neuron_infer.config import ModelConfig, QuantConfig
 from neuron_infer.model import ops
@@ -129,6 +131,17 @@ def separate_calls():
 
 
 @contextlib.contextmanager
+def reference_attention():
+    """Compile with attention as model/ops.py's reductions (the attention kernel declines every operand)."""
+    saved = cpu_gemv.attention_fits
+    cpu_gemv.attention_fits = lambda *args: False
+    try:
+        yield
+    finally:
+        cpu_gemv.attention_fits = saved
+
+
+@contextlib.contextmanager
 def inlined_producers():
     """Compile without fusion barriers and without -ffp-contract=fast."""
     saved = cpu.computed_once, ops.computed_once, cpu.INDUCTOR_CONFIGS
@@ -153,6 +166,9 @@ def _prepare(variant: str, step: BucketStep, args: tuple, workdir: Path, graph: 
     if variant.startswith("aoti") and variant.endswith("-separate"):
         with separate_calls():
             return _prepare(variant.removesuffix("-separate"), step, args, workdir, graph)
+    if variant.startswith("aoti") and variant.endswith("-attnref"):
+        with reference_attention():
+            return _prepare(variant.removesuffix("-attnref"), step, args, workdir, graph)
     if variant == "eager":
         return step, 0.0, 0.0
     if variant.startswith(("aoti-int8", "aoti-w8a8")):
@@ -230,7 +246,7 @@ def measure(fns: dict, calls: dict, rounds: int, steps: int, clock: str = "wall"
 
 def kernel_isa(variant: str) -> str | None:
     """The ISA level a variant's GEMV kernels are forced to ("auto": the CPU's best; None: no C kernel)."""
-    name = variant.partition("@")[0].removesuffix("-separate")
+    name = variant.partition("@")[0].removesuffix("-attnref").removesuffix("-separate")
     if not name.startswith(("aoti-gemv", "aoti-int8", "aoti-w8a8")):
         return None
     return name.rsplit("-", 1)[1] if name.endswith(("-avx2", "-avx512")) else "auto"
