@@ -32,8 +32,8 @@
 
 namespace {
 
-using ni_gemv::from_bf16;
 using ni_gemv::to_bf16;
+using ni_gemv::view_nd;
 
 constexpr int64_t kChunk = 128;  // key positions per work item (K and V of a chunk widened: 2 x 32 KB at D = 64)
 constexpr int64_t kMaxD = 256;   // head dims up to this, a multiple of 32
@@ -149,17 +149,6 @@ inline V::F exp_neg(V::F x) {
   p = V::fma(p, r, V::set1(5.0000001201e-1f));
   p = V::fma(V::mul(p, r), r, V::add(r, V::set1(1.0f)));
   return V::mul(p, V::pow2(n));
-}
-
-// A CPU bf16 (or int64) tensor of `dims` dims with unit stride in its last dim -> sizes, strides and data.
-bool view_nd(AtenTensorHandle t, int64_t dims, int32_t dtype, int64_t** sizes, int64_t** strides, void** data) {
-  int64_t dim = 0;
-  int32_t dt = 0, device = 0;
-  if (aoti_torch_get_dim(t, &dim) || dim != dims || aoti_torch_get_dtype(t, &dt) || dt != dtype ||
-      aoti_torch_get_device_type(t, &device) || device != aoti_torch_device_type_cpu() ||
-      aoti_torch_get_sizes(t, sizes) || aoti_torch_get_strides(t, strides) || aoti_torch_get_data_ptr(t, data))
-    return false;
-  return (*strides)[dims - 1] == 1 || (*sizes)[dims - 1] == 1;
 }
 
 // The operands: q [B, H, R, D], k and v [B, H, S, D] (bf16, any strides but a unit one in D), positions [B, R]
@@ -308,14 +297,9 @@ AOTITorchError aoti_torch_cpu_ni_attn_v1(AtenTensorHandle q, AtenTensorHandle k,
   a.v = static_cast<const uint16_t*>(vd), a.pos = static_cast<const int64_t*>(pd);
   for (int i = 0; i < 3; i++) a.qs[i] = qst[i], a.ks[i] = kst[i], a.vs[i] = vst[i];
   a.ps[0] = pst[0], a.ps[1] = pst[1];
-  const int64_t sizes[4] = {a.b, a.h, a.r, a.d}, strides[4] = {a.h * a.r * a.d, a.r * a.d, a.d, 1};
+  const int64_t sizes[4] = {a.b, a.h, a.r, a.d};
   void* od = nullptr;
-  if (aoti_torch_empty_strided(4, sizes, strides, bf16, aoti_torch_device_type_cpu(), 0, ret0))
-    return AOTI_TORCH_FAILURE;
-  if (aoti_torch_get_data_ptr(*ret0, &od)) {
-    aoti_torch_delete_tensor_object(*ret0);
-    return AOTI_TORCH_FAILURE;
-  }
+  if (!ni_gemv::new_bf16_tensor(4, sizes, ret0, &od)) return AOTI_TORCH_FAILURE;
   a.out = static_cast<uint16_t*>(od);
   run(a);
   return AOTI_TORCH_SUCCESS;

@@ -1,6 +1,6 @@
-// Helpers shared by the CPU GEMV kernels (cpu_gemv.cpp, cpu_gemv_int8.cpp, cpu_gemv_w8a8.cpp): bf16 conversions,
-// the operand checks and result allocation at the C-shim boundary, and the one parallel loop over the column groups
-// of every matrix of a call.
+// Helpers shared by the CPU kernels (cpu_gemv.cpp, cpu_gemv_int8.cpp, cpu_gemv_w8a8.cpp, cpu_attention.cpp): bf16
+// conversions, the operand checks and result allocation at the C-shim boundary, and the GEMVs' one parallel loop over
+// the column groups of every matrix of a call.
 #pragma once
 
 #include <torch/csrc/inductor/aoti_torch/c/shim.h>
@@ -27,29 +27,47 @@ inline float from_bf16(uint16_t b) {
   return f;
 }
 
-// A CPU tensor of `dims` dims and dtype `dtype`, unit stride in its last dim -> sizes, leading stride and data.
-inline bool view(AtenTensorHandle t, int64_t dims, int32_t dtype, int64_t** sizes, int64_t* lead_stride,
-                 void** data) {
-  int64_t dim = 0, *strides = nullptr;
+// A CPU tensor of `dims` dims and dtype `dtype`, unit stride in its last dim -> sizes, strides and data.
+inline bool view_nd(AtenTensorHandle t, int64_t dims, int32_t dtype, int64_t** sizes, int64_t** strides,
+                    void** data) {
+  int64_t dim = 0;
   int32_t dt = 0, device = 0;
   if (aoti_torch_get_dim(t, &dim) || dim != dims || aoti_torch_get_dtype(t, &dt) || dt != dtype ||
       aoti_torch_get_device_type(t, &device) || device != aoti_torch_device_type_cpu() ||
-      aoti_torch_get_sizes(t, sizes) || aoti_torch_get_strides(t, &strides) || aoti_torch_get_data_ptr(t, data))
+      aoti_torch_get_sizes(t, sizes) || aoti_torch_get_strides(t, strides) || aoti_torch_get_data_ptr(t, data))
     return false;
-  *lead_stride = strides[0];
-  return strides[dims - 1] == 1 || (*sizes)[dims - 1] == 1;
+  return (*strides)[dims - 1] == 1 || (*sizes)[dims - 1] == 1;
 }
 
-// A new contiguous [rows, cols] bf16 CPU tensor -> *out and its data; false (nothing left allocated) on failure.
-inline bool new_bf16_matrix(int64_t rows, int64_t cols, AtenTensorHandle* out, void** data) {
-  const int64_t sizes[2] = {rows, cols}, strides[2] = {cols, 1};
-  if (aoti_torch_empty_strided(2, sizes, strides, aoti_torch_dtype_bfloat16(), aoti_torch_device_type_cpu(), 0, out))
+// The same, with only the leading dim's stride.
+inline bool view(AtenTensorHandle t, int64_t dims, int32_t dtype, int64_t** sizes, int64_t* lead_stride,
+                 void** data) {
+  int64_t* strides = nullptr;
+  if (!view_nd(t, dims, dtype, sizes, &strides, data)) return false;
+  *lead_stride = strides[0];
+  return true;
+}
+
+// A new contiguous bf16 CPU tensor of `dims` dims -> *out and its data; false (nothing left allocated) on failure.
+inline bool new_bf16_tensor(int64_t dims, const int64_t* sizes, AtenTensorHandle* out, void** data) {
+  int64_t strides[8];
+  if (dims < 1 || dims > 8) return false;
+  strides[dims - 1] = 1;
+  for (int64_t i = dims - 1; i > 0; i--) strides[i - 1] = strides[i] * sizes[i];
+  if (aoti_torch_empty_strided(dims, sizes, strides, aoti_torch_dtype_bfloat16(), aoti_torch_device_type_cpu(), 0,
+                               out))
     return false;
   if (aoti_torch_get_data_ptr(*out, data)) {
     aoti_torch_delete_tensor_object(*out);
     return false;
   }
   return true;
+}
+
+// A new contiguous [rows, cols] bf16 CPU tensor -> *out and its data; false (nothing left allocated) on failure.
+inline bool new_bf16_matrix(int64_t rows, int64_t cols, AtenTensorHandle* out, void** data) {
+  const int64_t sizes[2] = {rows, cols};
+  return new_bf16_tensor(2, sizes, out, data);
 }
 
 // The operands of a GEMV of several weight matrices sharing one input (q/k/v, gate/up): x [R, K] bf16

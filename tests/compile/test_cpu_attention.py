@@ -59,9 +59,10 @@ def invariance_inputs():
     (420 keys; the extra keys are never visible) and with the other batch row replaced."""
     q, k, v, pos = case_inputs(2, 3, 21, 300, 64, seed=99)
     pos = pos.clamp(0, 299)
-    longer = torch.cat([k, torch.randn(2, 3, 120, 64).to(torch.bfloat16)], 2), \
-        torch.cat([v, torch.randn(2, 3, 120, 64).to(torch.bfloat16)], 2)
-    other = torch.randn_like(q.float()).to(torch.bfloat16)
+    g = torch.Generator().manual_seed(100)
+    extra = [torch.randn(2, 3, 120, 64, generator=g).to(torch.bfloat16) for _ in range(2)]
+    longer = torch.cat([k, extra[0]], 2), torch.cat([v, extra[1]], 2)
+    other = torch.randn(q.shape, generator=g).to(torch.bfloat16)
     rows = [(q[:, :, i:i + 1], k, v, pos[:, i:i + 1]) for i in (0, 7, 20)]
     return (q, k, v, pos), rows, (q, *longer, pos), (torch.cat([q[:1], other[1:]]), k, v, pos)
 
