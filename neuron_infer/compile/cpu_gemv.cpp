@@ -8,18 +8,21 @@
 // Why: decode streams every weight once per step. Each weight row is loaded once for all R input rows, every row's
 // accumulators stay in registers, and the threads split the output columns: one OpenMP loop per call, over the
 // columns of every matrix passed (the linears sharing an input, e.g. q/k/v).
-// Two paths, picked by the compiler flags (cpu_gemv.py builds one per ISA level):
+// Two paths, picked by the compiler flags (cpu_gemv.py builds one per ISA level), one loop structure: several weight
+// rows (C output columns) share each pass over the activations, so one activation load feeds C products; the C rows
+// are read as C sequential streams, prefetched ahead; one accumulator per (column, row).
 // * AVX512-BF16 (-mavx512bf16): one dot-product instruction (vdpbf16ps: 32 bf16 products summed pairwise into 16
-//   fp32 lanes) per 64-byte weight load, two independent accumulators per row. vdpbf16ps flushes denormal
-//   inputs/results to zero (irrelevant at these magnitudes; the tests compare with the reference).
+//   fp32 lanes) per 64-byte weight load and row, on the activations as they are. vdpbf16ps flushes denormal
+//   inputs/results to zero (irrelevant at these magnitudes; the tests compare with the reference). C by R as
+//   measured fastest (kColsBf16).
 // * AVX-512F without BF16, and AVX2 + FMA (any other level): 32 (AVX-512) or 16 (AVX2) weights per 64- or 32-byte
 //   load are widened to fp32 by a 16-bit shift (even elements) and a mask (odd elements) - exact, no shuffles - and
 //   fused-multiply-added with the activations, which are widened once per call into the same even/odd order
-//   (zero-padded to whole blocks). Several weight rows share each pass over the activations, so one activation
-//   load feeds that many FMAs, and they are read as that many sequential streams: with AVX2's 16 registers 4 up to
-//   2 input rows, 2 up to 5, 1 beyond; with AVX-512's 32, 4 up to 5 input rows and 3 up to 8. The K tail of a
-//   weight row goes through a zero-padded copy, so no load reads past a row. Products of two bf16 values are exact
-//   in fp32, so the result differs from the reference only in the order of the fp32 sums.
+//   (zero-padded to whole blocks). With AVX2's 16 registers C is 4 up to 2 input rows, 2 up to 5, 1 beyond; with
+//   AVX-512's 32, 4 up to 5 input rows and 3 up to 8. Products of two bf16 values are exact in fp32, so the result
+//   differs from the reference only in the order of the fp32 sums.
+// The K tail of a weight row (and, on the dot-product path, of each activation row) goes through a zero-padded copy,
+// so no load reads past a row.
 #include "cpu_gemv_common.h"
 
 #include <immintrin.h>
@@ -37,62 +40,37 @@ using ni_gemv::Gemv;
 using ni_gemv::gemv_operands;
 using ni_gemv::to_bf16;
 
-#ifdef __AVX512BF16__
-inline __m512bh load_bh(const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
-inline __m512bh load_bh_tail(const uint16_t* p, __mmask32 m) { return (__m512bh)_mm512_maskz_loadu_epi16(m, p); }
-
-// Column j: y[r * n + j] = x[r] . w[j] for R rows (x rows `xs` elements apart, y rows `n`, weight rows `ws`). R
-// input rows share each weight load.
-template <int R>
-void column(const uint16_t* x, int64_t xs, const uint16_t* w, int64_t ws, uint16_t* y, int64_t n, int64_t k,
-            int64_t j) {
-  const int64_t k64 = k / 64 * 64, k32 = k / 32 * 32;
-  const __mmask32 tail = static_cast<__mmask32>((1ull << (k - k32)) - 1);
-  const uint16_t* wr = w + j * ws;
-  __m512 a0[R], a1[R];
-  for (int r = 0; r < R; r++) a0[r] = a1[r] = _mm512_setzero_ps();
-  int64_t i = 0;
-  for (; i < k64; i += 64) {
-    const __m512bh w0 = load_bh(wr + i), w1 = load_bh(wr + i + 32);
-    for (int r = 0; r < R; r++) {
-      a0[r] = _mm512_dpbf16_ps(a0[r], w0, load_bh(x + r * xs + i));
-      a1[r] = _mm512_dpbf16_ps(a1[r], w1, load_bh(x + r * xs + i + 32));
-    }
-  }
-  if (i < k32) {
-    const __m512bh w0 = load_bh(wr + i);
-    for (int r = 0; r < R; r++) a0[r] = _mm512_dpbf16_ps(a0[r], w0, load_bh(x + r * xs + i));
-    i += 32;
-  }
-  if (tail) {
-    const __m512bh w0 = load_bh_tail(wr + i, tail);
-    for (int r = 0; r < R; r++) a1[r] = _mm512_dpbf16_ps(a1[r], w0, load_bh_tail(x + r * xs + i, tail));
-  }
-  for (int r = 0; r < R; r++) y[r * n + j] = to_bf16(_mm512_reduce_add_ps(_mm512_add_ps(a0[r], a1[r])));
-}
-
-// Every matrix's columns in one parallel loop (ni_gemv::for_column_groups), one column per group.
-template <int R>
-void gemv_rows(const Gemv& g) {
-  for_column_groups<1>(g, [&](int64_t m, int64_t j, int64_t, auto) {
-    column<R>(g.x, g.x_stride, static_cast<const uint16_t*>(g.w[m]), g.w_stride[m], g.y + g.off[m], g.ntot, g.k, j);
-  });
-}
-
-using Kernel = void (*)(const Gemv&);
-constexpr Kernel kKernels[] = {nullptr,       gemv_rows<1>, gemv_rows<2>, gemv_rows<3>, gemv_rows<4>,
-                               gemv_rows<5>, gemv_rows<6>, gemv_rows<7>, gemv_rows<8>};
-
-void run(const Gemv& g) { kKernels[g.r](g); }
-
-#else
-// The widening path's vectors: AVX-512F (no BF16) where the build allows it, else AVX2. V::kBlock bf16 weights per
-// load, widened into two fp32 vectors of kBlock / 2 lanes (even, odd elements); a bf16 is the top half of an fp32.
-#ifdef __AVX512F__
-struct V {
+// The vector type of each path. V::kBlock bf16 weights per load; the AVX512-BF16 path takes them as they are, the
+// widening paths widen them into two fp32 vectors of kBlock / 2 lanes (even, odd elements; a bf16 is the top half
+// of an fp32).
+#if defined(__AVX512F__)
+struct V512 {
   using F = __m512;
-  using I = __m512i;
   static constexpr int64_t kBlock = 32;  // 64-byte loads
+  static F zero() { return _mm512_setzero_ps(); }
+  static __m256 half(F v) {  // the two 8-lane halves summed
+    return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+  }
+};
+#endif
+
+#ifdef __AVX512BF16__
+// Weight rows (output columns) per pass over the activations, by R: the fastest C measured for each (C x R
+// accumulators, C weight vectors and one activation vector in 32 registers; docs/cpu-backend.md).
+constexpr int kColsBf16[] = {0, 4, 3, 2, 5, 5, 4, 4, 3};
+template <int R>
+constexpr int kCols = kColsBf16[R];
+struct V : V512 {
+  using I = __m512bh;
+  static I load_w(const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
+};
+#elif defined(__AVX512F__)
+// Weight rows (output columns) per pass over the activations, with 32 registers: 4 for 1-5 rows, 3 for 6-8 (C x R
+// accumulators next to C weight vectors).
+template <int R>
+constexpr int kCols = R <= 5 ? 4 : 3;
+struct V : V512 {
+  using I = __m512i;
   static I load_w(const uint16_t* p) { return _mm512_loadu_si512(p); }
   static F lo(I v) { return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)); }
   static F hi(I v) {
@@ -100,15 +78,7 @@ struct V {
   }
   static F load(const float* p) { return _mm512_loadu_ps(p); }
   static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
-  static F zero() { return _mm512_setzero_ps(); }
-  static __m256 half(F v) {  // the two 8-lane halves summed
-    return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
-  }
 };
-// Weight rows (output columns) per pass over the activations, with 32 registers: 4 for 1-5 rows, 3 for 6-8 (C x R
-// accumulators next to C weight vectors).
-template <int R>
-constexpr int kCols = R <= 5 ? 4 : 3;
 #else
 struct V {
   using F = __m256;
@@ -132,24 +102,79 @@ constexpr int kCols = R <= 2 ? 4 : R <= 5 ? 2 : 1;
 #endif
 constexpr int64_t kBlock = V::kBlock;
 
+// The dot-product path's loops over columns and rows fully unrolled (measured faster there at 6-8 rows; on the
+// widening paths slower at 8 rows, so not there).
+#ifdef __AVX512BF16__
+#define NI_UNROLL _Pragma("GCC unroll 32")
+#else
+#define NI_UNROLL
+#endif
+
 // How far ahead of its reads each weight stream is prefetched (elements: 1024 bytes): with the hardware prefetcher
 // alone a thread reading several weight streams stayed well below the memory's read rate (docs/cpu-backend.md,
 // "Alternatives measured slower").
 constexpr int64_t kPrefetch = 512;
 
-// One accumulator per (weight row, activation row): each block's even products, then its odd ones, block after
-// block. Every row's sum is thus formed in one order whatever R and C are, so a row's result does not depend on the
-// other rows of the call: a speculative verify over K+1 rows computes, bit for bit, what K+1 one-row decode steps
-// compute (docs/cpu-backend.md, "Batch invariance"). The C x R independent FMA chains still outrun the memory's read
-// rate at R = 1 (C = 4 chains: measured, ibid.).
-
-// One kBlock-weight block (wr[c] + wi) of C weight rows times the activations' block xb (R rows of kBlock floats)
-// into acc[c][r]: the even elements, then the odd ones.
-template <int R, int C>
-inline void step(const uint16_t* const (&wr)[C], int64_t wi, const float* xb, V::F (&acc)[C][R]) {
-  V::I wv[C];
+template <int C>
+inline void prefetch(const uint16_t* const (&wr)[C], int64_t wi) {
   if (wi % 32 == 0)  // once per 64-byte line of each stream
     for (int c = 0; c < C; c++) _mm_prefetch(reinterpret_cast<const char*>(wr[c] + wi + kPrefetch), _MM_HINT_T0);
+}
+
+// One accumulator per (weight row, activation row), block after block (within a block: AVX512-BF16, one vdpbf16ps;
+// the widening paths, the even products, then the odd ones). Every row's sum is thus formed in one order whatever R
+// and C are, so a row's result does not depend on the other rows of the call: a speculative verify over K+1 rows
+// computes, bit for bit, what K+1 one-row decode steps compute (docs/cpu-backend.md, "Batch invariance"). The C x R
+// independent chains still outrun the memory's read rate at R = 1 (C = 4 chains: measured, ibid.).
+#ifdef __AVX512BF16__
+// The activations as they are: R bf16 rows `xs` apart (the K tail: a zero-padded copy, see columns).
+struct Act {
+  const uint16_t* x;
+  int64_t xs;
+};
+
+// One kBlock-weight block (wr[c] + wi) of C weight rows times the activations' block at xi into acc[c][r].
+template <int R, int C>
+inline void step(const uint16_t* const (&wr)[C], int64_t wi, const Act& a, int64_t xi, V::F (&acc)[C][R]) {
+  V::I wv[C];
+  prefetch<C>(wr, wi);
+  NI_UNROLL
+  for (int c = 0; c < C; c++) {
+    wv[c] = V::load_w(wr[c] + wi);
+    asm("" : "+v"(wv[c]));  // one load per weight vector (not one memory operand per product)
+  }
+  NI_UNROLL
+  for (int r = 0; r < R; r++) {
+    __m512bh x = (__m512bh)_mm512_loadu_si512(a.x + r * a.xs + xi);
+    if (C > 1) asm("" : "+v"(x));  // one load for all C columns (not one memory operand per product)
+    NI_UNROLL
+    for (int c = 0; c < C; c++) acc[c][r] = _mm512_dpbf16_ps(acc[c][r], wv[c], x);
+  }
+}
+
+// The activations' K tail [i, k) of each row, zero-padded to one block.
+struct ActTail {
+  alignas(64) uint16_t x[8][kBlock];
+  Act at(const Act& a, int R, int64_t i, int64_t k) {
+    std::memset(x, 0, sizeof(x));
+    for (int r = 0; r < R; r++) std::memcpy(x[r], a.x + r * a.xs + i, static_cast<size_t>(k - i) * sizeof(uint16_t));
+    return Act{&x[0][0], kBlock};
+  }
+  static int64_t offset(int64_t) { return 0; }  // the block's place in the copy
+};
+#else
+// The activations widened (see widen_rows), zero-padded to whole blocks.
+struct Act {
+  const float* xf;
+};
+
+// One kBlock-weight block (wr[c] + wi) of C weight rows times the activations' block at xi into acc[c][r]: the even
+// elements, then the odd ones.
+template <int R, int C>
+inline void step(const uint16_t* const (&wr)[C], int64_t wi, const Act& a, int64_t xi, V::F (&acc)[C][R]) {
+  V::I wv[C];
+  const float* xb = a.xf + xi * R;
+  prefetch<C>(wr, wi);
   for (int c = 0; c < C; c++) wv[c] = V::load_w(wr[c] + wi);
   for (int r = 0; r < R; r++) {
     V::F x = V::load(xb + r * kBlock);
@@ -163,6 +188,12 @@ inline void step(const uint16_t* const (&wr)[C], int64_t wi, const float* xb, V:
   }
 }
 
+struct ActTail {  // widen_rows already zero-pads
+  Act at(const Act& a, int, int64_t, int64_t) { return a; }
+  static int64_t offset(int64_t i) { return i; }
+};
+#endif
+
 // The 8 lanes of each of 4 vectors summed: {sum v0, sum v1, sum v2, sum v3}.
 inline __m128 hsum4(__m256 v0, __m256 v1, __m256 v2, __m256 v3) {
   const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(v0, v1), _mm256_hadd_ps(v2, v3));
@@ -171,54 +202,67 @@ inline __m128 hsum4(__m256 v0, __m256 v1, __m256 v2, __m256 v3) {
 
 // Columns j, j + cs, ..., j + (C - 1) cs for R rows: y[r * n + j + c cs] = x[r] . w[j + c cs].
 template <int R, int C>
-void columns(const float* xf, const uint16_t* w, int64_t ws, uint16_t* y, int64_t n, int64_t k, int64_t j,
-             int64_t cs) {
+void columns(const Act& a, const uint16_t* w, int64_t ws, uint16_t* y, int64_t n, int64_t k, int64_t j, int64_t cs) {
   const int64_t kb = k / kBlock * kBlock;
   const uint16_t* wr[C];
+  NI_UNROLL
   for (int c = 0; c < C; c++) wr[c] = w + (j + c * cs) * ws;
   V::F acc[C][R];
+  NI_UNROLL
   for (int c = 0; c < C; c++)
+    NI_UNROLL
     for (int r = 0; r < R; r++) acc[c][r] = V::zero();
   int64_t i = 0;
-  for (; i < kb; i += kBlock) step<R, C>(wr, i, xf + i * R, acc);
-  if (i < k) {  // the K tail through zero-padded copies (xf is zero there too)
-    alignas(32) uint16_t tail[C][kBlock] = {};
+  for (; i < kb; i += kBlock) step<R, C>(wr, i, a, i, acc);
+  if (i < k) {  // the K tail through zero-padded copies
+    alignas(64) uint16_t tail[C][kBlock] = {};
     const uint16_t* tr[C];
+    NI_UNROLL
     for (int c = 0; c < C; c++) {
       std::memcpy(tail[c], wr[c] + i, static_cast<size_t>(k - i) * sizeof(uint16_t));
       tr[c] = tail[c];
     }
-    step<R, C>(tr, 0, xf + i * R, acc);
+    ActTail xt;
+    step<R, C>(tr, 0, xt.at(a, R, i, k), ActTail::offset(i), acc);
   }
   // Each (column, row)'s accumulator, 4 per horizontal reduction.
   constexpr int S = C * R, S4 = (S + 3) / 4 * 4;
   __m256 v[S4];
+  NI_UNROLL
   for (int c = 0; c < C; c++)
+    NI_UNROLL
     for (int r = 0; r < R; r++) v[r * C + c] = V::half(acc[c][r]);
+  NI_UNROLL
   for (int s = S; s < S4; s++) v[s] = _mm256_setzero_ps();
   alignas(16) float sums[S4];
+  NI_UNROLL
   for (int s = 0; s < S4; s += 4) _mm_store_ps(sums + s, hsum4(v[s], v[s + 1], v[s + 2], v[s + 3]));
+  NI_UNROLL
   for (int r = 0; r < R; r++)
+    NI_UNROLL
     for (int c = 0; c < C; c++) y[r * n + j + c * cs] = to_bf16(sums[r * C + c]);
 }
-
-// xf: the activations widened (see widen_rows). Every matrix's columns in one parallel loop
-// (ni_gemv::for_column_groups): a group's C columns are C runs of consecutive weight rows, C sequential streams for
-// the hardware prefetchers (adjacent rows in one group would make C short interleaved streams per group: measured
-// slower once the weights come from DRAM).
+// Every matrix's columns in one parallel loop (ni_gemv::for_column_groups): a group's C columns are C runs of
+// consecutive weight rows, C sequential streams for the hardware prefetchers (adjacent rows in one group would make
+// C short interleaved streams per group: measured slower once the weights come from DRAM).
 template <int R>
-void gemv_rows(const float* xf, const Gemv& g) {
+void gemv_rows(const Act& a, const Gemv& g) {
   for_column_groups<kCols<R>>(g, [&](int64_t m, int64_t j, int64_t cs, auto width) {
-    columns<R, decltype(width)::value>(xf, static_cast<const uint16_t*>(g.w[m]), g.w_stride[m], g.y + g.off[m],
+    columns<R, decltype(width)::value>(a, static_cast<const uint16_t*>(g.w[m]), g.w_stride[m], g.y + g.off[m],
                                        g.ntot, g.k, j, cs);
   });
 }
 
-using Kernel = void (*)(const float*, const Gemv&);
+using Kernel = void (*)(const Act&, const Gemv&);
+constexpr Kernel kKernels[] = {nullptr,       gemv_rows<1>, gemv_rows<2>, gemv_rows<3>, gemv_rows<4>,
+                               gemv_rows<5>, gemv_rows<6>, gemv_rows<7>, gemv_rows<8>};
 
-// x [R, K] bf16 rows `xs` apart -> fp32 blocks of 16, block-major: block b of row r at (b R + r) 16 (one pointer
-// and constant offsets reach every row's block), each as its even then its odd elements; zero beyond k up to whole
-// blocks.
+#ifdef __AVX512BF16__
+void run(const Gemv& g) { kKernels[g.r](Act{g.x, g.x_stride}, g); }
+#else
+// x [R, K] bf16 rows `xs` apart -> fp32 blocks of kBlock, block-major: block b of row r at (b R + r) kBlock (one
+// pointer and constant offsets reach every row's block), each as its even then its odd elements; zero beyond k up to
+// whole blocks.
 std::vector<float> widen_rows(const uint16_t* x, int64_t xs, int64_t r, int64_t k) {
   std::vector<float> xf(static_cast<size_t>(r * ((k + kBlock - 1) / kBlock * kBlock)), 0.0f);
   for (int64_t row = 0; row < r; row++)
@@ -227,12 +271,9 @@ std::vector<float> widen_rows(const uint16_t* x, int64_t xs, int64_t r, int64_t 
   return xf;
 }
 
-constexpr Kernel kKernels[] = {nullptr,       gemv_rows<1>, gemv_rows<2>, gemv_rows<3>, gemv_rows<4>,
-                               gemv_rows<5>, gemv_rows<6>, gemv_rows<7>, gemv_rows<8>};
-
 void run(const Gemv& g) {
   const std::vector<float> xf = widen_rows(g.x, g.x_stride, g.r, g.k);  // R x K floats, a few KB, once per call
-  kKernels[g.r](xf.data(), g);
+  kKernels[g.r](Act{xf.data()}, g);
 }
 #endif
 
@@ -245,7 +286,7 @@ extern "C" {
 // x [R, K] bf16, ws[m] [N_m, K] bf16 (m < n_mats <= 4, the linears sharing x) -> *ret0 = new [R, N_0 + ... ] bf16
 // tensor, the matrices' results side by side. AOTI_TORCH_FAILURE on any other input (the generated wrapper turns
 // that into a RuntimeError).
-AOTITorchError aoti_torch_cpu_ni_gemv_bf16_v6(AtenTensorHandle x, const AtenTensorHandle* ws, int64_t n_mats,
+AOTITorchError aoti_torch_cpu_ni_gemv_bf16_v7(AtenTensorHandle x, const AtenTensorHandle* ws, int64_t n_mats,
                                               AtenTensorHandle* ret0) {
   Gemv g;
   const int32_t bf16 = aoti_torch_dtype_bfloat16();

@@ -3,14 +3,14 @@ AOTInductor calls.
 
     export:   the linears on 1-8 rows that share one input x [R, K] (q/k/v, gate/up; any other linear alone: a
               group of one, see compile/gemv_groups.py) -> one call, the results side by side [R, N_0 + N_1 + ...]:
-                  bf16  torch.ops.neuron_infer.ni_gemv_bf16_v6(x, [w_0, ...])                 w_m [N_m, K] bf16
+                  bf16  torch.ops.neuron_infer.ni_gemv_bf16_v7(x, [w_0, ...])                 w_m [N_m, K] bf16
                   int8  torch.ops.neuron_infer.ni_gemv_int8_v4(x, [q_0, ...], [s_0, ...])     q_m int8, s_m [N_m]
                   w8a8  torch.ops.neuron_infer.ni_gemv_w8a8_v2(x, [q_0, ...], [s_0, ...])
               attention over the cached keys for at most ops.FEW_QUERY_ROWS query rows per KV head (decode,
               verify; bf16, head dim a multiple of 32 up to 256) -> one call per layer (cpu_attention.cpp):
                   attn  torch.ops.neuron_infer.ni_attn_v1(q, k, v, positions)   [B, H, R, D], [B, H, S, D] x2, [B, R]
     compile:  aot_inductor.custom_ops_to_c_shims = C_SHIMS: the generated wrapper calls the C functions
-              aoti_torch_cpu_ni_gemv_bf16_v6, ..._int8_v4, ..._w8a8_v2 (cpu_gemv*.cpp), ..._attn_v1
+              aoti_torch_cpu_ni_gemv_bf16_v7, ..._int8_v4, ..._w8a8_v2 (cpu_gemv*.cpp), ..._attn_v1
               (cpu_attention.cpp) directly - no dispatcher
     build:    the sources a graph calls -> <graph>.gemv.so next to the graph (g++, the compiler Inductor uses),
               for one ISA level (ISAS); the level is recorded and checked against the CPU at load
@@ -52,7 +52,7 @@ INT8_MAX_ROWS = 8  # the int8 and w8a8 C kernels for 1..8
 SOURCES = {"bf16": Path(__file__).with_name("cpu_gemv.cpp"), "int8": Path(__file__).with_name("cpu_gemv_int8.cpp"),
            "w8a8": Path(__file__).with_name("cpu_gemv_w8a8.cpp"), "attn": Path(__file__).with_name("cpu_attention.cpp")}
 LIB_SUFFIX = ".gemv.so"
-_SYMBOLS = {"bf16": "aoti_torch_cpu_ni_gemv_bf16_v6", "int8": "aoti_torch_cpu_ni_gemv_int8_v4",
+_SYMBOLS = {"bf16": "aoti_torch_cpu_ni_gemv_bf16_v7", "int8": "aoti_torch_cpu_ni_gemv_int8_v4",
             "w8a8": "aoti_torch_cpu_ni_gemv_w8a8_v2", "attn": "aoti_torch_cpu_ni_attn_v1"}
 # ISA levels, highest first: the /proc/cpuinfo flags each needs and the compiler flags it is built with. Every CPU
 # with AVX512-BF16 has AVX512-VNNI (Cooper Lake, Sapphire Rapids, Zen 4 and later), so that level includes it.
@@ -70,7 +70,7 @@ def _fake(x: torch.Tensor, ws: list[torch.Tensor], *_: object) -> torch.Tensor:
     return x.new_empty(x.shape[0], sum(w.shape[0] for w in ws))
 
 
-@torch.library.custom_op("neuron_infer::ni_gemv_bf16_v6", mutates_args=())
+@torch.library.custom_op("neuron_infer::ni_gemv_bf16_v7", mutates_args=())
 def gemv_bf16(x: torch.Tensor, ws: list[torch.Tensor]) -> torch.Tensor:
     """x [R, K] bf16, ws[m] [N_m, K] bf16 -> [x @ ws[0].T, x @ ws[1].T, ...] side by side [R, sum N_m] bf16 (fp32
     accumulation, one rounding). The reference."""
@@ -123,7 +123,7 @@ def attention_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
 
 _LISTS = "const AtenTensorHandle* qs, int64_t qs_len_, const AtenTensorHandle* scales, int64_t scales_len_"
 C_SHIMS = {
-    torch.ops.neuron_infer.ni_gemv_bf16_v6.default: [
+    torch.ops.neuron_infer.ni_gemv_bf16_v7.default: [
         (f"AOTITorchError {_SYMBOLS['bf16']}(AtenTensorHandle x, const AtenTensorHandle* ws, int64_t ws_len_, "
          "AtenTensorHandle* ret0)")],
     torch.ops.neuron_infer.ni_gemv_int8_v4.default: [
@@ -134,7 +134,7 @@ C_SHIMS = {
         (f"AOTITorchError {_SYMBOLS['attn']}(AtenTensorHandle q, AtenTensorHandle k, AtenTensorHandle v, "
          "AtenTensorHandle positions, AtenTensorHandle* ret0)")],
 }
-OPS = {"bf16": torch.ops.neuron_infer.ni_gemv_bf16_v6.default, "int8": torch.ops.neuron_infer.ni_gemv_int8_v4.default,
+OPS = {"bf16": torch.ops.neuron_infer.ni_gemv_bf16_v7.default, "int8": torch.ops.neuron_infer.ni_gemv_int8_v4.default,
        "w8a8": torch.ops.neuron_infer.ni_gemv_w8a8_v2.default}
 MAX_GROUP = 4  # weight matrices per call (the C kernels' kMaxMats)
 KERNEL_OPS = {**OPS, "attn": torch.ops.neuron_infer.ni_attn_v1.default}  # every op a graph's library may provide

@@ -8,9 +8,9 @@ or misreading a stride fails both by far.
 Every ISA level this CPU has is tested (AVX512-BF16, AVX-512 and AVX2 + FMA: the lower ones forced with gemv_isa; each
 in its own process, see fresh_process.py),
 rows 1..8, K with and without tails of the 16-element (AVX2), 32-element (AVX-512) and 32/64-element (AVX512-BF16)
-blocks, odd N. The widening paths' column groups (AVX2: 4 weight rows per pass up to 2 input rows, 2 up to 5;
-AVX-512: 4 up to 5, 3 up to 8) are covered with N a multiple of the group, N leaving 1-3 single columns, and N
-smaller than a group (single columns only), with and without K tails.
+blocks, odd N. The column groups (AVX2: 4 weight rows per pass up to 2 input rows, 2 up to 5; AVX-512: 4 up to 5, 3
+up to 8; AVX512-BF16: 4, 3, 2, 5, 5, 4, 4, 3 for 1-8 rows) are covered with N a multiple of the group, N leaving
+single columns, and N smaller than a group (single columns only), with and without K tails.
 """
 from __future__ import annotations
 
@@ -38,7 +38,9 @@ needs_kernel = pytest.mark.skipif(not cpu_gemv.supported(), reason="this CPU has
 # 33), 15 (31) and 5 (K < 16, no whole block), whole 16-blocks only (16, 48, 80); N odd in most, N = 1 once. AVX2
 # column groups: N below the group (N = 1 at 3 rows, 3 at 2 rows); N mod group = 1, 2, 3 at 1-2 rows (257 and 33,
 # 70, 7) and 1 at 3-5 rows (7, 9, 37). AVX-512 groups: N mod 4 = 1, 2, 3 and N < 4 at 3-5 rows (9, 130, 7, 1);
-# N mod 3 = 0, 1, 2 and N < 3 at 6-8 rows (9, 31 and 4, 41, 2).
+# N mod 3 = 0, 1, 2 and N < 3 at 6-8 rows (9, 31 and 4, 41, 2). AVX512-BF16 groups: N mod 4 = 1, 2, 3 at 1 row; 0
+# at 2 rows; 1 and N < 2 at 3 rows; 0, 2, 4 and N < 5 at 4 rows (shared); 2, 3 at 5 rows; 1 and N < 4 at 6 rows;
+# 0, 1 at 7 rows; 1, 2 at 8 rows.
 SHAPES = [(1, 70, 64), (2, 33, 96), (3, 1, 100), (4, 130, 600), (5, 48, 576), (6, 9, 1544), (7, 41, 5),
           (8, 65, 200), (8, 31, 17), (1, 257, 31), (2, 3, 48), (5, 37, 40), (3, 7, 33), (4, 9, 80), (1, 7, 16),
           (6, 2, 64), (7, 4, 48)]
@@ -138,7 +140,7 @@ def test_graph_calls_the_c_function_not_the_dispatcher(linears):
     out = linears[0]
     with zipfile.ZipFile(out / "lin.pt2") as z:
         wrapper = "".join(z.read(n).decode() for n in z.namelist() if n.endswith("wrapper.cpp"))
-    assert wrapper.count("aoti_torch_cpu_ni_gemv_bf16_v6(") >= len(SHAPES) + SHARED_CALLS
+    assert wrapper.count("aoti_torch_cpu_ni_gemv_bf16_v7(") >= len(SHAPES) + SHARED_CALLS
     assert "proxy_executor_call_function" not in wrapper  # the boxed-dispatcher route AOTI takes otherwise
 
 
@@ -172,7 +174,7 @@ def test_bf16_step_graph_is_as_accurate_as_eager_bf16(tmp_path, tokens):
     assert meta["gemv_kernel"]
     with zipfile.ZipFile(tmp_path / "tg.pt2") as z:
         wrapper = "".join(z.read(n).decode() for n in z.namelist() if n.endswith("wrapper.cpp"))
-    assert "aoti_torch_cpu_ni_gemv_bf16_v6(" in wrapper
+    assert "aoti_torch_cpu_ni_gemv_bf16_v7(" in wrapper
     eager_err = (eager - ref).abs().max().item()
     assert 0 < eager_err < 0.1
     assert (got - ref).abs().max().item() <= 1.5 * eager_err
