@@ -10,9 +10,11 @@ shared and drifts between minutes: compare the ratios of one run, not absolute n
     # a tensor-parallel artifact: load, then the first and later `generate` calls on the loaded model (seconds)
     python scripts/bench_engine.py tp-calls ART_TP2 --calls 4 --new-tokens 8
 
-`graphs` feeds each graph its compile-time example inputs (builder.example_args: token 0 at positions 0..T-1;
-every step computes over all S slots of its bucket, so the cost does not depend on the position) and the
-artifact's own KV cache; `verify_t{T}_s{S}` graphs (speculation) get logits at all T positions, as the runtime asks.
+`graphs` feeds each graph token 0 at positions P..P+T-1 of every row (`--position P`; default: the bucket's last T
+positions, S-T..S-1) over distinct cache blocks per row, with the artifact's own KV cache. A step's attention reads
+only the keys up to each row's position (the few-row attention kernel), so its cost grows with P; the default
+times the most keys a bucket's step reads. `verify_t{T}_s{S}` graphs (speculation) get logits at all T positions,
+as the runtime asks.
 """
 from __future__ import annotations
 
@@ -37,8 +39,8 @@ def load(path: str, threads: int):
     return CompiledModel.load(path, threads=threads)
 
 
-def graph_call(model, name: str):
-    """(callable, args) for graph `name` of a loaded (tp = 1) model."""
+def graph_call(model, name: str, position: int | None):
+    """(callable, args) for graph `name` of a loaded (tp = 1) model, at positions position.. (None: S - T..)."""
     from neuron_infer.compile.builder import example_args
     from neuron_infer.runtime.engine import GraphSpec
 
@@ -53,9 +55,16 @@ def graph_call(model, name: str):
         sys.exit(f"error: {model.root} has no graph {name!r}; it has {sorted(graphs)}")
     t, s, kind = int(m["t"]), int(m["s"]), m["kind"]
     batch = int(m["b"]) if m["b"] else (1 if kind == "context" else engine.build.batch_size)
-    args = example_args(engine.cache_shape, GraphSpec(kind, t, s, batch))
-    idx = torch.arange(t, dtype=torch.int64).expand(batch, t).contiguous() if kind == "verify" else args[4]
-    return graphs[name], (args[0], args[1], engine.k_cache, engine.v_cache, idx, *args[5:])
+    ids, pos, _, _, idx, table = example_args(engine.cache_shape, GraphSpec(kind, t, s, batch))
+    p0 = s - t if position is None else position
+    if kind != "context":
+        if not 0 <= p0 <= s - t:
+            sys.exit(f"error: --position {p0} leaves no room for {t} tokens in a bucket of {s}")
+        pos = pos + p0  # [B, T]
+    blocks = engine.cache_shape.blocks
+    table = (torch.arange(table.numel(), dtype=torch.int64) % (blocks - 1) + 1).view_as(table)  # [B, S/bs], no block 0
+    idx = torch.arange(t, dtype=torch.int64).expand(batch, t).contiguous() if kind == "verify" else idx
+    return graphs[name], (ids, pos, engine.k_cache, engine.v_cache, idx, table)
 
 
 def print_rounds(samples: dict[str, list[float]], header: tuple[str, str, str, str], best, time_like: bool) -> None:
@@ -76,7 +85,7 @@ def cmd_graphs(a) -> None:
         if not (label and path and name):
             sys.exit(f"error: {item!r} is not LABEL=ARTIFACT:GRAPH")
         models.setdefault(path, load(path, a.threads))
-        calls[label] = graph_call(models[path], name)
+        calls[label] = graph_call(models[path], name, a.position)
     ms = {k: [] for k in calls}
     with torch.inference_mode():
         for fn, args in calls.values():
@@ -139,6 +148,8 @@ def main() -> None:
     g.add_argument("items", nargs="+")
     g.add_argument("--rounds", type=int, default=9)
     g.add_argument("--steps", type=int, default=10)
+    g.add_argument("--position", type=int, default=None,
+                   help="first position of each step (default: the bucket's last T positions)")
     g.set_defaults(fn=cmd_graphs)
     r = sub.add_parser("generate", help="decode tokens/s of one request: LABEL=ARTIFACT ...")
     r.add_argument("items", nargs="+")

@@ -4,7 +4,9 @@
 
 For each prompt of scripts/ngram_prompts.py (chat template applied): plain greedy decoding on the target engine,
 then n-gram speculation over the same target weights, `--rounds` times interleaved; prints decode tok/s of both
-(medians), their ratio, the acceptance rate, speculative / plain steps and whether the greedy outputs are identical.
+(medians), their ratio, the replayed bound (`replay_bound`: a verify step at every step with a draft, costing
+`--bound-cost` plain steps), the acceptance rate, speculative / plain steps, whether the greedy outputs are
+identical and the verify / plain step cost ratio the engine measured (its clock, after that prompt).
 The graphs run eagerly (the modules themselves, `eager_ngram_spec`), or, with `--artifact`, the compiled graphs of
 an artifact built with `--draft-model ngram` (batch size 1, e.g.
     neuron-infer compile -o A --dtype bf16 --batch-size 1 --max-context-length 512 --max-length 640 \
@@ -28,7 +30,8 @@ from neuron_infer.compile.weights import build_float_model
 from neuron_infer.config import BuildConfig, ModelConfig, SpeculationConfig
 from neuron_infer.runtime.generate import generate_ids
 from neuron_infer.runtime.loader import eager_ngram_spec, load_rank
-from neuron_infer.runtime.ngram_spec import NgramSpec
+from neuron_infer.runtime.ngram import propose
+from neuron_infer.runtime.ngram_spec import PRIOR_COST_RATIO, NgramSpec
 from scripts.ngram_prompts import GROUNDED, OPEN_ENDED
 
 
@@ -48,6 +51,20 @@ def compiled_spec(artifact: str) -> NgramSpec:
     return spec
 
 
+def replay_bound(prompt: list[int], out: list[int], ngram_size: int, k: int, cost: float) -> float:
+    """Speed-up over plain decoding if every step where the lookup finds a draft verified it: the plain greedy output
+    `out` replayed, each draft accepted as far as it matches `out`, a verify step costing `cost` plain steps, no host
+    work counted. Greedy output does not depend on the drafts, so this bounds what the policy can reach."""
+    seq, i, steps = list(prompt), 0, 0.0
+    while i < len(out):
+        d = propose(seq, ngram_size, k)
+        hits = next((j for j, (a, b) in enumerate(zip(d, out[i:])) if a != b), min(len(d), len(out) - i))
+        steps += cost if d else 1.0
+        seq += out[i: i + hits + 1]
+        i += hits + 1
+    return len(out) / steps
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model-dir", default=None, help="SmolLM2 checkpoint (default: the embedded model)")
@@ -58,6 +75,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     ap.add_argument("--artifact", default=None, help="a compiled --draft-model ngram artifact (default: eager graphs)")
+    ap.add_argument("--bound-cost", type=float, default=1.3,
+                    help="verify / plain step cost for the `bound` column (replay_bound)")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     if a.model_dir is None:
@@ -70,7 +89,8 @@ def main() -> None:
     build = spec.build
     print(f"load before: {os.getloadavg()}  {build.dtype} K={spec.k} n={spec.ngram_size} new={a.new_tokens} "
           f"threads={a.threads} graphs: {'compiled ' + a.artifact if a.artifact else 'eager'}")
-    print(f"{'set':9} {'prompt':10} {'plain':>7} {'ngram':>7} {'ratio':>6} {'accept':>6} {'spec/plain':>10} same")
+    print(f"{'set':9} {'prompt':10} {'plain':>7} {'ngram':>7} {'ratio':>6} {'bound':>6} {'accept':>6} {'spec/plain':>10} "
+          "same  cost")
     for group, prompts in (("grounded", GROUNDED), ("open", OPEN_ENDED)):
         for name, text in prompts.items():
             ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
@@ -83,8 +103,10 @@ def main() -> None:
                 fast.append(m.tokens_per_s)
                 same = same and got[0].token_ids == ref[0].token_ids
             p, f = statistics.median(plain), statistics.median(fast)
-            print(f"{group:9} {name:10} {p:7.1f} {f:7.1f} {f / p:6.2f} {m.acceptance_rate:6.2f} "
-                  f"{m.spec_steps:>4}/{m.plain_steps:<5} {same}  ({len(ids)} prompt tokens, "
+            cost = spec.clock.ratio("verify", "plain", PRIOR_COST_RATIO)  # the engine's measured verify / plain
+            bound = replay_bound(ids, ref[0].token_ids, spec.ngram_size, spec.k, a.bound_cost)
+            print(f"{group:9} {name:10} {p:7.1f} {f:7.1f} {f / p:6.2f} {bound:6.2f} {m.acceptance_rate:6.2f} "
+                  f"{m.spec_steps:>4}/{m.plain_steps:<5} {same!s:5} {cost:.2f}  ({len(ids)} prompt tokens, "
                   f"{len(got[0].token_ids)} generated)", flush=True)
     print(f"load after: {os.getloadavg()}")
 

@@ -33,6 +33,25 @@ def cheapest(items):
         if best is None or item["price"] < best["price"]:
             best = item
     return best
+
+
+def apply_discount(items, percent):
+    if percent < 0 or percent > 100:
+        raise ValueError("percent must be between 0 and 100")
+    discounted = []
+    for item in items:
+        price = item["price"] * (100 - percent) / 100
+        discounted.append({"name": item["name"], "price": price, "quantity": item["quantity"]})
+    return discounted
+
+
+def receipt(items, tax_rate):
+    lines = []
+    for item in items:
+        lines.append(f"{item['name']}: {item['quantity']} x {item['price']:.2f}")
+    total = total_price(items, tax_rate)
+    lines.append(f"total: {total:.2f}")
+    return "\n".join(lines)
 '''
 
 GROUNDED = {

@@ -324,3 +324,15 @@ def test_host_only_rules_take_plain_steps_and_equal_plain(ngram_spec, sampling, 
     ref, _ = generate_ids(spec.target, [PROMPT], 30, sampling, (), True, logprobs=logprobs)
     assert m.spec_steps == 0 and m.plain_steps > 0
     assert got[0].token_ids == ref[0].token_ids
+
+
+def test_replay_bound_counts_verify_steps_at_their_cost():
+    """The benchmark's bound (scripts/bench_ngram.py): an output copied from the prompt takes one verify step; an
+    output the lookup never drafts for takes one plain step per token."""
+    from scripts.bench_ngram import replay_bound
+
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3]  # the lookup continues [1, 2, 3] with [4, 5, 6, 7, 8, 1]
+    assert replay_bound(prompt, [4, 5, 6, 7, 8], ngram_size=3, k=6, cost=1.5) == pytest.approx(5 / 1.5)
+    # a draft of 6 that misses at its 3rd token: 3 tokens from one verify step, then [9, 9] unseen: 2 plain steps
+    assert replay_bound(prompt, [4, 5, 0, 9, 9], ngram_size=3, k=6, cost=1.5) == pytest.approx(5 / (1.5 + 1 + 1))
+    assert replay_bound([10, 11], [12, 13, 14], ngram_size=3, k=6, cost=1.5) == pytest.approx(1.0)
