@@ -9,7 +9,8 @@
 // GQA group's heads times the step's tokens), widen them to fp32 once into a small buffer, and compute a row's 16 (8
 // with AVX2) scores as 16 dot products reduced together by one transpose-and-add tree - no horizontal sum per key.
 // At head dims of 4 or 8 vectors, tiles of up to 4 query rows share each key's and value's loads (scores, pv), and
-// give the FMA units independent chains; a row's operations and their order are those of the row alone.
+// give the FMA units independent chains; a row's operations and their order are those of the row alone (other head
+// dims run the same code one row at a time).
 //
 // Order of work, fixed whatever the number of rows, the batch, the cache bucket or the thread count, so each query
 // row's result depends only on its own query and the keys and values it sees: a verify pass over K+1 tokens computes
@@ -172,19 +173,26 @@ struct Attn {
   }
 };
 
-// o[r] += p[r][j] v_j for keys j in [j0, j1) of the rows of a tile (their probabilities pr[r], outputs o[r], nd = D / L
-// vectors each), key by key in order: one load of v_j for every row of the tile, and RT x ND independent FMA chains
+// The tiled loops below are instantiated for head dims of ND = 4 or 8 vectors (loops unrolled, vectors in
+// registers) and for ND = 0: any head dim, its nd = D / L vectors read at run time, one row per tile.
+template <int64_t ND>
+constexpr int64_t kVecs = ND > 0 ? ND : kMaxD / L;  // vectors per row an array must hold
+
+// o[r] += p[r][j] v_j for keys j in [j0, j1) of the rows of a tile (their probabilities pr[r], outputs o[r], nd
+// vectors each), key by key in order: one load of v_j for every row of the tile, and RT x nd independent FMA chains
 // (one row alone is a chain per output vector, bound by the FMA latency). Per row, the same operations in the same
 // order whatever the tile.
 template <int RT, int64_t ND>
-inline void pv_rows(const float* const (&pr)[RT], const float* vf, int64_t j0, int64_t j1, V::F (&o)[RT][ND]) {
+inline void pv_rows(const float* const (&pr)[RT], const float* vf, int64_t j0, int64_t j1, int64_t nd,
+                    V::F (&o)[RT][kVecs<ND>]) {
+  if constexpr (ND > 0) nd = ND;
   for (int64_t j = j0; j < j1; j++) {
-    const float* vj = vf + j * ND * L;
-    V::F vv[ND];
-    for (int64_t i = 0; i < ND; i++) vv[i] = V::load(vj + i * L);
+    const float* vj = vf + j * nd * L;
+    V::F vv[kVecs<ND>];
+    for (int64_t i = 0; i < nd; i++) vv[i] = V::load(vj + i * L);
     for (int r = 0; r < RT; r++) {
       const V::F p = V::set1(pr[r][j]);
-      for (int64_t i = 0; i < ND; i++) o[r][i] = V::fma(p, vv[i], o[r][i]);
+      for (int64_t i = 0; i < nd; i++) o[r][i] = V::fma(p, vv[i], o[r][i]);
     }
   }
 }
@@ -192,56 +200,45 @@ inline void pv_rows(const float* const (&pr)[RT], const float* vf, int64_t j0, i
 // Rows per PV tile at ND vectors per row: as many as fit next to v_j's ND vectors in the vector registers, up to 4
 // (SmolLM2's 3 query heads per KV head make one-token steps tiles of 3).
 template <int64_t ND>
-constexpr int kTile = std::max<int64_t>(1, std::min<int64_t>(4, (V::kRegisters - ND - 1) / ND));
+constexpr int kTile = ND == 0 ? 1 : std::max<int64_t>(1, std::min<int64_t>(4, (V::kRegisters - ND - 1) / ND));
 
 // The PV products of RT rows (their probabilities pr[r], keys seen[r], outputs out[r]) of a chunk, n <= RT of them
 // (fewer: the instance for n): keys [0, their fewest seen) for all together, then each row's remaining keys alone.
 template <int64_t ND, int RT = kTile<ND>>
-void pv_tile(const float* const* pr, const int64_t* seen, float* const* out, int64_t n, const float* vf) {
+void pv_tile(const float* const* pr, const int64_t* seen, float* const* out, int64_t n, int64_t nd, const float* vf) {
   if constexpr (RT > 1) {
-    if (n < RT) return pv_tile<ND, RT - 1>(pr, seen, out, n, vf);
+    if (n < RT) return pv_tile<ND, RT - 1>(pr, seen, out, n, nd, vf);
   }
+  if constexpr (ND > 0) nd = ND;
   const float* tp[RT];
-  V::F o[RT][ND];
+  V::F o[RT][kVecs<ND>];
   int64_t common = seen[0];
   for (int r = 0; r < RT; r++) {
     tp[r] = pr[r];
     common = std::min(common, seen[r]);
-    for (int64_t i = 0; i < ND; i++) o[r][i] = V::zero();
+    for (int64_t i = 0; i < nd; i++) o[r][i] = V::zero();
   }
-  pv_rows<RT, ND>(tp, vf, 0, common, o);
+  pv_rows<RT, ND>(tp, vf, 0, common, nd, o);
   for (int r = 0; r < RT; r++) {
     const float* one[1] = {tp[r]};
-    V::F o1[1][ND];
-    for (int64_t i = 0; i < ND; i++) o1[0][i] = o[r][i];
-    pv_rows<1, ND>(one, vf, common, seen[r], o1);
-    for (int64_t i = 0; i < ND; i++) V::store(out[r] + i * L, o1[0][i]);
+    V::F o1[1][kVecs<ND>];
+    for (int64_t i = 0; i < nd; i++) o1[0][i] = o[r][i];
+    pv_rows<1, ND>(one, vf, common, seen[r], nd, o1);
+    for (int64_t i = 0; i < nd; i++) V::store(out[r] + i * L, o1[0][i]);
   }
 }
 
 // The PV products of `n` rows of a chunk, kTile<ND> at a time.
 template <int64_t ND>
-void pv(const float* const* pr, const int64_t* seen, float* const* out, int64_t n, const float* vf) {
+void pv(const float* const* pr, const int64_t* seen, float* const* out, int64_t n, int64_t nd, const float* vf) {
   for (int64_t t = 0; t < n; t += kTile<ND>)
-    pv_tile<ND>(pr + t, seen + t, out + t, std::min<int64_t>(kTile<ND>, n - t), vf);
-}
-
-// One row's PV products at a head dim with no `pv` instance (nd = D / L at run time), key by key in order.
-void pv_any(const float* p, int64_t seen, const float* vf, int64_t nd, float* out) {
-  V::F o[kMaxD / L];
-  for (int64_t i = 0; i < nd; i++) o[i] = V::zero();
-  for (int64_t j = 0; j < seen; j++) {
-    const V::F pj = V::set1(p[j]);
-    const float* vj = vf + j * nd * L;
-    for (int64_t i = 0; i < nd; i++) o[i] = V::fma(pj, V::load(vj + i * L), o[i]);
-  }
-  for (int64_t i = 0; i < nd; i++) V::store(out + i * L, o[i]);
+    pv_tile<ND>(pr + t, seen + t, out + t, std::min<int64_t>(kTile<ND>, n - t), nd, vf);
 }
 
 // Rows per score tile at ND vectors per row: their queries (RT x ND vectors), one key's ND vectors and RT
 // accumulators in the vector registers, up to 4 rows.
 template <int64_t ND>
-constexpr int kTileQK = std::max<int64_t>(1, std::min<int64_t>(4, (V::kRegisters - ND) / (ND + 1)));
+constexpr int kTileQK = ND == 0 ? 1 : std::max<int64_t>(1, std::min<int64_t>(4, (V::kRegisters - ND) / (ND + 1)));
 constexpr int64_t kMaxTile = 4;
 
 // Row `row`'s query vector i, times 1/sqrt(D) in fp32 (as the reference scales it).
@@ -249,20 +246,22 @@ inline V::F query(const Attn& a, int64_t bi, int64_t hi, int64_t row, int64_t i,
   return V::mul(V::widen(a.q + bi * a.qs[0] + hi * a.qs[1] + row * a.qs[2] + i * L), V::set1(scale));
 }
 
-// The raw scores of RT rows against the chunk's keys [0, groups L) (widened in kf, ND vectors per key) into sc[row]:
+// The raw scores of RT rows against the chunk's keys [0, groups L) (widened in kf, nd vectors per key) into sc[row]:
 // per key, one load of its vectors for every row; per (row, key) the same products in the same order as one row
 // alone; each row's 16 (AVX2: 8) scores of a group reduced by one transpose-and-add tree.
 template <int RT, int64_t ND>
-void scores_rows(const V::F (&qv)[RT][ND], const float* kf, int64_t groups, float* const (&s)[RT]) {
+void scores_rows(const V::F (&qv)[RT][kVecs<ND>], const float* kf, int64_t groups, int64_t nd,
+                 float* const (&s)[RT]) {
+  if constexpr (ND > 0) nd = ND;
   for (int64_t g = 0; g < groups; g++) {
     V::F dots[RT][L];
     for (int64_t j = 0; j < L; j++) {
-      const float* kj = kf + (g * L + j) * ND * L;
-      V::F kv[ND];
-      for (int64_t i = 0; i < ND; i++) kv[i] = V::load(kj + i * L);
+      const float* kj = kf + (g * L + j) * nd * L;
+      V::F kv[kVecs<ND>];
+      for (int64_t i = 0; i < nd; i++) kv[i] = V::load(kj + i * L);
       for (int r = 0; r < RT; r++) {
         V::F acc = V::mul(qv[r][0], kv[0]);
-        for (int64_t i = 1; i < ND; i++) acc = V::fma(qv[r][i], kv[i], acc);
+        for (int64_t i = 1; i < nd; i++) acc = V::fma(qv[r][i], kv[i], acc);
         dots[r][j] = acc;
       }
     }
@@ -277,34 +276,16 @@ void scores(const Attn& a, int64_t bi, int64_t hi, const int64_t* rows, int64_t 
   if constexpr (RT > 1) {
     if (n < RT) return scores<ND, RT - 1>(a, bi, hi, rows, n, c0, scale, kf, sc);
   }
-  V::F qv[RT][ND];
+  const int64_t nd = ND > 0 ? ND : a.d / L;
+  V::F qv[RT][kVecs<ND>];
   float* s[RT];
   int64_t most = 0;  // key groups of the row that sees the most keys of the chunk
   for (int r = 0; r < RT; r++) {
-    for (int64_t i = 0; i < ND; i++) qv[r][i] = query(a, bi, hi, rows[r], i, scale);
+    for (int64_t i = 0; i < nd; i++) qv[r][i] = query(a, bi, hi, rows[r], i, scale);
     s[r] = sc + rows[r] * kChunk;
     most = std::max(most, (std::min(a.visible(bi, rows[r]), c0 + kChunk) - c0 + L - 1) / L);
   }
-  scores_rows<RT, ND>(qv, kf, most, s);
-}
-
-// One row's raw scores at a head dim with no `scores` instance (nd = D / L at run time).
-void scores_any(const Attn& a, int64_t bi, int64_t hi, int64_t row, int64_t c0, float scale, const float* kf,
-                float* sc) {
-  const int64_t nd = a.d / L, groups = (std::min(a.visible(bi, row), c0 + kChunk) - c0 + L - 1) / L;
-  V::F qv[kMaxD / L];
-  for (int64_t i = 0; i < nd; i++) qv[i] = query(a, bi, hi, row, i, scale);
-  float* s = sc + row * kChunk;
-  for (int64_t g = 0; g < groups; g++) {
-    V::F dots[L];
-    for (int64_t j = 0; j < L; j++) {
-      const float* kj = kf + (g * L + j) * a.d;
-      V::F acc = V::mul(qv[0], V::load(kj));
-      for (int64_t i = 1; i < nd; i++) acc = V::fma(qv[i], V::load(kj + i * L), acc);
-      dots[j] = acc;
-    }
-    V::store(s + g * L, V::sums(dots));
-  }
+  scores_rows<RT, ND>(qv, kf, most, nd, s);
 }
 
 // One work item: chunk c of KV head (bi, hi) for every query row that sees part of it. Writes, per row, the chunk's
@@ -325,12 +306,17 @@ void chunk(const Attn& a, int64_t bi, int64_t hi, int64_t c, int64_t chunks, flo
     }
   }
   // Per row that sees part of the chunk: its scores (tiles of rows share each key's loads), their max, the
-  // probabilities (kept in sc for the PV pass) and their sum; then the PV products, kMaxRows rows at a time.
+  // probabilities (kept in sc for the PV pass) and their sum; then the PV products, kMaxRows rows at a time. ND = 4
+  // or 8: the tiled instances; any other head dim: ND = 0.
   int64_t n = 0, seen_of[kMaxRows], tile[kMaxTile], nt = 0;
   const float* prob[kMaxRows];
   float* out_of[kMaxRows];
-  const bool tiled = nd == 4 || nd == 8;
-  const int64_t tile_rows = nd == 4 ? kTileQK<4> : nd == 8 ? kTileQK<8> : 1;
+  const int64_t tile_rows = nd == 4 ? kTileQK<4> : nd == 8 ? kTileQK<8> : kTileQK<0>;
+  auto pv_batch = [&]() {
+    nd == 4 ? pv<4>(prob, seen_of, out_of, n, nd, vf)
+            : nd == 8 ? pv<8>(prob, seen_of, out_of, n, nd, vf) : pv<0>(prob, seen_of, out_of, n, nd, vf);
+    n = 0;
+  };
   auto finish = [&](int64_t row) {  // scores in sc -> m, probabilities, l; the PV products
     const int64_t seen = std::min(a.visible(bi, row), c0 + kChunk) - c0;
     float* s = sc + row * kChunk;
@@ -351,20 +337,13 @@ void chunk(const Attn& a, int64_t bi, int64_t hi, int64_t c, int64_t chunks, flo
     float* out = part + ((((bi * a.h + hi) * a.r + row) * chunks) + c) * (d + 2);
     out[0] = m;
     out[1] = V::hsum(lv);
-    if (!tiled) return pv_any(s, seen, vf, nd, out + 2);
     prob[n] = s, seen_of[n] = seen, out_of[n] = out + 2;
-    if (++n == kMaxRows) {
-      nd == 4 ? pv<4>(prob, seen_of, out_of, n, vf) : pv<8>(prob, seen_of, out_of, n, vf);
-      n = 0;
-    }
+    if (++n == kMaxRows) pv_batch();
   };
   auto flush = [&]() {  // the scores of the rows in `tile`, then each row's softmax
-    if (nd == 4)
-      scores<4>(a, bi, hi, tile, nt, c0, scale, kf, sc);
-    else if (nd == 8)
-      scores<8>(a, bi, hi, tile, nt, c0, scale, kf, sc);
-    else
-      for (int64_t t = 0; t < nt; t++) scores_any(a, bi, hi, tile[t], c0, scale, kf, sc);
+    nd == 4   ? scores<4>(a, bi, hi, tile, nt, c0, scale, kf, sc)
+    : nd == 8 ? scores<8>(a, bi, hi, tile, nt, c0, scale, kf, sc)
+              : scores<0>(a, bi, hi, tile, nt, c0, scale, kf, sc);
     for (int64_t t = 0; t < nt; t++) finish(tile[t]);
     nt = 0;
   };
@@ -374,7 +353,7 @@ void chunk(const Attn& a, int64_t bi, int64_t hi, int64_t c, int64_t chunks, flo
     if (nt == tile_rows) flush();
   }
   if (nt > 0) flush();
-  if (n > 0) nd == 4 ? pv<4>(prob, seen_of, out_of, n, vf) : pv<8>(prob, seen_of, out_of, n, vf);
+  if (n > 0) pv_batch();
 }
 
 // Row `row` of KV head (bi, hi): the chunks' partial results merged, divided by the softmax sum, rounded to bf16.

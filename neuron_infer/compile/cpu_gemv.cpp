@@ -101,6 +101,7 @@ template <int R>
 constexpr int kCols = R <= 2 ? 4 : R <= 5 ? 2 : 1;
 #endif
 constexpr int64_t kBlock = V::kBlock;
+constexpr int64_t kMaxRows = 8;  // input rows per call (kKernels)
 
 // The dot-product path's loops over columns and rows fully unrolled (measured faster there at 6-8 rows; on the
 // widening paths slower at 8 rows, so not there).
@@ -154,7 +155,7 @@ inline void step(const uint16_t* const (&wr)[C], int64_t wi, const Act& a, int64
 
 // The activations' K tail [i, k) of each row, zero-padded to one block.
 struct ActTail {
-  alignas(64) uint16_t x[8][kBlock];
+  alignas(64) uint16_t x[kMaxRows][kBlock];
   Act at(const Act& a, int R, int64_t i, int64_t k) {
     std::memset(x, 0, sizeof(x));
     for (int r = 0; r < R; r++) std::memcpy(x[r], a.x + r * a.xs + i, static_cast<size_t>(k - i) * sizeof(uint16_t));
@@ -276,8 +277,6 @@ void run(const Gemv& g) {
   kKernels[g.r](Act{xf.data()}, g);
 }
 #endif
-
-constexpr int64_t kMaxRows = 8;
 
 }  // namespace
 
