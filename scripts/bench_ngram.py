@@ -4,8 +4,9 @@
 
 For each prompt of scripts/ngram_prompts.py (chat template applied): plain greedy decoding on the target engine,
 then n-gram speculation over the same target weights, `--rounds` times interleaved; prints decode tok/s of both
-(medians), their ratio, the replayed bound (`replay_bound`: a verify step at every step with a draft, costing
-`--bound-cost` plain steps), the acceptance rate, speculative / plain steps, whether the greedy outputs are
+(medians), their ratio, two replays of the plain greedy output (a verify step costing `--bound-cost` plain steps, no
+host work): `bound`, a verify step at every step with a draft (`replay_bound`), and `policy`, at the steps the
+speculation policy chooses (`replay_policy`), then the acceptance rate, speculative / plain steps, whether the greedy outputs are
 identical and the verify / plain step cost ratio the engine measured (its clock, after that prompt).
 The graphs run eagerly (the modules themselves, `eager_ngram_spec`), or, with `--artifact`, the compiled graphs of
 an artifact built with `--draft-model ngram` (batch size 1, e.g.
@@ -30,7 +31,7 @@ from neuron_infer.compile.weights import build_float_model
 from neuron_infer.config import BuildConfig, ModelConfig, SpeculationConfig
 from neuron_infer.runtime.generate import generate_ids
 from neuron_infer.runtime.loader import eager_ngram_spec, load_rank
-from neuron_infer.runtime.ngram import propose
+from neuron_infer.runtime.ngram import RowView, SeqState, plan_step, propose
 from neuron_infer.runtime.ngram_spec import PRIOR_COST_RATIO, NgramSpec
 from scripts.ngram_prompts import GROUNDED, OPEN_ENDED
 
@@ -54,12 +55,31 @@ def compiled_spec(artifact: str) -> NgramSpec:
 def replay_bound(prompt: list[int], out: list[int], ngram_size: int, k: int, cost: float) -> float:
     """Speed-up over plain decoding if every step where the lookup finds a draft verified it: the plain greedy output
     `out` replayed, each draft accepted as far as it matches `out`, a verify step costing `cost` plain steps, no host
-    work counted. Greedy output does not depend on the drafts, so this bounds what the policy can reach."""
-    seq, i, steps = list(prompt), 0, 0.0
+    work counted. Greedy output does not depend on the drafts, so this is what verifying every draft can reach."""
+    return _replay(prompt, out, ngram_size, k, cost, policy=False)
+
+
+def replay_policy(prompt: list[int], out: list[int], ngram_size: int, k: int, cost: float) -> float:
+    """The same replay with the drafts runtime/ngram.py's policy verifies (`plan_step` on a `SeqState`: its
+    estimate, probes and declined drafts scored by the tokens that follow) at a cost ratio of `cost`: the policy's
+    speed-up free of the machine's timing noise (the engine's periodic calibration steps are not replayed)."""
+    return _replay(prompt, out, ngram_size, k, cost, policy=True)
+
+
+def _replay(prompt: list[int], out: list[int], ngram_size: int, k: int, cost: float, policy: bool) -> float:
+    seq, i, steps, st = list(prompt), 0, 0.0, SeqState()
     while i < len(out):
+        st.observe(seq)
         d = propose(seq, ngram_size, k)
+        take = plan_step([RowView(len(d), st.accepted, st.idle)], cost)[0] if policy else len(d)
         hits = next((j for j, (a, b) in enumerate(zip(d, out[i:])) if a != b), min(len(d), len(out) - i))
-        steps += cost if d else 1.0
+        if take:
+            steps += cost
+            st.update(take, hits)
+        else:
+            steps, hits = steps + 1.0, 0
+            st.update(0, 0)
+            st.watch(len(seq), d)
         seq += out[i: i + hits + 1]
         i += hits + 1
     return len(out) / steps
@@ -76,7 +96,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     ap.add_argument("--artifact", default=None, help="a compiled --draft-model ngram artifact (default: eager graphs)")
     ap.add_argument("--bound-cost", type=float, default=1.3,
-                    help="verify / plain step cost for the `bound` column (replay_bound)")
+                    help="verify / plain step cost for the `bound` and `policy` columns (the replays)")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     if a.model_dir is None:
@@ -89,8 +109,8 @@ def main() -> None:
     build = spec.build
     print(f"load before: {os.getloadavg()}  {build.dtype} K={spec.k} n={spec.ngram_size} new={a.new_tokens} "
           f"threads={a.threads} graphs: {'compiled ' + a.artifact if a.artifact else 'eager'}")
-    print(f"{'set':9} {'prompt':10} {'plain':>7} {'ngram':>7} {'ratio':>6} {'bound':>6} {'accept':>6} {'spec/plain':>10} "
-          "same  cost")
+    print(f"{'set':9} {'prompt':10} {'plain':>7} {'ngram':>7} {'ratio':>6} {'bound':>6} {'policy':>6} {'accept':>6} "
+          f"{'spec/plain':>10} same  cost")
     for group, prompts in (("grounded", GROUNDED), ("open", OPEN_ENDED)):
         for name, text in prompts.items():
             ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
@@ -105,7 +125,8 @@ def main() -> None:
             p, f = statistics.median(plain), statistics.median(fast)
             cost = spec.clock.ratio("verify", "plain", PRIOR_COST_RATIO)  # the engine's measured verify / plain
             bound = replay_bound(ids, ref[0].token_ids, spec.ngram_size, spec.k, a.bound_cost)
-            print(f"{group:9} {name:10} {p:7.1f} {f:7.1f} {f / p:6.2f} {bound:6.2f} {m.acceptance_rate:6.2f} "
+            pol = replay_policy(ids, ref[0].token_ids, spec.ngram_size, spec.k, a.bound_cost)
+            print(f"{group:9} {name:10} {p:7.1f} {f:7.1f} {f / p:6.2f} {bound:6.2f} {pol:6.2f} {m.acceptance_rate:6.2f} "
                   f"{m.spec_steps:>4}/{m.plain_steps:<5} {same!s:5} {cost:.2f}  ({len(ids)} prompt tokens, "
                   f"{len(got[0].token_ids)} generated)", flush=True)
     print(f"load after: {os.getloadavg()}")

@@ -6,11 +6,14 @@ the (up to k) tokens that followed its **most recent** earlier occurrence. No ma
 a plain step for that sequence).
 
 Speculation policy (`plan_step`): one verify pass computes K+1 positions whatever the number of drafts, so a
-shorter draft saves nothing; what adapts per sequence is whether it drafts at all. Each sequence keeps an EWMA of
-the drafts accepted per verify step (`accepted`) and the number of steps since it last drafted. Prompt lookup is
-bursty - while the output copies its input whole drafts are accepted, then none - so the policy estimates that count
-directly rather than a per-token rate (a rate a with independent acceptances predicts 1 + a + ... + a^k tokens, far
-below what a copying sequence gets). With one verify step costing `cost_ratio` plain steps (measured at run time),
+shorter draft saves nothing; what adapts per sequence is whether it drafts at all. Each sequence keeps the mean
+number of draft tokens accepted over its last WINDOW drafts (`accepted`; before its first, one pseudo-draft of
+PRIOR_ACCEPTED) and the number of steps since it last drafted. Prompt lookup is bursty - while the output copies its
+input whole drafts are accepted, then none - so the policy estimates that count directly rather than a per-token
+rate (a rate a with independent acceptances predicts 1 + a + ... + a^k tokens, far below what a copying sequence
+gets), and over a window long enough to span a run of misses between copied stretches: a short memory would
+decline the drafts right after a few misses, often the first of the next copied stretch (docs/speculation.md replays
+both on SmolLM2's outputs). With one verify step costing `cost_ratio` plain steps (measured at run time),
 a sequence with a draft of d tokens expects E = 1 + min(accepted, d) tokens from it, and
     k = d       when E >= cost_ratio, or when `probe_every` steps have passed since it last drafted (a probe, so a
                 sequence whose text turns repetitive resumes speculating);
@@ -24,11 +27,12 @@ So a sequence whose output starts copying its input is noticed at once, without 
 """
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-EWMA_ALPHA = 0.3  # weight of the newest verify step in a sequence's accepted-drafts estimate
-PRIOR_ACCEPTED = 2.0  # accepted drafts per verify step assumed before a sequence's first draft
+WINDOW = 24  # a sequence's latest drafts (verified, or scored for free) its accepted-drafts estimate averages
+PRIOR_ACCEPTED = 2.0  # one pseudo-draft with this many tokens accepted, in the window before a sequence's first draft
 PROBE_EVERY = 16  # idle steps after which a sequence drafts again regardless of its estimate
 
 
@@ -51,7 +55,7 @@ class RowView:
     """What the policy sees of one scheduled sequence."""
 
     draft_len: int  # tokens the lookup found (0: no match)
-    accepted: float  # EWMA of its drafts accepted per verify step
+    accepted: float  # its mean draft tokens accepted per draft (SeqState.accepted)
     idle: int  # steps since it last drafted
 
     def expected(self) -> float:
@@ -76,9 +80,19 @@ def plan_step(rows: Sequence[RowView], cost_ratio: float, probe_every: int = PRO
 class SeqState:
     """A sequence's adaptive state (kept by the speculation engine, per sequence)."""
 
-    accepted: float = PRIOR_ACCEPTED
+    recent: deque[int] = field(default_factory=lambda: deque([PRIOR_ACCEPTED], maxlen=WINDOW))  # accepted per draft
     idle: int = 0
     shadow: tuple[int, list[int]] | None = None  # a draft it did not verify: (position of its first token, draft)
+
+    @classmethod
+    def estimating(cls, accepted: float) -> SeqState:
+        """A state whose window holds one pseudo-draft with `accepted` tokens accepted (instead of the prior)."""
+        return cls(recent=deque([accepted], maxlen=WINDOW))
+
+    @property
+    def accepted(self) -> float:
+        """Mean draft tokens accepted per draft over the window."""
+        return sum(self.recent) / len(self.recent)
 
     def update(self, drafted: int, accepted: int) -> None:
         """After a step: `drafted` tokens proposed to it (0: it did not draft), `accepted` of them kept."""
@@ -107,4 +121,4 @@ class SeqState:
             self._learn(hits)
 
     def _learn(self, accepted: int) -> None:
-        self.accepted = (1.0 - EWMA_ALPHA) * self.accepted + EWMA_ALPHA * accepted
+        self.recent.append(accepted)

@@ -17,7 +17,7 @@ from neuron_infer.config import ModelConfig, SamplingConfig, SpeculationConfig
 from neuron_infer.errors import ConfigError
 from neuron_infer.runtime.generate import generate_ids
 from neuron_infer.runtime.loader import eager_ngram_spec
-from neuron_infer.runtime.ngram import PROBE_EVERY, RowView, SeqState, plan_step, propose
+from neuron_infer.runtime.ngram import PRIOR_ACCEPTED, PROBE_EVERY, WINDOW, RowView, SeqState, plan_step, propose
 from neuron_infer.runtime.ngram_spec import CALIBRATE_EVERY, CALIBRATE_FIRST, RECHECK_EVERY, NgramSpec, accept
 from neuron_infer.runtime.sampling import processed_probs
 from tests.speculation.conftest import BASE
@@ -71,35 +71,40 @@ def test_plan_step(rows, ratio, ks):
     assert plan_step([RowView(*r) for r in rows], ratio) == ks
 
 
-def test_seq_state_ewma_and_idle():
-    st = SeqState(accepted=2.0)
+def test_seq_state_window_mean_and_idle():
+    st = SeqState()
+    assert list(st.recent) == [PRIOR_ACCEPTED] and st.accepted == PRIOR_ACCEPTED  # one pseudo-draft: the prior
     st.update(0, 0)
     st.update(0, 0)
-    assert st.idle == 2 and st.accepted == 2.0
+    assert st.idle == 2 and st.accepted == PRIOR_ACCEPTED  # steps without a draft teach nothing
     st.update(6, 6)
-    assert st.idle == 0 and st.accepted == pytest.approx(0.7 * 2.0 + 0.3 * 6)
-    for _ in range(30):
+    assert st.idle == 0 and st.accepted == pytest.approx((PRIOR_ACCEPTED + 6) / 2)
+    for _ in range(WINDOW - 2):
         st.update(6, 0)
-    assert st.accepted < 0.01  # shrinks towards 0: the sequence takes plain steps until a probe
+    assert st.accepted == pytest.approx((PRIOR_ACCEPTED + 6) / WINDOW)  # misses count, the copied run is remembered
+    st.update(6, 0)
+    assert st.accepted == pytest.approx(6 / WINDOW)  # the prior left the window first
+    st.update(6, 0)
+    assert st.accepted == 0.0  # a window of misses: plain steps until a probe or a scored draft that would pay
 
 
 def test_a_declined_draft_is_scored_by_the_tokens_that_follow():
-    st = SeqState(accepted=0.0)
+    st = SeqState.estimating(0.0)
     st.watch(10, [7, 8, 9])
     st.watch(11, [1, 2])  # one draft watched at a time
     st.observe([0] * 10 + [7])  # first token matches: undecided, nothing learnt yet
-    assert st.shadow == (10, [7, 8, 9]) and st.accepted == 0.0
+    assert st.shadow == (10, [7, 8, 9]) and list(st.recent) == [0.0]
     st.observe([0] * 10 + [7, 8, 5])  # mismatch at the third: a verify step would have accepted 2
-    assert st.shadow is None and st.accepted == pytest.approx(0.3 * 2) and st.idle == 0
+    assert st.shadow is None and list(st.recent) == [0.0, 2] and st.idle == 0
     st.watch(13, [4, 4])
     st.observe([0] * 13 + [4, 4, 4])  # every draft token matched: 2
-    assert st.shadow is None and st.accepted == pytest.approx(0.7 * 0.6 + 0.3 * 2)
+    assert st.shadow is None and list(st.recent) == [0.0, 2, 2]
     st.watch(16, [3])
     st.observe([0] * 16 + [2])  # rejected at once: 0
-    assert st.accepted == pytest.approx(0.7 * (0.7 * 0.6 + 0.3 * 2))
+    assert list(st.recent) == [0.0, 2, 2, 0]
     st.watch(17, [5, 6])
     st.update(4, 4)  # the sequence drafted and was verified: the watched positions are measured by that step
-    assert st.shadow is None and st.accepted == pytest.approx(0.7 * 0.7 * (0.7 * 0.6 + 0.3 * 2) + 0.3 * 4)
+    assert st.shadow is None and list(st.recent) == [0.0, 2, 2, 0, 4] and st.accepted == pytest.approx(8 / 5)
 
 
 class _Seq:
@@ -112,17 +117,17 @@ class _Seq:
 def test_plan_watches_declined_drafts_and_learns_from_plain_steps():
     spec = NgramSpec(SimpleNamespace(build=None, vocab_size=0), graphs={}, k=4, ngram_size=2)  # no graphs run here
     seq = _Seq([1, 2, 3, 4, 1, 2])
-    spec.state(seq).accepted = 0.0  # E = 1 < 1.3: the draft [3, 4, 1, 2] is declined and watched
+    spec.states[seq] = SeqState.estimating(0.0)  # E = 1 < 1.3: the draft [3, 4, 1, 2] is declined and watched
     assert spec.plan([seq]) == [[]] and spec.state(seq).shadow == (6, [3, 4, 1, 2])
     seq.tokens += [3, 4, 9]  # the plain steps produced 3, 4, 9: a verify step would have accepted 2
     spec.plan([seq])
-    assert spec.state(seq).accepted == pytest.approx(0.3 * 2)
+    assert list(spec.state(seq).recent) == [0.0, 2]
 
 
 def test_a_plain_step_now_and_then_keeps_the_cost_ratio_measured():
     spec = NgramSpec(SimpleNamespace(build=None, vocab_size=0), graphs={}, k=4, ngram_size=2)
     seq = _Seq([5, 6, 7, 8] * 4)  # a loop: every step has a whole draft worth verifying
-    spec.state(seq).accepted = 4.0
+    spec.states[seq] = SeqState.estimating(4.0)
     plans = [spec.plan([seq]) for _ in range(CALIBRATE_FIRST + 1)]
     assert all(p[0] for p in plans[:CALIBRATE_FIRST]) and plans[-1] == [[]]  # plain: nothing timed it yet
     spec.clock.add("plain", 0.01, warm_up=False)  # once a plain step is measured, calibration is rarer
@@ -137,7 +142,7 @@ def test_a_verify_step_now_and_then_keeps_a_stale_cost_ratio_from_stopping_specu
     spec.clock.add("plain", 0.01, warm_up=False)
     spec.clock.add("verify", 0.10, warm_up=False)
     seq = _Seq([5, 6, 7, 8] * 4)
-    spec.state(seq).accepted = 4.0  # E = 5 < 10
+    spec.states[seq] = SeqState.estimating(4.0)  # E = 5 < 10
     plans = []
     for _ in range(2 * RECHECK_EVERY + 2):
         plans.append(spec.plan([seq]))
@@ -336,3 +341,19 @@ def test_replay_bound_counts_verify_steps_at_their_cost():
     # a draft of 6 that misses at its 3rd token: 3 tokens from one verify step, then [9, 9] unseen: 2 plain steps
     assert replay_bound(prompt, [4, 5, 0, 9, 9], ngram_size=3, k=6, cost=1.5) == pytest.approx(5 / (1.5 + 1 + 1))
     assert replay_bound([10, 11], [12, 13, 14], ngram_size=3, k=6, cost=1.5) == pytest.approx(1.0)
+
+
+def test_replay_policy_follows_copies_and_stops_verifying_drafts_that_always_miss():
+    """The same replay with the policy choosing the verify steps: on a copied output it verifies as every draft
+    would; on an output whose every draft misses at its first token, it declines after a few misses (the prior
+    leaves the estimate) and stays within 5% of plain decoding, where verifying every draft runs at 1 / cost."""
+    from scripts.bench_ngram import replay_bound, replay_policy
+
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3]
+    assert replay_policy(prompt, [4, 5, 6, 7, 8], 3, 6, 1.5) == replay_bound(prompt, [4, 5, 6, 7, 8], 3, 6, 1.5)
+    seq, out = [1, 2, 3, 4, 5] * 4, []
+    for _ in range(160):  # each token differs from the draft's first: every draft misses at once
+        d = propose(seq + out, 3, 6)
+        out.append(1 if not d or d[0] != 1 else 2)
+    assert replay_bound(seq, out, 3, 6, 1.5) == pytest.approx(1 / 1.5)
+    assert 0.95 < replay_policy(seq, out, 3, 6, 1.5) < 1.0
