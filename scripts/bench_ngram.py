@@ -6,8 +6,8 @@ For each prompt of scripts/ngram_prompts.py (chat template applied): plain greed
 then n-gram speculation over the same target weights, `--rounds` times interleaved; prints decode tok/s of both
 (medians), their ratio, two replays of the plain greedy output (a verify step costing `--bound-cost` plain steps, no
 host work): `bound`, a verify step at every step with a draft (`replay_bound`), and `policy`, at the steps the
-speculation policy chooses (`replay_policy`), then the acceptance rate, speculative / plain steps, whether the greedy outputs are
-identical and the verify / plain step cost ratio the engine measured (its clock, after that prompt).
+speculation policy chooses (`replay_policy`), then the acceptance rate, speculative / plain steps, whether the
+greedy outputs are identical and the verify / plain step cost ratio the engine measured (its clock, after that prompt).
 The graphs run eagerly (the modules themselves, `eager_ngram_spec`), or, with `--artifact`, the compiled graphs of
 an artifact built with `--draft-model ngram` (batch size 1, e.g.
     neuron-infer compile -o A --dtype bf16 --batch-size 1 --max-context-length 512 --max-length 640 \
@@ -113,7 +113,8 @@ def main() -> None:
           f"{'spec/plain':>10} same  cost")
     for group, prompts in (("grounded", GROUNDED), ("open", OPEN_ENDED)):
         for name, text in prompts.items():
-            ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
+            chat = [{"role": "user", "content": text}]
+            ids = tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
             ids = tok(ids, add_special_tokens=False)["input_ids"]
             plain, fast, same, m = [], [], True, None
             for _ in range(a.rounds):
@@ -126,8 +127,8 @@ def main() -> None:
             cost = spec.clock.ratio("verify", "plain", PRIOR_COST_RATIO)  # the engine's measured verify / plain
             bound = replay_bound(ids, ref[0].token_ids, spec.ngram_size, spec.k, a.bound_cost)
             pol = replay_policy(ids, ref[0].token_ids, spec.ngram_size, spec.k, a.bound_cost)
-            print(f"{group:9} {name:10} {p:7.1f} {f:7.1f} {f / p:6.2f} {bound:6.2f} {pol:6.2f} {m.acceptance_rate:6.2f} "
-                  f"{m.spec_steps:>4}/{m.plain_steps:<5} {same!s:5} {cost:.2f}  ({len(ids)} prompt tokens, "
+            print(f"{group:9} {name:10} {p:7.1f} {f:7.1f} {f / p:6.2f} {bound:6.2f} {pol:6.2f} "
+                  f"{m.acceptance_rate:6.2f} {m.spec_steps:>4}/{m.plain_steps:<5} {same!s:5} {cost:.2f}  ({len(ids)} prompt tokens, "
                   f"{len(got[0].token_ids)} generated)", flush=True)
     print(f"load after: {os.getloadavg()}")
 
