@@ -128,7 +128,8 @@ def main() -> None:
             bound = replay_bound(ids, ref[0].token_ids, spec.ngram_size, spec.k, a.bound_cost)
             pol = replay_policy(ids, ref[0].token_ids, spec.ngram_size, spec.k, a.bound_cost)
             print(f"{group:9} {name:10} {p:7.1f} {f:7.1f} {f / p:6.2f} {bound:6.2f} {pol:6.2f} "
-                  f"{m.acceptance_rate:6.2f} {m.spec_steps:>4}/{m.plain_steps:<5} {same!s:5} {cost:.2f}  ({len(ids)} prompt tokens, "
+                  f"{m.acceptance_rate:6.2f} {m.spec_steps:>4}/{m.plain_steps:<5} {same!s:5} {cost:.2f}  "
+                  f"({len(ids)} prompt tokens, "
                   f"{len(got[0].token_ids)} generated)", flush=True)
     print(f"load after: {os.getloadavg()}")
 
