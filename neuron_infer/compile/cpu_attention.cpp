@@ -1,6 +1,8 @@
-// Causal attention for a few query rows per KV head (decode steps, batched steps, speculative verification):
-// out[b, h, r] = softmax(q[b, h, r] . k[b, h, j] / sqrt(D), j <= positions[b, r]) @ v[b, h, j], with q, k, v bf16,
-// every sum in fp32 and the result rounded once to bf16 (round to nearest even).
+// Causal attention for a few query rows per KV head (decode steps, batched steps, speculative verification) over the
+// block KV cache: out[b, h, r] = softmax(q[b, h, r] . k_j / sqrt(D), j <= positions[b, r]) @ v_j, where position j
+// of batch row b lives in block table[b, j / bs] at slot j % bs of the caches k, v [N blocks, H, bs, D]; q, k, v
+// bf16, every sum in fp32 and the result rounded once to bf16 (round to nearest even). The kernel reads the cached
+// keys and values in place through the table: no gathered copy of a row's blocks is made.
 //
 // Called directly from AOTInductor-generated wrappers (a C shim); see neuron_infer/compile/cpu_gemv.py for the op,
 // its PyTorch reference twin and how this file is built.
@@ -157,14 +159,20 @@ inline V::F exp_neg(V::F x) {
   return V::mul(p, V::pow2(n));
 }
 
-// The operands: q [B, H, R, D], k and v [B, H, S, D] (bf16, any strides but a unit one in D), positions [B, R]
-// int64; out a new contiguous [B, H, R, D] bf16 tensor.
+// The operands: q [B, H, R, D], the caches k and v [N, H, bs, D] (bf16, any strides but a unit one in D), table
+// [B, W] int64 (block ids < N; S = W x bs positions per row), positions [B, R] int64; out a new contiguous
+// [B, H, R, D] bf16 tensor.
 struct Attn {
-  int64_t b = 0, h = 0, r = 0, s = 0, d = 0;
+  int64_t b = 0, h = 0, r = 0, s = 0, d = 0, bs = 0;
   const uint16_t *q = nullptr, *k = nullptr, *v = nullptr;
-  const int64_t* pos = nullptr;
-  int64_t qs[3] = {}, ks[3] = {}, vs[3] = {}, ps[2] = {};
+  const int64_t *pos = nullptr, *tab = nullptr;
+  int64_t qs[3] = {}, ks[3] = {}, vs[3] = {}, ps[2] = {}, ts[2] = {};
   uint16_t* out = nullptr;
+
+  // Element offset of position j of batch row bi, KV head hi, in a cache of strides st (its block, then its slot).
+  int64_t at(const int64_t (&st)[3], int64_t bi, int64_t hi, int64_t j) const {
+    return tab[bi * ts[0] + j / bs * ts[1]] * st[0] + hi * st[1] + j % bs * st[2];
+  }
 
   // Keys row `row` of batch row `bi` sees: positions 0..pos (none if pos < 0, all S if pos >= S).
   int64_t visible(int64_t bi, int64_t row) const {
@@ -297,12 +305,12 @@ void chunk(const Attn& a, int64_t bi, int64_t hi, int64_t c, int64_t chunks, flo
   int64_t end = c0;  // keys [c0, end) are seen by some row
   for (int64_t row = 0; row < a.r; row++) end = std::max(end, std::min(a.visible(bi, row), c0 + kChunk));
   const int64_t nk = end - c0, groups = (nk + L - 1) / L;
-  const uint16_t* kb = a.k + bi * a.ks[0] + hi * a.ks[1];
-  const uint16_t* vb = a.v + bi * a.vs[0] + hi * a.vs[1];
   for (int64_t j = 0; j < groups * L; j++) {  // widen the chunk's keys and values once for all rows (zeros past nk)
+    const uint16_t* kj = j < nk ? a.k + a.at(a.ks, bi, hi, c0 + j) : nullptr;
+    const uint16_t* vj = j < nk ? a.v + a.at(a.vs, bi, hi, c0 + j) : nullptr;
     for (int64_t i = 0; i < nd; i++) {
-      V::store(kf + j * d + i * L, j < nk ? V::widen(kb + (c0 + j) * a.ks[2] + i * L) : V::zero());
-      V::store(vf + j * d + i * L, j < nk ? V::widen(vb + (c0 + j) * a.vs[2] + i * L) : V::zero());
+      V::store(kf + j * d + i * L, kj ? V::widen(kj + i * L) : V::zero());
+      V::store(vf + j * d + i * L, vj ? V::widen(vj + i * L) : V::zero());
     }
   }
   // Per row that sees part of the chunk: its scores (tiles of rows share each key's loads), their max, the
@@ -407,26 +415,35 @@ void run(const Attn& a) {
 
 extern "C" {
 
-// q [B, H, R, D], k, v [B, H, S, D] bf16 (unit stride in D; D a multiple of 32, at most 256), positions [B, R]
-// int64 -> *ret0 = new contiguous [B, H, R, D] bf16 tensor. AOTI_TORCH_FAILURE on any other input (the generated
-// wrapper turns that into a RuntimeError).
-AOTITorchError aoti_torch_cpu_ni_attn_v1(AtenTensorHandle q, AtenTensorHandle k, AtenTensorHandle v,
-                                         AtenTensorHandle positions, AtenTensorHandle* ret0) {
-  const int32_t bf16 = aoti_torch_dtype_bfloat16();
-  int64_t *qsz, *qst, *ksz, *kst, *vsz, *vst, *psz, *pst;
-  void *qd, *kd, *vd, *pd;
+// q [B, H, R, D], k, v [N, H, bs, D] bf16 (unit stride in D; D a multiple of 32, at most 256), table [B, W] int64
+// (every entry a block id < N), positions [B, R] int64 -> *ret0 = new contiguous [B, H, R, D] bf16 tensor.
+// AOTI_TORCH_FAILURE on any other input (the generated wrapper turns that into a RuntimeError).
+AOTITorchError aoti_torch_cpu_ni_attn_v2(AtenTensorHandle q, AtenTensorHandle k, AtenTensorHandle v,
+                                         AtenTensorHandle table, AtenTensorHandle positions, AtenTensorHandle* ret0) {
+  const int32_t bf16 = aoti_torch_dtype_bfloat16(), i64 = aoti_torch_dtype_int64();
+  int64_t *qsz, *qst, *ksz, *kst, *vsz, *vst, *tsz, *tst, *psz, *pst;
+  void *qd, *kd, *vd, *td, *pd;
   if (!view_nd(q, 4, bf16, &qsz, &qst, &qd) || !view_nd(k, 4, bf16, &ksz, &kst, &kd) ||
-      !view_nd(v, 4, bf16, &vsz, &vst, &vd) || !view_nd(positions, 2, aoti_torch_dtype_int64(), &psz, &pst, &pd))
+      !view_nd(v, 4, bf16, &vsz, &vst, &vd) || !view_nd(table, 2, i64, &tsz, &tst, &td) ||
+      !view_nd(positions, 2, i64, &psz, &pst, &pd))
     return AOTI_TORCH_FAILURE;
   Attn a;
-  a.b = qsz[0], a.h = qsz[1], a.r = qsz[2], a.d = qsz[3], a.s = ksz[2];
+  a.b = qsz[0], a.h = qsz[1], a.r = qsz[2], a.d = qsz[3], a.bs = ksz[2], a.s = tsz[1] * ksz[2];
   for (int i = 0; i < 4; i++)
-    if ((i != 2 && ksz[i] != qsz[i]) || vsz[i] != ksz[i]) return AOTI_TORCH_FAILURE;
-  if (a.d % 32 != 0 || a.d > kMaxD || a.r < 1 || psz[0] != a.b || psz[1] != a.r) return AOTI_TORCH_FAILURE;
+    if (vsz[i] != ksz[i]) return AOTI_TORCH_FAILURE;
+  if (ksz[1] != a.h || ksz[3] != a.d || a.d % 32 != 0 || a.d > kMaxD || a.r < 1 || a.bs < 1 || tsz[0] != a.b ||
+      psz[0] != a.b || psz[1] != a.r)
+    return AOTI_TORCH_FAILURE;
   a.q = static_cast<const uint16_t*>(qd), a.k = static_cast<const uint16_t*>(kd);
   a.v = static_cast<const uint16_t*>(vd), a.pos = static_cast<const int64_t*>(pd);
+  a.tab = static_cast<const int64_t*>(td);
+  for (int64_t bi = 0; bi < a.b; bi++)  // every block the table names must exist
+    for (int64_t w = 0; w < tsz[1]; w++) {
+      const int64_t id = a.tab[bi * tst[0] + w * tst[1]];
+      if (id < 0 || id >= ksz[0]) return AOTI_TORCH_FAILURE;
+    }
   for (int i = 0; i < 3; i++) a.qs[i] = qst[i], a.ks[i] = kst[i], a.vs[i] = vst[i];
-  a.ps[0] = pst[0], a.ps[1] = pst[1];
+  a.ps[0] = pst[0], a.ps[1] = pst[1], a.ts[0] = tst[0], a.ts[1] = tst[1];
   const int64_t sizes[4] = {a.b, a.h, a.r, a.d};
   void* od = nullptr;
   if (!ni_gemv::new_bf16_tensor(4, sizes, ret0, &od)) return AOTI_TORCH_FAILURE;

@@ -7,10 +7,12 @@ AOTInductor calls.
                   int8  torch.ops.neuron_infer.ni_gemv_int8_v4(x, [q_0, ...], [s_0, ...])     q_m int8, s_m [N_m]
                   w8a8  torch.ops.neuron_infer.ni_gemv_w8a8_v2(x, [q_0, ...], [s_0, ...])
               attention over the cached keys for at most ops.FEW_QUERY_ROWS query rows per KV head (decode,
-              verify; bf16, head dim a multiple of 32 up to 256) -> one call per layer (cpu_attention.cpp):
-                  attn  torch.ops.neuron_infer.ni_attn_v1(q, k, v, positions)   [B, H, R, D], [B, H, S, D] x2, [B, R]
+              verify; bf16, head dim a multiple of 32 up to 256) -> one call per layer (cpu_attention.cpp), reading
+              the layer's block caches in place through the block table:
+                  attn  torch.ops.neuron_infer.ni_attn_v2(q, k, v, table, positions)
+                        q [B, H, R, D], k and v [N, H, bs, D], table [B, W], positions [B, R]
     compile:  aot_inductor.custom_ops_to_c_shims = C_SHIMS: the generated wrapper calls the C functions
-              aoti_torch_cpu_ni_gemv_bf16_v7, ..._int8_v4, ..._w8a8_v2 (cpu_gemv*.cpp), ..._attn_v1
+              aoti_torch_cpu_ni_gemv_bf16_v7, ..._int8_v4, ..._w8a8_v2 (cpu_gemv*.cpp), ..._attn_v2
               (cpu_attention.cpp) directly - no dispatcher
     build:    the sources a graph calls -> <graph>.gemv.so next to the graph (g++, the compiler Inductor uses),
               for one ISA level (ISAS); the level is recorded and checked against the CPU at load
@@ -44,7 +46,7 @@ from pathlib import Path
 import torch
 
 from neuron_infer.errors import ArtifactError, NeuronInferError
-from neuron_infer.model.ops import few_rows_attention
+from neuron_infer.model.ops import few_rows_attention, gather_blocks
 from neuron_infer.quant.smoothquant import w8a8_matmul
 
 MAX_ROWS = 8  # the bf16 C kernel is instantiated for 1..8 input rows
@@ -53,7 +55,7 @@ SOURCES = {"bf16": Path(__file__).with_name("cpu_gemv.cpp"), "int8": Path(__file
            "w8a8": Path(__file__).with_name("cpu_gemv_w8a8.cpp"), "attn": Path(__file__).with_name("cpu_attention.cpp")}
 LIB_SUFFIX = ".gemv.so"
 _SYMBOLS = {"bf16": "aoti_torch_cpu_ni_gemv_bf16_v7", "int8": "aoti_torch_cpu_ni_gemv_int8_v4",
-            "w8a8": "aoti_torch_cpu_ni_gemv_w8a8_v2", "attn": "aoti_torch_cpu_ni_attn_v1"}
+            "w8a8": "aoti_torch_cpu_ni_gemv_w8a8_v2", "attn": "aoti_torch_cpu_ni_attn_v2"}
 # ISA levels, highest first: the /proc/cpuinfo flags each needs and the compiler flags it is built with. Every CPU
 # with AVX512-BF16 has AVX512-VNNI (Cooper Lake, Sapphire Rapids, Zen 4 and later), so that level includes it.
 ISAS = ("avx512-bf16", "avx512-vnni", "avx512", "avx2")
@@ -97,18 +99,22 @@ for _op in (gemv_bf16, gemv_int8, gemv_w8a8):
     _op.register_fake(_fake)
 
 
-@torch.library.custom_op("neuron_infer::ni_attn_v1", mutates_args=())
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """q [B, H, R, D], k and v [B, H, S, D] bf16, positions [B, R] int64 -> [B, H, R, D] bf16: key j is visible to
-    row r iff j <= positions[b, r]; scores, softmax and the weighted sum in fp32, one rounding; a row that sees no
-    key gets zeros. The reference: model.ops' fp32 reductions."""
-    visible = torch.arange(k.shape[2]).view(1, 1, 1, -1) <= positions.unsqueeze(1).unsqueeze(-1)  # [B, 1, R, S]
-    out = few_rows_attention(q, k, v, visible)
+@torch.library.custom_op("neuron_infer::ni_attn_v2", mutates_args=())
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor,
+              positions: torch.Tensor) -> torch.Tensor:
+    """q [B, H, R, D], the block caches k and v [N, H, bs, D] bf16, table [B, W] int64 (row b's positions j live in
+    block table[b, j // bs], slot j % bs), positions [B, R] int64 -> [B, H, R, D] bf16: key j is visible to row r iff
+    j <= positions[b, r]; scores, softmax and the weighted sum in fp32, one rounding; a row that sees no key gets
+    zeros. The reference: the table's blocks gathered, then model.ops' fp32 reductions."""
+    ks, vs = gather_blocks(k, table), gather_blocks(v, table)  # [B, H, W*bs, D] each
+    visible = torch.arange(ks.shape[2]).view(1, 1, 1, -1) <= positions.unsqueeze(1).unsqueeze(-1)  # [B, 1, R, S]
+    out = few_rows_attention(q, ks, vs, visible)
     return out.masked_fill(~visible.any(-1, keepdim=True), 0)
 
 
 @attention.register_fake
-def _attention_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+def _attention_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor,
+                    positions: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
@@ -116,7 +122,8 @@ ATTENTION_MAX_D = 256  # head dims the attention kernel takes: multiples of 32 u
 
 
 def attention_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether the attention kernel takes these operands (static shapes and dtypes at export)."""
+    """Whether the attention kernel takes these operands (q and the block caches; static shapes and dtypes at
+    export)."""
     d = q.shape[-1]
     return (q.dtype == k.dtype == v.dtype == torch.bfloat16 and q.device.type == "cpu" and d % 32 == 0
             and d <= ATTENTION_MAX_D and k.shape[1] == q.shape[1])
@@ -130,14 +137,14 @@ C_SHIMS = {
         f"AOTITorchError {_SYMBOLS['int8']}(AtenTensorHandle x, {_LISTS}, AtenTensorHandle* ret0)"],
     torch.ops.neuron_infer.ni_gemv_w8a8_v2.default: [
         f"AOTITorchError {_SYMBOLS['w8a8']}(AtenTensorHandle x, {_LISTS}, AtenTensorHandle* ret0)"],
-    torch.ops.neuron_infer.ni_attn_v1.default: [
+    torch.ops.neuron_infer.ni_attn_v2.default: [
         (f"AOTITorchError {_SYMBOLS['attn']}(AtenTensorHandle q, AtenTensorHandle k, AtenTensorHandle v, "
-         "AtenTensorHandle positions, AtenTensorHandle* ret0)")],
+         "AtenTensorHandle table, AtenTensorHandle positions, AtenTensorHandle* ret0)")],
 }
 OPS = {"bf16": torch.ops.neuron_infer.ni_gemv_bf16_v7.default, "int8": torch.ops.neuron_infer.ni_gemv_int8_v4.default,
        "w8a8": torch.ops.neuron_infer.ni_gemv_w8a8_v2.default}
 MAX_GROUP = 4  # weight matrices per call (the C kernels' kMaxMats)
-KERNEL_OPS = {**OPS, "attn": torch.ops.neuron_infer.ni_attn_v1.default}  # every op a graph's library may provide
+KERNEL_OPS = {**OPS, "attn": torch.ops.neuron_infer.ni_attn_v2.default}  # every op a graph's library may provide
 
 
 @lru_cache(maxsize=1)

@@ -123,13 +123,6 @@ class CacheSlots:
         block = torch.gather(table, 1, col.clamp(max=width - 1)) * inside  # [B, T]; outside -> scratch block 0
         return cls(block, positions % block_size, table)
 
-    def gather(self, layer_cache: torch.Tensor) -> torch.Tensor:
-        """layer_cache [N, Hkv, bs, D] -> the table's blocks as one sequence per row [B, Hkv, W*bs, D]."""
-        b, w = self.table.shape
-        _, hkv, bs, d = layer_cache.shape
-        blocks = layer_cache.index_select(0, self.table.reshape(-1)).view(b, w, hkv, bs, d)  # [B, W, Hkv, bs, D]
-        return blocks.transpose(1, 2).reshape(b, hkv, w * bs, d)  # [B, Hkv, W*bs, D]: slot j = position j
-
 
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, lay: LocalLayout, ops: Ops):
@@ -157,18 +150,18 @@ class Attention(nn.Module):
         idx = (li, slots.block.unsqueeze(1), hi, slots.offset.unsqueeze(1))  # cache[layer, blk[b,t], h, off[b,t]]
         k_cache.index_put_(idx, to_cache_dtype(k, k_cache.dtype))
         v_cache.index_put_(idx, to_cache_dtype(v, v_cache.dtype))
-        ks, vs = slots.gather(k_cache[layer]), slots.gather(v_cache[layer])  # [B, Hkv, W*bs, D] each
-        o = self._attend(q, ks.to(q.dtype), vs.to(q.dtype), positions)  # [B, Hq, T, D]
+        o = self._attend(q, k_cache[layer], v_cache[layer], slots.table, positions)  # [B, Hq, T, D]
         o = o.transpose(1, 2).reshape(b, t, self.h * self.d)  # [B, T, Hq*D]
         return self.ops.all_reduce(self.o_proj(o))  # row-parallel: partial sums over ranks
 
-    def _attend(self, q, ks, vs, positions):
+    def _attend(self, q, kc, vc, table, positions):
+        # kc, vc [N, Hkv, bs, D]: the layer's blocks; table [B, W]: each row's, in position order
         if not self.fold:
-            return self.ops.attention(q, ks, vs, self.q_to_kv, positions)  # [B, Hq, T, D]
+            return self.ops.attention(q, kc, vc, table, self.q_to_kv, positions)  # [B, Hq, T, D]
         b, _, t, d = q.shape
         qf = q.reshape(b, self.hkv, self.fold * t, d)  # [B, Hkv, G*T, D]: head h = kv*G + g, row = g*T + t
         pf = positions.repeat(1, self.fold)  # [B, G*T]: row g*T + t sits at position[t]
-        o = self.ops.attention(qf, ks, vs, None, pf)  # [B, Hkv, G*T, D]; None: row block i uses KV head i
+        o = self.ops.attention(qf, kc, vc, table, None, pf)  # [B, Hkv, G*T, D]; None: row block i uses KV head i
         return o.reshape(b, self.h, t, d)  # [B, Hq, T, D]
 
 

@@ -8,8 +8,8 @@ compile/neuron_tp.py) the same ops route to `model/nki_neuron.py`, which launche
 SDK's `nki.jit` with torch tensors of the graph only (not yet run on hardware). RMSNorm stays the PyTorch
 reference (it is fused into the MLP kernel only when called through `rmsnorm_mlp_kernel` directly).
 
-attention(q, k, v, q_to_kv, positions):
-    prefill kernel when every row's positions are 0..T-1 (keys sliced to the first T slots), otherwise the decode
+attention(q, k_cache, v_cache, table, q_to_kv, positions):
+    the table's blocks gathered into one sequence per row (model.ops.gather_blocks), then the prefill kernel when every row's positions are 0..T-1 (keys sliced to the first T slots), otherwise the decode
     kernel with per-row position bounds (chunks of query tokens so one KV-head group fits 128 partitions).
     Non-uniform q_to_kv (tensor-parallel padding / replication) is passed to the kernels as a static tuple.
     On an XLA device the positions cannot be inspected: T == S selects prefill (the context-encoding contract:
@@ -39,7 +39,7 @@ from torch import nn
 
 import nki_kernels  # noqa: F401  (resolves `import nki` to Neuron or the simulator)
 from neuron_infer.model import nki_neuron
-from neuron_infer.model.ops import Ops, mlp_ref
+from neuron_infer.model.ops import Ops, gather_blocks, mlp_ref
 from neuron_infer.quant.fp8 import FP8Linear
 from neuron_infer.quant.mx import MXLinear
 from neuron_infer.quant.tiled import TiledLinear
@@ -67,8 +67,10 @@ def _is_prefill(positions: torch.Tensor, t: int, s: int) -> bool:
     return bool((positions == torch.arange(t, device=positions.device)).all())
 
 
-def attention(q, k, v, q_to_kv, positions):
-    """Causal GQA attention [B, Hq, T, D] (see the module docstring for the kernel choice)."""
+def attention(q, k_cache, v_cache, table, q_to_kv, positions):
+    """Causal GQA attention [B, Hq, T, D] over the blocks `table` [B, W] names in the caches [N, Hkv, bs, D] (see the
+    module docstring for the kernel choice)."""
+    k, v = gather_blocks(k_cache, table), gather_blocks(v_cache, table)  # [B, Hkv, W*bs, D] each
     launcher = nki_neuron.active()
     if launcher is not None:                                         # tracing for the neuron target
         return nki_neuron.attention(launcher, q, k, v, q_to_kv, positions)

@@ -34,16 +34,18 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
 # its flash kernel tiles the T x S work, where the reductions would re-read K/V per query row.
 FEW_QUERY_ROWS = 64
 
-# attention(q, k, v, positions) -> out, and the test whether it takes the operands: a backend's kernel for the few-row
-# case while that backend exports (`few_rows_attention_kernel`); the reductions below are its reference.
+# attention(q, k_cache, v_cache, table, positions) -> out, and the test whether it takes (q, k_cache, v_cache): a
+# backend's kernel for the few-row case while that backend exports (`few_rows_attention_kernel`), reading the block
+# caches in place; the gather and the reductions below are its reference.
 FewRowsAttention = tuple[Callable[..., torch.Tensor], Callable[..., bool]]
 _few_rows_kernel: FewRowsAttention | None = None
 
 
 @contextlib.contextmanager
 def few_rows_attention_kernel(kernel: FewRowsAttention | None) -> Iterator[None]:
-    """While active, attention on at most FEW_QUERY_ROWS query rows calls kernel[0](q, k, v, positions) when
-    kernel[1](q, k, v) accepts the operands (dtypes and shapes are static at export)."""
+    """While active, attention on at most FEW_QUERY_ROWS query rows (GQA groups folded: q_to_kv None) calls
+    kernel[0](q, k_cache, v_cache, table, positions) when kernel[1](q, k_cache, v_cache) accepts the operands (dtypes
+    and shapes are static at export)."""
     global _few_rows_kernel
     saved = _few_rows_kernel
     _few_rows_kernel = kernel
@@ -53,20 +55,46 @@ def few_rows_attention_kernel(kernel: FewRowsAttention | None) -> Iterator[None]
         _few_rows_kernel = saved
 
 
+def gather_blocks(cache: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """cache [N, Hkv, bs, D] blocks, table [B, W] block ids -> the table's blocks as one sequence per row
+    [B, Hkv, W*bs, D] (slot j = position j)."""
+    b, w = table.shape
+    _, hkv, bs, d = cache.shape
+    blocks = cache.index_select(0, table.reshape(-1)).view(b, w, hkv, bs, d)  # [B, W, Hkv, bs, D]
+    return blocks.transpose(1, 2).reshape(b, hkv, w * bs, d)  # [B, Hkv, W*bs, D]
+
+
 def attention_ref(
     q: torch.Tensor,  # [B, Hq, T, D]  (RoPE applied)
-    k: torch.Tensor,  # [B, Hkv, S, D] cache prefix (this step's keys already written)
-    v: torch.Tensor,  # [B, Hkv, S, D]
+    k_cache: torch.Tensor,  # [N, Hkv, bs, D] a layer's key blocks (this step's keys already written)
+    v_cache: torch.Tensor,  # [N, Hkv, bs, D]
+    table: torch.Tensor,  # [B, W] int64: row b's position j lives in block table[b, j // bs], slot j % bs
     q_to_kv: torch.Tensor | None,  # [Hq] int64: local KV head serving each local query head; None: head i uses
     # KV head i (Hq == Hkv, e.g. GQA groups folded into the token axis, see Ops.gqa_fold)
     positions: torch.Tensor,  # [B, T] absolute position of each query token
 ) -> torch.Tensor:  # [B, Hq, T, D]
-    """Causal GQA attention over a sequence's cached positions: key j is visible to a query at position p iff j <= p."""
+    """Causal GQA attention over the blocks each row's table names: key j is visible to a query at position p iff
+    j <= p."""
+    if (q_to_kv is None and q.shape[2] <= FEW_QUERY_ROWS and _few_rows_kernel is not None
+            and _few_rows_kernel[1](q, k_cache, v_cache)):
+        return _few_rows_kernel[0](q, k_cache, v_cache, table, positions)
+    k = gather_blocks(k_cache, table).to(q.dtype)  # [B, Hkv, S, D]
+    v = gather_blocks(v_cache, table).to(q.dtype)  # [B, Hkv, S, D]
+    return sequence_attention(q, k, v, q_to_kv, positions)
+
+
+def sequence_attention(
+    q: torch.Tensor,  # [B, Hq, T, D]
+    k: torch.Tensor,  # [B, Hkv, S, D] a row's cached positions 0..S-1
+    v: torch.Tensor,  # [B, Hkv, S, D]
+    q_to_kv: torch.Tensor | None,  # as attention_ref's
+    positions: torch.Tensor,  # [B, T]
+) -> torch.Tensor:  # [B, Hq, T, D]
+    """attention_ref over K/V already laid out as one sequence per row: SDPA beyond FEW_QUERY_ROWS query rows, the
+    fp32 reductions up to it."""
     if q_to_kv is not None:
         k = k.index_select(1, q_to_kv)  # [B, Hq, S, D]
         v = v.index_select(1, q_to_kv)  # [B, Hq, S, D]
-    if q.shape[2] <= FEW_QUERY_ROWS and _few_rows_kernel is not None and _few_rows_kernel[1](q, k, v):
-        return _few_rows_kernel[0](q, k, v, positions)
     key_pos = torch.arange(k.shape[2], device=q.device)  # [S]
     visible = key_pos.view(1, 1, 1, -1) <= positions.unsqueeze(1).unsqueeze(-1)  # [B, 1, T, S]
     if q.shape[2] > FEW_QUERY_ROWS:

@@ -27,17 +27,19 @@ from neuron_infer.model.llama import BucketStep
 from neuron_infer.model.ops import FEW_QUERY_ROWS
 from tests.compile.fresh_process import run_check
 from tests.compile.test_cpu_backend import S, empty_cache, tg_args, tiny_model
+from tests.paged import as_blocks
 
 ISAS = [isa for isa in ("avx512", "avx2") if cpu_gemv.has_isa(isa)]
 needs_kernel = pytest.mark.skipif(not ISAS, reason="this CPU has neither AVX-512 nor AVX2")
 
-# (B, H, R, S, D): decode (G = 3 rows), verify (21 rows), the most rows the kernel takes (64), head dims 32-256,
-# buckets that are not multiples of the 16-key groups or the 128-key chunks, fewer keys than one group.
-CASES = [(1, 3, 3, 640, 64), (2, 3, 21, 300, 64), (1, 2, FEW_QUERY_ROWS, 129, 64), (2, 1, 5, 37, 128),
-         (1, 4, 7, 200, 32), (1, 1, 2, 9, 256), (3, 2, 1, 260, 96)]
+# (B, H, R, S, D, bs): decode (G = 3 rows), verify (21 rows), the most rows the kernel takes (64), head dims 32-256,
+# buckets that are not multiples of the 16-key groups or the 128-key chunks, fewer keys than one group; cache blocks
+# of the kernel's chunk size, smaller (a chunk spans several), larger than a chunk, of one position.
+CASES = [(1, 3, 3, 640, 64, 128), (2, 3, 21, 300, 64, 25), (1, 2, FEW_QUERY_ROWS, 129, 64, 43),
+         (2, 1, 5, 37, 128, 1), (1, 4, 7, 200, 32, 8), (1, 1, 2, 9, 256, 3), (3, 2, 1, 260, 96, 260)]
 
 
-def case_inputs(b, h, r, s, d, seed):
+def case_inputs(b, h, r, s, d, bs, seed):
     """q [B, H, R, D] (a transposed view: strides as the model's), k, v [B, H, S, D] bf16 and positions [B, R]:
     each row's own position, including -1 (sees no key), 0, the last key and past it, and chunk borders."""
     g = torch.Generator().manual_seed(seed)
@@ -50,14 +52,19 @@ def case_inputs(b, h, r, s, d, seed):
     return q, k, v, pos
 
 
+def paged(q, k, v, pos, bs, seed=0):
+    """The kernel's operands: q, the sequences k, v in shuffled cache blocks of bs positions, their table, pos."""
+    return (q, *as_blocks(k, v, bs, seed), pos)
+
+
 def inputs():
-    return tuple(t for i, c in enumerate(CASES) for t in case_inputs(*c, seed=i))
+    return tuple(t for i, c in enumerate(CASES) for t in paged(*case_inputs(*c, seed=i), c[-1], seed=i))
 
 
 def invariance_inputs():
     """A 21-row verify-like case (2 batch rows, 3 heads, 300 keys), then the same rows alone, over a longer bucket
     (420 keys; the extra keys are never visible) and with the other batch row replaced."""
-    q, k, v, pos = case_inputs(2, 3, 21, 300, 64, seed=99)
+    q, k, v, pos = case_inputs(2, 3, 21, 300, 64, 100, seed=99)
     pos = pos.clamp(0, 299)
     g = torch.Generator().manual_seed(100)
     extra = [torch.randn(2, 3, 120, 64, generator=g).to(torch.bfloat16) for _ in range(2)]
@@ -69,7 +76,7 @@ def invariance_inputs():
 
 class Attend(torch.nn.Module):
     def forward(self, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return tuple(cpu_gemv.attention(*args[i:i + 4]) for i in range(0, len(args), 4))
+        return tuple(cpu_gemv.attention(*args[i:i + 5]) for i in range(0, len(args), 5))
 
 
 def fp64_twin(q, k, v, pos):
@@ -91,8 +98,10 @@ def assert_one_rounding_apart(got: torch.Tensor, ref: torch.Tensor, v: torch.Ten
 
 
 def flat(groups) -> tuple[torch.Tensor, ...]:
+    """The kernel's operands of every group: the 300-key caches in blocks of 100, the 420-key ones in blocks of 60."""
     full, rows, longer, other = groups
-    return (*full, *(t for r in rows for t in r), *longer, *other)
+    return (*paged(*full, 100), *(t for r in rows for t in paged(*r, 100)), *paged(*longer, 60, seed=1),
+            *paged(*other, 100))
 
 
 @pytest.fixture(scope="module", params=ISAS)
@@ -117,6 +126,11 @@ def check_graphs(out: str, isa: str) -> None:
             assert_one_rounding_apart(got[i], fp64_twin(q, k, v, pos), v)
             assert pos[0, 0] == -1 and not got[i][0, :, 0].any()  # a row that sees no key: zeros
         full, *alone, longer, other = rows(*flat(invariance_inputs()))
+        bad = list(inputs())
+        bad[3] = bad[3].clone()
+        bad[3][0, -1] = bad[1].shape[0]  # a table entry past the cache's blocks: the kernel refuses, reads nothing
+        with pytest.raises(RuntimeError):
+            cases(*bad)
     full_inputs = invariance_inputs()[0]
     assert_one_rounding_apart(full, fp64_twin(*full_inputs), full_inputs[2])
     for i, one in zip((0, 7, 20), alone):
@@ -135,14 +149,15 @@ def test_compiled_kernel_equals_fp64_twin_and_is_batch_invariant(graphs):
 def test_graph_calls_the_c_function_not_the_dispatcher(graphs):
     with zipfile.ZipFile(graphs[0] / "cases.pt2") as z:
         wrapper = "".join(z.read(n).decode() for n in z.namelist() if n.endswith("wrapper.cpp"))
-    assert wrapper.count("aoti_torch_cpu_ni_attn_v1(") >= len(CASES)
+    assert wrapper.count("aoti_torch_cpu_ni_attn_v2(") >= len(CASES)
     assert "proxy_executor_call_function" not in wrapper
 
 
 def test_reference_op_is_the_model_reductions_with_zeros_for_rows_without_keys():
-    q, k, v, pos = case_inputs(2, 3, 21, 300, 64, seed=5)
-    assert_one_rounding_apart(cpu_gemv.attention(q, k, v, pos), fp64_twin(q, k, v, pos), v)
-    assert not cpu_gemv.attention(q, k, v, pos)[0, :, 0].any()  # pos[0, 0] = -1
+    q, k, v, pos = case_inputs(2, 3, 21, 300, 64, 30, seed=5)
+    out = cpu_gemv.attention(*paged(q, k, v, pos, 30))
+    assert_one_rounding_apart(out, fp64_twin(q, k, v, pos), v)
+    assert not out[0, :, 0].any()  # pos[0, 0] = -1
 
 
 def _attention_calls(model: torch.nn.Module, options: CpuCompileOptions, tokens: int = 1) -> int:

@@ -27,10 +27,11 @@ from neuron_infer.config import BuildConfig, ModelConfig
 from neuron_infer.errors import BackendUnavailableError
 from neuron_infer.model import nki_neuron, nki_ops
 from neuron_infer.model.llama import BucketStep
-from neuron_infer.model.ops import attention_ref, mlp_ref
+from neuron_infer.model.ops import mlp_ref, sequence_attention
 from neuron_infer.quant.fp8 import FP8Linear
 from neuron_infer.quant.tiled import TiledLinear
 from tests.compile.neuron_doubles import RUNS, RecordingNeuronSDK, RecordingNKI
+from tests.paged import as_blocks
 
 BUILD = BuildConfig(target="neuron", dtype="fp32", kernels="nki", max_context_length=32, max_length=64,
                     context_buckets=(16, 32), tokengen_buckets=(64,))
@@ -41,6 +42,9 @@ def nki_double(monkeypatch):
     fake = RecordingNKI()
     monkeypatch.setattr(nki_neuron, "import_device_nki", lambda: fake)
     return fake
+
+
+ONE_BLOCK = torch.zeros(1, 1, dtype=torch.int64)  # table [1, 1]: a cache of one block holds the row
 
 
 @pytest.fixture(autouse=True)
@@ -54,7 +58,7 @@ def neuron_env(monkeypatch):
 def test_without_the_sdk_the_first_launch_says_how_to_install():
     q = torch.randn(1, 2, 4, 8)
     with nki_neuron.neuron_target(lnc=1), pytest.raises(BackendUnavailableError, match="Neuron pip repository"):
-        nki_ops.attention(q, q[:, :1], q[:, :1], torch.tensor([0, 0]), torch.arange(4).view(1, 4))
+        nki_ops.attention(q, q[:, :1], q[:, :1], ONE_BLOCK, torch.tensor([0, 0]), torch.arange(4).view(1, 4))
 
 
 def test_the_launch_grid_is_the_degree_the_trace_is_compiled_for():
@@ -66,7 +70,7 @@ def test_the_launch_grid_is_the_degree_the_trace_is_compiled_for():
 
 def test_outside_a_neuron_trace_the_ops_still_use_the_simulator(nki_double):
     q = torch.randn(1, 2, 4, 8)
-    nki_ops.attention(q, q[:, :1], q[:, :1], torch.tensor([0, 0]), torch.arange(4).view(1, 4))
+    nki_ops.attention(q, q[:, :1], q[:, :1], ONE_BLOCK, torch.tensor([0, 0]), torch.arange(4).view(1, 4))
     assert nki_double.launches == []
 
 
@@ -77,11 +81,12 @@ def test_attention_launches_prefill_or_decode_with_the_lnc_grid(nki_double, lnc)
     q, k, v = (torch.randn(2, h, 16, 8, generator=gen) for h in (6, 2, 2))       # T == S == 16: prefill
     qd = torch.randn(2, 6, 3, 8, generator=gen)                                    # 3 tokens vs S = 16: decode
     pos_p, pos_d = torch.arange(16).expand(2, 16), torch.tensor([[4, 5, 6], [13, 14, 15]])
+    kc, vc, table = as_blocks(k, v, 8)  # the cache as the model holds it: shuffled blocks
     with nki_neuron.neuron_target(lnc=lnc):
-        out_p = nki_ops.attention(q, k, v, q_to_kv, pos_p)
-        out_d = nki_ops.attention(qd, k, v, q_to_kv, pos_d)
-    torch.testing.assert_close(out_p, attention_ref(q, k, v, q_to_kv, pos_p), atol=2e-5, rtol=2e-5)
-    torch.testing.assert_close(out_d, attention_ref(qd, k, v, q_to_kv, pos_d), atol=2e-5, rtol=2e-5)
+        out_p = nki_ops.attention(q, kc, vc, table, q_to_kv, pos_p)
+        out_d = nki_ops.attention(qd, kc, vc, table, q_to_kv, pos_d)
+    torch.testing.assert_close(out_p, sequence_attention(q, k, v, q_to_kv, pos_p), atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(out_d, sequence_attention(qd, k, v, q_to_kv, pos_d), atol=2e-5, rtol=2e-5)
     prefill, decode = nki_double.launches
     assert (prefill.kernel, prefill.grid, prefill.shapes) == (
         "flash_attention_prefill", lnc, ((2, 6, 8, 16), (2, 2, 8, 16), (2, 2, 16, 8)))

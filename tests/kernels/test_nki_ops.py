@@ -8,6 +8,8 @@ and identical greedy tokens.
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -17,8 +19,9 @@ from neuron_infer.checkpoint import load_checkpoint
 from neuron_infer.compile.weights import build_float_model
 from neuron_infer.config import BuildConfig, ModelConfig
 from neuron_infer.model import nki_ops
-from neuron_infer.model.ops import attention_ref, get_ops, mlp_ref
+from neuron_infer.model.ops import get_ops, mlp_ref, sequence_attention
 from neuron_infer.quant.fp8 import FP8Linear
+from tests.paged import as_blocks
 
 from .conftest import check
 
@@ -50,8 +53,9 @@ def test_attention_op_matches_reference(case):
     else:                        # non-uniform grouping (replicated KV head under tensor parallelism)
         q, k, v = _qkv(gen, 1, 3, 2, 12, 12, 16)
         pos, q_to_kv = torch.arange(12).view(1, 12), torch.tensor([0, 0, 1])
-    out = nki_ops.attention(q, k, v, q_to_kv, pos)
-    ref = attention_ref(q, k, v, q_to_kv, pos)
+    kc, vc, table = as_blocks(k, v, math.gcd(k.shape[2], 8))  # the cache as the model holds it: shuffled blocks
+    out = nki_ops.attention(q, kc, vc, table, q_to_kv, pos)
+    ref = sequence_attention(q, k, v, q_to_kv, pos)
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
 
 
