@@ -56,8 +56,9 @@ inline float hsum(Vec v) {
 
 // How far ahead of its reads each weight stream is prefetched (bytes): with the hardware prefetcher alone a
 // thread reading several weight streams stayed well below the memory's read rate (docs/cpu-backend.md,
-// "Alternatives measured slower").
-constexpr int64_t kPrefetch = 1024;
+// "Alternatives measured slower"); 1024 bytes ahead left the one-row step 1.1x slower than 2048 on an AVX512-BF16
+// EPYC (1024-4096 timed, docs/performance.md).
+constexpr int64_t kPrefetch = 2048;
 
 // Weight rows (output columns) per pass over the activations: every activation vector loaded is used by C rows,
 // read as C sequential streams (see gemv_rows). With AVX2's 16 registers: 4 for 1-2 rows, 2 for 3-6; from 7 rows on

@@ -71,8 +71,9 @@ inline int32_t ihsum(IVec v) {
 
 // How far ahead of its reads each weight stream is prefetched (bytes): with the hardware prefetcher alone a
 // thread reading several weight streams stayed well below the memory's read rate (docs/cpu-backend.md,
-// "Alternatives measured slower").
-constexpr int64_t kPrefetch = 1024;
+// "Alternatives measured slower"); 1024 bytes ahead left the one-row step 1.1x slower than 2048 on an AVX512-BF16
+// EPYC (1024-4096 timed, docs/performance.md).
+constexpr int64_t kPrefetch = 2048;
 
 // Weight rows (output columns) per pass: each activation vector loaded feeds C dot products, and a thread reads C
 // sequential weight streams. One accumulator per (column, row), plus the VNNI compensation per column, within the
