@@ -80,14 +80,9 @@ def plan_step(rows: Sequence[RowView], cost_ratio: float, probe_every: int = PRO
 class SeqState:
     """A sequence's adaptive state (kept by the speculation engine, per sequence)."""
 
-    recent: deque[int] = field(default_factory=lambda: deque([PRIOR_ACCEPTED], maxlen=WINDOW))  # accepted per draft
+    recent: deque[float] = field(default_factory=lambda: deque([PRIOR_ACCEPTED], maxlen=WINDOW))  # accepted/draft
     idle: int = 0
     shadow: tuple[int, list[int]] | None = None  # a draft it did not verify: (position of its first token, draft)
-
-    @classmethod
-    def estimating(cls, accepted: float) -> SeqState:
-        """A state whose window holds one pseudo-draft with `accepted` tokens accepted (instead of the prior)."""
-        return cls(recent=deque([accepted], maxlen=WINDOW))
 
     @property
     def accepted(self) -> float:

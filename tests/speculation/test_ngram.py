@@ -5,6 +5,7 @@ The greedy reference is `generate_ids` on the same target engine (plain steps; i
 tests/test_generate.py) and Hugging Face directly. Every identity test asserts that speculative steps ran with both
 accepted and rejected drafts, so none passes vacuously.
 """
+from collections import deque
 from types import SimpleNamespace
 
 import pytest
@@ -71,6 +72,11 @@ def test_plan_step(rows, ratio, ks):
     assert plan_step([RowView(*r) for r in rows], ratio) == ks
 
 
+def _estimating(accepted: float) -> SeqState:
+    """A state whose window holds one pseudo-draft of `accepted` instead of the prior."""
+    return SeqState(recent=deque([accepted], maxlen=WINDOW))
+
+
 def test_seq_state_window_mean_and_idle():
     st = SeqState()
     assert list(st.recent) == [PRIOR_ACCEPTED] and st.accepted == PRIOR_ACCEPTED  # one pseudo-draft: the prior
@@ -89,7 +95,7 @@ def test_seq_state_window_mean_and_idle():
 
 
 def test_a_declined_draft_is_scored_by_the_tokens_that_follow():
-    st = SeqState.estimating(0.0)
+    st = _estimating(0.0)
     st.watch(10, [7, 8, 9])
     st.watch(11, [1, 2])  # one draft watched at a time
     st.observe([0] * 10 + [7])  # first token matches: undecided, nothing learnt yet
@@ -117,7 +123,7 @@ class _Seq:
 def test_plan_watches_declined_drafts_and_learns_from_plain_steps():
     spec = NgramSpec(SimpleNamespace(build=None, vocab_size=0), graphs={}, k=4, ngram_size=2)  # no graphs run here
     seq = _Seq([1, 2, 3, 4, 1, 2])
-    spec.states[seq] = SeqState.estimating(0.0)  # E = 1 < 1.3: the draft [3, 4, 1, 2] is declined and watched
+    spec.states[seq] = _estimating(0.0)  # E = 1 < 1.3: the draft [3, 4, 1, 2] is declined and watched
     assert spec.plan([seq]) == [[]] and spec.state(seq).shadow == (6, [3, 4, 1, 2])
     seq.tokens += [3, 4, 9]  # the plain steps produced 3, 4, 9: a verify step would have accepted 2
     spec.plan([seq])
@@ -127,7 +133,7 @@ def test_plan_watches_declined_drafts_and_learns_from_plain_steps():
 def test_a_plain_step_now_and_then_keeps_the_cost_ratio_measured():
     spec = NgramSpec(SimpleNamespace(build=None, vocab_size=0), graphs={}, k=4, ngram_size=2)
     seq = _Seq([5, 6, 7, 8] * 4)  # a loop: every step has a whole draft worth verifying
-    spec.states[seq] = SeqState.estimating(4.0)
+    spec.states[seq] = _estimating(4.0)
     plans = [spec.plan([seq]) for _ in range(CALIBRATE_FIRST + 1)]
     assert all(p[0] for p in plans[:CALIBRATE_FIRST]) and plans[-1] == [[]]  # plain: nothing timed it yet
     spec.clock.add("plain", 0.01, warm_up=False)  # once a plain step is measured, calibration is rarer
@@ -142,7 +148,7 @@ def test_a_verify_step_now_and_then_keeps_a_stale_cost_ratio_from_stopping_specu
     spec.clock.add("plain", 0.01, warm_up=False)
     spec.clock.add("verify", 0.10, warm_up=False)
     seq = _Seq([5, 6, 7, 8] * 4)
-    spec.states[seq] = SeqState.estimating(4.0)  # E = 5 < 10
+    spec.states[seq] = _estimating(4.0)  # E = 5 < 10
     plans = []
     for _ in range(2 * RECHECK_EVERY + 2):
         plans.append(spec.plan([seq]))
