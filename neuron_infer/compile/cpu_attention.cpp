@@ -169,9 +169,11 @@ struct Attn {
   int64_t qs[3] = {}, ks[3] = {}, vs[3] = {}, ps[2] = {}, ts[2] = {};
   uint16_t* out = nullptr;
 
-  // Element offset of position j of batch row bi, KV head hi, in a cache of strides st (its block, then its slot).
-  int64_t at(const int64_t (&st)[3], int64_t bi, int64_t hi, int64_t j) const {
-    return tab[bi * ts[0] + j / bs * ts[1]] * st[0] + hi * st[1] + j % bs * st[2];
+  // Position j of batch row bi, KV head hi: its key and its value in the caches (its block, then its slot).
+  const uint16_t* key(int64_t bi, int64_t hi, int64_t j, const uint16_t** value) const {
+    const int64_t blk = tab[bi * ts[0] + j / bs * ts[1]], slot = j % bs;
+    *value = v + blk * vs[0] + hi * vs[1] + slot * vs[2];
+    return k + blk * ks[0] + hi * ks[1] + slot * ks[2];
   }
 
   // Keys row `row` of batch row `bi` sees: positions 0..pos (none if pos < 0, all S if pos >= S).
@@ -306,11 +308,11 @@ void chunk(const Attn& a, int64_t bi, int64_t hi, int64_t c, int64_t chunks, flo
   for (int64_t row = 0; row < a.r; row++) end = std::max(end, std::min(a.visible(bi, row), c0 + kChunk));
   const int64_t nk = end - c0, groups = (nk + L - 1) / L;
   for (int64_t j = 0; j < groups * L; j++) {  // widen the chunk's keys and values once for all rows (zeros past nk)
-    const uint16_t* kj = j < nk ? a.k + a.at(a.ks, bi, hi, c0 + j) : nullptr;
-    const uint16_t* vj = j < nk ? a.v + a.at(a.vs, bi, hi, c0 + j) : nullptr;
+    const uint16_t* vj = nullptr;
+    const uint16_t* kj = j < nk ? a.key(bi, hi, c0 + j, &vj) : nullptr;
     for (int64_t i = 0; i < nd; i++) {
       V::store(kf + j * d + i * L, kj ? V::widen(kj + i * L) : V::zero());
-      V::store(vf + j * d + i * L, vj ? V::widen(vj + i * L) : V::zero());
+      V::store(vf + j * d + i * L, kj ? V::widen(vj + i * L) : V::zero());
     }
   }
   // Per row that sees part of the chunk: its scores (tiles of rows share each key's loads), their max, the

@@ -111,16 +111,10 @@ constexpr int64_t kMaxRows = 8;  // input rows per call (kKernels)
 #define NI_UNROLL
 #endif
 
-// How far ahead of its reads each weight stream is prefetched (elements: 2048 bytes): with the hardware prefetcher
-// alone a thread reading several weight streams stayed well below the memory's read rate (docs/cpu-backend.md,
-// "Alternatives measured slower"); 1024 bytes ahead kept too few lines in flight for the multi-row steps (the 8-layer
-// 7-token step 1.2x the time on an AVX512-BF16 EPYC, 1 thread; 768-2560 bytes timed, docs/performance.md).
-constexpr int64_t kPrefetch = 1024;
-
 template <int C>
 inline void prefetch(const uint16_t* const (&wr)[C], int64_t wi) {
   if (wi % 32 == 0)  // once per 64-byte line of each stream
-    for (int c = 0; c < C; c++) _mm_prefetch(reinterpret_cast<const char*>(wr[c] + wi + kPrefetch), _MM_HINT_T0);
+    ni_gemv::prefetch_ahead<C>(wr, wi);
 }
 
 // One accumulator per (weight row, activation row), block after block (within a block: AVX512-BF16, one vdpbf16ps;

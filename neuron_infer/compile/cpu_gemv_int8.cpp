@@ -54,12 +54,6 @@ inline float hsum(Vec v) {
 }
 #endif
 
-// How far ahead of its reads each weight stream is prefetched (bytes): with the hardware prefetcher alone a
-// thread reading several weight streams stayed well below the memory's read rate (docs/cpu-backend.md,
-// "Alternatives measured slower"); 1024 bytes ahead left the one-row step 1.1x slower than 2048 on an AVX512-BF16
-// EPYC (1024-4096 timed, docs/performance.md).
-constexpr int64_t kPrefetch = 2048;
-
 // Weight rows (output columns) per pass over the activations: every activation vector loaded is used by C rows,
 // read as C sequential streams (see gemv_rows). With AVX2's 16 registers: 4 for 1-2 rows, 2 for 3-6; from 7 rows on
 // C x R accumulators would not fit next to the weights. With AVX-512's 32: 4 for 1-5 rows, 3 for 6-8.
@@ -107,7 +101,7 @@ void columns(const float* xf, int64_t kp, const int8_t* q, int64_t qs, const uin
   int64_t i = 0;
   for (; i < kv; i += kLanes) {
     if (i % 64 == 0)  // once per 64-byte line of each stream
-      for (int c = 0; c < C; c++) _mm_prefetch(reinterpret_cast<const char*>(qr[c] + i + kPrefetch), _MM_HINT_T0);
+      ni_gemv::prefetch_ahead<C>(qr, i);
     step(i);
   }
   float sum[C][R];

@@ -69,12 +69,6 @@ inline int32_t ihsum(IVec v) {
 }
 #endif
 
-// How far ahead of its reads each weight stream is prefetched (bytes): with the hardware prefetcher alone a
-// thread reading several weight streams stayed well below the memory's read rate (docs/cpu-backend.md,
-// "Alternatives measured slower"); 1024 bytes ahead left the one-row step 1.1x slower than 2048 on an AVX512-BF16
-// EPYC (1024-4096 timed, docs/performance.md).
-constexpr int64_t kPrefetch = 2048;
-
 // Weight rows (output columns) per pass: each activation vector loaded feeds C dot products, and a thread reads C
 // sequential weight streams. One accumulator per (column, row), plus the VNNI compensation per column, within the
 // vector registers (AVX-512: 32, AVX2: 16).
@@ -111,11 +105,9 @@ void columns(const Act* xa, int64_t kp, const float* xs, const int8_t* q, int64_
   const int64_t kv = k / kStep * kStep;
   int64_t i = 0;
   for (; i < kv; i += kStep) {
+    ni_gemv::prefetch_ahead<C>(qr, i);
     IVec w[C];
-    for (int c = 0; c < C; c++) {
-      _mm_prefetch(reinterpret_cast<const char*>(qr[c] + i + kPrefetch), _MM_HINT_T0);
-      w[c] = wload(qr[c] + i);
-    }
+    for (int c = 0; c < C; c++) w[c] = wload(qr[c] + i);
     step(w, i);
   }
   if (i < k) {  // the K tail: weights copied into a zeroed block (the activations are zero-padded to kp)

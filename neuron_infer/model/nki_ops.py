@@ -9,8 +9,9 @@ SDK's `nki.jit` with torch tensors of the graph only (not yet run on hardware). 
 reference (it is fused into the MLP kernel only when called through `rmsnorm_mlp_kernel` directly).
 
 attention(q, k_cache, v_cache, table, q_to_kv, positions):
-    the table's blocks gathered into one sequence per row (model.ops.gather_blocks), then the prefill kernel when every row's positions are 0..T-1 (keys sliced to the first T slots), otherwise the decode
-    kernel with per-row position bounds (chunks of query tokens so one KV-head group fits 128 partitions).
+    the table's blocks gathered into one sequence per row (model.ops.gather_blocks), then the prefill kernel when
+    every row's positions are 0..T-1 (keys sliced to the first T slots), otherwise the decode kernel with per-row
+    position bounds (chunks of query tokens so one KV-head group fits 128 partitions).
     Non-uniform q_to_kv (tensor-parallel padding / replication) is passed to the kernels as a static tuple.
     On an XLA device the positions cannot be inspected: T == S selects prefill (the context-encoding contract:
     prompt from position 0), anything else decode.
