@@ -84,7 +84,7 @@ class CpuCompileOptions:
         either). Default 5: the fused reductions lose to the GEMM at 8 rows.
     gemv_kernel: bf16 linears on 1-8 bf16 rows (cpu_gemv.MAX_ROWS) call the bf16 C kernel (cpu_gemv.cpp: AVX512-BF16
         or AVX2 + FMA) where the CPU has AVX2 + FMA, int8 linears (quant.int8) on 1-8 bf16 rows the int8 C kernel
-        (cpu_gemv_int8.cpp, AVX-512 or AVX2) and w8a8 linears (quant.smoothquant) the w8a8 one (cpu_gemv_w8a8.cpp,
+        (cpu_gemv_int8.cpp, AVX512-VNNI, AVX-512 or AVX2) and w8a8 linears (quant.smoothquant) the w8a8 one (cpu_gemv_w8a8.cpp,
         AVX512-VNNI, AVX-512 or AVX2), all regardless of gemv_max_rows (> 0): a kernel streams the
         weights once for all 8 rows at any ISA level, and beyond 5 rows the only alternative is the GEMM, slow in
         bf16 without AVX512-BF16. Elsewhere, and for fp32, GEMVs are the reductions above. With it, bf16 attention

@@ -4,7 +4,7 @@ AOTInductor calls.
     export:   the linears on 1-8 rows that share one input x [R, K] (q/k/v, gate/up; any other linear alone: a
               group of one, see compile/gemv_groups.py) -> one call, the results side by side [R, N_0 + N_1 + ...]:
                   bf16  torch.ops.neuron_infer.ni_gemv_bf16_v7(x, [w_0, ...])                 w_m [N_m, K] bf16
-                  int8  torch.ops.neuron_infer.ni_gemv_int8_v4(x, [q_0, ...], [s_0, ...])     q_m int8, s_m [N_m]
+                  int8  torch.ops.neuron_infer.ni_gemv_int8_v5(x, [q_0, ...], [s_0, ...])     q_m int8, s_m [N_m]
                   w8a8  torch.ops.neuron_infer.ni_gemv_w8a8_v2(x, [q_0, ...], [s_0, ...])
               attention over the cached keys for at most ops.FEW_QUERY_ROWS query rows per KV head (decode,
               verify; bf16, head dim a multiple of 32 up to 256) -> one call per layer (cpu_attention.cpp), reading
@@ -12,7 +12,7 @@ AOTInductor calls.
                   attn  torch.ops.neuron_infer.ni_attn_v2(q, k, v, table, positions)
                         q [B, H, R, D], k and v [N, H, bs, D], table [B, W], positions [B, R]
     compile:  aot_inductor.custom_ops_to_c_shims = C_SHIMS: the generated wrapper calls the C functions
-              aoti_torch_cpu_ni_gemv_bf16_v7, ..._int8_v4, ..._w8a8_v2 (cpu_gemv*.cpp), ..._attn_v2
+              aoti_torch_cpu_ni_gemv_bf16_v7, ..._int8_v5, ..._w8a8_v2 (cpu_gemv*.cpp), ..._attn_v2
               (cpu_attention.cpp) directly - no dispatcher
     build:    the sources a graph calls -> <graph>.gemv.so next to the graph (g++, the compiler Inductor uses),
               for one ISA level (ISAS); the level is recorded and checked against the CPU at load
@@ -27,8 +27,8 @@ suffix is part of the C symbol and must change with the kernel's contract (argum
 accepted): the first library loaded in a process serves every graph calling that symbol, so two libraries under
 one name must be interchangeable (1-8 rows and up to MAX_GROUP matrices, on every ISA level).
 Every kernel has a path for every ISA level: the bf16 one uses AVX512-BF16 dot products at that level and AVX2 +
-FMA (bf16 widened to fp32) below it; the int8 one AVX-512 (F, BW, VL) or AVX2 + FMA; the w8a8 one AVX512-VNNI
-(vpdpbusd) at the avx512-vnni and avx512-bf16 levels, int16 multiply-adds (vpmaddwd) at avx512 and avx2. Without
+FMA (bf16 widened to fp32) below it; the int8 and w8a8 ones AVX512-VNNI (int8: vpdpwssd on 16-bit activations,
+w8a8: vpdpbusd) at the avx512-vnni and avx512-bf16 levels, int16 multiply-adds (vpmaddwd) at avx512 and avx2. Without
 AVX2 + FMA linears stay Inductor-generated reductions (bf16) or the quantized module's own matmul (int8, w8a8). The
 attention kernel has an AVX-512 path (every level from avx512) and an AVX2 one; without it attention stays the fp32
 reductions of model/ops.py, its reference twin.
@@ -54,7 +54,7 @@ INT8_MAX_ROWS = 8  # the int8 and w8a8 C kernels for 1..8
 SOURCES = {"bf16": Path(__file__).with_name("cpu_gemv.cpp"), "int8": Path(__file__).with_name("cpu_gemv_int8.cpp"),
            "w8a8": Path(__file__).with_name("cpu_gemv_w8a8.cpp"), "attn": Path(__file__).with_name("cpu_attention.cpp")}
 LIB_SUFFIX = ".gemv.so"
-_SYMBOLS = {"bf16": "aoti_torch_cpu_ni_gemv_bf16_v7", "int8": "aoti_torch_cpu_ni_gemv_int8_v4",
+_SYMBOLS = {"bf16": "aoti_torch_cpu_ni_gemv_bf16_v7", "int8": "aoti_torch_cpu_ni_gemv_int8_v5",
             "w8a8": "aoti_torch_cpu_ni_gemv_w8a8_v2", "attn": "aoti_torch_cpu_ni_attn_v2"}
 # ISA levels, highest first: the /proc/cpuinfo flags each needs and the compiler flags it is built with. Every CPU
 # with AVX512-BF16 has AVX512-VNNI (Cooper Lake, Sapphire Rapids, Zen 4 and later), so that level includes it.
@@ -79,7 +79,7 @@ def gemv_bf16(x: torch.Tensor, ws: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat([x.float() @ w.float().t() for w in ws], -1).to(torch.bfloat16)
 
 
-@torch.library.custom_op("neuron_infer::ni_gemv_int8_v4", mutates_args=())
+@torch.library.custom_op("neuron_infer::ni_gemv_int8_v5", mutates_args=())
 def gemv_int8(x: torch.Tensor, qs: list[torch.Tensor], scales: list[torch.Tensor]) -> torch.Tensor:
     """x [R, K] bf16, qs[m] [N_m, K] int8, scales[m] [N_m] bf16 -> the (x @ q.T) * scale side by side [R, sum N_m]
     bf16 (fp32 math, one rounding). The reference: dequantize-then-matmul, the per-channel scale applied after the
@@ -133,7 +133,7 @@ C_SHIMS = {
     torch.ops.neuron_infer.ni_gemv_bf16_v7.default: [
         (f"AOTITorchError {_SYMBOLS['bf16']}(AtenTensorHandle x, const AtenTensorHandle* ws, int64_t ws_len_, "
          "AtenTensorHandle* ret0)")],
-    torch.ops.neuron_infer.ni_gemv_int8_v4.default: [
+    torch.ops.neuron_infer.ni_gemv_int8_v5.default: [
         f"AOTITorchError {_SYMBOLS['int8']}(AtenTensorHandle x, {_LISTS}, AtenTensorHandle* ret0)"],
     torch.ops.neuron_infer.ni_gemv_w8a8_v2.default: [
         f"AOTITorchError {_SYMBOLS['w8a8']}(AtenTensorHandle x, {_LISTS}, AtenTensorHandle* ret0)"],
@@ -141,7 +141,7 @@ C_SHIMS = {
         (f"AOTITorchError {_SYMBOLS['attn']}(AtenTensorHandle q, AtenTensorHandle k, AtenTensorHandle v, "
          "AtenTensorHandle table, AtenTensorHandle positions, AtenTensorHandle* ret0)")],
 }
-OPS = {"bf16": torch.ops.neuron_infer.ni_gemv_bf16_v7.default, "int8": torch.ops.neuron_infer.ni_gemv_int8_v4.default,
+OPS = {"bf16": torch.ops.neuron_infer.ni_gemv_bf16_v7.default, "int8": torch.ops.neuron_infer.ni_gemv_int8_v5.default,
        "w8a8": torch.ops.neuron_infer.ni_gemv_w8a8_v2.default}
 MAX_GROUP = 4  # weight matrices per call (the C kernels' kMaxMats)
 KERNEL_OPS = {**OPS, "attn": torch.ops.neuron_infer.ni_attn_v2.default}  # every op a graph's library may provide
@@ -180,9 +180,10 @@ def kernels_for(isa: str | None) -> tuple[str, ...]:
 
 
 def lowest_isa(kernels: tuple[str, ...], isa: str) -> str:
-    """The level to build `kernels` for on a CPU of level `isa`: only the w8a8 kernel uses VNNI, so a library without
-    it is built for avx512 (the same code), and its graphs also load on AVX-512 CPUs without VNNI."""
-    return "avx512" if isa == "avx512-vnni" and "w8a8" not in kernels else isa
+    """The level to build `kernels` for on a CPU of level `isa`: only the int8 and w8a8 kernels use VNNI, so a
+    library without them is built for avx512 (the same code), and its graphs also load on AVX-512 CPUs without
+    VNNI."""
+    return "avx512" if isa == "avx512-vnni" and not {"int8", "w8a8"} & set(kernels) else isa
 
 
 def build(out: Path, kernels: tuple[str, ...], isa: str = LEGACY_ISA) -> Path:

@@ -1,27 +1,37 @@
 // int8-weight GEMV for linears with 1-8 input rows: y[R, N] = (x[R, K] @ q[N, K]^T) * scale[N], x bf16, q int8,
-// scale bf16 (per output channel), fp32 accumulation, the result rounded once to bf16 (round to nearest even).
+// scale bf16 (per output channel), the result rounded once to bf16 (round to nearest even).
 //
 // Called directly from AOTInductor-generated wrappers (a C shim); see neuron_infer/compile/cpu_gemv.py for the op,
 // its PyTorch reference twin and how this file is built.
 //
-// Numerics: weight-only. Each int8 weight is widened to fp32 in registers (vpmovsxbd + vcvtdq2ps, exact) and
-// multiplied by the activation widened from bf16 (exact: an 8-bit by 8-bit significand product fits fp32's 24 bits),
-// so the only difference from the reference (fp32 matmul of the same values, times the scale) is the order of the
-// fp32 sums. The activations are not quantized.
+// Integer dot products on 16-bit activations. Each activation row is put on a power-of-two grid once per call:
+//   xi[r] = round_half_even(x[r] * 2^-e[r]),  e[r] the smallest exponent with max|x[r]| * 2^-e[r] <= 32767
+// and every product q * xi is summed exactly in int32: y = bf16(fp32(sum) * 2^e[r] * scale). A bf16 activation has
+// an 8-bit significand, so every element within 2^8 of its row's largest is on the grid exactly; smaller ones move
+// by at most 2^(e-1). The weight-only scheme's numerics stay those of dequantize-then-matmul up to that (the
+// reference's own fp32 sums round too; tests/compile/test_cpu_gemv_int8.py models the kernel bit for bit and
+// checks it against the reference). A row holding Inf or NaN gives NaN in every output.
+// Why not fp32: widening each weight to fp32 (vpmovsxbd + vcvtdq2ps) and one FMA per 16 products per row made a
+// 4-row step compute-bound and slower than the bf16 kernel's on AVX512-BF16 CPUs; here one widening (vpmovsxbw)
+// serves all rows and each row costs one instruction per 32 (AVX-512) or two per 16 (AVX2) products.
+// Not 8-bit activations (vpdpbusd): that is the w8a8 scheme (cpu_gemv_w8a8.cpp), an error of up to 1/254 of the
+// row's largest per element.
 //
-// Not VNNI (vpdpbusd, 64 int8 products per instruction): it needs the activations quantized to 8 bits per row, an
-// extra error of about 1/254 of each row's absmax per element; this weight-only kernel keeps the numerics of the
-// eager int8 model. VNNI serves the w8a8 scheme, whose activations are int8 by definition (cpu_gemv_w8a8.cpp).
-//
-// Built for AVX-512 (-mavx512f -mavx512bw -mavx512vl: 16 weights per vector, masked K tails) or, on CPUs without
-// it, AVX2 + FMA (8 weights per vector, scalar K tail); the compiler flags pick the path.
+// Dot products, by the instruction set the library is built for:
+//   AVX512-VNNI  vpdpwssd: 32 int16 products summed pairwise into 16 int32 lanes per instruction.
+//   AVX-512 BW   vpmaddwd + vpaddd, the same products in two instructions.
+//   AVX2         vpmaddwd + vpaddd at 256 bits: 16 products.
+// No int32 lane overflows: a lane sums at most kChunk / kLanes = 512 products of |q| <= 128 and |xi| <= 32767
+// before the lanes are added into int64 totals (once per row up to K = 8192 with AVX-512, 4096 with AVX2).
 #include "cpu_gemv_common.h"
 
 #include <immintrin.h>
 #include <omp.h>
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 namespace {
@@ -32,35 +42,59 @@ using ni_gemv::Gemv;
 using ni_gemv::gemv_operands;
 using ni_gemv::to_bf16;
 
-#ifdef __AVX512F__
-constexpr int64_t kLanes = 16;
-using Vec = __m512;
-inline Vec zero() { return _mm512_setzero_ps(); }
-inline Vec widen(const int8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p))); }
-inline Vec fma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
-inline Vec load(const float* p) { return _mm512_loadu_ps(p); }
-inline float hsum(Vec v) { return _mm512_reduce_add_ps(v); }
+#if defined(__AVX512BW__)
+constexpr int64_t kStep = 32;   // weights per dot step
+constexpr int64_t kLanes = 16;  // int32 accumulator lanes
+using IVec = __m512i;
+inline IVec izero() { return _mm512_setzero_si512(); }
+inline IVec wload(const int8_t* p) { return _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)p)); }
+inline IVec wload_tail(const int8_t* p, int64_t n) {  // n < kStep weights, zeros beyond
+  return _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(static_cast<__mmask32>((1u << n) - 1), p));
+}
+inline IVec xload(const int16_t* p) { return _mm512_loadu_si512(p); }
+#if defined(__AVX512VNNI__)
+// The accumulator tied to the destination: with the intrinsic (_mm512_dpwssd_epi32) GCC 12 copies every accumulator
+// each step and, at 7 rows x 3 columns, spills them to the stack.
+inline IVec dot(IVec acc, IVec x, IVec w) {
+  asm("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(x), "v"(w));
+  return acc;
+}
 #else
+inline IVec dot(IVec acc, IVec x, IVec w) { return _mm512_add_epi32(acc, _mm512_madd_epi16(x, w)); }
+#endif
+inline int64_t ihsum(IVec v) {  // in int64: the lanes' total may exceed int32
+  return _mm512_reduce_add_epi64(_mm512_add_epi64(_mm512_cvtepi32_epi64(_mm512_castsi512_si256(v)),
+                                                   _mm512_cvtepi32_epi64(_mm512_extracti64x4_epi64(v, 1))));
+}
+#else
+constexpr int64_t kStep = 16;
 constexpr int64_t kLanes = 8;
-using Vec = __m256;
-inline Vec zero() { return _mm256_setzero_ps(); }
-inline Vec widen(const int8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p))); }
-inline Vec fma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
-inline Vec load(const float* p) { return _mm256_loadu_ps(p); }
-inline float hsum(Vec v) {
-  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
+using IVec = __m256i;
+inline IVec izero() { return _mm256_setzero_si256(); }
+inline IVec wload(const int8_t* p) { return _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)p)); }
+inline IVec wload_tail(const int8_t* p, int64_t n) {
+  alignas(16) int8_t block[kStep] = {};
+  std::memcpy(block, p, static_cast<size_t>(n));
+  return wload(block);
+}
+inline IVec xload(const int16_t* p) { return _mm256_loadu_si256((const __m256i*)p); }
+inline IVec dot(IVec acc, IVec x, IVec w) { return _mm256_add_epi32(acc, _mm256_madd_epi16(x, w)); }
+inline int64_t ihsum(IVec v) {  // in int64: the lanes' total may exceed int32
+  alignas(32) int32_t lanes[kLanes];
+  _mm256_store_si256((__m256i*)lanes, v);
+  int64_t sum = 0;
+  for (int32_t l : lanes) sum += l;
+  return sum;
 }
 #endif
 
-// Weight rows (output columns) per pass over the activations: every activation vector loaded is used by C rows,
-// read as C sequential streams (see gemv_rows). With AVX2's 16 registers: 4 for 1-2 rows, 2 for 3-6; from 7 rows on
-// C x R accumulators would not fit next to the weights. With AVX-512's 32: 4 for 1-5 rows, 3 for 6-8.
-// One accumulator per (weight row, activation row), the vectors added in order: every row's sum is formed in one
-// order whatever R and C are, so a row's result does not depend on the other rows of the call (a speculative verify
-// computes what one-row decode steps compute; docs/cpu-backend.md, "Batch invariance").
-#ifdef __AVX512F__
+constexpr int32_t kGridMax = 32767;  // largest |xi|
+constexpr int64_t kChunk = 512 * kLanes;  // weights per int32 accumulation: 512 * 128 * 32767 < 2^31
+
+// Weight rows (output columns) per pass: each activation vector loaded feeds C dot products, and a thread reads C
+// sequential weight streams. C x R accumulators next to C weight vectors within the vector registers (AVX-512: 32,
+// AVX2: 16).
+#if defined(__AVX512BW__)
 template <int R>
 constexpr int kCols = R <= 5 ? 4 : 3;
 #else
@@ -68,79 +102,150 @@ template <int R>
 constexpr int kCols = R <= 2 ? 4 : R <= 6 ? 2 : 1;
 #endif
 
-// Keeps a loaded activation vector in a register for all C columns (not one memory operand per FMA).
-inline void keep(Vec& x) {
-#ifdef __AVX512F__
-  asm("" : "+v"(x));
-#else
-  asm("" : "+x"(x));
-#endif
-}
-
-// Columns j, j + cs, ..., j + (C - 1) cs for R rows: y[r * n + j + c cs] = (x[r] . q[j + c cs]) * scale[j + c cs].
-// xf: R fp32 rows of kp >= k floats (zero beyond k); q rows `qs` apart; y rows `n` apart.
+// Columns j, j + cs, ..., j + (C - 1) cs for R rows: y[r * n + j + c cs] = bf16(fp32(xi[r] . q[j + c cs]) * xs[r]
+// * scale[j + c cs]). xi: R int16 rows of kp (a multiple of kStep, zero beyond k); xs: the rows' grid steps 2^e
+// (NaN for a row holding Inf or NaN); q rows `qs` apart; y rows `n` apart.
 template <int R, int C>
-void columns(const float* xf, int64_t kp, const int8_t* q, int64_t qs, const uint16_t* scale, uint16_t* y,
-             int64_t n, int64_t k, int64_t j, int64_t cs) {
-  const int64_t kv = k / kLanes * kLanes;
+void columns(const int16_t* xi, int64_t kp, const float* xs, const int8_t* q, int64_t qs, const uint16_t* scale,
+             uint16_t* y, int64_t n, int64_t k, int64_t j, int64_t cs) {
   const int8_t* qr[C];
   for (int c = 0; c < C; c++) qr[c] = q + (j + c * cs) * qs;
-  Vec acc[C][R];
-  for (int c = 0; c < C; c++)
-    for (int r = 0; r < R; r++) acc[c][r] = zero();
-  // One vector of weights of each column at qr[c] + i into acc.
-  auto step = [&](int64_t i) {
-    Vec w[C];
-    for (int c = 0; c < C; c++) w[c] = widen(qr[c] + i);
-    for (int r = 0; r < R; r++) {
-      Vec x = load(xf + r * kp + i);
-      if (C > 1) keep(x);
-      for (int c = 0; c < C; c++) acc[c][r] = fma(w[c], x, acc[c][r]);
+  int64_t total[C][R] = {};
+  const int64_t kv = k / kStep * kStep;
+  for (int64_t i0 = 0; i0 < k; i0 += kChunk) {  // runs of kChunk weights, each summed in int32 lanes
+    IVec acc[C][R];
+    for (int c = 0; c < C; c++)
+      for (int r = 0; r < R; r++) acc[c][r] = izero();
+    auto step = [&](const IVec* w, int64_t i) {
+      for (int r = 0; r < R; r++) {
+        const IVec x = xload(xi + r * kp + i);
+        for (int c = 0; c < C; c++) acc[c][r] = dot(acc[c][r], x, w[c]);
+      }
+    };
+    const int64_t end = kv - i0 < kChunk ? kv : i0 + kChunk;
+    int64_t i = i0;
+    for (; i < end; i += kStep) {
+      if (i % 64 == 0)  // once per 64-byte line of each stream
+        ni_gemv::prefetch_ahead<C>(qr, i);
+      IVec w[C];
+      for (int c = 0; c < C; c++) w[c] = wload(qr[c] + i);
+      step(w, i);
     }
-  };
-  int64_t i = 0;
-  for (; i < kv; i += kLanes) {
-    if (i % 64 == 0)  // once per 64-byte line of each stream
-      ni_gemv::prefetch_ahead<C>(qr, i);
-    step(i);
+    if (i == kv && kv < k && kv < i0 + kChunk) {  // the K tail (the activations are zero-padded to kp)
+      IVec w[C];
+      for (int c = 0; c < C; c++) w[c] = wload_tail(qr[c] + i, k - i);
+      step(w, i);
+    }
+    for (int c = 0; c < C; c++)
+      for (int r = 0; r < R; r++) total[c][r] += ihsum(acc[c][r]);
   }
-  float sum[C][R];
-#ifdef __AVX512F__
-  if (i < k) {  // masked tail: lanes beyond k load 0 (and xf is 0 there)
-    const __mmask16 m = static_cast<__mmask16>((1u << (k - i)) - 1);
-    for (int c = 0; c < C; c++) {
-      const Vec w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, qr[c] + i)));
-      for (int r = 0; r < R; r++) acc[c][r] = fma(w, load(xf + r * kp + i), acc[c][r]);
-    }
-  }
-  for (int c = 0; c < C; c++)
-    for (int r = 0; r < R; r++) sum[c][r] = hsum(acc[c][r]);
-#else
-  for (int c = 0; c < C; c++)
-    for (int r = 0; r < R; r++) {
-      sum[c][r] = hsum(acc[c][r]);
-      for (int64_t t = i; t < k; t++) sum[c][r] += static_cast<float>(qr[c][t]) * xf[r * kp + t];
-    }
-#endif
   for (int c = 0; c < C; c++) {
     const float sc = from_bf16(scale[j + c * cs]);
-    for (int r = 0; r < R; r++) y[r * n + j + c * cs] = to_bf16(sum[c][r] * sc);
+    for (int r = 0; r < R; r++)
+      y[r * n + j + c * cs] = to_bf16(static_cast<float>(total[c][r]) * xs[r] * sc);
   }
 }
 
-// Every matrix's columns in one parallel loop (ni_gemv::for_column_groups). xf, kp: as in `columns`.
+// Every matrix's columns in one parallel loop (ni_gemv::for_column_groups). xi, kp, xs: as in `columns`.
 template <int R>
-void gemv_rows(const float* xf, int64_t kp, const Gemv& g) {
+void gemv_rows(const int16_t* xi, int64_t kp, const float* xs, const Gemv& g) {
   for_column_groups<kCols<R>>(g, [&](int64_t m, int64_t j, int64_t cs, auto width) {
-    columns<R, decltype(width)::value>(xf, kp, static_cast<const int8_t*>(g.w[m]), g.w_stride[m],
+    columns<R, decltype(width)::value>(xi, kp, xs, static_cast<const int8_t*>(g.w[m]), g.w_stride[m],
                                        static_cast<const uint16_t*>(g.scale[m]), g.y + g.off[m], g.ntot, g.k, j, cs);
   });
 }
 
-using Kernel = void (*)(const float*, int64_t, const Gemv&);
+using Kernel = void (*)(const int16_t*, int64_t, const float*, const Gemv&);
 constexpr Kernel kKernels[] = {nullptr,       gemv_rows<1>, gemv_rows<2>, gemv_rows<3>, gemv_rows<4>,
                                gemv_rows<5>, gemv_rows<6>, gemv_rows<7>, gemv_rows<8>};
 constexpr int64_t kMaxRows = 8;
+
+// The grid step's exponent for a row of largest magnitude `peak` (finite): the smallest e >= -120 (2^-e stays a
+// normal float) with peak * 2^-e <= kGridMax.
+int grid_exponent(float peak) {
+  int p = 0;
+  std::frexp(peak, &p);  // peak < 2^p
+  int e = p - 16 > -120 ? p - 16 : -120;
+  while (std::ldexp(peak, -e) > static_cast<float>(kGridMax)) e++;
+  return e;
+}
+
+#if defined(__AVX512F__)
+inline __m512 widen16(const uint16_t* p, __mmask16 m) {  // 16 bf16 -> fp32 (masked lanes 0)
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+inline __mmask16 tail_mask(int64_t left) {
+  return left >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << left) - 1);
+}
+
+float row_peak(const uint16_t* x, int64_t k) {  // max |x| (NaN if any is NaN)
+  __m512 vmax = _mm512_setzero_ps();
+  __mmask16 nan = 0;
+  for (int64_t t = 0; t < k; t += 16) {
+    const __m512 v = widen16(x + t, tail_mask(k - t));
+    nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    vmax = _mm512_max_ps(vmax, _mm512_abs_ps(v));
+  }
+  return nan ? std::numeric_limits<float>::quiet_NaN() : _mm512_reduce_max_ps(vmax);
+}
+
+void to_grid(const uint16_t* x, int64_t k, float down, int16_t* out) {  // out = round_half_even(x * down)
+  const __m512 vd = _mm512_set1_ps(down);
+  for (int64_t t = 0; t < k; t += 16) {
+    const __mmask16 m = tail_mask(k - t);
+    _mm512_mask_cvtepi32_storeu_epi16(out + t, m, _mm512_cvtps_epi32(_mm512_mul_ps(widen16(x + t, m), vd)));
+  }
+}
+#else
+inline __m256 widen8(const uint16_t* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+
+float row_peak(const uint16_t* x, int64_t k) {  // max |x| (NaN if any is NaN)
+  const int64_t kv = k / 8 * 8;
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 vmax = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
+  for (int64_t t = 0; t < kv; t += 8) {
+    const __m256 v = widen8(x + t);
+    nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    vmax = _mm256_max_ps(vmax, _mm256_andnot_ps(sign, v));
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, vmax);
+  float peak = 0.0f;
+  for (float l : lanes) peak = std::fmax(peak, l);
+  bool any_nan = _mm256_movemask_ps(nan) != 0;
+  for (int64_t t = kv; t < k; t++) {
+    any_nan |= std::isnan(from_bf16(x[t]));
+    peak = std::fmax(peak, std::fabs(from_bf16(x[t])));
+  }
+  return any_nan ? std::numeric_limits<float>::quiet_NaN() : peak;
+}
+
+void to_grid(const uint16_t* x, int64_t k, float down, int16_t* out) {  // out = round_half_even(x * down)
+  const int64_t kv = k / 8 * 8;
+  const __m256 vd = _mm256_set1_ps(down);
+  for (int64_t t = 0; t < kv; t += 8) {
+    const __m256i v = _mm256_cvtps_epi32(_mm256_mul_ps(widen8(x + t), vd));  // MXCSR: nearest even
+    const __m128i packed = _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    _mm_storeu_si128((__m128i*)(out + t), packed);  // |values| <= 32767: no saturation
+  }
+  for (int64_t t = kv; t < k; t++) out[t] = static_cast<int16_t>(std::nearbyint(from_bf16(x[t]) * down));
+}
+#endif
+
+// One row on its grid: out[t] = round_half_even(x[t] * 2^-e) for t < k -> the grid step 2^e, or NaN when the row
+// holds Inf or NaN (out: zeros).
+float quantize_row(const uint16_t* x, int64_t k, int16_t* out) {
+  const float peak = row_peak(x, k);
+  if (!std::isfinite(peak)) {
+    std::memset(out, 0, static_cast<size_t>(k) * sizeof(int16_t));
+    return std::numeric_limits<float>::quiet_NaN();
+  }
+  const int e = grid_exponent(peak);
+  to_grid(x, k, std::ldexp(1.0f, -e), out);  // exact scaling: x * 2^-e rounds only below the grid
+  return std::ldexp(1.0f, e);
+}
 
 }  // namespace
 
@@ -149,19 +254,19 @@ extern "C" {
 // x [R, K] bf16, qs[m] [N_m, K] int8, scales[m] [N_m] bf16 (m < n_mats <= 4, the linears sharing x) -> *ret0 = new
 // [R, N_0 + ... ] bf16 tensor, the matrices' results side by side. AOTI_TORCH_FAILURE on any other input (the
 // generated wrapper turns that into a RuntimeError).
-AOTITorchError aoti_torch_cpu_ni_gemv_int8_v4(AtenTensorHandle x, const AtenTensorHandle* qs, int64_t n_mats,
+AOTITorchError aoti_torch_cpu_ni_gemv_int8_v5(AtenTensorHandle x, const AtenTensorHandle* qs, int64_t n_mats,
                                               const AtenTensorHandle* scales, int64_t n_scales,
                                               AtenTensorHandle* ret0) {
   Gemv g;
   if (!gemv_operands(x, qs, n_mats, scales, n_scales, aoti_torch_dtype_int8(), aoti_torch_dtype_bfloat16(), kMaxRows,
                      &g))
     return AOTI_TORCH_FAILURE;
-  // The activations widened to fp32 once (R x K, a few KB), zero-padded to whole vectors.
-  const int64_t kp = (g.k + kLanes - 1) / kLanes * kLanes;
-  std::vector<float> xf(static_cast<size_t>(g.r * kp), 0.0f);
-  for (int64_t i = 0; i < g.r; i++)
-    for (int64_t t = 0; t < g.k; t++) xf[i * kp + t] = from_bf16(g.x[i * g.x_stride + t]);
-  kKernels[g.r](xf.data(), kp, g);
+  // The activations on their grids once per call, for every matrix (R x K int16s), zero-padded to whole steps.
+  const int64_t kp = (g.k + kStep - 1) / kStep * kStep;
+  std::vector<int16_t> xi(static_cast<size_t>(g.r * kp), 0);
+  float xs[kMaxRows];
+  for (int64_t i = 0; i < g.r; i++) xs[i] = quantize_row(g.x + i * g.x_stride, g.k, xi.data() + i * kp);
+  kKernels[g.r](xi.data(), kp, xs, g);
   *ret0 = g.out;
   return AOTI_TORCH_SUCCESS;
 }

@@ -41,7 +41,12 @@ using IVec = __m512i;
 inline IVec izero() { return _mm512_setzero_si512(); }
 inline IVec wload(const int8_t* p) { return _mm512_loadu_si512(p); }
 inline IVec xload(const Act* p) { return _mm512_loadu_si512(p); }
-inline IVec dot(IVec acc, IVec x, IVec w) { return _mm512_dpbusd_epi32(acc, x, w); }
+// The accumulator tied to the destination: with the intrinsic (_mm512_dpbusd_epi32) GCC 12 copies every accumulator
+// each step and spills them at 6-8 rows. x holds the unsigned bytes, w the signed ones.
+inline IVec dot(IVec acc, IVec x, IVec w) {
+  asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(x), "v"(w));
+  return acc;
+}
 inline int32_t ihsum(IVec v) { return _mm512_reduce_add_epi32(v); }
 #elif defined(__AVX512BW__)
 constexpr int64_t kStep = 32;

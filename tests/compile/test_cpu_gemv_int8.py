@@ -1,17 +1,20 @@
 """The int8-weight GEMV kernel (compile/cpu_gemv_int8.cpp) against its PyTorch twin, inside real AOTInductor graphs.
 
-Numerics: weight-only. The kernel widens int8 weights and bf16 activations to fp32 (both exact), accumulates in
-fp32, multiplies by the per-channel scale and rounds once to bf16; the reference does the same in a different
-summation order (fp32 reassociation, ~1e-6 relative). After the bf16 rounding almost every output is bit-equal and
-the rest differ by one bf16 step: checked as at least 97% bit-equal and all within one step (the bf16 kernel's
-criterion). A kernel dropping a K tail, mixing rows, misreading a stride or a scale is off by far more.
-Both ISA levels are tested on CPUs that have them (AVX-512 and AVX2, the latter forced with gemv_isa="avx2"), each in
-its own process (fresh_process.py).
+Numerics: weight-only int8, integer dot products on 16-bit activations. The kernel puts each activation row on a
+power-of-two grid (|xi| <= 32767), sums q * xi exactly and scales once; `kernel_model` below
+is that computation in PyTorch, and the kernel must equal it bit for bit (a kernel dropping a K tail, mixing rows,
+misreading a stride or a scale, or overflowing an int32 lane does not). Against the reference (dequantize-then-
+matmul, fp32 sums): an element within 2^8 of its row's largest is on the grid exactly and a smaller one moves by at
+most half a grid step (2^-16 of the row's largest), far below one bf16 step of the result, so the criterion is
+the bf16 kernel's: at least 97% bit-equal and all within one bf16 step. A row holding Inf or NaN gives NaN.
+Every ISA level is tested on CPUs that have it (AVX512-VNNI, AVX-512, AVX2; the lower ones forced with gemv_isa),
+each in its own process (fresh_process.py).
 """
 from __future__ import annotations
 
 import copy
 import json
+import math
 import zipfile
 from pathlib import Path
 
@@ -30,15 +33,17 @@ from tests.compile.fresh_process import run_check
 from tests.compile.test_cpu_backend import S, empty_cache, tg_args, tiny_model
 from tests.compile.test_cpu_gemv import SHARED_CALLS, assert_one_rounding_apart, sources, with_shared
 
-ISAS = [isa for isa in ("avx512", "avx2") if cpu_gemv.has_isa(isa)]
+ISAS = [isa for isa in ("avx512-vnni", "avx512", "avx2") if cpu_gemv.has_isa(isa)]
 needs_int8 = pytest.mark.skipif(not ISAS, reason="this CPU has neither AVX-512 nor AVX2")
 # (R, N, K): K multiples of 64, of 16 only, 8-element and 4-element tails, K < 8; rows 1..8. Column groups (AVX2: 4
 # weight rows per pass at 1-2 rows, 2 at 3-6; AVX-512: 4 at 1-5 rows, 3 at 6-8): N a multiple of the group, N
 # leaving every possible number of single columns (AVX2: 33, 70, 7 at 1-2 rows, 17, 9, 37 at 3-6; AVX-512: 17, 130,
 # 7 at 3-5 rows, 40, 65 at 6-8), N below the group (3 at 2 rows, 1 at 4, 2 at 6, 4 at 7 on AVX2's single columns),
-# with and without K tails.
+# with and without K tails; K = 8300 sums in more than one int32 run (8192 weights with AVX-512, 4096 with AVX2).
 SHAPES = [(1, 70, 64), (2, 33, 96), (3, 17, 100), (4, 130, 600), (5, 48, 576), (6, 9, 1544), (7, 40, 5), (8, 65, 200),
-          (1, 257, 31), (2, 3, 48), (5, 37, 40), (1, 7, 20), (4, 1, 24), (3, 7, 48), (6, 2, 64), (7, 4, 48)]
+          (1, 257, 31), (2, 3, 48), (5, 37, 40), (1, 7, 20), (4, 1, 24), (3, 7, 48), (6, 2, 64), (7, 4, 48),
+          (2, 5, 8300)]
+NONFINITE = 3  # the input (4 rows) whose first two rows get a NaN and an Inf in check_graph
 
 
 class QuantLinears(torch.nn.Module):
@@ -68,10 +73,32 @@ def inputs() -> tuple[torch.Tensor, ...]:
     return tuple(torch.randn(r, k).to(torch.bfloat16) for r, _, k in SHAPES)
 
 
-def reference(module: Int8Linears, xs) -> list[torch.Tensor]:
+def kernel_model(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """What the kernel computes, in PyTorch: x [R, K] bf16, q [N, K] int8, scale [N] bf16 -> [R, N] bf16. Each row
+    on the grid 2^e (e the smallest >= -120 with max|x| 2^-e <= 32767), the products summed exactly, then
+    fp32(sum) * 2^e * scale, rounded once."""
+    rows = []
+    for row in x.float():
+        peak = row.abs().max().item()
+        if not math.isfinite(peak):
+            rows.append(torch.full((q.shape[0],), math.nan))
+            continue
+        e = -120
+        while math.ldexp(peak, -e) > 32767:
+            e += 1
+        xi = torch.round(row * 2.0**-e).to(torch.int64)  # the fp32 product is exact; round half to even
+        rows.append((xi @ q.to(torch.int64).t()).float() * 2.0**e * scale.float())
+    return torch.stack(rows).to(torch.bfloat16)
+
+
+def reference(module: Int8Linears, xs, model: bool = False) -> list[torch.Tensor]:
+    """Every linear's output by the op's reference, or (model) by kernel_model."""
     out = []
     for lin, i in zip(module.lins, module.src):
-        y = cpu_gemv.gemv_int8(xs[i], [lin.weight], [lin.weight_scale])
+        if model:
+            y = kernel_model(xs[i], lin.weight, lin.weight_scale)
+        else:
+            y = cpu_gemv.gemv_int8(xs[i], [lin.weight], [lin.weight_scale])
         out.append(y if lin.bias is None else y + lin.bias)
     return out
 
@@ -94,15 +121,26 @@ def test_reference_is_dequantize_then_matmul():
 
 
 def check_graph(out: str, isa: str) -> None:
-    """The compiled graph against the reference on every shape (run in a fresh process: fresh_process.py)."""
+    """The compiled graph on every shape: bit-equal to kernel_model, one rounding from the reference; rows holding
+    NaN or Inf give NaN (run in a fresh process: fresh_process.py)."""
     module = Int8Linears().eval()
     assert json.loads((Path(out) / "lin.json").read_text())["gemv_kernel"]["isa"] == isa
     graph = CpuBackend().load_graph(Path(out), "lin", module)
+    xs = inputs()
     with torch.inference_mode():
-        got = graph(*inputs())
-        ref = reference(module, inputs())
-    for g, r in zip(got, ref):
+        got = graph(*xs)
+        ref, model = reference(module, xs), reference(module, xs, model=True)
+    for g, r, m in zip(got, ref, model):
         assert_one_rounding_apart(g, r)
+        assert torch.equal(g, m)
+    bad = list(xs)
+    bad[NONFINITE] = bad[NONFINITE].clone()
+    bad[NONFINITE][0, 5], bad[NONFINITE][1, 7] = math.nan, math.inf
+    with torch.inference_mode():
+        got = graph(*bad)
+    for g, i, m in zip(got, module.src, model):
+        if i == NONFINITE:
+            assert g[:2].isnan().all() and torch.equal(g[2:], m[2:])
 
 
 @needs_int8
@@ -117,7 +155,7 @@ def test_graph_calls_the_c_function_not_the_dispatcher(linears):
     out = linears[0]
     with zipfile.ZipFile(out / "lin.pt2") as z:
         wrapper = "".join(z.read(n).decode() for n in z.namelist() if n.endswith("wrapper.cpp"))
-    assert wrapper.count("aoti_torch_cpu_ni_gemv_int8_v4(") >= len(SHAPES) + SHARED_CALLS
+    assert wrapper.count("aoti_torch_cpu_ni_gemv_int8_v5(") >= len(SHAPES) + SHARED_CALLS
     assert "proxy_executor_call_function" not in wrapper
 
 
@@ -194,5 +232,5 @@ def test_library_refused_on_a_cpu_without_its_isa(linears, monkeypatch, tmp_path
     out, module, _, isa = linears
     cpu_gemv._loaded.clear()  # a library already loaded in this process is not checked again
     monkeypatch.setattr(cpu_gemv, "_cpu_flags", lambda: frozenset({"sse2"}))
-    with pytest.raises(ArtifactError, match=f"needs a CPU with .*{'avx512f' if isa == 'avx512' else 'avx2'}"):
+    with pytest.raises(ArtifactError, match=f"needs a CPU with .*{'avx2' if isa == 'avx2' else 'avx512f'}"):
         CpuBackend().load_graph(out, "lin", module)

@@ -139,11 +139,12 @@ def test_vnni_library_refused_on_a_cpu_without_vnni(linears, monkeypatch):
 
 
 
-def test_libraries_without_the_w8a8_kernel_do_not_need_vnni():
-    """bf16 and int8 kernels are the same code at avx512 and avx512-vnni: their graphs stay loadable on AVX-512 CPUs
-    without VNNI (Skylake-SP)."""
-    assert cpu_gemv.lowest_isa(("bf16",), "avx512-vnni") == cpu_gemv.lowest_isa(("bf16", "int8"), "avx512-vnni") \
+def test_libraries_without_a_quantized_kernel_do_not_need_vnni():
+    """The bf16 and attention kernels are the same code at avx512 and avx512-vnni: their graphs stay loadable on
+    AVX-512 CPUs without VNNI (Skylake-SP). The int8 (vpdpwssd) and w8a8 (vpdpbusd) kernels use VNNI there."""
+    assert cpu_gemv.lowest_isa(("bf16",), "avx512-vnni") == cpu_gemv.lowest_isa(("bf16", "attn"), "avx512-vnni") \
         == "avx512"
     assert cpu_gemv.lowest_isa(("bf16", "w8a8"), "avx512-vnni") == "avx512-vnni"
+    assert cpu_gemv.lowest_isa(("bf16", "int8"), "avx512-vnni") == "avx512-vnni"
     assert cpu_gemv.lowest_isa(("bf16",), "avx512-bf16") == "avx512-bf16"
     assert cpu_gemv.lowest_isa(("int8",), "avx2") == "avx2"
