@@ -6,11 +6,12 @@
 //
 // Integer dot products on 16-bit activations. Each activation row is put on a power-of-two grid once per call:
 //   xi[r] = round_half_even(x[r] * 2^-e[r]),  e[r] the smallest exponent with max|x[r]| * 2^-e[r] <= 32767
-// and every product q * xi is summed exactly in int32: y = bf16(fp32(sum) * 2^e[r] * scale). A bf16 activation has
-// an 8-bit significand, so every element within 2^8 of its row's largest is on the grid exactly; smaller ones move
-// by at most 2^(e-1). The weight-only scheme's numerics stay those of dequantize-then-matmul up to that (the
-// reference's own fp32 sums round too; tests/compile/test_cpu_gemv_int8.py models the kernel bit for bit and
-// checks it against the reference). A row holding Inf or NaN gives NaN in every output.
+// and every product q * xi is summed exactly (int32 lanes, int64 totals): y = bf16(fp32(sum) * 2^e[r] * scale).
+// A bf16 activation has an 8-bit significand, so every element within 2^8 of its row's largest is on the grid
+// exactly; smaller ones move by at most 2^(e-1). The weight-only scheme's numerics stay those of
+// dequantize-then-matmul up to that (the reference's own fp32 sums round too; tests/compile/test_cpu_gemv_int8.py
+// models the kernel bit for bit and checks it against the reference). A row holding Inf or NaN gives NaN in every
+// output.
 // Why not fp32: widening each weight to fp32 (vpmovsxbd + vcvtdq2ps) and one FMA per 16 products per row made a
 // 4-row step compute-bound and slower than the bf16 kernel's on AVX512-BF16 CPUs; here one widening (vpmovsxbw)
 // serves all rows and each row costs one instruction per 32 (AVX-512) or two per 16 (AVX2) products.
