@@ -47,7 +47,7 @@ def server_ttft(url: str):
     def run(prompt: list[int]) -> float:
         rec = serving.RequestRecord(0)
         client.post("/v1/completions", {"model": name, "prompt": prompt, "max_tokens": 1, "temperature": 0.0,
-                                        "stream": True}, rec, stream=True)
+                                        "stream": True, "return_token_ids": True}, rec, stream=True)
         if rec.error or rec.ttft is None:
             raise SystemExit(f"error: {url}: {rec.error or 'no token streamed'}")
         return rec.ttft

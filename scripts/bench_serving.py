@@ -271,6 +271,8 @@ def _read_stream(resp, rec: RequestRecord) -> None:
         now = time.perf_counter()
         for choice in event.get("choices") or []:
             n = _add_choice(choice, rec)
+            if not n and not counted and choice.get("finish_reason"):
+                n = 1  # the only token's text was held back (part of a UTF-8 character): it arrived here
             if n:
                 rec.chunk_times.append(now)
                 rec.chunk_tokens.append(n)

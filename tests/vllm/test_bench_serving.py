@@ -23,6 +23,7 @@ sys.modules["bench_serving"] = bench  # dataclasses resolve annotations through 
 _SPEC.loader.exec_module(bench)
 
 FAIL_TOKEN = 666
+HELD_BACK_TOKEN = 667  # the fake server streams one token whose text the detokenizer holds back (empty, no ids)
 
 
 def assert_loaded_equals_alone(cfg) -> None:
@@ -97,7 +98,10 @@ class _FakeOpenAI(BaseHTTPRequestHandler):
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Transfer-Encoding", "chunked")
         self.end_headers()
-        for i, t in enumerate(tokens):
+        if prompt[0] == HELD_BACK_TOKEN:
+            tokens = tokens[:1]
+            self._chunk({"choices": [{"text": "", "finish_reason": "length"}]})
+        for i, t in enumerate(tokens if prompt[0] != HELD_BACK_TOKEN else []):
             fin = "length" if i == n - 1 else None
             self._chunk({"choices": [{"text": f"t{t} ", "token_ids": [t], "finish_reason": fin}]})
         self._chunk({"choices": [], "usage": {"completion_tokens": n}})
@@ -156,6 +160,17 @@ def test_run_against_fake_server_counts_tokens_and_errors(fake_server, stream):
     assert summary["itl_s"]["n"] == sum(len(r.chunk_times) - 1 for r in ok)
     assert summary["ttft_s"]["n"] == 11 and summary["e2e_s"]["n"] == 11
     assert summary["ttft_s"]["p50"] <= summary["e2e_s"]["p99"]
+
+
+def test_a_single_token_with_held_back_text_still_counts_as_the_first_token(fake_server):
+    """vLLM streams an empty text for a token that ends inside a UTF-8 character; a one-token completion then has
+    only its final chunk, which must still give a time to first token (bench_prefix_cache.py times those)."""
+    client = bench.Client(fake_server, 30.0)
+    rec = bench.RequestRecord(0)
+    client.post("/v1/completions", {"model": "fake-model", "prompt": [HELD_BACK_TOKEN, 1, 2], "max_tokens": 1,
+                                    "temperature": 0.0, "stream": True}, rec, stream=True)
+    assert rec.error is None and rec.finish_reason == "length" and rec.text == ""
+    assert rec.ttft is not None and rec.chunk_tokens == [1] and rec.output_tokens == 1
 
 
 def test_workload_is_deterministic_and_within_bounds():
