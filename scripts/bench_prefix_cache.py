@@ -41,13 +41,14 @@ def server_ttft(url: str):
     sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/: the load generator's client
     import bench_serving as serving
 
-    client = serving.Client(url, 600.0)
+    cfg = serving.BenchConfig(base_url=url, temperature=0.0, stream=True)
+    client = serving.Client(url, cfg.timeout_s)
     name = client.get_json("/v1/models")["data"][0]["id"]
 
     def run(prompt: list[int]) -> float:
         rec = serving.RequestRecord(0)
-        client.post("/v1/completions", {"model": name, "prompt": prompt, "max_tokens": 1, "temperature": 0.0,
-                                        "stream": True, "return_token_ids": True}, rec, stream=True)
+        body = serving.request_body(cfg, name, serving.RequestSpec(0, prompt, 1))  # greedy, streamed, token ids
+        client.post("/v1/completions", body, rec, stream=True)
         if rec.error or rec.ttft is None:
             raise SystemExit(f"error: {url}: {rec.error or 'no token streamed'}")
         return rec.ttft

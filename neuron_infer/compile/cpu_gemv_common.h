@@ -4,7 +4,7 @@
 #pragma once
 
 #include <torch/csrc/inductor/aoti_torch/c/shim.h>
-#include <xmmintrin.h>
+#include <immintrin.h>
 
 #include <cstdint>
 #include <cstring>
@@ -24,6 +24,20 @@ inline void prefetch_ahead(const T* const (&streams)[C], int64_t i) {
   for (int c = 0; c < C; c++)
     _mm_prefetch(reinterpret_cast<const char*>(streams[c] + i) + kPrefetchBytes, _MM_HINT_T0);
 }
+
+// bf16 -> fp32 vector loads (exact: a bf16 is the top half of an fp32), for the kernels that quantize activations.
+#if defined(__AVX512F__)
+inline __mmask16 first_lanes(int64_t n) {  // lanes 0..n-1 of 16 (all for n >= 16)
+  return n >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << n) - 1);
+}
+inline __m512 load_bf16x16(const uint16_t* p, __mmask16 m) {  // lanes outside m: 0 (not read)
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+#elif defined(__AVX2__)
+inline __m256 load_bf16x8(const uint16_t* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+#endif
 
 // fp32 -> bf16, round to nearest even (Tensor.to(torch.bfloat16)); NaN stays a quiet NaN.
 inline uint16_t to_bf16(float f) {

@@ -11,7 +11,8 @@
 // exactly; smaller ones move by at most 2^(e-1). The weight-only scheme's numerics stay those of
 // dequantize-then-matmul up to that (the reference's own fp32 sums round too; tests/compile/test_cpu_gemv_int8.py
 // models the kernel bit for bit and checks it against the reference). A row holding Inf or NaN gives NaN in every
-// output.
+// output. e is at least -120 (2^-e a normal float): a row whose largest magnitude is below 2^-106 is on the grid
+// 2^-120, coarser than its own, and elements below 2^-121 read as 0 (magnitudes activations do not reach).
 // Why not fp32: widening each weight to fp32 (vpmovsxbd + vcvtdq2ps) and one FMA per 16 products per row made a
 // 4-row step compute-bound and slower than the bf16 kernel's on AVX512-BF16 CPUs; here one widening (vpmovsxbw)
 // serves all rows and each row costs one instruction per 32 (AVX-512) or two per 16 (AVX2) products.
@@ -172,18 +173,11 @@ int grid_exponent(float peak) {
 }
 
 #if defined(__AVX512F__)
-inline __m512 widen16(const uint16_t* p, __mmask16 m) {  // 16 bf16 -> fp32 (masked lanes 0)
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
-}
-inline __mmask16 tail_mask(int64_t left) {
-  return left >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << left) - 1);
-}
-
 float row_peak(const uint16_t* x, int64_t k) {  // max |x| (NaN if any is NaN)
   __m512 vmax = _mm512_setzero_ps();
   __mmask16 nan = 0;
   for (int64_t t = 0; t < k; t += 16) {
-    const __m512 v = widen16(x + t, tail_mask(k - t));
+    const __m512 v = ni_gemv::load_bf16x16(x + t, ni_gemv::first_lanes(k - t));
     nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
     vmax = _mm512_max_ps(vmax, _mm512_abs_ps(v));
   }
@@ -193,21 +187,18 @@ float row_peak(const uint16_t* x, int64_t k) {  // max |x| (NaN if any is NaN)
 void to_grid(const uint16_t* x, int64_t k, float down, int16_t* out) {  // out = round_half_even(x * down)
   const __m512 vd = _mm512_set1_ps(down);
   for (int64_t t = 0; t < k; t += 16) {
-    const __mmask16 m = tail_mask(k - t);
-    _mm512_mask_cvtepi32_storeu_epi16(out + t, m, _mm512_cvtps_epi32(_mm512_mul_ps(widen16(x + t, m), vd)));
+    const __mmask16 m = ni_gemv::first_lanes(k - t);
+    const __m512 v = _mm512_mul_ps(ni_gemv::load_bf16x16(x + t, m), vd);  // exact
+    _mm512_mask_cvtepi32_storeu_epi16(out + t, m, _mm512_cvtps_epi32(v));     // MXCSR: nearest even
   }
 }
 #else
-inline __m256 widen8(const uint16_t* p) {
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
-}
-
 float row_peak(const uint16_t* x, int64_t k) {  // max |x| (NaN if any is NaN)
   const int64_t kv = k / 8 * 8;
   const __m256 sign = _mm256_set1_ps(-0.0f);
   __m256 vmax = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
   for (int64_t t = 0; t < kv; t += 8) {
-    const __m256 v = widen8(x + t);
+    const __m256 v = ni_gemv::load_bf16x8(x + t);
     nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
     vmax = _mm256_max_ps(vmax, _mm256_andnot_ps(sign, v));
   }
@@ -227,7 +218,7 @@ void to_grid(const uint16_t* x, int64_t k, float down, int16_t* out) {  // out =
   const int64_t kv = k / 8 * 8;
   const __m256 vd = _mm256_set1_ps(down);
   for (int64_t t = 0; t < kv; t += 8) {
-    const __m256i v = _mm256_cvtps_epi32(_mm256_mul_ps(widen8(x + t), vd));  // MXCSR: nearest even
+    const __m256i v = _mm256_cvtps_epi32(_mm256_mul_ps(ni_gemv::load_bf16x8(x + t), vd));  // MXCSR: nearest even
     const __m128i packed = _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
     _mm_storeu_si128((__m128i*)(out + t), packed);  // |values| <= 32767: no saturation
   }

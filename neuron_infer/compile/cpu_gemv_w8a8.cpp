@@ -152,23 +152,19 @@ constexpr int64_t kMaxRows = 8;
 // One row's per-token quantization, the reference's operations in fp32: s = max(max|x| / 127, FLT_MIN),
 // q = clamp(round_half_even(x / s), -127, 127) (IEEE division, as torch's), stored as q + kActBias.
 #if defined(__AVX512F__)
-inline __m512 widen16(const uint16_t* p, __mmask16 m) {  // 16 bf16 -> fp32 (masked lanes 0)
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
-}
-
 float quantize_row(const uint16_t* x, int64_t k, Act* out) {
   __m512 vmax = _mm512_setzero_ps();
   for (int64_t t = 0; t < k; t += 16) {
-    const __mmask16 m = k - t >= 16 ? 0xffff : static_cast<__mmask16>((1u << (k - t)) - 1);
-    vmax = _mm512_max_ps(vmax, _mm512_abs_ps(widen16(x + t, m)));
+    const __mmask16 m = ni_gemv::first_lanes(k - t);
+    vmax = _mm512_max_ps(vmax, _mm512_abs_ps(ni_gemv::load_bf16x16(x + t, m)));
   }
   const float s = std::fmax(_mm512_reduce_max_ps(vmax) / 127.0f, FLT_MIN);
   const __m512 vs = _mm512_set1_ps(s), lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
   const __m512i bias = _mm512_set1_epi32(kActBias);
   for (int64_t t = 0; t < k; t += 16) {
-    const __mmask16 m = k - t >= 16 ? 0xffff : static_cast<__mmask16>((1u << (k - t)) - 1);
-    const __m512 q =
-        _mm512_roundscale_ps(_mm512_div_ps(widen16(x + t, m), vs), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __mmask16 m = ni_gemv::first_lanes(k - t);
+    const __m512 q = _mm512_roundscale_ps(_mm512_div_ps(ni_gemv::load_bf16x16(x + t, m), vs),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m512i v = _mm512_add_epi32(_mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(q, lo), hi)), bias);
     if constexpr (sizeof(Act) == 1)
       _mm512_mask_cvtepi32_storeu_epi8(out + t, m, v);
@@ -182,10 +178,7 @@ float quantize_row(const uint16_t* x, int64_t k, Act* out) {
   const int64_t kv = k / 8 * 8;
   const __m256 sign = _mm256_set1_ps(-0.0f);
   __m256 vmax = _mm256_setzero_ps();
-  auto widen8 = [&](int64_t t) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(x + t))), 16));
-  };
-  for (int64_t t = 0; t < kv; t += 8) vmax = _mm256_max_ps(vmax, _mm256_andnot_ps(sign, widen8(t)));
+  for (int64_t t = 0; t < kv; t += 8) vmax = _mm256_max_ps(vmax, _mm256_andnot_ps(sign, ni_gemv::load_bf16x8(x + t)));
   alignas(32) float lanes[8];
   _mm256_store_ps(lanes, vmax);
   float amax = 0.0f;
@@ -195,7 +188,8 @@ float quantize_row(const uint16_t* x, int64_t k, Act* out) {
   const __m256 vs = _mm256_set1_ps(s), lo = _mm256_set1_ps(-127.0f), hi = _mm256_set1_ps(127.0f);
   alignas(32) int32_t q[8];
   for (int64_t t = 0; t < kv; t += 8) {
-    const __m256 r = _mm256_round_ps(_mm256_div_ps(widen8(t), vs), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256 r = _mm256_round_ps(_mm256_div_ps(ni_gemv::load_bf16x8(x + t), vs),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     _mm256_store_si256((__m256i*)q, _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, lo), hi)));
     for (int i = 0; i < 8; i++) out[t + i] = static_cast<Act>(q[i] + kActBias);
   }

@@ -43,7 +43,7 @@ needs_int8 = pytest.mark.skipif(not ISAS, reason="this CPU has neither AVX-512 n
 SHAPES = [(1, 70, 64), (2, 33, 96), (3, 17, 100), (4, 130, 600), (5, 48, 576), (6, 9, 1544), (7, 40, 5), (8, 65, 200),
           (1, 257, 31), (2, 3, 48), (5, 37, 40), (1, 7, 20), (4, 1, 24), (3, 7, 48), (6, 2, 64), (7, 4, 48),
           (2, 5, 8300)]
-NONFINITE = 3  # the input (4 rows) whose first two rows get a NaN and an Inf in check_graph
+NONFINITE = 3  # the input (4 rows) whose first two rows get a NaN and an Inf, the third 2^-110 x, in check_graph
 
 
 class QuantLinears(torch.nn.Module):
@@ -136,11 +136,14 @@ def check_graph(out: str, isa: str) -> None:
     bad = list(xs)
     bad[NONFINITE] = bad[NONFINITE].clone()
     bad[NONFINITE][0, 5], bad[NONFINITE][1, 7] = math.nan, math.inf
+    bad[NONFINITE][2] *= 2.0**-110  # a row so small its grid exponent is clamped at -120 (a coarser grid)
     with torch.inference_mode():
         got = graph(*bad)
+        model = reference(module, bad, model=True)
     for g, i, m in zip(got, module.src, model):
         if i == NONFINITE:
-            assert g[:2].isnan().all() and torch.equal(g[2:], m[2:])
+            assert g[:2].isnan().all() and m[:2].isnan().all() and torch.equal(g[2:], m[2:])
+            assert g[2].abs().max() > 0  # the small row keeps its values on the coarser grid
 
 
 @needs_int8

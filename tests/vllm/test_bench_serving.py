@@ -220,3 +220,14 @@ def test_compare_cli_rejects_bad_server_spec(capsys):
     assert bench.main(["--compare", "no-url-here"]) == 2
     assert capsys.readouterr().err.startswith("error: --compare 'no-url-here': give NAME=URL")
     assert bench.main(["--compare", "a=http://x:1", "--compare", "a=http://y:2"]) == 2
+
+
+def test_prefix_cache_benchmark_times_the_first_token_of_a_server(fake_server):
+    """bench_prefix_cache.py's server mode sends the load generator's request body (greedy, streamed, token ids) and
+    gets a first-token time, also when that token's text is held back."""
+    spec = importlib.util.spec_from_file_location(
+        "bench_prefix_cache", Path(__file__).resolve().parents[2] / "scripts" / "bench_prefix_cache.py")
+    prefix_cache = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(prefix_cache)
+    first_token = prefix_cache.server_ttft(fake_server)
+    assert 0 < first_token([5, 6, 7]) < 30 and 0 < first_token([HELD_BACK_TOKEN, 1]) < 30
