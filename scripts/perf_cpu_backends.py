@@ -22,10 +22,12 @@ Variants
     aoti-int8         aoti-gemv on the int8-quantized model (quant.int8): int8 linears on 1-8 rows call the
                       int8 GEMV C kernel (compile/cpu_gemv_int8.cpp)
     aoti-int8-avx2    the same with the kernel forced down to AVX2 (gemv_isa="avx2")
+    aoti-int8-avx2-vnni  forced down to AVX2 with AVX-VNNI dot products (gemv_isa="avx2-vnni"; CPUs with AVX-VNNI)
     aoti-w8a8         aoti-gemv on the w8a8-quantized model (quant.smoothquant, no smoothing: random weights): w8a8
                       linears on 1-8 rows call the w8a8 GEMV C kernel (compile/cpu_gemv_w8a8.cpp: VNNI where the
                       CPU has it)
     aoti-w8a8-avx512  the same with the kernel forced down to AVX-512 without VNNI (gemv_isa="avx512")
+    aoti-w8a8-avx2-vnni, aoti-w8a8-avx2  forced down to AVX-VNNI, to AVX2
     <aoti-...>-separate  any aoti variant without merging the kernel calls of linears that share an input
                       (compile/gemv_groups.py): one call per linear, 7 per layer instead of 4
     <aoti-...>-attnref   any aoti variant with attention left to the reference reductions (model/ops.py) instead of
@@ -75,7 +77,8 @@ from neuron_infer.model.llama import BucketStep, LlamaModel
 from neuron_infer.quant import apply_quantization
 
 VARIANTS = ("eager", "aoti-gemv", "aoti-gemv-avx2", "aoti-reduction", "aoti-gemm", "aoti-inlined", "inductor-freeze",
-            "aoti-int8", "aoti-int8-avx2", "aoti-w8a8", "aoti-w8a8-avx512")
+            "aoti-int8", "aoti-int8-avx2-vnni", "aoti-int8-avx2", "aoti-w8a8", "aoti-w8a8-avx512",
+            "aoti-w8a8-avx2-vnni", "aoti-w8a8-avx2")
 
 
 def smollm2_config(layers: int) -> ModelConfig:
@@ -175,8 +178,7 @@ def _prepare(variant: str, step: BucketStep, args: tuple, workdir: Path, graph: 
         model = copy.deepcopy(step.model)
         apply_quantization(model, QuantConfig(scheme=variant.split("-")[1]))
         step = BucketStep(model, step.attend_len)
-        isa = variant.rsplit("-", 1)[1] if variant.endswith(("avx2", "avx512")) else "auto"
-        be = CpuBackend(CpuCompileOptions(gemv_isa=isa))
+        be = CpuBackend(CpuCompileOptions(gemv_isa=forced_isa(variant)))
         t0 = time.perf_counter()
         with torch.inference_mode():
             be.compile_graph(step, args, workdir, graph)
@@ -185,7 +187,7 @@ def _prepare(variant: str, step: BucketStep, args: tuple, workdir: Path, graph: 
     if variant.startswith("aoti"):
         kernel = variant.startswith("aoti-gemv")
         be = CpuBackend(CpuCompileOptions(gemv_max_rows=0 if variant == "aoti-gemm" else 5, gemv_kernel=kernel,
-                                          gemv_isa="avx2" if variant.endswith("avx2") else "auto"))
+                                          gemv_isa=forced_isa(variant)))
         codegen = inlined_producers() if variant == "aoti-inlined" else contextlib.nullcontext()
         t0 = time.perf_counter()
         with torch.inference_mode(), codegen:
@@ -249,7 +251,12 @@ def kernel_isa(variant: str) -> str | None:
     name = variant.partition("@")[0].removesuffix("-attnref").removesuffix("-separate")
     if not name.startswith(("aoti-gemv", "aoti-int8", "aoti-w8a8")):
         return None
-    return name.rsplit("-", 1)[1] if name.endswith(("-avx2", "-avx512")) else "auto"
+    return forced_isa(name)
+
+
+def forced_isa(name: str) -> str:
+    """The ISA level a variant name ends with ("aoti-int8-avx2-vnni": avx2-vnni), else "auto"."""
+    return next((isa for isa in ("avx2-vnni", "avx512", "avx2") if name.endswith(f"-{isa}")), "auto")
 
 
 def check_one_isa(variants: list[str], compile_only: bool) -> None:

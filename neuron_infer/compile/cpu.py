@@ -84,13 +84,14 @@ class CpuCompileOptions:
         either). Default 5: the fused reductions lose to the GEMM at 8 rows.
     gemv_kernel: bf16 linears on 1-8 bf16 rows (cpu_gemv.MAX_ROWS) call the bf16 C kernel (cpu_gemv.cpp: AVX512-BF16
         or AVX2 + FMA) where the CPU has AVX2 + FMA, int8 linears (quant.int8) on 1-8 bf16 rows the int8 C kernel
-        (cpu_gemv_int8.cpp, AVX512-VNNI, AVX-512 or AVX2) and w8a8 linears (quant.smoothquant) the w8a8 one (cpu_gemv_w8a8.cpp,
-        AVX512-VNNI, AVX-512 or AVX2), all regardless of gemv_max_rows (> 0): a kernel streams the
+        (cpu_gemv_int8.cpp, AVX512-VNNI, AVX-512, AVX-VNNI or AVX2) and w8a8 linears (quant.smoothquant) the w8a8 one
+        (cpu_gemv_w8a8.cpp, the same levels), all regardless of gemv_max_rows (> 0): a kernel streams the
         weights once for all 8 rows at any ISA level, and beyond 5 rows the only alternative is the GEMM, slow in
         bf16 without AVX512-BF16. Elsewhere, and for fp32, GEMVs are the reductions above. With it, bf16 attention
         on at most ops.FEW_QUERY_ROWS query rows calls the attention kernel (cpu_attention.cpp).
-    gemv_isa: the highest ISA level the C kernels may use ("auto": the best this CPU has; "avx512-vnni", "avx512"
-        or "avx2" force it down, e.g. to build and test the paths of CPUs without AVX512-BF16 or VNNI).
+    gemv_isa: the highest ISA level the C kernels may use ("auto": the best this CPU has; "avx512-vnni", "avx512",
+        "avx2-vnni" or "avx2" force it down, e.g. to build and test the paths of CPUs without AVX512-BF16 or VNNI;
+        a level this CPU lacks gives the next lower one it has).
     """
 
     gemv_max_rows: int = 5
@@ -112,7 +113,8 @@ class CpuCompileOptions:
             return None
         if self.gemv_isa == "auto":
             return best
-        return cpu_gemv.ISAS[max(cpu_gemv.ISAS.index(self.gemv_isa), cpu_gemv.ISAS.index(best))]
+        start = max(cpu_gemv.ISAS.index(self.gemv_isa), cpu_gemv.ISAS.index(best))
+        return next((isa for isa in cpu_gemv.ISAS[start:] if cpu_gemv.has_isa(isa)), None)
 
     @property
     def uses_kernel(self) -> bool:

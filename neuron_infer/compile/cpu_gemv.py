@@ -28,7 +28,8 @@ accepted): the first library loaded in a process serves every graph calling that
 one name must be interchangeable (1-8 rows and up to MAX_GROUP matrices, on every ISA level).
 Every kernel has a path for every ISA level: the bf16 one uses AVX512-BF16 dot products at that level and AVX2 +
 FMA (bf16 widened to fp32) below it; the int8 and w8a8 ones AVX512-VNNI (int8: vpdpwssd on 16-bit activations,
-w8a8: vpdpbusd) at the avx512-vnni and avx512-bf16 levels, int16 multiply-adds (vpmaddwd) at avx512 and avx2. Without
+w8a8: vpdpbusd) at the avx512-vnni and avx512-bf16 levels, their 256-bit VEX forms (AVX-VNNI) at avx2-vnni, int16
+multiply-adds (vpmaddwd) at avx512 and avx2. Without
 AVX2 + FMA linears stay Inductor-generated reductions (bf16) or the quantized module's own matmul (int8, w8a8). The
 attention kernel has an AVX-512 path (every level from avx512) and an AVX2 one; without it attention stays the fp32
 reductions of model/ops.py, its reference twin.
@@ -58,13 +59,15 @@ _SYMBOLS = {"bf16": "aoti_torch_cpu_ni_gemv_bf16_v7", "int8": "aoti_torch_cpu_ni
             "w8a8": "aoti_torch_cpu_ni_gemv_w8a8_v2", "attn": "aoti_torch_cpu_ni_attn_v2"}
 # ISA levels, highest first: the /proc/cpuinfo flags each needs and the compiler flags it is built with. Every CPU
 # with AVX512-BF16 has AVX512-VNNI (Cooper Lake, Sapphire Rapids, Zen 4 and later), so that level includes it.
-ISAS = ("avx512-bf16", "avx512-vnni", "avx512", "avx2")
+# avx2-vnni is AVX2 with the VEX-encoded VNNI dot products (AVX-VNNI: Alder Lake, Zen 5); an AVX-512 CPU may lack
+# it (Ice Lake, Zen 4), so the levels are not a strict chain: a level is used only where has_isa says so.
+ISAS = ("avx512-bf16", "avx512-vnni", "avx512", "avx2-vnni", "avx2")
 _AVX512 = ("avx512f", "avx512bw", "avx512vl", "fma")
 _CPU_FLAGS = {"avx512-bf16": (*_AVX512, "avx512_vnni", "avx512_bf16"), "avx512-vnni": (*_AVX512, "avx512_vnni"),
-              "avx512": _AVX512, "avx2": ("avx2", "fma")}
+              "avx512": _AVX512, "avx2-vnni": ("avx2", "fma", "avx_vnni"), "avx2": ("avx2", "fma")}
 _CC_AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma"]
 _CC_FLAGS = {"avx512-bf16": [*_CC_AVX512, "-mavx512vnni", "-mavx512bf16"], "avx512-vnni": [*_CC_AVX512, "-mavx512vnni"],
-             "avx512": _CC_AVX512, "avx2": ["-mavx2", "-mfma"]}
+             "avx512": _CC_AVX512, "avx2-vnni": ["-mavx2", "-mfma", "-mavxvnni"], "avx2": ["-mavx2", "-mfma"]}
 LEGACY_ISA = "avx512-bf16"  # sidecars without an "isa" entry hold the AVX512-BF16 bf16 kernel
 
 
@@ -179,11 +182,14 @@ def kernels_for(isa: str | None) -> tuple[str, ...]:
     return () if isa is None else ("bf16", "int8", "w8a8", "attn")
 
 
+_WITHOUT_VNNI = {"avx512-vnni": "avx512", "avx2-vnni": "avx2"}
+
+
 def lowest_isa(kernels: tuple[str, ...], isa: str) -> str:
     """The level to build `kernels` for on a CPU of level `isa`: only the int8 and w8a8 kernels use VNNI, so a
-    library without them is built for avx512 (the same code), and its graphs also load on AVX-512 CPUs without
+    library without them is built for the level below (the same code), and its graphs also load on CPUs without
     VNNI."""
-    return "avx512" if isa == "avx512-vnni" and not {"int8", "w8a8"} & set(kernels) else isa
+    return isa if {"int8", "w8a8"} & set(kernels) else _WITHOUT_VNNI.get(isa, isa)
 
 
 def build(out: Path, kernels: tuple[str, ...], isa: str = LEGACY_ISA) -> Path:

@@ -22,6 +22,7 @@
 // Dot products, by the instruction set the library is built for:
 //   AVX512-VNNI  vpdpwssd: 32 int16 products summed pairwise into 16 int32 lanes per instruction.
 //   AVX-512 BW   vpmaddwd + vpaddd, the same products in two instructions.
+//   AVX-VNNI     vpdpwssd at 256 bits (VEX-encoded): 16 products per instruction, on CPUs without AVX-512.
 //   AVX2         vpmaddwd + vpaddd at 256 bits: 16 products.
 // No int32 lane overflows: a lane sums at most kChunk / kLanes = 512 products of |q| <= 128 and |xi| <= 32767
 // before the lanes are added into int64 totals (once per row up to K = 8192 with AVX-512, 4096 with AVX2).
@@ -80,7 +81,15 @@ inline IVec wload_tail(const int8_t* p, int64_t n) {
   return wload(block);
 }
 inline IVec xload(const int16_t* p) { return _mm256_loadu_si256((const __m256i*)p); }
+#if defined(__AVXVNNI__)
+// The VEX encoding (AVX-VNNI: Alder Lake, Zen 5): without {vex} the assembler picks the AVX512-VNNI (EVEX) form.
+inline IVec dot(IVec acc, IVec x, IVec w) {
+  asm("%{vex%} vpdpwssd %2, %1, %0" : "+x"(acc) : "x"(x), "x"(w));
+  return acc;
+}
+#else
 inline IVec dot(IVec acc, IVec x, IVec w) { return _mm256_add_epi32(acc, _mm256_madd_epi16(x, w)); }
+#endif
 inline int64_t ihsum(IVec v) {  // in int64: the lanes' total may exceed int32
   alignas(32) int32_t lanes[kLanes];
   _mm256_store_si256((__m256i*)lanes, v);

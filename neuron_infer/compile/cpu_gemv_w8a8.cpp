@@ -12,7 +12,9 @@
 //                activations are stored as xq + 128 (0..254) and 128 * sum(q[n]) is subtracted at the end; that
 //                sum comes from the same pass (one more vpdpbusd per 64 weights, shared by all rows).
 //   AVX-512 BW   weights widened to int16 (vpmovsxbw), vpmaddwd with int16 activations: 32 products per step.
-//   AVX2         the same at 256 bits: 16 products per step.
+//   AVX-VNNI     vpdpbusd at 256 bits (VEX-encoded, CPUs without AVX-512): 32 products per instruction, the same
+//                bias compensation.
+//   AVX2         weights widened to int16, vpmaddwd at 256 bits: 16 products per step.
 // No sum can overflow int32 (|q|, |xq| <= 127; K < 2^17 even for the largest 4-product sums).
 #include "cpu_gemv_common.h"
 
@@ -41,6 +43,7 @@ using IVec = __m512i;
 inline IVec izero() { return _mm512_setzero_si512(); }
 inline IVec wload(const int8_t* p) { return _mm512_loadu_si512(p); }
 inline IVec xload(const Act* p) { return _mm512_loadu_si512(p); }
+inline IVec act_bias() { return _mm512_set1_epi8(static_cast<char>(kActBias)); }
 // The accumulator tied to the destination: with the intrinsic (_mm512_dpbusd_epi32) GCC 12 copies every accumulator
 // each step and spills them at 6-8 rows. x holds the unsigned bytes, w the signed ones.
 inline IVec dot(IVec acc, IVec x, IVec w) {
@@ -58,6 +61,25 @@ inline IVec wload(const int8_t* p) { return _mm512_cvtepi8_epi16(_mm256_loadu_si
 inline IVec xload(const Act* p) { return _mm512_loadu_si512(p); }
 inline IVec dot(IVec acc, IVec x, IVec w) { return _mm512_add_epi32(acc, _mm512_madd_epi16(x, w)); }
 inline int32_t ihsum(IVec v) { return _mm512_reduce_add_epi32(v); }
+#elif defined(__AVXVNNI__)
+constexpr int64_t kStep = 32;
+using Act = uint8_t;  // xq + 128, as with AVX512-VNNI
+constexpr int32_t kActBias = 128;
+using IVec = __m256i;
+inline IVec izero() { return _mm256_setzero_si256(); }
+inline IVec wload(const int8_t* p) { return _mm256_loadu_si256((const __m256i*)p); }
+inline IVec xload(const Act* p) { return _mm256_loadu_si256((const __m256i*)p); }
+inline IVec act_bias() { return _mm256_set1_epi8(static_cast<char>(kActBias)); }
+// The VEX encoding: without {vex} the assembler picks the AVX512-VNNI (EVEX) form.
+inline IVec dot(IVec acc, IVec x, IVec w) {
+  asm("%{vex%} vpdpbusd %2, %1, %0" : "+x"(acc) : "x"(x), "x"(w));
+  return acc;
+}
+inline int32_t ihsum(IVec v) {
+  const __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  const __m128i t = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+  return _mm_cvtsi128_si32(_mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1)));
+}
 #else
 constexpr int64_t kStep = 16;
 using Act = int16_t;
@@ -80,6 +102,9 @@ inline int32_t ihsum(IVec v) {
 #if defined(__AVX512F__)
 template <int R>
 constexpr int kCols = R <= 5 ? 4 : 2;
+#elif defined(__AVXVNNI__)
+template <int R>
+constexpr int kCols = R <= 1 ? 4 : R <= 2 ? 3 : R <= 4 ? 2 : 1;
 #else
 template <int R>
 constexpr int kCols = R <= 2 ? 4 : R <= 5 ? 2 : 1;
@@ -102,8 +127,8 @@ void columns(const Act* xa, int64_t kp, const float* xs, const int8_t* q, int64_
       const IVec x = xload(xa + r * kp + i);
       for (int c = 0; c < C; c++) acc[c][r] = dot(acc[c][r], x, w[c]);
     }
-#if defined(__AVX512VNNI__)
-    const IVec bias = _mm512_set1_epi8(static_cast<char>(kActBias));
+#if defined(__AVX512VNNI__) || defined(__AVXVNNI__)
+    const IVec bias = act_bias();
     for (int c = 0; c < C; c++) comp[c] = dot(comp[c], bias, w[c]);
 #endif
   };

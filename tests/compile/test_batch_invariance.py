@@ -36,9 +36,9 @@ from neuron_infer.quant.smoothquant import W8A8Linear
 from tests.compile.fresh_process import run_check
 from tests.compile.test_cpu_backend import tiny_model
 
-# ISA levels per kernel (a level the CPU lacks is skipped; avx512-vnni builds the bf16 and int8 kernels as avx512)
-KERNEL_ISAS = {"bf16": ("avx512-bf16", "avx512", "avx2"), "int8": ("avx512", "avx2"),
-               "w8a8": ("avx512-vnni", "avx512", "avx2")}
+# ISA levels per kernel (a level the CPU lacks is skipped; the VNNI levels build the bf16 kernel as the level below)
+KERNEL_ISAS = {"bf16": ("avx512-bf16", "avx512", "avx2"), "int8": ("avx512-vnni", "avx512", "avx2-vnni", "avx2"),
+               "w8a8": ("avx512-vnni", "avx512", "avx2-vnni", "avx2")}
 CASES = [(kind, isa) for kind, isas in KERNEL_ISAS.items() for isa in isas if cpu_gemv.has_isa(isa)]
 needs_kernel = pytest.mark.skipif(not cpu_gemv.supported(), reason="this CPU has no AVX2 + FMA")
 ROWS, N, K = 8, 37, 200  # K: 6 whole 32-blocks and a tail of 8; N: 37 = 9 groups of 4 + 1, 12 of 3 + 1, 18 of 2 + 1

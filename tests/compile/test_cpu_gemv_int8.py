@@ -7,7 +7,8 @@ misreading a stride or a scale, or overflowing an int32 lane does not). Against 
 matmul, fp32 sums): an element within 2^8 of its row's largest is on the grid exactly and a smaller one moves by at
 most half a grid step (2^-16 of the row's largest), far below one bf16 step of the result, so the criterion is
 the bf16 kernel's: at least 97% bit-equal and all within one bf16 step. A row holding Inf or NaN gives NaN.
-Every ISA level is tested on CPUs that have it (AVX512-VNNI, AVX-512, AVX2; the lower ones forced with gemv_isa),
+Every ISA level is tested on CPUs that have it (AVX512-VNNI, AVX-512, AVX-VNNI, AVX2; the lower ones forced with
+gemv_isa),
 each in its own process (fresh_process.py).
 """
 from __future__ import annotations
@@ -33,9 +34,10 @@ from tests.compile.fresh_process import run_check
 from tests.compile.test_cpu_backend import S, empty_cache, tg_args, tiny_model
 from tests.compile.test_cpu_gemv import SHARED_CALLS, assert_one_rounding_apart, sources, with_shared
 
-ISAS = [isa for isa in ("avx512-vnni", "avx512", "avx2") if cpu_gemv.has_isa(isa)]
+ISAS = [isa for isa in ("avx512-vnni", "avx512", "avx2-vnni", "avx2") if cpu_gemv.has_isa(isa)]
 needs_int8 = pytest.mark.skipif(not ISAS, reason="this CPU has neither AVX-512 nor AVX2")
-# (R, N, K): K multiples of 64, of 16 only, 8-element and 4-element tails, K < 8; rows 1..8. Column groups (AVX2: 4
+# (R, N, K): K multiples of 64, of 16 only, 8-element and 4-element tails, K < 8; rows 1..8. Column groups (AVX2 and
+# AVX-VNNI: 4
 # weight rows per pass at 1-2 rows, 2 at 3-6; AVX-512: 4 at 1-5 rows, 3 at 6-8): N a multiple of the group, N
 # leaving every possible number of single columns (AVX2: 33, 70, 7 at 1-2 rows, 17, 9, 37 at 3-6; AVX-512: 17, 130,
 # 7 at 3-5 rows, 40, 65 at 6-8), N below the group (3 at 2 rows, 1 at 4, 2 at 6, 4 at 7 on AVX2's single columns),
@@ -223,9 +225,9 @@ def test_options_and_cpus_without_the_isa_keep_the_module_matmul(monkeypatch):
 def test_forcing_the_isa_down_keeps_both_kernels_at_the_lower_level(monkeypatch):
     monkeypatch.setattr(cpu_gemv, "_cpu_flags",
                         lambda: frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "fma",
-                                           "avx2"}))
+                                           "avx2", "avx_vnni"}))
     assert CpuCompileOptions().kernel_isa() == "avx512-bf16"
-    for isa in ("avx512", "avx2"):
+    for isa in ("avx512", "avx2-vnni", "avx2"):
         low = CpuCompileOptions(gemv_isa=isa)
         assert low.kernel_isa() == isa and low.uses_int8_kernel and low.uses_kernel
 
@@ -235,5 +237,5 @@ def test_library_refused_on_a_cpu_without_its_isa(linears, monkeypatch, tmp_path
     out, module, _, isa = linears
     cpu_gemv._loaded.clear()  # a library already loaded in this process is not checked again
     monkeypatch.setattr(cpu_gemv, "_cpu_flags", lambda: frozenset({"sse2"}))
-    with pytest.raises(ArtifactError, match=f"needs a CPU with .*{'avx2' if isa == 'avx2' else 'avx512f'}"):
+    with pytest.raises(ArtifactError, match=f"needs a CPU with .*{'avx512f' if isa.startswith('avx512') else 'avx2'}"):
         CpuBackend().load_graph(out, "lin", module)
