@@ -390,7 +390,9 @@ void merge(const Attn& a, int64_t bi, int64_t hi, int64_t row, int64_t chunks, c
 
 void run(const Attn& a) {
   const float scale = 1.0f / std::sqrt(static_cast<float>(a.d));
-  std::vector<int64_t> items;  // (bi, hi, c) flattened: every chunk some row of batch row bi sees
+  // (bi, hi, c) flattened: every chunk some row of batch row bi sees
+  std::vector<int64_t>& items = ni_gemv::scratch_vector<int64_t>();
+  items.clear();
   int64_t chunks = 1;
   for (int64_t bi = 0; bi < a.b; bi++) {
     int64_t seen = 0;
@@ -399,17 +401,19 @@ void run(const Attn& a) {
     for (int64_t hi = 0; hi < a.h; hi++)
       for (int64_t c = 0; c * kChunk < seen; c++) items.insert(items.end(), {bi, hi, c});
   }
-  std::vector<float> part(static_cast<size_t>(a.b * a.h * a.r * chunks * (a.d + 2)));
+  // Every (row, chunk) entry merge reads is written by chunk first, and so are the per-thread key/value/score
+  // buffers: no zero-filling.
+  float* part = ni_gemv::scratch<float, 1>(static_cast<size_t>(a.b * a.h * a.r * chunks * (a.d + 2)));
   const int64_t n_items = static_cast<int64_t>(items.size() / 3), n_rows = a.b * a.h * a.r;
 #pragma omp parallel
   {
-    std::vector<float> buf(static_cast<size_t>(2 * kChunk * a.d + a.r * kChunk));
-    float *kf = buf.data(), *vf = kf + kChunk * a.d, *sc = vf + kChunk * a.d;
+    float* kf = ni_gemv::scratch<float, 2>(static_cast<size_t>(2 * kChunk * a.d + a.r * kChunk));
+    float *vf = kf + kChunk * a.d, *sc = vf + kChunk * a.d;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t t = 0; t < n_items; t++)
-      chunk(a, items[3 * t], items[3 * t + 1], items[3 * t + 2], chunks, scale, kf, vf, sc, part.data());
+      chunk(a, items[3 * t], items[3 * t + 1], items[3 * t + 2], chunks, scale, kf, vf, sc, part);
 #pragma omp for schedule(static)
-    for (int64_t t = 0; t < n_rows; t++) merge(a, t / (a.h * a.r), t / a.r % a.h, t % a.r, chunks, part.data());
+    for (int64_t t = 0; t < n_rows; t++) merge(a, t / (a.h * a.r), t / a.r % a.h, t % a.r, chunks, part);
   }
 }
 

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <vector>
 
 namespace ni_gemv {
 
@@ -23,6 +24,22 @@ template <int C, typename T>
 inline void prefetch_ahead(const T* const (&streams)[C], int64_t i) {
   for (int c = 0; c < C; c++)
     _mm_prefetch(reinterpret_cast<const char*>(streams[c] + i) + kPrefetchBytes, _MM_HINT_T0);
+}
+
+// Scratch memory of at least n Ts owned by the calling thread and kept across calls (contents undefined): a decode
+// step calls the kernels ~150 times, and a fresh zero-filled std::vector per call (malloc, memset, free) was a
+// visible share of its serial time. Tag tells apart buffers of one type a thread holds at once.
+template <typename T, int Tag = 0>
+inline std::vector<T>& scratch_vector() {
+  thread_local std::vector<T> buf;
+  return buf;
+}
+
+template <typename T, int Tag = 0>
+inline T* scratch(size_t n) {
+  std::vector<T>& buf = scratch_vector<T, Tag>();
+  if (buf.size() < n) buf.resize(n);
+  return buf.data();
 }
 
 // bf16 -> fp32 vector loads (exact: a bf16 is the top half of an fp32), for the kernels that quantize activations.

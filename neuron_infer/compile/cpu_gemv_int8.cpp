@@ -35,7 +35,6 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
-#include <vector>
 
 namespace {
 
@@ -114,7 +113,7 @@ constexpr int kCols = R <= 2 ? 4 : R <= 6 ? 2 : 1;
 #endif
 
 // Columns j, j + cs, ..., j + (C - 1) cs for R rows: y[r * n + j + c cs] = bf16(fp32(xi[r] . q[j + c cs]) * xs[r]
-// * scale[j + c cs]). xi: R int16 rows of kp (a multiple of kStep, zero beyond k); xs: the rows' grid steps 2^e
+// * scale[j + c cs]). xi: R int16 rows of kp (a multiple of kStep; any values beyond k); xs: the rows' grid steps 2^e
 // (NaN for a row holding Inf or NaN); q rows `qs` apart; y rows `n` apart.
 template <int R, int C>
 void columns(const int16_t* xi, int64_t kp, const float* xs, const int8_t* q, int64_t qs, const uint16_t* scale,
@@ -142,7 +141,7 @@ void columns(const int16_t* xi, int64_t kp, const float* xs, const int8_t* q, in
       for (int c = 0; c < C; c++) w[c] = wload(qr[c] + i);
       step(w, i);
     }
-    if (i == kv && kv < k && kv < i0 + kChunk) {  // the K tail (the activations are zero-padded to kp)
+    if (i == kv && kv < k && kv < i0 + kChunk) {  // the K tail: zero weights past k
       IVec w[C];
       for (int c = 0; c < C; c++) w[c] = wload_tail(qr[c] + i, k - i);
       step(w, i);
@@ -262,12 +261,13 @@ AOTITorchError aoti_torch_cpu_ni_gemv_int8_v5(AtenTensorHandle x, const AtenTens
   if (!gemv_operands(x, qs, n_mats, scales, n_scales, aoti_torch_dtype_int8(), aoti_torch_dtype_bfloat16(), kMaxRows,
                      &g))
     return AOTI_TORCH_FAILURE;
-  // The activations on their grids once per call, for every matrix (R x K int16s), zero-padded to whole steps.
+  // The activations on their grids once per call, for every matrix (R x K int16s), in rows of whole steps: the
+  // values past K only meet the K tail's zero weights.
   const int64_t kp = (g.k + kStep - 1) / kStep * kStep;
-  std::vector<int16_t> xi(static_cast<size_t>(g.r * kp), 0);
+  int16_t* xi = ni_gemv::scratch<int16_t>(static_cast<size_t>(g.r * kp));
   float xs[kMaxRows];
-  for (int64_t i = 0; i < g.r; i++) xs[i] = quantize_row(g.x + i * g.x_stride, g.k, xi.data() + i * kp);
-  kKernels[g.r](xi.data(), kp, xs, g);
+  for (int64_t i = 0; i < g.r; i++) xs[i] = quantize_row(g.x + i * g.x_stride, g.k, xi + i * kp);
+  kKernels[g.r](xi, kp, xs, g);
   *ret0 = g.out;
   return AOTI_TORCH_SUCCESS;
 }

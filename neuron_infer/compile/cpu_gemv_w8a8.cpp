@@ -25,7 +25,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <vector>
 
 namespace {
 
@@ -111,7 +110,7 @@ constexpr int kCols = R <= 2 ? 4 : R <= 5 ? 2 : 1;
 #endif
 
 // y[r * n + j + c cs] for columns j, j + cs, ..., j + (C - 1) cs. xa: R activation rows of kp Acts (kp a multiple
-// of kStep, zero beyond k); xs: the rows' scales; q rows `qs` apart; y rows `n` apart.
+// of kStep; any values beyond k); xs: the rows' scales; q rows `qs` apart; y rows `n` apart.
 template <int R, int C>
 void columns(const Act* xa, int64_t kp, const float* xs, const int8_t* q, int64_t qs, const float* scale,
              uint16_t* y, int64_t n, int64_t k, int64_t j, int64_t cs) {
@@ -140,7 +139,7 @@ void columns(const Act* xa, int64_t kp, const float* xs, const int8_t* q, int64_
     for (int c = 0; c < C; c++) w[c] = wload(qr[c] + i);
     step(w, i);
   }
-  if (i < k) {  // the K tail: weights copied into a zeroed block (the activations are zero-padded to kp)
+  if (i < k) {  // the K tail: weights copied into a zeroed block
     alignas(64) int8_t tail[C][kStep];
     IVec w[C];
     for (int c = 0; c < C; c++) {
@@ -240,13 +239,13 @@ AOTITorchError aoti_torch_cpu_ni_gemv_w8a8_v2(AtenTensorHandle x, const AtenTens
   if (!gemv_operands(x, qs, n_mats, scales, n_scales, aoti_torch_dtype_int8(), aoti_torch_dtype_float32(), kMaxRows,
                      &g))
     return AOTI_TORCH_FAILURE;
-  // The activations quantized once per call, for every matrix (R x K bytes or int16s), padded with the zero value
-  // to whole steps.
+  // The activations quantized once per call, for every matrix (R x K bytes or int16s), in rows of whole steps: the
+  // values past K only meet the K tail's zero weights (in the sums and in the VNNI compensation).
   const int64_t kp = (g.k + kStep - 1) / kStep * kStep;
-  std::vector<Act> xa(static_cast<size_t>(g.r * kp), static_cast<Act>(kActBias));
+  Act* xa = ni_gemv::scratch<Act>(static_cast<size_t>(g.r * kp));
   float xs[kMaxRows];
-  for (int64_t i = 0; i < g.r; i++) xs[i] = quantize_row(g.x + i * g.x_stride, g.k, xa.data() + i * kp);
-  kKernels[g.r](xa.data(), kp, xs, g);
+  for (int64_t i = 0; i < g.r; i++) xs[i] = quantize_row(g.x + i * g.x_stride, g.k, xa + i * kp);
+  kKernels[g.r](xa, kp, xs, g);
   *ret0 = g.out;
   return AOTI_TORCH_SUCCESS;
 }
