@@ -9,7 +9,7 @@ from neuron_infer.api import CompiledModel, compile_model
 from neuron_infer.compile.artifact import MANIFEST, read_manifest
 from neuron_infer.config import BuildConfig
 from neuron_infer.errors import ConfigError
-from neuron_infer.runtime.engine import planned_graphs
+from neuron_infer.runtime.engine import planned_graphs, take_rows
 
 BUILD = BuildConfig(dtype="fp32", batch_size=4, max_context_length=64, max_length=128, context_buckets=(32, 64),
                     tokengen_buckets=(64, 128))
@@ -85,6 +85,17 @@ def test_a_bucket_graph_on_scattered_rows_equals_the_full_graph(models):
     assert torch.allclose(got, want, atol=1e-5, rtol=0)
     k_want = torch.stack([eng.slot_kv(r)[0] for r in rows])  # [2, L, Hkv, S, D]
     assert torch.allclose(k_got, k_want, atol=1e-5, rtol=0)  # O(1) keys, ~1e-6 measured
+
+
+def test_take_rows_is_a_view_for_a_run_of_rows_in_order_and_a_copy_otherwise():
+    """A step's logits [n, V] for its scheduled rows: all of them, or a run in order (every batch-1 step), are a
+    view; any other selection the indexing copy."""
+    t = torch.arange(20.0).view(5, 4)  # [5, 4]
+    runs = ([0, 1, 2, 3, 4], [1, 2], [3])
+    for rows in (*runs, [3, 1], [0, 2, 4], [1, 1], []):
+        got = take_rows(t, rows)
+        assert torch.equal(got, t[rows])
+        assert (got.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()) == (rows in runs)
 
 
 def test_a_manifest_without_batch_buckets_holds_the_full_batch_graph_only(models):

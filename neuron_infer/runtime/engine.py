@@ -14,6 +14,15 @@ from neuron_infer.runtime.buckets import pick_bucket
 StepFn = Callable[..., torch.Tensor]
 
 
+def take_rows(t: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
+    """t[rows] along dim 0; a view where the rows are a run in order. For a step's logits [n, V]: the indexing
+    copy runs as a parallel kernel, and the two a batch-1 step made took ~0.15 ms of a 3.5-4 ms SmolLM2 int8 step."""
+    rows = list(rows)
+    if rows and rows == list(range(rows[0], rows[0] + len(rows))):
+        return t[rows[0]: rows[0] + len(rows)]
+    return t[rows]
+
+
 def graph_name(kind: str, tokens: int, attend: int) -> str:
     """Canonical graph name, e.g. 'context_t128_s128', 'tokengen_t1_s512'."""
     return f"{kind}_t{tokens}_s{attend}"
@@ -199,7 +208,7 @@ class Engine:
             all_tokens = torch.zeros(full, dtype=torch.int64)  # [B]
             all_pos = torch.zeros(full, dtype=torch.int64)  # [B]
             all_tokens[rows], all_pos[rows] = tokens, positions
-            return self.decode(all_tokens, all_pos)[rows]  # [n, V]
+            return take_rows(self.decode(all_tokens, all_pos), rows)  # [n, V]
         ids = torch.zeros(b, 1, dtype=torch.int64)  # [b, 1]
         pos = torch.zeros(b, 1, dtype=torch.int64)  # [b, 1]
         ids[:n, 0], pos[:n, 0] = tokens, positions

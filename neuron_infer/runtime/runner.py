@@ -58,7 +58,7 @@ import torch
 
 from neuron_infer.config import SamplingConfig
 from neuron_infer.errors import NeuronInferError
-from neuron_infer.runtime.engine import Engine
+from neuron_infer.runtime.engine import Engine, take_rows
 from neuron_infer.runtime.metrics import Metrics
 from neuron_infer.runtime.ngram_spec import NgramSpec, accept, accept_uniforms
 from neuron_infer.runtime.options import RunOptions
@@ -216,7 +216,7 @@ class Runner:
         with self._timed("plain"):
             logits = decode(rows, tokens, positions)  # [n, V]
         at = {s: i for i, s in enumerate(live)}
-        return self._emit(scheduled, logits[[at[s] for s in scheduled]])  # [m, V]
+        return self._emit(scheduled, take_rows(logits, [at[s] for s in scheduled]))  # [m, V]
 
     def _emit(self, seqs: list[Sequence], logits: torch.Tensor) -> dict[Sequence, list[int]]:
         """Sample every sequence in one call (logits [n, V]), agree across ranks, append under the stop rules."""
