@@ -6,6 +6,7 @@ import torch
 from neuron_infer.config import SamplingConfig
 from neuron_infer.runtime.sampling import (
     draw_uniforms,
+    host_argmax,
     make_generator,
     processed_probs,
     rows_params,
@@ -91,3 +92,18 @@ def test_sample_rows_draws_each_row_from_its_own_distribution():
     for row, cfg in enumerate(ROW_CONFIGS):
         assert int(sample_rows(logits[row: row + 1], [cfg], u[row: row + 1])[0]) == int(got[row])
     assert draw_uniforms([SamplingConfig()] * 2, gens[:2]) is None  # all greedy: no generator advances
+
+
+def test_host_argmax_is_torch_argmax():
+    """The NumPy path (fp32) and the fallback (bf16) give torch.argmax's ids: the first of tied maxima, a NaN as
+    the maximum (its first one), -inf rows, views, 1-3 dims."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 7, 300)  # [B, K+1, V]
+    x[0, 0, 10] = x[0, 0, 20] = 50.0  # tie: the lower id
+    x[0, 1, 5] = x[0, 1, 9] = float("nan")  # NaN wins, the first one
+    x[0, 1, 2] = float("inf")
+    x[0, 2] = float("-inf")  # all -inf: id 0
+    x[1, 3, 299] = 60.0  # the last id
+    for t in (x, x[1], x[1, 3], x[:, ::2], x.to(torch.bfloat16)):
+        got = host_argmax(t)
+        assert got.dtype == torch.int64 and torch.equal(got, t.argmax(-1))

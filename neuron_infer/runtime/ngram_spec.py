@@ -3,7 +3,7 @@
 Per step (host loop; there is no fused graph: the drafts come from the host, see `runtime/ngram.py`):
     drafts       propose(tokens, n, k) per scheduled sequence; plan_step decides each k (its draft or 0) or a plain step
     verify       verify_t{K+1}_s{S} over every batch slot: [last, d_1..d_k, filler] at p..p+K  -> logits [B, K+1, V]
-    acceptance   per sequence over its own k: greedy_verify, or speculative_verify with the draft distribution a
+    acceptance   per sequence over its own k: greedy_accept, or speculative_verify with the draft distribution a
                  point mass q = one_hot(d_i): accept d_i with probability p_i(d_i), else sample from
                  normalize(max(p_i - q_i, 0)) = p_i without d_i, renormalized; the bonus token from p_k.
 Filler tokens past a row's k (and the other rows' slots) write cache slots that no accepted position attends to:
@@ -30,8 +30,8 @@ from neuron_infer.errors import NeuronInferError
 from neuron_infer.runtime.buckets import pick_bucket
 from neuron_infer.runtime.engine import Engine, graph_name
 from neuron_infer.runtime.ngram import RowView, SeqState, plan_step, propose
-from neuron_infer.runtime.sampling import processed_probs
-from neuron_infer.runtime.speculation import greedy_verify, speculative_verify
+from neuron_infer.runtime.sampling import host_argmax, processed_probs
+from neuron_infer.runtime.speculation import greedy_accept, speculative_verify
 from neuron_infer.runtime.step_clock import StepClock
 
 PRIOR_COST_RATIO = 1.3  # verify / plain step time assumed until both are measured
@@ -133,7 +133,7 @@ def accept(logits: torch.Tensor, draft: list[int], sampling: SamplingConfig, gen
     d = torch.tensor([draft], dtype=torch.int64)  # [1, k]
     lg = logits[: k + 1].unsqueeze(0)  # [1, k+1, V]
     if sampling.greedy:
-        tokens, counts = greedy_verify(d, lg)
+        tokens, counts = greedy_accept(d, host_argmax(lg))
     else:
         p = processed_probs(lg, sampling)  # [1, k+1, V]
         q = torch.nn.functional.one_hot(d, lg.shape[-1]).to(p.dtype)  # [1, k, V]: the point mass on each draft

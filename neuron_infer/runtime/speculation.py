@@ -43,7 +43,11 @@ def greedy_verify(draft: torch.Tensor, target_logits: torch.Tensor) -> tuple[tor
     The emitted tokens are the target's argmax at each position up to and including the first mismatch (on the
     accepted prefix they equal the draft tokens), so the output is target-only greedy by construction.
     """
-    best = target_logits.argmax(-1)  # [B, K+1]
+    return greedy_accept(draft, target_logits.argmax(-1))
+
+
+def greedy_accept(draft: torch.Tensor, best: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """greedy_verify from the target's argmax ids: draft [B, K], best [B, K+1] -> (tokens [B, K+1], counts [B])."""
     n_acc = accepted_prefix(draft == best[:, :-1])  # [B]
     counts = n_acc + 1
     return _pad_after(best, counts), counts
