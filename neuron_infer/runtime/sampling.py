@@ -146,7 +146,7 @@ def host_argmax(logits: torch.Tensor) -> torch.Tensor:
     (3 vs 28 us on one row; 2-thread Zen 5 EPYC). Host code only: the graphs keep torch.argmax."""
     if logits.dtype != torch.float32 or logits.device.type != "cpu" or logits.shape[-1] == 0:
         return logits.argmax(-1)
-    return torch.from_numpy(np.asarray(np.argmax(logits.numpy(), axis=-1), dtype=np.int64))
+    return torch.from_numpy(np.asarray(np.argmax(logits.detach().numpy(), axis=-1), dtype=np.int64))
 
 
 def sample_rows(logits: torch.Tensor, configs: Sequence[SamplingConfig], u: torch.Tensor | None,
