@@ -34,66 +34,61 @@ using ni_gemv::Gemv;
 using ni_gemv::gemv_operands;
 using ni_gemv::to_bf16;
 
-#if defined(__AVX512VNNI__)
-constexpr int64_t kStep = 64;  // weights per dot instruction
-using Act = uint8_t;           // xq + 128
-constexpr int32_t kActBias = 128;
+// Vector width: 512 bits with AVX-512 BW, else 256.
+#if defined(__AVX512BW__)
 using IVec = __m512i;
 inline IVec izero() { return _mm512_setzero_si512(); }
-inline IVec wload(const int8_t* p) { return _mm512_loadu_si512(p); }
-inline IVec xload(const Act* p) { return _mm512_loadu_si512(p); }
-inline IVec act_bias() { return _mm512_set1_epi8(static_cast<char>(kActBias)); }
-// The accumulator tied to the destination: with the intrinsic (_mm512_dpbusd_epi32) GCC 12 copies every accumulator
-// each step and spills them at 6-8 rows. x holds the unsigned bytes, w the signed ones.
-inline IVec dot(IVec acc, IVec x, IVec w) {
-  asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(x), "v"(w));
-  return acc;
-}
+inline IVec vload(const void* p) { return _mm512_loadu_si512(p); }
 inline int32_t ihsum(IVec v) { return _mm512_reduce_add_epi32(v); }
-#elif defined(__AVX512BW__)
-constexpr int64_t kStep = 32;
-using Act = int16_t;
-constexpr int32_t kActBias = 0;
-using IVec = __m512i;
-inline IVec izero() { return _mm512_setzero_si512(); }
-inline IVec wload(const int8_t* p) { return _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)p)); }
-inline IVec xload(const Act* p) { return _mm512_loadu_si512(p); }
-inline IVec dot(IVec acc, IVec x, IVec w) { return _mm512_add_epi32(acc, _mm512_madd_epi16(x, w)); }
-inline int32_t ihsum(IVec v) { return _mm512_reduce_add_epi32(v); }
-#elif defined(__AVXVNNI__)
-constexpr int64_t kStep = 32;
-using Act = uint8_t;  // xq + 128, as with AVX512-VNNI
-constexpr int32_t kActBias = 128;
-using IVec = __m256i;
-inline IVec izero() { return _mm256_setzero_si256(); }
-inline IVec wload(const int8_t* p) { return _mm256_loadu_si256((const __m256i*)p); }
-inline IVec xload(const Act* p) { return _mm256_loadu_si256((const __m256i*)p); }
-inline IVec act_bias() { return _mm256_set1_epi8(static_cast<char>(kActBias)); }
-// The VEX encoding: without {vex} the assembler picks the AVX512-VNNI (EVEX) form.
-inline IVec dot(IVec acc, IVec x, IVec w) {
-  asm("%{vex%} vpdpbusd %2, %1, %0" : "+x"(acc) : "x"(x), "x"(w));
-  return acc;
-}
-inline int32_t ihsum(IVec v) {
-  const __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-  const __m128i t = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
-  return _mm_cvtsi128_si32(_mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1)));
-}
 #else
-constexpr int64_t kStep = 16;
-using Act = int16_t;
-constexpr int32_t kActBias = 0;
 using IVec = __m256i;
 inline IVec izero() { return _mm256_setzero_si256(); }
-inline IVec wload(const int8_t* p) { return _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)p)); }
-inline IVec xload(const Act* p) { return _mm256_loadu_si256((const __m256i*)p); }
-inline IVec dot(IVec acc, IVec x, IVec w) { return _mm256_add_epi32(acc, _mm256_madd_epi16(x, w)); }
+inline IVec vload(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
 inline int32_t ihsum(IVec v) {
   const __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
   const __m128i t = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
   return _mm_cvtsi128_si32(_mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1)));
 }
 #endif
+
+// The dot step. With VNNI (vpdpbusd) x holds the unsigned bytes xq + 128, w the signed ones, and the accumulator is
+// tied to the destination through inline asm: with the intrinsic (_mm512_dpbusd_epi32) GCC 12 copies every
+// accumulator each step and spills them at 6-8 rows. Without VNNI, weights widened to int16 and vpmaddwd.
+#if defined(__AVX512VNNI__)
+constexpr int64_t kStep = 64;  // weights per dot instruction
+using Act = uint8_t;           // xq + 128
+constexpr int32_t kActBias = 128;
+inline IVec wload(const int8_t* p) { return vload(p); }
+inline IVec act_bias() { return _mm512_set1_epi8(static_cast<char>(kActBias)); }
+inline IVec dot(IVec acc, IVec x, IVec w) {
+  asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(x), "v"(w));
+  return acc;
+}
+#elif defined(__AVX512BW__)
+constexpr int64_t kStep = 32;
+using Act = int16_t;
+constexpr int32_t kActBias = 0;
+inline IVec wload(const int8_t* p) { return _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)p)); }
+inline IVec dot(IVec acc, IVec x, IVec w) { return _mm512_add_epi32(acc, _mm512_madd_epi16(x, w)); }
+#elif defined(__AVXVNNI__)
+constexpr int64_t kStep = 32;
+using Act = uint8_t;  // xq + 128, as with AVX512-VNNI
+constexpr int32_t kActBias = 128;
+inline IVec wload(const int8_t* p) { return vload(p); }
+inline IVec act_bias() { return _mm256_set1_epi8(static_cast<char>(kActBias)); }
+// The VEX encoding: without {vex} the assembler picks the AVX512-VNNI (EVEX) form.
+inline IVec dot(IVec acc, IVec x, IVec w) {
+  asm("%{vex%} vpdpbusd %2, %1, %0" : "+x"(acc) : "x"(x), "x"(w));
+  return acc;
+}
+#else
+constexpr int64_t kStep = 16;
+using Act = int16_t;
+constexpr int32_t kActBias = 0;
+inline IVec wload(const int8_t* p) { return _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)p)); }
+inline IVec dot(IVec acc, IVec x, IVec w) { return _mm256_add_epi32(acc, _mm256_madd_epi16(x, w)); }
+#endif
+inline IVec xload(const Act* p) { return vload(p); }
 
 // Weight rows (output columns) per pass: each activation vector loaded feeds C dot products, and a thread reads C
 // sequential weight streams. One accumulator per (column, row), plus the VNNI compensation per column, within the

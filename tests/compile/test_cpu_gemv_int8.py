@@ -8,8 +8,7 @@ matmul, fp32 sums): an element within 2^8 of its row's largest is on the grid ex
 most half a grid step (2^-16 of the row's largest), far below one bf16 step of the result, so the criterion is
 the bf16 kernel's: at least 97% bit-equal and all within one bf16 step. A row holding Inf or NaN gives NaN.
 Every ISA level is tested on CPUs that have it (AVX512-VNNI, AVX-512, AVX-VNNI, AVX2; the lower ones forced with
-gemv_isa),
-each in its own process (fresh_process.py).
+gemv_isa), each in its own process (fresh_process.py).
 """
 from __future__ import annotations
 
@@ -36,12 +35,12 @@ from tests.compile.test_cpu_gemv import SHARED_CALLS, assert_one_rounding_apart,
 
 ISAS = [isa for isa in ("avx512-vnni", "avx512", "avx2-vnni", "avx2") if cpu_gemv.has_isa(isa)]
 needs_int8 = pytest.mark.skipif(not ISAS, reason="this CPU has neither AVX-512 nor AVX2")
-# (R, N, K): K multiples of 64, of 16 only, 8-element and 4-element tails, K < 8; rows 1..8. Column groups (AVX2 and
-# AVX-VNNI: 4
-# weight rows per pass at 1-2 rows, 2 at 3-6; AVX-512: 4 at 1-5 rows, 3 at 6-8): N a multiple of the group, N
-# leaving every possible number of single columns (AVX2: 33, 70, 7 at 1-2 rows, 17, 9, 37 at 3-6; AVX-512: 17, 130,
-# 7 at 3-5 rows, 40, 65 at 6-8), N below the group (3 at 2 rows, 1 at 4, 2 at 6, 4 at 7 on AVX2's single columns),
-# with and without K tails; K = 8300 sums in more than one int32 run (8192 weights with AVX-512, 4096 with AVX2).
+# (R, N, K): K multiples of 64, of 16 only, 8-element and 4-element tails, K < 8; rows 1..8. Column groups (AVX2
+# and AVX-VNNI: 4 weight rows per pass at 1-2 rows, 2 at 3-6; AVX-512: 4 at 1-5 rows, 3 at 6-8): N a multiple of
+# the group, N leaving every possible number of single columns (AVX2: 33, 70, 7 at 1-2 rows, 17, 9, 37 at 3-6;
+# AVX-512: 17, 130, 7 at 3-5 rows, 40, 65 at 6-8), N below the group (3 at 2 rows, 1 at 4, 2 at 6, 4 at 7 on AVX2's
+# single columns), with and without K tails; K = 8300 sums in more than one int32 run (8192 weights with AVX-512,
+# 4096 with AVX2).
 SHAPES = [(1, 70, 64), (2, 33, 96), (3, 17, 100), (4, 130, 600), (5, 48, 576), (6, 9, 1544), (7, 40, 5), (8, 65, 200),
           (1, 257, 31), (2, 3, 48), (5, 37, 40), (1, 7, 20), (4, 1, 24), (3, 7, 48), (6, 2, 64), (7, 4, 48),
           (2, 5, 8300)]
