@@ -48,9 +48,6 @@ struct V512 {
   using F = __m512;
   static constexpr int64_t kBlock = 32;  // 64-byte loads
   static F zero() { return _mm512_setzero_ps(); }
-  static __m256 half(F v) {  // the two 8-lane halves summed
-    return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
-  }
 };
 #endif
 
@@ -92,7 +89,6 @@ struct V {
   static F load(const float* p) { return _mm256_loadu_ps(p); }
   static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
   static F zero() { return _mm256_setzero_ps(); }
-  static __m256 half(F v) { return v; }
 };
 // Weight rows (output columns) per pass over the activations: every activation vector loaded is used by C rows, and
 // the C rows are C sequential streams through memory (see gemv_rows). With 16 registers: 4 for 1-2 rows, 2 for 3-5
@@ -190,20 +186,15 @@ struct ActTail {  // widen_rows already zero-pads
 };
 #endif
 
-// The 8 lanes of each of 4 vectors summed: {sum v0, sum v1, sum v2, sum v3}.
-inline __m128 hsum4(__m256 v0, __m256 v1, __m256 v2, __m256 v3) {
-  const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(v0, v1), _mm256_hadd_ps(v2, v3));
-  return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
-}
-
-// Columns j, j + cs, ..., j + (C - 1) cs for R rows: y[r * n + j + c cs] = x[r] . w[j + c cs].
+// The accumulators of columns j, j + cs, ..., j + (C - 1) cs for R rows: the lanes of acc[c][r] sum to
+// x[r] . w[j + c cs].
 template <int R, int C>
-void columns(const Act& a, const uint16_t* w, int64_t ws, uint16_t* y, int64_t n, int64_t k, int64_t j, int64_t cs) {
+inline void accumulate(const Act& a, const uint16_t* w, int64_t ws, int64_t k, int64_t j, int64_t cs,
+                       V::F (&acc)[C][R]) {
   const int64_t kb = k / kBlock * kBlock;
   const uint16_t* wr[C];
   NI_UNROLL
   for (int c = 0; c < C; c++) wr[c] = w + (j + c * cs) * ws;
-  V::F acc[C][R];
   NI_UNROLL
   for (int c = 0; c < C; c++)
     NI_UNROLL
@@ -221,31 +212,85 @@ void columns(const Act& a, const uint16_t* w, int64_t ws, uint16_t* y, int64_t n
     ActTail xt;
     step<R, C>(tr, 0, xt.at(a, R, i, k), ActTail::offset(i), acc);
   }
-  // Each (column, row)'s accumulator, 4 per horizontal reduction.
+}
+
+#if defined(__AVX512BW__)
+// Lane i of the result: the sum of the lanes of a[i], in the order of a one-vector reduction to 8 lanes (lane e
+// plus lane e + 8) and then adjacent pairs, pairs of pairs and the two halves (a transpose-and-add tree: 15 adds
+// for 16 sums). Every sum is thus formed in one order, whatever a[i]'s neighbours are.
+inline __m512 sums16(const __m512 (&a)[16]) {
+  __m512 b[8], c[4], d[2];
+  for (int i = 0; i < 8; i++)  // b[i]: lanes 0-7 a[2i]'s lane e + lane e + 8, lanes 8-15 the same of a[2i + 1]
+    b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xee));
+  for (int i = 0; i < 4; i++)  // adjacent pairs
+    c[i] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0x88),
+                         _mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0xdd));
+  for (int i = 0; i < 2; i++)  // pairs of pairs
+    d[i] = _mm512_add_ps(_mm512_shuffle_ps(c[2 * i], c[2 * i + 1], 0x88),
+                         _mm512_shuffle_ps(c[2 * i], c[2 * i + 1], 0xdd));
+  const __m512 e = _mm512_add_ps(_mm512_shuffle_f32x4(d[0], d[1], 0x88), _mm512_shuffle_f32x4(d[0], d[1], 0xdd));
+  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15), e);
+}
+
+// 16 fp32 -> 16 bf16, as ni_gemv::to_bf16 (round to nearest even; a NaN stays a quiet NaN).
+inline __m256i to_bf16x16(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v), hi = _mm512_srli_epi32(u, 16);
+  const __m512i even = _mm512_add_epi32(_mm512_set1_epi32(0x7fff), _mm512_and_si512(hi, _mm512_set1_epi32(1)));
+  const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(u, even), 16);
+  const __mmask16 nan =
+      _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
+  return _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, rounded, _mm512_or_si512(hi, _mm512_set1_epi32(0x40))));
+}
+
+// One group's results from its accumulators into out[r * rs + c * cs_out] (with AVX-512 its row of the stage, result
+// s = r * C + c at out[s]: ni_gemv::for_column_groups).
+template <int R, int C>
+inline void finish(const V::F (&acc)[C][R], uint16_t* out, int64_t, int64_t) {
+  constexpr int S = C * R;  // result s = r * C + c
+  __m512 lo[16], hi[16];
+  NI_UNROLL
+  for (int s = 0; s < 16; s++) {
+    lo[s] = s < S ? acc[s % C][s / C] : _mm512_setzero_ps();
+    hi[s] = s + 16 < S ? acc[(s + 16) % C][(s + 16) / C] : _mm512_setzero_ps();
+  }
+  const __m256i l = to_bf16x16(sums16(lo));
+  const __m256i h = S > 16 ? to_bf16x16(sums16(hi)) : _mm256_setzero_si256();
+  _mm512_store_si512(out, _mm512_inserti64x4(_mm512_castsi256_si512(l), h, 1));
+}
+#else
+// The 8 lanes of each of 4 vectors summed: {sum v0, sum v1, sum v2, sum v3}.
+inline __m128 hsum4(__m256 v0, __m256 v1, __m256 v2, __m256 v3) {
+  const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(v0, v1), _mm256_hadd_ps(v2, v3));
+  return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+}
+
+// One group's results from its accumulators into out[r * rs + c * cs_out], 4 per horizontal reduction.
+template <int R, int C>
+inline void finish(const V::F (&acc)[C][R], uint16_t* out, int64_t rs, int64_t cs_out) {
   constexpr int S = C * R, S4 = (S + 3) / 4 * 4;
   __m256 v[S4];
-  NI_UNROLL
   for (int c = 0; c < C; c++)
-    NI_UNROLL
-    for (int r = 0; r < R; r++) v[r * C + c] = V::half(acc[c][r]);
-  NI_UNROLL
+    for (int r = 0; r < R; r++) v[r * C + c] = acc[c][r];
   for (int s = S; s < S4; s++) v[s] = _mm256_setzero_ps();
   alignas(16) float sums[S4];
-  NI_UNROLL
   for (int s = 0; s < S4; s += 4) _mm_store_ps(sums + s, hsum4(v[s], v[s + 1], v[s + 2], v[s + 3]));
-  NI_UNROLL
   for (int r = 0; r < R; r++)
-    NI_UNROLL
-    for (int c = 0; c < C; c++) y[r * n + j + c * cs] = to_bf16(sums[r * C + c]);
+    for (int c = 0; c < C; c++) out[r * rs + c * cs_out] = to_bf16(sums[r * C + c]);
 }
+#endif
+
 // Every matrix's columns in one parallel loop (ni_gemv::for_column_groups): a group's C columns are C runs of
 // consecutive weight rows, C sequential streams for the hardware prefetchers (adjacent rows in one group would make
 // C short interleaved streams per group: measured slower once the weights come from DRAM).
 template <int R>
 void gemv_rows(const Act& a, const Gemv& g) {
-  for_column_groups<kCols<R>>(g, [&](int64_t m, int64_t j, int64_t cs, auto width) {
-    columns<R, decltype(width)::value>(a, static_cast<const uint16_t*>(g.w[m]), g.w_stride[m], g.y + g.off[m],
-                                       g.ntot, g.k, j, cs);
+  for_column_groups<kCols<R>, R>(g, [&](int64_t m, auto width, int64_t j, int64_t cs, uint16_t* out, int64_t rs,
+                                       int64_t cs_out) {
+    constexpr int C = decltype(width)::value;
+    V::F acc[C][R];
+    accumulate<R, C>(a, static_cast<const uint16_t*>(g.w[m]), g.w_stride[m], g.k, j, cs, acc);
+    finish<R, C>(acc, out, rs, cs_out);
   });
 }
 

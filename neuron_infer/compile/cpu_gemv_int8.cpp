@@ -112,12 +112,12 @@ template <int R>
 constexpr int kCols = R <= 2 ? 4 : R <= 6 ? 2 : 1;
 #endif
 
-// Columns j, j + cs, ..., j + (C - 1) cs for R rows: y[r * n + j + c cs] = bf16(fp32(xi[r] . q[j + c cs]) * xs[r]
-// * scale[j + c cs]). xi: R int16 rows of kp (a multiple of kStep; any values beyond k); xs: the rows' grid steps 2^e
-// (NaN for a row holding Inf or NaN); q rows `qs` apart; y rows `n` apart.
+// One group, columns j, j + cs, ..., j + (C - 1) cs for R rows: out[r * rs + c * cs_out] = bf16(fp32(xi[r] .
+// q[j + c cs]) * xs[r] * scale[j + c cs]) (see ni_gemv::for_column_groups). xi: R int16 rows of kp (a multiple of
+// kStep; any values beyond k); xs: the rows' grid steps 2^e (NaN for a row holding Inf or NaN); q rows `qs` apart.
 template <int R, int C>
-void columns(const int16_t* xi, int64_t kp, const float* xs, const int8_t* q, int64_t qs, const uint16_t* scale,
-             uint16_t* y, int64_t n, int64_t k, int64_t j, int64_t cs) {
+void group(const int16_t* xi, int64_t kp, const float* xs, const int8_t* q, int64_t qs, const uint16_t* scale,
+           int64_t k, int64_t j, int64_t cs, uint16_t* out, int64_t rs, int64_t cs_out) {
   const int8_t* qr[C];
   for (int c = 0; c < C; c++) qr[c] = q + (j + c * cs) * qs;
   int64_t total[C][R] = {};
@@ -152,16 +152,17 @@ void columns(const int16_t* xi, int64_t kp, const float* xs, const int8_t* q, in
   for (int c = 0; c < C; c++) {
     const float sc = from_bf16(scale[j + c * cs]);
     for (int r = 0; r < R; r++)
-      y[r * n + j + c * cs] = to_bf16(static_cast<float>(total[c][r]) * xs[r] * sc);
+      out[r * rs + c * cs_out] = to_bf16(static_cast<float>(total[c][r]) * xs[r] * sc);
   }
 }
 
-// Every matrix's columns in one parallel loop (ni_gemv::for_column_groups). xi, kp, xs: as in `columns`.
+// Every matrix's columns in one parallel loop (ni_gemv::for_column_groups). xi, kp, xs: as in `group`.
 template <int R>
 void gemv_rows(const int16_t* xi, int64_t kp, const float* xs, const Gemv& g) {
-  for_column_groups<kCols<R>>(g, [&](int64_t m, int64_t j, int64_t cs, auto width) {
-    columns<R, decltype(width)::value>(xi, kp, xs, static_cast<const int8_t*>(g.w[m]), g.w_stride[m],
-                                       static_cast<const uint16_t*>(g.scale[m]), g.y + g.off[m], g.ntot, g.k, j, cs);
+  for_column_groups<kCols<R>, R>(g, [&](int64_t m, auto width, int64_t j, int64_t cs, uint16_t* out, int64_t rs,
+                                       int64_t cs_out) {
+    group<R, decltype(width)::value>(xi, kp, xs, static_cast<const int8_t*>(g.w[m]), g.w_stride[m],
+                                      static_cast<const uint16_t*>(g.scale[m]), g.k, j, cs, out, rs, cs_out);
   });
 }
 

@@ -104,11 +104,12 @@ template <int R>
 constexpr int kCols = R <= 2 ? 4 : R <= 5 ? 2 : 1;
 #endif
 
-// y[r * n + j + c cs] for columns j, j + cs, ..., j + (C - 1) cs. xa: R activation rows of kp Acts (kp a multiple
-// of kStep; any values beyond k); xs: the rows' scales; q rows `qs` apart; y rows `n` apart.
+// One group: out[r * rs + c * cs_out] = y[r, j + c cs] for columns j, j + cs, ..., j + (C - 1) cs (see
+// ni_gemv::for_column_groups). xa: R activation rows of kp Acts (kp a multiple of kStep; any values beyond k); xs:
+// the rows' scales; q rows `qs` apart.
 template <int R, int C>
-void columns(const Act* xa, int64_t kp, const float* xs, const int8_t* q, int64_t qs, const float* scale,
-             uint16_t* y, int64_t n, int64_t k, int64_t j, int64_t cs) {
+void group(const Act* xa, int64_t kp, const float* xs, const int8_t* q, int64_t qs, const float* scale, int64_t k,
+           int64_t j, int64_t cs, uint16_t* out, int64_t rs, int64_t cs_out) {
   const int8_t* qr[C];
   for (int c = 0; c < C; c++) qr[c] = q + (j + c * cs) * qs;
   IVec acc[C][R], comp[C];
@@ -149,17 +150,18 @@ void columns(const Act* xa, int64_t kp, const float* xs, const int8_t* q, int64_
     const float sc = scale[j + c * cs];
     for (int r = 0; r < R; r++) {
       const float v = static_cast<float>(ihsum(acc[c][r]) - off) * xs[r];
-      y[r * n + j + c * cs] = to_bf16(v * sc);
+      out[r * rs + c * cs_out] = to_bf16(v * sc);
     }
   }
 }
 
-// Every matrix's columns in one parallel loop (ni_gemv::for_column_groups). xa, kp, xs: as in `columns`.
+// Every matrix's columns in one parallel loop (ni_gemv::for_column_groups). xa, kp, xs: as in `group`.
 template <int R>
 void gemv_rows(const Act* xa, int64_t kp, const float* xs, const Gemv& g) {
-  for_column_groups<kCols<R>>(g, [&](int64_t m, int64_t j, int64_t cs, auto width) {
-    columns<R, decltype(width)::value>(xa, kp, xs, static_cast<const int8_t*>(g.w[m]), g.w_stride[m],
-                                       static_cast<const float*>(g.scale[m]), g.y + g.off[m], g.ntot, g.k, j, cs);
+  for_column_groups<kCols<R>, R>(g, [&](int64_t m, auto width, int64_t j, int64_t cs, uint16_t* out, int64_t rs,
+                                       int64_t cs_out) {
+    group<R, decltype(width)::value>(xa, kp, xs, static_cast<const int8_t*>(g.w[m]), g.w_stride[m],
+                                      static_cast<const float*>(g.scale[m]), g.k, j, cs, out, rs, cs_out);
   });
 }
 
