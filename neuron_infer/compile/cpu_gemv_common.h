@@ -192,10 +192,10 @@ constexpr int kGroupRun = 1;
 // per group: width C (a std::integral_constant) with cs = h, or 1 (a last column) with cs = 0; the group writes its
 // result for row r (of R) and its column c to out[r * rs + c * cs_out]. With AVX-512 the groups of a run of up to
 // kGroupRun consecutive ones write into a stage, one 32-word row each (out = the row, rs = width, cs_out = 1), and
-// store_runs moves the run's results to y, consecutive groups' results being consecutive outputs: writing each
-// group's results into y directly - C x R two-byte stores to as many cache lines (rows apart, and h columns apart)
-// per group - made a 7-row step's bf16 GEMVs 1.2x the time of the one-row step, which streams the same weights
-// (docs/cpu-backend.md). Without AVX-512 the groups write into y directly (out = y + j, rs = its row stride,
+// store_runs moves the run's results to y, consecutive groups' results being consecutive outputs: with each group
+// writing its results into y directly - C x R two-byte stores to as many cache lines (rows apart, and h columns
+// apart) per group - an 8-layer bf16 7-token step took 1.31-1.33x a one-token step's time, which streams the same
+// weights, against 1.03-1.07x with the runs (docs/performance.md, AVX512-BF16 CPU). Without AVX-512 the groups write into y directly (out = y + j, rs = its row stride,
 // cs_out = cs).
 template <int C, int R, class F>
 void for_column_groups(const Gemv& g, F&& group) {
