@@ -7,7 +7,8 @@
 //
 // Why: decode streams every weight once per step. Each weight row is loaded once for all R input rows, every row's
 // accumulators stay in registers, and the threads split the output columns: one OpenMP loop per call, over the
-// columns of every matrix passed (the linears sharing an input, e.g. q/k/v).
+// columns of every matrix passed (the linears sharing an input, e.g. q/k/v), each thread storing its results in
+// runs of consecutive outputs (ni_gemv::for_column_groups).
 // Two paths, picked by the compiler flags (cpu_gemv.py builds one per ISA level), one loop structure: several weight
 // rows (C output columns) share each pass over the activations, so one activation load feeds C products; the C rows
 // are read as C sequential streams, prefetched ahead; one accumulator per (column, row).

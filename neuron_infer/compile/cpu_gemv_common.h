@@ -195,8 +195,8 @@ constexpr int kGroupRun = 1;
 // store_runs moves the run's results to y, consecutive groups' results being consecutive outputs: with each group
 // writing its results into y directly - C x R two-byte stores to as many cache lines (rows apart, and h columns
 // apart) per group - an 8-layer bf16 7-token step took 1.31-1.33x a one-token step's time, which streams the same
-// weights, against 1.03-1.07x with the runs (docs/performance.md, AVX512-BF16 CPU). Without AVX-512 the groups write into y directly (out = y + j, rs = its row stride,
-// cs_out = cs).
+// weights, against 1.03-1.07x with the runs (docs/performance.md, AVX512-BF16 CPU). Without AVX-512 the groups
+// write into y directly (out = y + j, rs = its row stride, cs_out = cs).
 template <int C, int R, class F>
 void for_column_groups(const Gemv& g, F&& group) {
   int64_t first[kMaxMats + 1] = {0};
