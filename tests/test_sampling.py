@@ -96,7 +96,7 @@ def test_sample_rows_draws_each_row_from_its_own_distribution():
 
 def test_host_argmax_is_torch_argmax():
     """The NumPy path (fp32) and the fallback (bf16) give torch.argmax's ids: the first of tied maxima, a NaN as
-    the maximum (its first one), -inf rows, views, 1-3 dims."""
+    the maximum (its first one), -inf rows, views, 1-3 dims, a tensor that requires grad."""
     torch.manual_seed(0)
     x = torch.randn(2, 7, 300)  # [B, K+1, V]
     x[0, 0, 10] = x[0, 0, 20] = 50.0  # tie: the lower id
@@ -104,6 +104,7 @@ def test_host_argmax_is_torch_argmax():
     x[0, 1, 2] = float("inf")
     x[0, 2] = float("-inf")  # all -inf: id 0
     x[1, 3, 299] = 60.0  # the last id
-    for t in (x, x[1], x[1, 3], x[:, ::2], x.to(torch.bfloat16)):
+    for t in (x, x[1], x[1, 3], x[:, ::2], x.to(torch.bfloat16), x.clone().requires_grad_()):  # (grad: .numpy()'s
+        # refusal)
         got = host_argmax(t)
         assert got.dtype == torch.int64 and torch.equal(got, t.argmax(-1))

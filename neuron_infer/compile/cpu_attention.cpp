@@ -75,23 +75,8 @@ struct V {
     const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
     return _mm512_castsi512_ps(e);
   }
-  // a[i] summed: lane i of the result. A transpose-and-add tree: halves of pairs, then quarters, then pairs of lanes
-  // inside each 128-bit quarter; lane 4q + j then holds the sum of a[4j + q], which one permutation puts in order.
-  static F sums(const F (&a)[16]) {
-    F b[8], c[4], d[2];
-    for (int i = 0; i < 8; i++)
-      b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44),
-                           _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xee));
-    for (int i = 0; i < 4; i++)
-      c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
-                           _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xdd));
-    for (int i = 0; i < 2; i++)
-      d[i] = _mm512_add_ps(_mm512_shuffle_ps(c[2 * i], c[2 * i + 1], 0x44),
-                           _mm512_shuffle_ps(c[2 * i], c[2 * i + 1], 0xee));
-    const F e = _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], 0x88), _mm512_shuffle_ps(d[0], d[1], 0xdd));
-    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-    return _mm512_permutexvar_ps(order, e);
-  }
+  // a[i] summed: lane i of the result (ni_gemv::sums16: a transpose-and-add tree).
+  static F sums(const F (&a)[16]) { return ni_gemv::sums16(a); }
 };
 #else
 struct V {

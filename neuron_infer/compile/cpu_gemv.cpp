@@ -216,24 +216,6 @@ inline void accumulate(const Act& a, const uint16_t* w, int64_t ws, int64_t k, i
 }
 
 #if defined(__AVX512BW__)
-// Lane i of the result: the sum of the lanes of a[i], in the order of a one-vector reduction to 8 lanes (lane e
-// plus lane e + 8) and then adjacent pairs, pairs of pairs and the two halves (a transpose-and-add tree: 15 adds
-// for 16 sums). Every sum is thus formed in one order, whatever a[i]'s neighbours are.
-inline __m512 sums16(const __m512 (&a)[16]) {
-  __m512 b[8], c[4], d[2];
-  for (int i = 0; i < 8; i++)  // b[i]: lanes 0-7 a[2i]'s lane e + lane e + 8, lanes 8-15 the same of a[2i + 1]
-    b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44),
-                         _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xee));
-  for (int i = 0; i < 4; i++)  // adjacent pairs
-    c[i] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0x88),
-                         _mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0xdd));
-  for (int i = 0; i < 2; i++)  // pairs of pairs
-    d[i] = _mm512_add_ps(_mm512_shuffle_ps(c[2 * i], c[2 * i + 1], 0x88),
-                         _mm512_shuffle_ps(c[2 * i], c[2 * i + 1], 0xdd));
-  const __m512 e = _mm512_add_ps(_mm512_shuffle_f32x4(d[0], d[1], 0x88), _mm512_shuffle_f32x4(d[0], d[1], 0xdd));
-  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15), e);
-}
-
 // 16 fp32 -> 16 bf16, as ni_gemv::to_bf16 (round to nearest even; a NaN stays a quiet NaN).
 inline __m256i to_bf16x16(__m512 v) {
   const __m512i u = _mm512_castps_si512(v), hi = _mm512_srli_epi32(u, 16);
@@ -255,8 +237,8 @@ inline void finish(const V::F (&acc)[C][R], uint16_t* out, int64_t, int64_t) {
     lo[s] = s < S ? acc[s % C][s / C] : _mm512_setzero_ps();
     hi[s] = s + 16 < S ? acc[(s + 16) % C][(s + 16) / C] : _mm512_setzero_ps();
   }
-  const __m256i l = to_bf16x16(sums16(lo));
-  const __m256i h = S > 16 ? to_bf16x16(sums16(hi)) : _mm256_setzero_si256();
+  const __m256i l = to_bf16x16(ni_gemv::sums16(lo));
+  const __m256i h = S > 16 ? to_bf16x16(ni_gemv::sums16(hi)) : _mm256_setzero_si256();
   _mm512_store_si512(out, _mm512_inserti64x4(_mm512_castsi256_si512(l), h, 1));
 }
 #else

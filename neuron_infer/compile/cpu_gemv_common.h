@@ -52,6 +52,24 @@ inline __mmask16 first_lanes(int64_t n) {  // lanes 0..n-1 of 16 (all for n >= 1
 inline __m512 load_bf16x16(const uint16_t* p, __mmask16 m) {  // lanes outside m: 0 (not read)
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
 }
+// Lane i of the result: the sum of the lanes of a[i], in the order of a one-vector reduction to 8 lanes (lane e
+// plus lane e + 8) and then adjacent pairs, pairs of pairs and the two halves (a transpose-and-add tree: 15 adds
+// for 16 sums). Every sum is thus formed in one order, whatever a[i]'s neighbours are. The GEMV kernel's results and
+// the attention kernel's scores (16 keys' dot products at once).
+inline __m512 sums16(const __m512 (&a)[16]) {
+  __m512 b[8], c[4], d[2];
+  for (int i = 0; i < 8; i++)  // b[i]: lanes 0-7 a[2i]'s lane e + lane e + 8, lanes 8-15 the same of a[2i + 1]
+    b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xee));
+  for (int i = 0; i < 4; i++)  // adjacent pairs
+    c[i] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0x88),
+                         _mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0xdd));
+  for (int i = 0; i < 2; i++)  // pairs of pairs
+    d[i] = _mm512_add_ps(_mm512_shuffle_ps(c[2 * i], c[2 * i + 1], 0x88),
+                         _mm512_shuffle_ps(c[2 * i], c[2 * i + 1], 0xdd));
+  const __m512 e = _mm512_add_ps(_mm512_shuffle_f32x4(d[0], d[1], 0x88), _mm512_shuffle_f32x4(d[0], d[1], 0xdd));
+  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15), e);
+}
 #elif defined(__AVX2__)
 inline __m256 load_bf16x8(const uint16_t* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));

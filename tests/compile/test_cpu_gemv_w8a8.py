@@ -156,8 +156,8 @@ def test_vnni_library_refused_on_a_cpu_without_vnni(linears, monkeypatch):
 
 def test_libraries_without_a_quantized_kernel_do_not_need_vnni():
     """The bf16 and attention kernels are the same code at avx512 and avx512-vnni (avx2 and avx2-vnni): their
-    graphs stay loadable on CPUs without VNNI (Skylake-SP; AVX2 CPUs before Alder Lake and Zen 5). The int8 (vpdpwssd) and w8a8
-    (vpdpbusd) kernels use VNNI there."""
+    graphs stay loadable on CPUs without VNNI (Skylake-SP; AVX2 CPUs before Alder Lake and Zen 5). The int8
+    (vpdpwssd) and w8a8 (vpdpbusd) kernels use VNNI there."""
     assert cpu_gemv.lowest_isa(("bf16",), "avx512-vnni") == cpu_gemv.lowest_isa(("bf16", "attn"), "avx512-vnni") \
         == "avx512"
     assert cpu_gemv.lowest_isa(("bf16", "w8a8"), "avx512-vnni") == "avx512-vnni"
