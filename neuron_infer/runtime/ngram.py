@@ -1,9 +1,14 @@
 """Prompt-lookup (n-gram) drafts and the decision whether a step speculates: pure functions, no tensors.
 
-Draft rule (`propose`): match the last n tokens of a sequence (prompt + output so far) against its earlier tokens,
-for n = ngram_size, ngram_size - 1, ..., 1 (the longest suffix first); at the first n with a match, the draft is
-the (up to k) tokens that followed its **most recent** earlier occurrence. No match at any n: no draft (the step is
-a plain step for that sequence).
+Draft rule (`propose`): the occurrences of the sequence's last n tokens (prompt + output so far) earlier in it, for
+the longest n <= ngram_size that has any, vote on how it continues. Each occurrence weighs 2^c, c being the number of
+tokens (up to CONTEXT_CAP) before and including it that equal the sequence's last c tokens, so one occurrence in a
+longer shared context outweighs several in shorter ones - a sequence copying a passage follows that passage - and
+among equal contexts the most frequent continuation wins. The draft is built token by token: the next token is the
+one the occurrences still agreeing with the draft so far give the most weight (ties: the most recent occurrence's),
+up to k tokens. No earlier occurrence of the last token: no draft (the step is a plain step for that sequence).
+Following the most recent occurrence alone drafts fewer accepted tokens on SmolLM2's outputs (docs/speculation.md
+replays both).
 
 Speculation policy (`plan_step`): one verify pass computes K+1 positions whatever the number of drafts, so a
 shorter draft saves nothing; what adapts per sequence is whether it drafts at all. Each sequence keeps the mean
@@ -34,20 +39,63 @@ from dataclasses import dataclass, field
 WINDOW = 24  # a sequence's latest drafts (verified, or scored for free) its accepted-drafts estimate averages
 PRIOR_ACCEPTED = 2.0  # one pseudo-draft with this many tokens accepted, in the window before a sequence's first draft
 PROBE_EVERY = 16  # idle steps after which a sequence drafts again regardless of its estimate
+CONTEXT_CAP = 16  # shared-context tokens an occurrence's weight (2^c) counts at most
+VOTERS = 64  # the most recent occurrences that vote (bounds the host work on repetitive text)
 
 
 def propose(tokens: Sequence[int], ngram_size: int, k: int) -> list[int]:
     """Up to k draft tokens continuing `tokens` by prompt lookup (see the module docstring); [] when no match."""
-    length = len(tokens)
-    if k <= 0:
+    if k <= 0 or len(tokens) < 2:
         return []
-    for n in range(min(ngram_size, length - 1), 0, -1):
-        suffix = list(tokens[length - n:])
-        head = suffix[0]
-        for i in range(length - n - 1, -1, -1):  # most recent occurrence first; never the suffix itself
-            if tokens[i] == head and list(tokens[i: i + n]) == suffix:
-                return list(tokens[i + n: i + n + k])
-    return []
+    ends = _earlier(tokens, tokens[-1])[-VOTERS:]
+    if not ends:
+        return []
+    context = [_shared_context(tokens, e) for e in ends]
+    n = min(ngram_size, max(context))
+    votes = [(e + 1, 1 << c) for e, c in zip(ends, context) if c >= n]  # (position each continues at, weight)
+    return _heaviest_path(tokens, votes, k)
+
+
+def _earlier(tokens: Sequence[int], token: int) -> list[int]:
+    """Positions of `token` before the sequence's last one, in order (Sequence.index scans at C speed)."""
+    ends, i, last = [], -1, len(tokens) - 1
+    while True:
+        try:
+            i = tokens.index(token, i + 1, last)
+        except ValueError:
+            return ends
+        ends.append(i)
+
+
+def _shared_context(tokens: Sequence[int], e: int) -> int:
+    """How many tokens ending at position e equal the sequence's last ones (>= 1: tokens[e] itself), capped."""
+    last = len(tokens) - 1
+    if e + 1 >= CONTEXT_CAP and tokens[e + 1 - CONTEXT_CAP: e + 1] == tokens[last + 1 - CONTEXT_CAP:]:
+        return CONTEXT_CAP  # a copied stretch: one slice comparison
+    c = 1
+    while c < CONTEXT_CAP and c <= e and tokens[e - c] == tokens[last - c]:
+        c += 1
+    return c
+
+
+def _heaviest_path(tokens: Sequence[int], votes: list[tuple[int, int]], k: int) -> list[int]:
+    """Token by token, the continuation the votes (position, weight) still agreeing with it weigh most."""
+    draft, length = [], len(tokens)
+    while len(draft) < k:
+        votes = [(p, w) for p, w in votes if p < length]
+        if not votes:
+            break
+        nexts = [tokens[p] for p, _ in votes]
+        token = nexts[-1]
+        if nexts.count(token) < len(nexts):  # the votes disagree: weigh them
+            weight: dict[int, int] = {}
+            for t, (_, w) in zip(nexts, votes):
+                weight[t] = weight.get(t, 0) + w
+            best = max(weight.values())
+            token = next(t for t in reversed(nexts) if weight[t] == best)  # ties: the most recent
+        draft.append(token)
+        votes = [(p + 1, w) for p, w in votes if tokens[p] == token]
+    return draft
 
 
 @dataclass(frozen=True)

@@ -5,12 +5,14 @@ The greedy reference is `generate_ids` on the same target engine (plain steps; i
 tests/test_generate.py) and Hugging Face directly. Every identity test asserts that speculative steps ran with both
 accepted and rejected drafts, so none passes vacuously.
 """
+import random
 from collections import deque
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+import neuron_infer.runtime.ngram as ng
 import neuron_infer.runtime.speculation as rules
 from neuron_infer.checkpoint import load_checkpoint
 from neuron_infer.compile.weights import build_float_model
@@ -31,7 +33,12 @@ PROPOSE = [
     ([1, 2, 3, 9, 1, 2, 3], 3, 4, [9, 1, 2, 3]),  # 3-gram match; continuation runs into the suffix
     ([1, 2, 3, 9, 1, 2, 3], 3, 2, [9, 1]),  # k caps the draft
     ([5, 2, 3, 7, 8, 1, 2, 3], 3, 3, [7, 8, 1]),  # no 3-gram [1,2,3] earlier: falls back to the 2-gram [2,3]
-    ([4, 3, 6, 3, 8, 3], 3, 2, [8, 3]),  # 1-gram; the most recent earlier occurrence wins (not [6, 3])
+    ([4, 3, 6, 3, 8, 3], 3, 2, [8, 3]),  # two 1-gram occurrences of equal weight: the most recent wins (not [6, 3])
+    ([4, 3, 6, 5, 3, 6, 7, 3, 8, 3], 3, 2, [6, 7]),  # 3 -> 6 twice, 3 -> 8 once: the more frequent continuation;
+    # then 6 -> 5 and 6 -> 7 tie: the most recent
+    ([1, 2, 3, 9, 5, 3, 7, 6, 3, 7, 1, 2, 3], 1, 2, [9, 5]),  # n = 1: the occurrence sharing 3 tokens of context
+    # (weight 8) outweighs the two sharing 1 (2 + 2)
+    ([1, 2, 3, 9, 5, 3, 7, 6, 3, 7, 1, 2, 3], 3, 2, [9, 5]),  # n = 3: the 3-gram occurrence alone votes
     ([1, 2, 3, 4], 3, 4, []),  # no match at any n: no draft
     ([7], 3, 4, []),  # nothing before the suffix
     ([1, 2, 1, 2], 2, 0, []),  # k = 0
@@ -42,6 +49,59 @@ PROPOSE = [
 @pytest.mark.parametrize("tokens, n, k, draft", PROPOSE)
 def test_propose(tokens, n, k, draft):
     assert propose(tokens, n, k) == draft
+    assert propose(tuple(tokens), n, k) == draft  # any Sequence
+
+
+def slow_propose(tokens: list[int], ngram_size: int, k: int) -> list[int]:
+    """The draft rule written from its definition (ngram.py's docstring), with no shortcuts: every occurrence's
+    shared context by slice comparison, every candidate next token weighed over the voters matching the draft."""
+    last = len(tokens) - 1
+    ends = [e for e in range(last) if tokens[e] == tokens[-1]][-ng.VOTERS:]
+    if k <= 0 or not ends:
+        return []
+    shared = {e: max(c for c in range(1, min(ng.CONTEXT_CAP, e + 1) + 1) if tokens[e + 1 - c: e + 1] == tokens[last + 1 - c:])
+              for e in ends}
+    n = min(ngram_size, max(shared.values()))
+    voters = [e for e in ends if shared[e] >= n]
+    draft: list[int] = []
+    while len(draft) < k:
+        agree = [e for e in voters if e + 1 + len(draft) <= last and tokens[e + 1: e + 1 + len(draft)] == draft]
+        if not agree:
+            break
+        weight = {t: sum(2 ** shared[e] for e in agree if tokens[e + 1 + len(draft)] == t)
+                  for t in {tokens[e + 1 + len(draft)] for e in agree}}
+        recent = max(e for e in agree if weight[tokens[e + 1 + len(draft)]] == max(weight.values()))
+        draft.append(tokens[recent + 1 + len(draft)])
+    return draft
+
+
+@pytest.mark.parametrize("alphabet", [2, 3, 5])
+def test_propose_is_its_slow_twin(alphabet):
+    """Random sequences over small alphabets with copied stretches (many occurrences, ties, shared contexts past the
+    cap), at n = 1..4 and k up to 8: the fast rule's draft is exactly the slow rule's."""
+    rng = random.Random(alphabet)
+    for _ in range(400):
+        tokens = [rng.randrange(alphabet) for _ in range(rng.randrange(1, 120))]
+        for _ in range(rng.randrange(3)):  # copied stretches: shared contexts up to and past CONTEXT_CAP
+            i = rng.randrange(len(tokens))
+            tokens += tokens[i: i + rng.randrange(1, 40)] + [rng.randrange(alphabet)]
+        n, k = rng.randrange(1, 5), rng.randrange(0, 9)
+        assert propose(tokens, n, k) == slow_propose(tokens, n, k), (tokens, n, k)
+
+
+def test_propose_counts_the_most_recent_voters_and_caps_the_context():
+    """Only the VOTERS most recent occurrences vote, and a shared context counts at most CONTEXT_CAP tokens."""
+    # 3 -> 8 VOTERS times, then 3 -> 9 VOTERS / 2 times: all of them would pick 8; the most recent VOTERS tie (half
+    # and half, equal weights) and the most recent wins
+    tokens = [1, 3, 8] * ng.VOTERS + [2, 3, 9] * (ng.VOTERS // 2) + [0, 3]
+    assert propose(tokens, 3, 1) == slow_propose(tokens, 3, 1) == [9]
+    # the whole 20-token tail earlier (-> 40) shares CONTEXT_CAP tokens of context (weight 2^16); its last 15
+    # tokens after another token (-> 41) share 15 (2^15): one such occurrence weighs less, three weigh more
+    tail = list(range(10, 10 + ng.CONTEXT_CAP + 4))
+    once = tail + [40, 98] + [99] + tail[5:] + [41, 97] + tail
+    thrice = tail + [40, 98] + ([99] + tail[5:] + [41, 97]) * 3 + tail
+    assert propose(once, 3, 1) == slow_propose(once, 3, 1) == [40]
+    assert propose(thrice, 3, 1) == slow_propose(thrice, 3, 1) == [41]
 
 
 # ---- the policy --------------------------------------------------------------------------------------------------
@@ -347,6 +407,18 @@ def test_replay_bound_counts_verify_steps_at_their_cost():
     # a draft of 6 that misses at its 3rd token: 3 tokens from one verify step, then [9, 9] unseen: 2 plain steps
     assert replay_bound(prompt, [4, 5, 0, 9, 9], ngram_size=3, k=6, cost=1.5) == pytest.approx(5 / (1.5 + 1 + 1))
     assert replay_bound([10, 11], [12, 13, 14], ngram_size=3, k=6, cost=1.5) == pytest.approx(1.0)
+
+
+def test_the_benchmarks_comparison_rule_drafts_the_most_recent_occurrence():
+    """scripts/bench_ngram.py replays the simpler rule next to the weighted vote: where the vote follows the more
+    frequent continuation, the simpler rule follows the most recent one."""
+    from scripts.bench_ngram import propose_recent
+
+    tokens = [4, 3, 6, 5, 3, 6, 7, 3, 8, 3]
+    assert propose_recent(tokens, 3, 2) == [8, 3]
+    assert propose(tokens, 3, 2) == [6, 7]
+    assert propose_recent([5, 2, 3, 7, 8, 1, 2, 3], 3, 3) == [7, 8, 1]  # the longest suffix found first
+    assert propose_recent([1, 2, 3, 4], 3, 4) == []
 
 
 def test_replay_policy_follows_copies_and_stops_verifying_drafts_that_always_miss():
