@@ -66,3 +66,64 @@ OPEN_ENDED = {
     "explain": "Explain why the sky is blue to a ten-year-old.",
     "advice": "Give me five tips for learning a new language.",
 }
+
+
+# The second set: two other passages and another piece of code, a check that a change to the draft rule or the
+# policy is not fitted to the prompts above alone (`bench_ngram.py --set held-out`).
+MEETING = """The village council met on Tuesday evening in the school hall to discuss the new bridge over the river. The
+engineer, Tomas Berg, explained that the old wooden bridge had rotted at both ends and could carry no more than two
+tonnes, so the milk lorry had to take the long road through the forest every morning. He proposed a steel bridge on
+concrete piers, eight metres wide, with a footpath on the east side. The cost would be forty thousand crowns, half of
+it paid by the county. Mrs Lind, who runs the bakery, asked whether the road would be closed during the work; the
+engineer said it would be closed for six weeks in the summer, and that a temporary footbridge would be built for
+pedestrians. The farmers asked for the work to start after the harvest. After a long discussion the council voted
+seven to two to build the bridge, to start in September, and to ask the county for the money before the end of the
+month. The meeting closed at half past nine."""
+
+RECIPE = """To bake the rye bread, mix five hundred grams of rye flour with four hundred millilitres of warm water and one
+hundred grams of sourdough starter. Cover the bowl and leave it overnight in a warm kitchen. In the morning add ten
+grams of salt, a spoon of honey and two hundred grams of wheat flour, and knead the dough for ten minutes until it
+is smooth. Shape it into a loaf, put it in a greased tin and let it rise for two hours, until it has grown by half.
+Heat the oven to two hundred and thirty degrees, put a tray of water on the bottom shelf, and bake the loaf for
+fifteen minutes; then lower the heat to two hundred degrees and bake it for forty minutes more. The bread is done
+when it sounds hollow when you knock on the bottom. Let it cool on a rack for at least three hours before cutting."""
+
+CLASS_CODE = '''class Inventory:
+    def __init__(self):
+        self.items = {}
+
+    def add(self, name, count):
+        if count <= 0:
+            raise ValueError("count must be positive")
+        self.items[name] = self.items.get(name, 0) + count
+
+    def remove(self, name, count):
+        if name not in self.items:
+            raise KeyError(name)
+        if count > self.items[name]:
+            raise ValueError("not enough items")
+        self.items[name] = self.items[name] - count
+        if self.items[name] == 0:
+            del self.items[name]
+
+    def total(self):
+        return sum(self.items.values())
+'''
+
+HELD_OUT_GROUNDED = {
+    "summ-notes": f"Summarize the following meeting notes in a few sentences:\n\n{MEETING}",
+    "summ-quote": f"Summarize the following text, quoting its own words where you can:\n\n{MEETING}",
+    "rewrite": f"Rewrite the following text in the present tense, keeping every detail:\n\n{MEETING}",
+    "copy": f"Copy the following text exactly:\n\n{MEETING}",
+    "list": f"List every decision and every number mentioned in this text:\n\n{MEETING}",
+    "steps": f"Summarize this recipe as a list of steps:\n\n{RECIPE}",
+    "for-child": f"Rewrite this recipe for a child, keeping every quantity:\n\n{RECIPE}",
+    "answer": f"Read the recipe and answer: how long does the bread bake, and at what temperatures?\n\n{RECIPE}",
+    "rename": f"Rename the method `remove` to `take` in this Python code and print the whole code:\n\n{CLASS_CODE}",
+    "docstrings": f"Add a docstring to every method of this Python class and print the whole code:\n\n{CLASS_CODE}",
+}
+
+HELD_OUT_OPEN = {
+    "keeper-day": "Describe a day in the life of a lighthouse keeper.",
+    "exercise": "What are the benefits of regular exercise?",
+}
