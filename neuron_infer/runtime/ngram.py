@@ -1,14 +1,14 @@
 """Prompt-lookup (n-gram) drafts and the decision whether a step speculates: pure functions, no tensors.
 
-Draft rule (`propose`): the occurrences of the sequence's last n tokens (prompt + output so far) earlier in it, for
-the longest n <= ngram_size that has any, vote on how it continues. Each occurrence weighs 2^c, c being the number of
-tokens (up to CONTEXT_CAP) before and including it that equal the sequence's last c tokens, so one occurrence in a
-longer shared context outweighs several in shorter ones - a sequence copying a passage follows that passage - and
-among equal contexts the most frequent continuation wins. The draft is built token by token: the next token is the
-one the occurrences still agreeing with the draft so far give the most weight (ties: the most recent occurrence's),
-up to k tokens. No earlier occurrence of the last token: no draft (the step is a plain step for that sequence).
-Following the most recent occurrence alone drafts fewer accepted tokens on SmolLM2's outputs (docs/speculation.md
-replays both).
+Draft rule (`propose`): among the VOTERS most recent earlier occurrences of the sequence's last token (prompt +
+output so far), those where the last n tokens occur, for the longest n <= ngram_size that has any, vote on how it
+continues. Each weighs 2^c, c being the number of tokens (up to CONTEXT_CAP) before and including it that equal the
+sequence's last c tokens: one more token of shared context counts as much as a second occurrence, so a sequence
+copying a passage follows that passage, and among equal contexts the most frequent continuation wins. The draft is
+built token by token: the next token is the one the occurrences still agreeing with the draft so far give the most
+weight (ties: the most recent occurrence's), up to k tokens. No earlier occurrence of the last token: no draft (the
+step is a plain step for that sequence). Following the most recent occurrence alone drafts fewer accepted tokens on
+SmolLM2's outputs (docs/speculation.md replays both).
 
 Speculation policy (`plan_step`): one verify pass computes K+1 positions whatever the number of drafts, so a
 shorter draft saves nothing; what adapts per sequence is whether it drafts at all. Each sequence keeps the mean
