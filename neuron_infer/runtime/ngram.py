@@ -1,14 +1,14 @@
 """Prompt-lookup (n-gram) drafts and the decision whether a step speculates: pure functions, no tensors.
 
-Draft rule (`propose`): among the VOTERS most recent earlier occurrences of the sequence's last token (prompt +
-output so far), those where the last n tokens occur, for the longest n <= ngram_size that has any, vote on how it
-continues. Each weighs 2^c, c being the number of tokens (up to CONTEXT_CAP) before and including it that equal the
-sequence's last c tokens: one more token of shared context counts as much as a second occurrence, so a sequence
-copying a passage follows that passage, and among equal contexts the most frequent continuation wins. The draft is
-built token by token: the next token is the one the occurrences still agreeing with the draft so far give the most
-weight (ties: the most recent occurrence's), up to k tokens. No earlier occurrence of the last token: no draft (the
-step is a plain step for that sequence). Following the most recent occurrence alone drafts fewer accepted tokens on
-SmolLM2's outputs (docs/speculation.md replays both).
+Draft rule (`propose`): the earlier occurrences of the sequence's last n tokens (prompt + output so far), for the
+longest n <= ngram_size that has any (the VOTERS most recent of them), vote on how it continues. Each weighs 2^c, c
+being the number of tokens (up to CONTEXT_CAP) before and including it that equal the sequence's last c tokens: one
+more token of shared context counts as much as a second occurrence, so a sequence copying a passage follows that
+passage, and among equal contexts the most frequent continuation wins. The draft is built token by token: the next
+token is the one the occurrences still agreeing with the draft so far give the most weight (ties: the most recent
+occurrence's), up to k tokens. No earlier occurrence of the last token: no draft (the step is a plain step for that
+sequence). Following the most recent occurrence alone drafts fewer accepted tokens on SmolLM2's outputs
+(docs/speculation.md replays both).
 
 Speculation policy (`plan_step`): one verify pass computes K+1 positions whatever the number of drafts, so a
 shorter draft saves nothing; what adapts per sequence is whether it drafts at all. Each sequence keeps the mean
@@ -40,19 +40,20 @@ WINDOW = 24  # a sequence's latest drafts (verified, or scored for free) its acc
 PRIOR_ACCEPTED = 2.0  # one pseudo-draft with this many tokens accepted, in the window before a sequence's first draft
 PROBE_EVERY = 16  # idle steps after which a sequence drafts again regardless of its estimate
 CONTEXT_CAP = 16  # shared-context tokens an occurrence's weight (2^c) counts at most
-VOTERS = 64  # the most recent occurrences that vote (bounds the host work on repetitive text)
+VOTERS = 64  # the most recent occurrences of the matched suffix that vote (bounds the host work on repetitive text)
 
 
 def propose(tokens: Sequence[int], ngram_size: int, k: int) -> list[int]:
     """Up to k draft tokens continuing `tokens` by prompt lookup (see the module docstring); [] when no match."""
     if k <= 0 or len(tokens) < 2:
         return []
-    ends = _earlier(tokens, tokens[-1])[-VOTERS:]
+    ends = _earlier(tokens, tokens[-1])
     if not ends:
         return []
-    context = [_shared_context(tokens, e) for e in ends]
-    n = min(ngram_size, max(context))
-    votes = [(e + 1, 1 << c) for e, c in zip(ends, context) if c >= n]  # (position each continues at, weight)
+    near = [_shared_context(tokens, e, ngram_size) for e in ends]  # cheap: at most ngram_size tokens each
+    n = max(near)
+    voters = [e for e, c in zip(ends, near) if c >= n][-VOTERS:]
+    votes = [(e + 1, 1 << _shared_context(tokens, e, CONTEXT_CAP)) for e in voters]  # (next position, weight)
     return _heaviest_path(tokens, votes, k)
 
 
@@ -67,13 +68,13 @@ def _earlier(tokens: Sequence[int], token: int) -> list[int]:
         ends.append(i)
 
 
-def _shared_context(tokens: Sequence[int], e: int) -> int:
-    """How many tokens ending at position e equal the sequence's last ones (>= 1: tokens[e] itself), capped."""
+def _shared_context(tokens: Sequence[int], e: int, cap: int) -> int:
+    """How many tokens ending at position e equal the sequence's last ones (>= 1: tokens[e] itself), at most cap."""
     last = len(tokens) - 1
-    if e + 1 >= CONTEXT_CAP and tokens[e + 1 - CONTEXT_CAP: e + 1] == tokens[last + 1 - CONTEXT_CAP:]:
-        return CONTEXT_CAP  # a copied stretch: one slice comparison
+    if e + 1 >= cap and tokens[e + 1 - cap: e + 1] == tokens[last + 1 - cap:]:
+        return cap  # e.g. a copied stretch: one slice comparison
     c = 1
-    while c < CONTEXT_CAP and c <= e and tokens[e - c] == tokens[last - c]:
+    while c < cap and c <= e and tokens[e - c] == tokens[last - c]:
         c += 1
     return c
 

@@ -56,13 +56,13 @@ def slow_propose(tokens: list[int], ngram_size: int, k: int) -> list[int]:
     """The draft rule written from its definition (ngram.py's docstring), with no shortcuts: every occurrence's
     shared context by slice comparison, every candidate next token weighed over the voters matching the draft."""
     last = len(tokens) - 1
-    ends = [e for e in range(last) if tokens[e] == tokens[-1]][-ng.VOTERS:]
+    ends = [e for e in range(last) if tokens[e] == tokens[-1]]
     if k <= 0 or not ends:
         return []
     shared = {e: max(c for c in range(1, min(ng.CONTEXT_CAP, e + 1) + 1) if tokens[e + 1 - c: e + 1] == tokens[last + 1 - c:])
               for e in ends}
     n = min(ngram_size, max(shared.values()))
-    voters = [e for e in ends if shared[e] >= n]
+    voters = [e for e in ends if shared[e] >= n][-ng.VOTERS:]
     draft: list[int] = []
     while len(draft) < k:
         agree = [e for e in voters if e + 1 + len(draft) <= last and tokens[e + 1: e + 1 + len(draft)] == draft]
@@ -90,11 +90,16 @@ def test_propose_is_its_slow_twin(alphabet):
 
 
 def test_propose_counts_the_most_recent_voters_and_caps_the_context():
-    """Only the VOTERS most recent occurrences vote, and a shared context counts at most CONTEXT_CAP tokens."""
+    """Only the VOTERS most recent occurrences of the matched suffix vote, and a shared context counts at most
+    CONTEXT_CAP tokens."""
     # 3 -> 8 VOTERS times, then 3 -> 9 VOTERS / 2 times: all of them would pick 8; the most recent VOTERS tie (half
     # and half, equal weights) and the most recent wins
     tokens = [1, 3, 8] * ng.VOTERS + [2, 3, 9] * (ng.VOTERS // 2) + [0, 3]
     assert propose(tokens, 3, 1) == slow_propose(tokens, 3, 1) == [9]
+    # the longest suffix is found among all earlier occurrences: [7, 3] occurs once, before VOTERS + 6 occurrences
+    # of 3 alone
+    tokens = [7, 3, 5] + [1, 3, 8] * (ng.VOTERS + 6) + [7, 3]
+    assert propose(tokens, 3, 1) == slow_propose(tokens, 3, 1) == [5]
     # the whole 20-token tail earlier (-> 40) shares CONTEXT_CAP tokens of context (weight 2^16); its last 15
     # tokens after another token (-> 41) share 15 (2^15): one such occurrence weighs less, three weigh more
     tail = list(range(10, 10 + ng.CONTEXT_CAP + 4))
