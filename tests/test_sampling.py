@@ -104,7 +104,7 @@ def test_host_argmax_is_torch_argmax():
     x[0, 1, 2] = float("inf")
     x[0, 2] = float("-inf")  # all -inf: id 0
     x[1, 3, 299] = 60.0  # the last id
-    for t in (x, x[1], x[1, 3], x[:, ::2], x.to(torch.bfloat16), x.clone().requires_grad_()):  # (grad: .numpy()'s
-        # refusal)
+    grad = x.clone().requires_grad_()  # .numpy() refuses it: host_argmax detaches
+    for t in (x, x[1], x[1, 3], x[:, ::2], x.to(torch.bfloat16), grad):
         got = host_argmax(t)
         assert got.dtype == torch.int64 and torch.equal(got, t.argmax(-1))

@@ -50,10 +50,14 @@ def propose(tokens: Sequence[int], ngram_size: int, k: int) -> list[int]:
     ends = _earlier(tokens, tokens[-1])
     if not ends:
         return []
-    near = [_shared_context(tokens, e, ngram_size) for e in ends]  # cheap: at most ngram_size tokens each
-    n = max(near)
-    voters = [e for e, c in zip(ends, near) if c >= n][-VOTERS:]
-    votes = [(e + 1, 1 << _shared_context(tokens, e, CONTEXT_CAP)) for e in voters]  # (next position, weight)
+    seen, full = [], 0  # (occurrence, shared context), most recent first
+    for e in reversed(ends):
+        seen.append((e, _shared_context(tokens, e)))
+        full += seen[-1][1] >= ngram_size
+        if full == VOTERS:  # n = ngram_size and these are its VOTERS most recent occurrences: older ones cannot vote
+            break
+    n = min(ngram_size, max(c for _, c in seen))  # the longest suffix <= ngram_size found earlier
+    votes = [(e + 1, 1 << c) for e, c in reversed(seen) if c >= n][-VOTERS:]  # (next position, weight), in order
     return _heaviest_path(tokens, votes, k)
 
 
@@ -68,13 +72,11 @@ def _earlier(tokens: Sequence[int], token: int) -> list[int]:
         ends.append(i)
 
 
-def _shared_context(tokens: Sequence[int], e: int, cap: int) -> int:
-    """How many tokens ending at position e equal the sequence's last ones (>= 1: tokens[e] itself), at most cap."""
+def _shared_context(tokens: Sequence[int], e: int) -> int:
+    """How many tokens ending at position e equal the sequence's last ones (>= 1: tokens[e] itself), capped."""
     last = len(tokens) - 1
-    if e + 1 >= cap and tokens[e + 1 - cap: e + 1] == tokens[last + 1 - cap:]:
-        return cap  # e.g. a copied stretch: one slice comparison
     c = 1
-    while c < cap and c <= e and tokens[e - c] == tokens[last - c]:
+    while c < CONTEXT_CAP and c <= e and tokens[e - c] == tokens[last - c]:
         c += 1
     return c
 

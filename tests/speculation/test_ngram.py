@@ -100,6 +100,9 @@ def test_propose_counts_the_most_recent_voters_and_caps_the_context():
     # of 3 alone
     tokens = [7, 3, 5] + [1, 3, 8] * (ng.VOTERS + 6) + [7, 3]
     assert propose(tokens, 3, 1) == slow_propose(tokens, 3, 1) == [5]
+    # one token repeated: more than VOTERS occurrences share the whole context
+    tokens = [4] + [5] * (3 * ng.VOTERS)
+    assert propose(tokens, 3, 4) == slow_propose(tokens, 3, 4) == [5, 5, 5, 5]
     # the whole 20-token tail earlier (-> 40) shares CONTEXT_CAP tokens of context (weight 2^16); its last 15
     # tokens after another token (-> 41) share 15 (2^15): one such occurrence weighs less, three weigh more
     tail = list(range(10, 10 + ng.CONTEXT_CAP + 4))
