@@ -19,7 +19,7 @@ from neuron_infer.errors import ConfigError
 from neuron_infer.model.llama import BucketStep, LlamaModel
 from neuron_infer.oserrors import check_output_location, writing_to
 from neuron_infer.progress import steps
-from neuron_infer.runtime.engine import CacheShape, GraphSpec, planned_graphs
+from neuron_infer.runtime.engine import CacheShape, GraphSpec, ShapeClass, planned_graphs, shape_class
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "generation_config.json", "chat_template.jinja", "vocab.json", "merges.txt", "added_tokens.json")
@@ -70,16 +70,29 @@ def cache_shape(model: LlamaModel, build: BuildConfig, blocks: int | None = None
 
 
 def compile_graphs(model: LlamaModel, build: BuildConfig, backend, graphs_dir: Path, say: Progress) -> dict:
-    """Compile every planned (sub-model, bucket) graph of one rank's model."""
+    """Compile every planned (sub-model, bucket) graph of one rank's model. A backend with dynamic shapes (CPU)
+    compiles one graph per shape class (runtime.engine.shape_class) and records it under every bucket it serves."""
     graphs_dir.mkdir(parents=True, exist_ok=True)
-    shape, plan, out = cache_shape(model, build), planned_graphs(build), {}
-    for spec in steps(plan, "compiling", say, lambda s: f"{s.name} ({backend.name})", unit="graph"):
+    shape, plan = cache_shape(model, build), planned_graphs(build)
+    if not getattr(backend, "dynamic_shapes", False):
+        classes = {spec.name: ShapeClass(spec.name, spec, {}) for spec in plan}
+    else:
+        classes = {}
+        for spec in plan:
+            classes.setdefault(shape_class(spec, build).name, shape_class(spec, build))
+    out, compiled = {}, {}
+    for cls in steps(list(classes.values()), "compiling", say, lambda c: f"{c.name} ({backend.name})", unit="graph"):
         t0 = time.perf_counter()
-        step = BucketStep(model, spec.attend)
+        step = BucketStep(model, cls.example.attend)
+        kwargs = {"dynamic": cls.dynamic} if cls.dynamic else {}
         with torch.inference_mode():
-            meta = backend.compile_graph(step, example_args(shape, spec), graphs_dir, spec.name)
+            meta = backend.compile_graph(step, example_args(shape, cls.example), graphs_dir, cls.name, **kwargs)
+        compiled[cls.name] = {**meta, "seconds": round(time.perf_counter() - t0, 3)}
+    for spec in plan:
+        cls = shape_class(spec, build) if getattr(backend, "dynamic_shapes", False) else classes[spec.name]
         out[spec.name] = {"kind": spec.kind, "tokens": spec.tokens, "attend": spec.attend, "batch": spec.batch,
-                          "seconds": round(time.perf_counter() - t0, 3), **meta}
+                          **compiled[cls.name], **({"graph": cls.name, "dynamic": sorted(cls.dims)}
+                                                   if cls.dynamic else {})}
     return out
 
 

@@ -61,6 +61,7 @@ from neuron_infer.compile.gemv_groups import group_gemvs
 from neuron_infer.errors import ArtifactError, ConfigError
 from neuron_infer.model.ops import computed_once, few_rows_attention_kernel
 from neuron_infer.quant.base import few_rows_kernels
+from neuron_infer.shapes import known
 
 GRAPH_FORMAT = "aotinductor-pt2"
 # Weights stay outside the package (shared by every graph); the generated C++ may contract a * b + c into one
@@ -135,17 +136,17 @@ def gemv_linear(max_rows: int, kernel: bool = False) -> Callable[..., torch.Tens
     """
 
     def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        rows = x.numel() // x.shape[-1]
-        if kernel and rows <= cpu_gemv.MAX_ROWS and x.dtype == weight.dtype == torch.bfloat16:
+        rows = x.numel() // x.shape[-1]  # a dynamic size in a prefill graph: no few-row path is known to apply
+        if kernel and known(rows <= cpu_gemv.MAX_ROWS) and x.dtype == weight.dtype == torch.bfloat16:
             # [R, K] x [N, K] -> [R, N]; contiguous() is free for parameters, a copy only for computed views
             y = cpu_gemv.gemv_bf16(x.reshape(rows, x.shape[-1]).contiguous(), [weight.contiguous()])
             y = y.view(*x.shape[:-1], weight.shape[0])
-        elif rows == 1:
+        elif known(rows == 1):
             # [..., 1, K] * [N, K] -> sum over K -> [..., N]; accumulate in fp32 like the GEMM does. The input is
             # computed once into an fp32 buffer, so the loop over the weights does not redo its producer (RMSNorm,
             # residual add) and its bf16 -> fp32 conversion for every output row.
             y = (computed_once(x.float()).unsqueeze(-2) * weight.float()).sum(-1).to(x.dtype)
-        elif rows <= max_rows:
+        elif known(rows <= max_rows):
             # One reduction per row over the same weight: Inductor fuses reductions with identical loops, so each
             # weight row is read once for all rows (x [R, K] * w [N, K] broadcast as one [R, N, K] product would
             # loop over R outside and stream the weights R times).
@@ -166,23 +167,35 @@ def module_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def _dynamic_blocks(module: torch.nn.Module, args: tuple) -> tuple | None:
+Dynamic = dict[int, dict[int, tuple[str, int, int]]]  # arg index -> {dim: (name, min, max)}
+
+
+def _dynamic_shapes(module: torch.nn.Module, args: tuple, dynamic: Dynamic | None) -> tuple | None:
     """Dynamic shapes of an export: the block count (dim 1) of the KV caches a step module names in
-    `block_cache_args` is left dynamic, so one graph serves a cache of any number of blocks (the run-time budget)."""
+    `block_cache_args` is left dynamic, so one graph serves a cache of any number of blocks (the run-time budget),
+    and so is every dim `dynamic` names (one torch.export.Dim per name: dims sharing a name are equal)."""
     names = getattr(module, "block_cache_args", ())
-    if not names:
+    dims = {i: {1: ("kv_blocks", 2, None)} for i in names}
+    for i, per_arg in (dynamic or {}).items():
+        dims.setdefault(i, {}).update(per_arg)
+    if not dims:
         return None
-    blocks = torch.export.Dim("kv_blocks", min=2)
-    return tuple({1: blocks} if i in names else None for i in range(len(args)))
+    made: dict[str, torch.export.Dim] = {}
+    for per_arg in dims.values():
+        for name, lo, hi in per_arg.values():
+            made.setdefault(name, torch.export.Dim(name, min=lo) if hi is None else torch.export.Dim(name, min=lo, max=hi))
+    return tuple({d: made[spec[0]] for d, spec in dims[i].items()} if i in dims else None for i in range(len(args)))
 
 
-def _export_linears(module: torch.nn.Module, example_args: tuple,
-                    options: CpuCompileOptions) -> torch.export.ExportedProgram:
-    """Export `module` with static shapes; linear layers on few rows become GEMV reductions."""
+def _export_linears(module: torch.nn.Module, example_args: tuple, options: CpuCompileOptions,
+                    dynamic: Dynamic | None) -> torch.export.ExportedProgram:
+    """Export `module`; linear layers on few rows (known at export) become GEMV reductions. Shape conditions export
+    cannot prove for every size in the dynamic ranges become run-time asserts instead of export errors."""
     # Export records in-place cache writes only outside inference mode; inference tensors are cloned out of it.
     with torch.inference_mode(False), torch.no_grad():
         args = tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in example_args)
-        program = torch.export.export(module, args, dynamic_shapes=_dynamic_blocks(module, args), strict=False)
+        program = torch.export.export(module, args, dynamic_shapes=_dynamic_shapes(module, args, dynamic), strict=False,
+                                         prefer_deferred_runtime_asserts_over_guards=True)
         if options.gemv_max_rows == 0:
             return program  # Inductor applies its own decompositions when it compiles
         # Only linear is rewritten here; every other op is left to Inductor's lowering choices.
@@ -190,13 +203,14 @@ def _export_linears(module: torch.nn.Module, example_args: tuple,
         return program.run_decompositions({torch.ops.aten.linear.default: linear})
 
 
-def _export(module: torch.nn.Module, example_args: tuple, options: CpuCompileOptions) -> torch.export.ExportedProgram:
+def _export(module: torch.nn.Module, example_args: tuple, options: CpuCompileOptions,
+            dynamic: Dynamic | None) -> torch.export.ExportedProgram:
     """Export `module`; int8 and w8a8 linears on few rows call their C kernels (when this machine builds them), and
     kernel calls that share an input are merged (compile/gemv_groups.py)."""
     kernels = {"int8": cpu_gemv.gemv_int8, "w8a8": cpu_gemv.gemv_w8a8} if options.uses_int8_kernel else {}
     attention = (cpu_gemv.attention, cpu_gemv.attention_fits) if options.uses_kernel else None
     with few_rows_kernels(kernels, cpu_gemv.INT8_MAX_ROWS), few_rows_attention_kernel(attention):
-        program = _export_linears(module, example_args, options)
+        program = _export_linears(module, example_args, options, dynamic)
     group_gemvs(program.graph_module)  # linears sharing an input: one kernel call
     return program
 
@@ -240,14 +254,18 @@ class CpuBackend:
     def __init__(self, options: CpuCompileOptions | None = None):
         self.options = options or CpuCompileOptions()
 
-    def compile_graph(self, module: torch.nn.Module, example_args: tuple, out_dir: Path, graph_name: str) -> dict:
+    dynamic_shapes = True  # a graph may serve a range of sizes (compile/builder.py: shape classes)
+
+    def compile_graph(self, module: torch.nn.Module, example_args: tuple, out_dir: Path, graph_name: str,
+                      dynamic: Dynamic | None = None) -> dict:
         """Write `<graph_name>.pt2` (code only), `<graph_name>.json` (the weights it expects) and, when bf16 GEMVs
-        call it, `<graph_name>.gemv.so` (the C kernel) into out_dir."""
+        call it, `<graph_name>.gemv.so` (the C kernel) into out_dir. `dynamic`: the dims of example_args left
+        dynamic (besides the caches' block count)."""
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()
         with _hide_torch_internal_warnings():
-            program = _export(module, example_args, self.options)
+            program = _export(module, example_args, self.options, dynamic)
         t1 = time.perf_counter()
         package = out_dir / f"{graph_name}{PACKAGE_SUFFIX}"
         configs = dict(INDUCTOR_CONFIGS)

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from neuron_infer.errors import ConfigError
+from neuron_infer.shapes import known
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -75,7 +76,7 @@ def attention_ref(
 ) -> torch.Tensor:  # [B, Hq, T, D]
     """Causal GQA attention over the blocks each row's table names: key j is visible to a query at position p iff
     j <= p."""
-    if (q_to_kv is None and q.shape[2] <= FEW_QUERY_ROWS and _few_rows_kernel is not None
+    if (q_to_kv is None and known(q.shape[2] <= FEW_QUERY_ROWS) and _few_rows_kernel is not None
             and _few_rows_kernel[1](q, k_cache, v_cache)):
         return _few_rows_kernel[0](q, k_cache, v_cache, table, positions)
     k = gather_blocks(k_cache, table).to(q.dtype)  # [B, Hkv, S, D]
@@ -97,7 +98,7 @@ def sequence_attention(
         v = v.index_select(1, q_to_kv)  # [B, Hq, S, D]
     key_pos = torch.arange(k.shape[2], device=q.device)  # [S]
     visible = key_pos.view(1, 1, 1, -1) <= positions.unsqueeze(1).unsqueeze(-1)  # [B, 1, T, S]
-    if q.shape[2] > FEW_QUERY_ROWS:
+    if not known(q.shape[2] <= FEW_QUERY_ROWS):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=visible)
     return few_rows_attention(q, k, v, visible)
 

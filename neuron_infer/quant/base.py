@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from neuron_infer.errors import ConfigError
+from neuron_infer.shapes import known
 
 ACT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -48,9 +49,9 @@ def few_rows_kernels(kernels: Mapping[str, FewRowsKernel | None], max_rows: int)
 
 
 def few_rows_kernel(scheme: str, x: torch.Tensor, weight: torch.Tensor) -> FewRowsKernel | None:
-    """The kernel for a linear of `scheme` on x [M, in] (rows and dtype are static shapes at export), or None."""
+    """The kernel for a linear of `scheme` on x [M, in] (dtype static at export, rows known to fit), or None."""
     entry = _few_rows.get(scheme)
-    if entry is None or x.shape[0] > entry[1] or x.dtype != torch.bfloat16 or weight.device.type != "cpu":
+    if entry is None or not known(x.shape[0] <= entry[1]) or x.dtype != torch.bfloat16 or weight.device.type != "cpu":
         return None
     return entry[0]
 

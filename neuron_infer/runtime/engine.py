@@ -64,6 +64,45 @@ def planned_graphs(build: BuildConfig) -> list[GraphSpec]:
     return out
 
 
+TOKENS, IDS, POSITIONS, TABLE = "tokens", 0, 1, 5  # dynamic-dim name; step arguments (compile/builder.py)
+
+
+@dataclass(frozen=True)
+class ShapeClass:
+    """One compiled graph that serves every planned graph of a class (CPU): `example` gives its example inputs and
+    `dynamic` the dims left dynamic, {argument index: {dim: (name, min, max)}}. Prefill: one graph for any prompt
+    length (tokens 2..max_context_length) and any attended length; decode: one graph per batch size for any
+    attended length. Attended lengths are table widths of 2..max_length/bs blocks (a shorter table is padded with
+    the scratch block: its positions are masked)."""
+
+    name: str
+    example: GraphSpec
+    dynamic: dict
+
+    @property
+    def dims(self) -> set[str]:
+        return {name for per_arg in self.dynamic.values() for name, _, _ in per_arg.values()}
+
+
+def max_table_blocks(build: BuildConfig) -> int:
+    """The widest block table a shape-class graph takes (at least 2: size 1 would be specialized at export)."""
+    return max(2, build.max_length // build.block_size)
+
+
+def shape_class(spec: GraphSpec, build: BuildConfig) -> ShapeClass:
+    """The shape class that serves `spec` on a backend with dynamic shapes."""
+    bs, wmax = build.block_size, max_table_blocks(build)
+    dynamic: dict = {TABLE: {1: ("blocks", 2, wmax)}} if wmax > 2 else {}
+    w_example = min(3, wmax)
+    if spec.kind == "context" and not spec.batch_bucket:
+        tmax = build.max_context_length
+        if tmax > 2:
+            dynamic.update({IDS: {1: (TOKENS, 2, tmax)}, POSITIONS: {1: (TOKENS, 2, tmax)}})
+        return ShapeClass("prefill", GraphSpec("context", min(tmax, 5), w_example * bs, spec.batch), dynamic)
+    return ShapeClass(f"decode_b{spec.batch}_t{spec.tokens}",
+                      GraphSpec(spec.kind, spec.tokens, w_example * bs, spec.batch, spec.batch_bucket), dynamic)
+
+
 @dataclass(frozen=True)
 class CacheShape:
     layers: int
@@ -106,8 +145,12 @@ def budget_blocks(cache: CacheShape, gib: float) -> int:
 class Engine:
     """Runs prefill and decode steps over the block cache for one static batch of slots."""
 
-    def __init__(self, graphs: dict[str, StepFn], build: BuildConfig, cache: CacheShape, vocab_size: int):
+    def __init__(self, graphs: dict[str, StepFn], build: BuildConfig, cache: CacheShape, vocab_size: int,
+                 shape_classes: bool = False):
+        """shape_classes: the graphs are shape-class graphs (ShapeClass): prefill takes the prompt's own length,
+        every graph a table of 2..max_table_blocks blocks."""
         self.graphs, self.build, self.cache_shape, self.vocab_size = graphs, build, cache, vocab_size
+        self.shape_classes = shape_classes
         self.k_cache, self.v_cache = cache.allocate()
         self.pool = BlockPool(cache.blocks, cache.block_size)
         self.slots: list[list[int]] = [self._stripe(r) for r in range(build.batch_size)]  # blocks of each slot
@@ -144,8 +187,11 @@ class Engine:
         self.slots[slot] = blocks
 
     def table(self, slots: Sequence[int | None], attend: int) -> torch.Tensor:
-        """The block table [len(slots), attend/bs] of the named slots (None, or blocks not yet held: scratch)."""
+        """The block table [len(slots), attend/bs] of the named slots (None, or blocks not yet held: scratch); at
+        least 2 blocks wide for shape-class graphs."""
         width = attend // self.block_size
+        if self.shape_classes:
+            width = max(width, 2)
         out = torch.zeros(len(slots), width, dtype=torch.int64)  # [b, W]
         for i, slot in enumerate(slots):
             blocks = self.slots[slot][:width] if slot is not None else []
@@ -172,11 +218,15 @@ class Engine:
         end = len(prompt) if end is None else end
         n = end - start
         t, s = self.context_graph(n, start)
+        name = graph_name("context", t, s)
+        if self.shape_classes:  # the prompt's own rows (at least 2), attending to the blocks they reach
+            t = max(n, 2)
+            s = self.block_size * min(max(2, -(-(start + t) // self.block_size)), max_table_blocks(self.build))
         ids = torch.zeros(1, t, dtype=torch.int64)  # [1, T], right-padded; padding writes slots no one reads
         ids[0, :n] = torch.tensor(prompt[start:end], dtype=torch.int64)
         positions = torch.arange(start, start + t, dtype=torch.int64).view(1, t)  # [1, T]
         last = torch.tensor([[n - 1]], dtype=torch.int64)  # [1, 1]
-        return self._run(graph_name("context", t, s), ids, positions, last, self.table([slot], s))[0, 0]  # [V]
+        return self._run(name, ids, positions, last, self.table([slot], s))[0, 0]  # [V]
 
     def prefill(self, prompts: list[list[int]]) -> torch.Tensor:
         """Encode prompts into slots 0..n-1 of the static layout (`bind_stripes`) -> next-token logits [B, V] (idle

@@ -72,17 +72,25 @@ def load_rank(artifact: str | Path, rank: int = 0, manifest: Manifest | None = N
                             "--kv-cache-gib applies to CPU artifacts")
     if kv_cache_gib is not None:
         cache = cache.with_blocks(budget_blocks(cache, kv_cache_gib))
-    engine = Engine(_load_graphs(manifest.backend, graphs_dir, modules), build, cache, manifest.model.vocab_size)
+    files = {name: manifest.graphs.get(name, {}).get("graph", name) for name in modules}  # shape classes: shared
+    engine = Engine(_load_graphs(manifest.backend, graphs_dir, modules, files), build, cache,
+                    manifest.model.vocab_size, shape_classes=any(f != n for n, f in files.items()))
     if build.speculation is not None:
         engine.spec = load_speculation(root, manifest, model, engine, spec_mode, graphs_dir)
     return engine
 
 
-def _load_graphs(backend: str, graphs_dir: Path, modules: dict) -> dict:
+def _load_graphs(backend: str, graphs_dir: Path, modules: dict, files: dict[str, str] | None = None) -> dict:
+    """Every graph by name; `files`: the compiled graph serving each name (a shape class serves several), each
+    loaded once."""
     from neuron_infer.compile.backend import get_backend
 
-    be = get_backend(backend)
-    return {name: be.load_graph(graphs_dir, name, module) for name, module in modules.items()}
+    be, files, loaded = get_backend(backend), files or {}, {}
+    for name, module in modules.items():
+        file = files.get(name, name)
+        if file not in loaded:
+            loaded[file] = be.load_graph(graphs_dir, file, module)
+    return {name: loaded[files.get(name, name)] for name in modules}
 
 
 # ---- speculation: the draft model and the extra graphs ---------------------------------------------------------

@@ -1,0 +1,13 @@
+"""Shape conditions that hold for every shape a compiled graph serves."""
+from __future__ import annotations
+
+import torch
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+
+def known(cond: bool | torch.SymBool) -> bool:
+    """`cond`, where its truth is known: a plain bool, or a shape condition export can decide from the static sizes
+    and the declared ranges of the dynamic ones. An undecided condition (e.g. `rows <= 8` on a prefill graph's
+    dynamic token count) is False and adds no guard, so a shape-dependent fast path is taken only where every shape
+    the graph serves takes it; the other path serves any shape."""
+    return statically_known_true(cond)
