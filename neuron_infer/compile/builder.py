@@ -1,6 +1,7 @@
 """`compile`: checkpoint dir -> artifact dir (weights per rank, one graph per (sub-model, bucket), manifest last)."""
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import sys
 import time
@@ -12,6 +13,7 @@ import torch
 from neuron_infer.checkpoint import check_tokenizer, checkpoint_fingerprint, load_checkpoint
 from neuron_infer.compile.artifact import FORMAT_VERSION, Manifest, atomic_directory, hash_tree, package_versions
 from neuron_infer.compile.artifact import write_manifest
+from neuron_infer.compile.graph_cache import cached_compile, cached_lookup, graph_key
 from neuron_infer.compile.quantize_step import quantize_model
 from neuron_infer.compile.weights import build_float_model, save_rank_weights
 from neuron_infer.config import BuildConfig, ModelConfig
@@ -69,31 +71,87 @@ def cache_shape(model: LlamaModel, build: BuildConfig, blocks: int | None = None
                       build.block_size, model.cfg.head_dim, dtype)
 
 
-def compile_graphs(model: LlamaModel, build: BuildConfig, backend, graphs_dir: Path, say: Progress) -> dict:
+def compile_graphs(model: LlamaModel, build: BuildConfig, backend, graphs_dir: Path, say: Progress,
+                   weights: Path | None = None) -> dict:
     """Compile every planned (sub-model, bucket) graph of one rank's model. A backend with dynamic shapes (CPU)
-    compiles one graph per shape class (runtime.engine.shape_class) and records it under every bucket it serves."""
+    compiles one graph per shape class (runtime.engine.shape_class) and records it under every bucket it serves,
+    through the compile cache; with `weights` (the rank's weights file, already written) graphs missing from the
+    cache compile in parallel worker processes (compile/graph_workers.py)."""
     graphs_dir.mkdir(parents=True, exist_ok=True)
-    shape, plan = cache_shape(model, build), planned_graphs(build)
+    plan = planned_graphs(build)
     if not getattr(backend, "dynamic_shapes", False):
-        classes = {spec.name: ShapeClass(spec.name, spec, {}) for spec in plan}
-    else:
-        classes = {}
-        for spec in plan:
-            classes.setdefault(shape_class(spec, build).name, shape_class(spec, build))
-    out, compiled = {}, {}
-    for cls in steps(list(classes.values()), "compiling", say, lambda c: f"{c.name} ({backend.name})", unit="graph"):
-        t0 = time.perf_counter()
-        step = BucketStep(model, cls.example.attend)
-        kwargs = {"dynamic": cls.dynamic} if cls.dynamic else {}
-        with torch.inference_mode():
-            meta = backend.compile_graph(step, example_args(shape, cls.example), graphs_dir, cls.name, **kwargs)
-        compiled[cls.name] = {**meta, "seconds": round(time.perf_counter() - t0, 3)}
+        return _compile_buckets(model, build, backend, graphs_dir, say, plan)
+    classes: dict[str, ShapeClass] = {}
     for spec in plan:
-        cls = shape_class(spec, build) if getattr(backend, "dynamic_shapes", False) else classes[spec.name]
+        classes.setdefault(shape_class(spec, build).name, shape_class(spec, build))
+    compiled = _compile_classes(model, build, backend, graphs_dir, say, list(classes.values()), weights)
+    out = {}
+    for spec in plan:
+        cls = shape_class(spec, build)
         out[spec.name] = {"kind": spec.kind, "tokens": spec.tokens, "attend": spec.attend, "batch": spec.batch,
-                          **compiled[cls.name], **({"graph": cls.name, "dynamic": sorted(cls.dims)}
-                                                   if cls.dynamic else {})}
+                          **compiled[cls.name], "graph": cls.name, "dynamic": sorted(cls.dims)}
     return out
+
+
+def _compile_buckets(model, build, backend, graphs_dir: Path, say: Progress, plan: list[GraphSpec]) -> dict:
+    """One static-shape graph per planned bucket (Neuron, eager)."""
+    shape, out = cache_shape(model, build), {}
+    for spec in steps(plan, "compiling", say, lambda s: f"{s.name} ({backend.name})", unit="graph"):
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            meta = backend.compile_graph(BucketStep(model, spec.attend), example_args(shape, spec), graphs_dir,
+                                         spec.name)
+        out[spec.name] = {"kind": spec.kind, "tokens": spec.tokens, "attend": spec.attend, "batch": spec.batch,
+                          "seconds": round(time.perf_counter() - t0, 3), **meta}
+    return out
+
+
+def _compile_classes(model, build, backend, graphs_dir: Path, say: Progress, classes: list[ShapeClass],
+                     weights: Path | None) -> dict[str, dict]:
+    """Shape-class graphs: cache hits copied, misses compiled (in worker processes when there are several)."""
+    shape, out, misses = cache_shape(model, build), {}, []
+    for cls in classes:
+        key = class_key(model, build, backend, shape, cls)
+        t0 = time.perf_counter()
+        meta = cached_lookup(key, graphs_dir)
+        if meta is None:
+            misses.append((cls, key))
+        else:
+            out[cls.name] = {**meta, "seconds": round(time.perf_counter() - t0, 3)}
+            say(f"{cls.name}: compiled graph reused from the compile cache")
+    if len(misses) > 1 and weights is not None and backend.name == "cpu":
+        from neuron_infer.compile.graph_workers import compile_in_workers  # noqa: PLC0415  (cycle: workers -> here)
+
+        out.update(compile_in_workers(misses, weights, model.cfg, build, graphs_dir, say))
+        return out
+    for cls, key in steps(misses, "compiling", say, lambda j: f"{j[0].name} ({backend.name})", unit="graph"):
+        out[cls.name] = compile_class(model, build, graphs_dir, cls, key, backend)
+    return out
+
+
+def class_key(model: LlamaModel, build: BuildConfig, backend, shape: CacheShape, cls: ShapeClass) -> str:
+    """The compile-cache key of a shape-class graph (compile/graph_cache.py says what it covers)."""
+    step, args = BucketStep(model, cls.example.attend), example_args(shape, cls.example)
+    tensors = {k: [list(t.shape), str(t.dtype)] for k, t in step.state_dict(keep_vars=True).items()}
+    return graph_key({"backend": backend.cache_key(), "model": model.cfg.to_dict(), "build": build.to_dict(),
+                      "class": cls.name, "example": dataclasses.asdict(cls.example), "dynamic": cls.dynamic,
+                      "args": [[list(a.shape), str(a.dtype)] for a in args], "tensors": tensors})
+
+
+def compile_class(model: LlamaModel, build: BuildConfig, graphs_dir: Path, cls: ShapeClass, key: str,
+                  backend=None) -> dict:
+    """Compile one shape-class graph into graphs_dir and store it in the compile cache under `key`."""
+    from neuron_infer.compile.backend import get_backend  # noqa: PLC0415  (lazy: backends import torch's compiler)
+
+    backend = backend or get_backend("cpu")
+    step, args = BucketStep(model, cls.example.attend), example_args(cache_shape(model, build), cls.example)
+    t0 = time.perf_counter()
+
+    def compile_into(out_dir: Path) -> dict:
+        with torch.inference_mode():
+            return backend.compile_graph(step, args, out_dir, cls.name, dynamic=cls.dynamic)
+
+    return {**cached_compile(key, graphs_dir, compile_into), "seconds": round(time.perf_counter() - t0, 3)}
 
 
 def copy_tokenizer(model_dir: Path, dst: Path) -> None:
@@ -141,7 +199,7 @@ def _compile_one_rank(model_dir: str | Path, out_dir: str | Path, build: BuildCo
         del state
         extra = {"quant": quantize_model(model, build, model_dir)}
         save_rank_weights(model, tmp / "weights" / "rank0.safetensors")
-        graphs = compile_graphs(model, build, be, tmp / "graphs", say)
+        graphs = compile_graphs(model, build, be, tmp / "graphs", say, weights=tmp / "weights" / "rank0.safetensors")
         if build.speculation is not None:
             from neuron_infer.compile.spec_builder import compile_speculation  # noqa: PLC0415
 
@@ -153,5 +211,6 @@ def _compile_one_rank(model_dir: str | Path, out_dir: str | Path, build: BuildCo
         manifest = Manifest(FORMAT_VERSION, package_versions(), be.name, cfg, build,
                             checkpoint_fingerprint(model_dir), graphs, hash_tree(tmp), extra)
         write_manifest(tmp, manifest)
-    say(f"compiled {len(graphs)} graphs into {out_dir} in {extra['compile_seconds']:.1f} s")
+    files = {g.get("graph", name) for name, g in graphs.items()}
+    say(f"compiled {len(files)} graph{'s' * (len(files) != 1)} into {out_dir} in {extra['compile_seconds']:.1f} s")
     return manifest

@@ -42,6 +42,7 @@ Why this design (measured with scripts/perf_cpu_backends.py; see docs/cpu-backen
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import os
@@ -183,7 +184,7 @@ def _dynamic_shapes(module: torch.nn.Module, args: tuple, dynamic: Dynamic | Non
     made: dict[str, torch.export.Dim] = {}
     for per_arg in dims.values():
         for name, lo, hi in per_arg.values():
-            made.setdefault(name, torch.export.Dim(name, min=lo) if hi is None else torch.export.Dim(name, min=lo, max=hi))
+            made.setdefault(name, torch.export.Dim(name, min=lo, **({} if hi is None else {"max": hi})))
     return tuple({d: made[spec[0]] for d, spec in dims[i].items()} if i in dims else None for i in range(len(args)))
 
 
@@ -255,6 +256,12 @@ class CpuBackend:
         self.options = options or CpuCompileOptions()
 
     dynamic_shapes = True  # a graph may serve a range of sizes (compile/builder.py: shape classes)
+
+    def cache_key(self) -> dict:
+        """What of this backend determines a graph's code (compile/graph_cache.py): its options and the ISA level
+        its C kernels are built for on this machine."""
+        return {"name": self.name, "options": dataclasses.asdict(self.options), "isa": self.options.kernel_isa(),
+                "inductor": INDUCTOR_CONFIGS}
 
     def compile_graph(self, module: torch.nn.Module, example_args: tuple, out_dir: Path, graph_name: str,
                       dynamic: Dynamic | None = None) -> dict:

@@ -1,0 +1,105 @@
+"""Independent graphs compiled in parallel worker processes (CPU backend).
+
+    metas = compile_in_workers(jobs, weights, cfg, build, graphs_dir, say)     jobs: [(ShapeClass, cache key)]
+
+Compiling a graph is single-threaded Python (export, Inductor's lowering and code generation) and one g++ run, so
+two graphs on two cores take about the time of one. Each worker (`python -m neuron_infer.compile.graph_workers`)
+rebuilds the rank's model from the weights file the compile already wrote, as the loader does, compiles one graph
+through the compile cache and prints its metadata as one JSON line. Workers are bounded by the usable cores and by
+the memory available (WORKER_BYTES each, plus the weights).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+from neuron_infer.errors import ArtifactError
+
+WORKER_BYTES = 3 << 30  # peak memory of one graph compile beyond the weights (SmolLM2 prefill graph: ~2.4 GiB)
+
+
+def worker_count(jobs: int, weight_bytes: int) -> int:
+    """Workers for `jobs` graphs: at most the usable cores and what the available memory holds (at least 1)."""
+    import psutil  # noqa: PLC0415
+
+    from neuron_infer.cpu_threads import usable_cpus  # noqa: PLC0415
+
+    by_memory = psutil.virtual_memory().available // (WORKER_BYTES + weight_bytes)
+    return max(1, min(jobs, usable_cpus(), by_memory))
+
+
+def compile_in_workers(jobs: list, weights: Path, cfg, build, graphs_dir: Path,
+                       say: Callable[[str], None]) -> dict[str, dict]:
+    """Compile each (ShapeClass, key) job in a worker process; -> {class name: metadata}."""
+    n = worker_count(len(jobs), weights.stat().st_size)
+    say(f"compiling {len(jobs)} graph{'s' * (len(jobs) != 1)} in {n} worker process{'es' * (n != 1)}: "
+        + ", ".join(cls.name for cls, _ in jobs))
+    pending, running, out, t0 = list(jobs), {}, {}, time.perf_counter()
+    while pending or running:
+        while pending and len(running) < n:
+            cls, key = pending.pop(0)
+            running[cls.name] = (_start(cls, key, weights, cfg, build, graphs_dir), time.perf_counter())
+        name, (proc, started) = _wait_any(running)
+        del running[name]
+        stdout, stderr = proc.communicate()
+        if proc.returncode != 0:
+            for p, _ in running.values():
+                p.kill()
+            lines = [ln for ln in stderr.strip().splitlines() if ln.strip()]
+            raise ArtifactError(f"compiling graph {name} failed: {lines[-1] if lines else 'no output'}")
+        out[name] = json.loads(stdout.strip().splitlines()[-1])
+        done = len(out)
+        say(f"[{done}/{len(jobs)}] compiled {name} in {time.perf_counter() - started:.1f} s "
+            f"({time.perf_counter() - t0:.1f} s elapsed)")
+    return out
+
+
+def _start(cls, key: str, weights: Path, cfg, build, graphs_dir: Path) -> subprocess.Popen:
+    job = {"class": {"name": cls.name, "example": cls.example.__dict__,
+                     "dynamic": {str(i): {str(d): list(v) for d, v in dims.items()} for i, dims in cls.dynamic.items()}},
+           "key": key, "weights": str(weights), "model": cfg.to_dict(), "build": build.to_dict(),
+           "graphs_dir": str(graphs_dir)}
+    proc = subprocess.Popen([sys.executable, "-m", "neuron_infer.compile.graph_workers"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc.stdin.write(json.dumps(job))
+    proc.stdin.close()
+    proc.stdin = None
+    return proc
+
+
+def _wait_any(running: dict) -> tuple[str, tuple]:
+    while True:
+        for name, item in running.items():
+            if item[0].poll() is not None:
+                return name, item
+        time.sleep(0.05)
+
+
+def _main() -> None:
+    """Worker: one job from stdin -> the graph's metadata on stdout."""
+    from neuron_infer.compile.builder import compile_class  # noqa: PLC0415  (the worker's own entry point)
+    from neuron_infer.compile.quantize_step import quant_structure  # noqa: PLC0415
+    from neuron_infer.compile.weights import empty_model, load_rank_weights  # noqa: PLC0415
+    from neuron_infer.config import BuildConfig, ModelConfig  # noqa: PLC0415
+    from neuron_infer.runtime.engine import GraphSpec, ShapeClass  # noqa: PLC0415
+
+    job = json.loads(sys.stdin.read())
+    cfg, build = ModelConfig.from_dict(job["model"]), BuildConfig.from_dict(job["build"])
+    model = empty_model(cfg, build)
+    quant_structure(model, build)
+    load_rank_weights(model, Path(job["weights"]))
+    c = job["class"]
+    dynamic = {int(i): {int(d): tuple(v) for d, v in dims.items()} for i, dims in c["dynamic"].items()}
+    cls = ShapeClass(c["name"], GraphSpec(**c["example"]), dynamic)
+    meta = compile_class(model, build, Path(job["graphs_dir"]), cls, job["key"])
+    sys.stdout.write(json.dumps(meta) + "\n")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    _main()
