@@ -2,15 +2,19 @@
 
     <cache>/models/SmolLM2-135M-Instruct-<sha16>/     the converted default model (marker: neuron_infer_source.json)
     <cache>/artifacts/smollm2-135m-<hash16>/          cached compiles of it (marker: a manifest.json that parses)
+    <cache>/graphs/<key32>/                           compiled graphs shared by every compile on this machine
+                                                      (marker: neuron_infer_graph.json; compile/graph_cache.py)
+    <cache>/kernels/<key32>.gemv.so                   the CPU backend's C kernels, one per ISA level and source
     <cache>/models/.tmp-SmolLM2-135M-Instruct-<sha16>-*   leftovers of interrupted conversions
     <cache>/artifacts/.smollm2-135m-<hash16>.partial-*    leftovers of interrupted compiles (also `.old-<pid>`)
+    <cache>/graphs/.<key32>.partial-<pid>             a graph being stored, or left by an interrupted compile
 
 An entry is ours only when its name has one of these exact shapes *and* (for models and artifacts) it holds its
 marker file; everything else in the cache (e.g. a virtualenv, a user's files) is listed as "other" and never
 deleted. Symbolic links are never followed or deleted.
 
-States: `current` (loadable by this installation), `stale` (built by other package versions, or converted from a
-GGUF file that is no longer the installed one) and `partial` (an interrupted build older than an hour; a younger
+States: `current` (loadable by this installation), `stale` (built by other package versions or graph sources, or
+converted from a GGUF file that is no longer the installed one) and `partial` (an interrupted build older than an hour; a younger
 one may be a build in progress and is left alone). `prune` removes stale and partial entries; `prune --all`
 also removes current ones (they are rebuilt on next use).
 """
@@ -27,6 +31,7 @@ from neuron_infer.embedded import MODEL_NAME, SOURCE_FILE
 
 ARTIFACT_PREFIX = "smollm2-135m"  # neuron_infer.presets.default_artifact_dir names its compiles so
 PARTIAL_AGE_S = 3600.0
+_KERNEL_RE = re.compile(r"\A[0-9a-f]{32}\.gemv\.so\Z")
 _MODEL_RE = re.compile(rf"^{re.escape(MODEL_NAME)}-([0-9a-f]{{16}})$")
 _ARTIFACT_RE = re.compile(rf"^{re.escape(ARTIFACT_PREFIX)}-[0-9a-f]{{16}}$")
 _MODEL_TMP_RE = re.compile(rf"^\.tmp-{re.escape(MODEL_NAME)}-[0-9a-f]{{16}}-[A-Za-z0-9_]+$")
@@ -36,7 +41,7 @@ _ARTIFACT_TMP_RE = re.compile(rf"^\.{re.escape(ARTIFACT_PREFIX)}-[0-9a-f]{{16}}\
 @dataclass(frozen=True)
 class CacheEntry:
     path: Path
-    kind: str  # "model" | "artifact" | "partial" | "other"
+    kind: str  # "model" | "artifact" | "graph" | "kernel" | "partial" | "other"
     state: str  # "current" | "stale" | "partial" | "in progress" | "other"
     size_bytes: int
     reason: str = ""
@@ -96,8 +101,36 @@ def _artifact_entry(p: Path, versions: dict[str, str]) -> CacheEntry | None:
     return CacheEntry(p, "artifact", "current", tree_size(p))
 
 
+def _graph_entry(p: Path, versions: dict[str, str]) -> CacheEntry | None:
+    from neuron_infer.compile.graph_cache import KEY_RE, MARKER  # noqa: PLC0415
+
+    if not KEY_RE.match(p.name):
+        return None
+    try:
+        marker = json.loads((p / MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+    built = marker.get("versions") if isinstance(marker, dict) else None
+    if not isinstance(built, dict):
+        return None
+    differ = [f"{k} {built.get(k)} (installed {v})" for k, v in versions.items() if built.get(k) != v]
+    if differ:
+        return CacheEntry(p, "graph", "stale", tree_size(p), "built with " + ", ".join(differ))
+    return CacheEntry(p, "graph", "current", tree_size(p))
+
+
+def _kernel_entry(p: Path) -> CacheEntry | None:
+    """A cached C-kernel library (its name is the hash of its build command and sources, so it never goes stale:
+    `prune --all` removes it)."""
+    if p.is_symlink() or not p.is_file() or not _KERNEL_RE.match(p.name):
+        return None
+    return CacheEntry(p, "kernel", "current", tree_size(p))
+
+
 def _partial_entry(p: Path, now: float) -> CacheEntry | None:
-    regex = _MODEL_TMP_RE if p.parent.name == "models" else _ARTIFACT_TMP_RE
+    from neuron_infer.compile.graph_cache import PARTIAL_RE  # noqa: PLC0415
+
+    regex = {"models": _MODEL_TMP_RE, "artifacts": _ARTIFACT_TMP_RE, "graphs": PARTIAL_RE}[p.parent.name]
     if not regex.match(p.name):
         return None
     age = now - p.stat().st_mtime
@@ -108,20 +141,25 @@ def _partial_entry(p: Path, now: float) -> CacheEntry | None:
 def scan(root: Path) -> list[CacheEntry]:
     """Every entry of the cache root (ours classified, the rest as "other"), sorted by path."""
     from neuron_infer.compile.artifact import package_versions  # noqa: PLC0415
+    from neuron_infer.compile.graph_cache import current_versions  # noqa: PLC0415
 
     if not root.is_dir():
         return []
     gguf16, versions, now = _current_gguf_sha16(), package_versions(), time.time()
+    graph_versions = current_versions()
     out: list[CacheEntry] = []
     for top in sorted(root.iterdir()):
-        if top.name not in ("models", "artifacts") or top.is_symlink() or not top.is_dir():
+        if top.name not in ("models", "artifacts", "graphs", "kernels") or top.is_symlink() or not top.is_dir():
             out.append(CacheEntry(top, "other", "other", 0, "not created by neuron-infer's cache"))
             continue
         for p in sorted(top.iterdir()):
             entry = None
-            if p.is_dir() and not p.is_symlink():
-                entry = (_partial_entry(p, now) or
-                         (_model_entry(p, gguf16) if top.name == "models" else _artifact_entry(p, versions)))
+            if top.name == "kernels":
+                entry = _kernel_entry(p)
+            elif p.is_dir() and not p.is_symlink():
+                entry = _partial_entry(p, now) or {"models": lambda: _model_entry(p, gguf16),
+                                                   "artifacts": lambda: _artifact_entry(p, versions),
+                                                   "graphs": lambda: _graph_entry(p, graph_versions)}[top.name]()
             out.append(entry or CacheEntry(p, "other", "other", 0, "not recognised as a neuron-infer entry"))
     return out
 
@@ -136,4 +174,7 @@ def remove(entry: CacheEntry) -> None:
     """Delete one of our entries (re-checked: never a symlink, never an "other")."""
     if entry.kind == "other" or entry.path.is_symlink():
         raise ValueError(f"refusing to delete {entry.path}: not a neuron-infer cache entry")
-    shutil.rmtree(entry.path)
+    if entry.kind == "kernel":
+        entry.path.unlink()
+    else:
+        shutil.rmtree(entry.path)

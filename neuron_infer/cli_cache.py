@@ -18,7 +18,8 @@ def _root():
 @click.group("cache", epilog=examples("neuron-infer cache list", "neuron-infer cache prune --dry-run",
                                       "NEURON_INFER_CACHE=/data/ni-cache neuron-infer cache prune --all"))
 def cache_group() -> None:
-    """The cache of the embedded default model ($NEURON_INFER_CACHE, else ~/.cache/neuron-infer)."""
+    """The cache: the embedded default model, its compiles, compiled graphs and C kernels ($NEURON_INFER_CACHE, else
+    ~/.cache/neuron-infer)."""
 
 
 @cache_group.command("list", epilog=examples("neuron-infer cache list", "neuron-infer cache list --json"))

@@ -40,6 +40,7 @@ import ctypes
 import hashlib
 import os
 import platform
+import shutil
 import subprocess
 from functools import lru_cache
 from pathlib import Path
@@ -193,7 +194,8 @@ def lowest_isa(kernels: tuple[str, ...], isa: str) -> str:
 
 
 def build(out: Path, kernels: tuple[str, ...], isa: str = LEGACY_ISA) -> Path:
-    """Compile the sources of `kernels` for `isa` into `out` (written to a temporary name, then renamed)."""
+    """The library of `kernels` for `isa` at `out`: copied from the kernel cache (<cache>/kernels/<key>.so, keyed by
+    the compile command and the sources' bytes), or compiled (to a temporary name, then renamed) and cached."""
     if not kernels or any(k not in kernels_for(isa) for k in kernels):
         raise ValueError(f"kernels {kernels} cannot be built for ISA {isa}")
     torch_dir = Path(torch.__file__).parent
@@ -201,6 +203,13 @@ def build(out: Path, kernels: tuple[str, ...], isa: str = LEGACY_ISA) -> Path:
     cmd = [torch._inductor.cpp_builder.get_cpp_compiler(), "-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp",
            *_CC_FLAGS[isa], f"-I{torch_dir / 'include'}", *(str(SOURCES[k]) for k in kernels),
            f"-L{torch_dir / 'lib'}", "-ltorch_cpu", "-o", str(tmp)]
+    cached = _kernel_cache_path(cmd[:-1], kernels)
+    try:
+        shutil.copy2(cached, tmp)
+        os.replace(tmp, out)
+        return out
+    except OSError:
+        tmp.unlink(missing_ok=True)  # not cached yet (or unreadable): compile
     try:
         done = subprocess.run(cmd, check=False, capture_output=True, text=True)
         error = done.stderr[-2000:] if done.returncode else ""
@@ -211,7 +220,28 @@ def build(out: Path, kernels: tuple[str, ...], isa: str = LEGACY_ISA) -> Path:
         raise NeuronInferError(f"building the CPU GEMV kernel failed ({' '.join(cmd)}):\n{error}\nInstall a C++ "
                                f"compiler with {isa} support (g++ >= 10; AOTInductor needs one too)")
     os.replace(tmp, out)
+    _store_kernel(out, cached)
     return out
+
+
+def _kernel_cache_path(cmd: list[str], kernels: tuple[str, ...]) -> Path:
+    from neuron_infer.embedded import cache_dir  # noqa: PLC0415
+
+    h = hashlib.sha256(torch.__version__.encode() + "\0".join(cmd).encode())
+    for path in sorted({SOURCES[k] for k in kernels} | set(Path(__file__).parent.glob("cpu_gemv_*.h"))):
+        h.update(path.read_bytes())
+    return cache_dir() / "kernels" / f"{h.hexdigest()[:32]}{LIB_SUFFIX}"
+
+
+def _store_kernel(lib: Path, cached: Path) -> None:
+    """Copy a freshly built library into the kernel cache (a temporary name renamed into place)."""
+    tmp = cached.with_name(f".{cached.name}.partial-{os.getpid()}")
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(lib, tmp)
+        os.replace(tmp, cached)
+    except OSError:
+        tmp.unlink(missing_ok=True)  # a read-only or full cache only costs the next build
 
 
 _loaded: dict[str, ctypes.CDLL] = {}

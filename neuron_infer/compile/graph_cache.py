@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import time
 from functools import lru_cache
@@ -24,6 +25,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 MARKER = "neuron_infer_graph.json"
+KEY_RE = re.compile(r"\A[0-9a-f]{32}\Z")
+PARTIAL_RE = re.compile(r"\A\.[0-9a-f]{32}\.partial-\d+\Z")
 _SOURCES = ("model", "quant", "compile/cpu.py", "compile/cpu_gemv.py", "compile/gemv_groups.py", "shapes.py",
             "compile/cpu_gemv.cpp", "compile/cpu_gemv_int8.cpp", "compile/cpu_gemv_w8a8.cpp",
             "compile/cpu_attention.cpp", "compile/cpu_gemv_common.h")
@@ -49,13 +52,18 @@ def source_hash() -> str:
     return h.hexdigest()
 
 
-def graph_key(parts: dict[str, Any]) -> str:
-    """The cache key of a graph: sha256 of `parts` (JSON) with the package version and source hash; 32 hex."""
+def current_versions() -> dict[str, str]:
+    """What makes a cached graph current: this package version, its graph sources and the torch version."""
     import torch  # noqa: PLC0415
 
     from neuron_infer import __version__  # noqa: PLC0415
 
-    full = {"neuron_infer": __version__, "sources": source_hash(), "torch": torch.__version__, **parts}
+    return {"neuron_infer": __version__, "sources": source_hash()[:16], "torch": torch.__version__}
+
+
+def graph_key(parts: dict[str, Any]) -> str:
+    """The cache key of a graph: sha256 of `parts` (JSON) with the package version and source hash; 32 hex."""
+    full = {**current_versions(), "sources": source_hash(), **parts}
     return hashlib.sha256(json.dumps(full, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
 
@@ -105,7 +113,8 @@ def _store(entry: Path, out_dir: Path, meta: dict) -> None:
         tmp.mkdir(parents=True, exist_ok=False)
         for name in meta["files"]:
             shutil.copy2(out_dir / name, tmp / name)
-        (tmp / MARKER).write_text(json.dumps({**meta, "stored": time.time()}, sort_keys=True))
+        marker = {**meta, "stored": time.time(), "versions": current_versions()}
+        (tmp / MARKER).write_text(json.dumps(marker, sort_keys=True))
         tmp.rename(entry)  # fails if the entry exists (another compile stored it, or a damaged one: kept as is)
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)  # read-only or full cache: the artifact has its files anyway

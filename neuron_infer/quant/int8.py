@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from neuron_infer.quant.base import QuantizedLinear, check_float_linear, few_rows_kernel, per_channel_absmax
+from neuron_infer.shapes import known
 
 QMAX = 127
 PACK_MAX_ROWS = 1  # one row only: AOTInductor graphs calling it with 4 rows at SmolLM2 sizes crash (segfault, torch
@@ -87,7 +88,7 @@ class Int8Linear(QuantizedLinear):
         return m
 
     def use_pack(self, rows: int) -> bool:
-        return rows <= PACK_MAX_ROWS and self.in_features % PACK_K_MULTIPLE == 0 and self.weight.device.type == "cpu"
+        return known(rows <= PACK_MAX_ROWS) and self.in_features % PACK_K_MULTIPLE == 0 and self.weight.device.type == "cpu"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]

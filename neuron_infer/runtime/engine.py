@@ -64,7 +64,9 @@ def planned_graphs(build: BuildConfig) -> list[GraphSpec]:
     return out
 
 
-TOKENS, IDS, POSITIONS, TABLE = "tokens", 0, 1, 5  # dynamic-dim name; step arguments (compile/builder.py)
+TOKENS, BATCH = "tokens", "batch"  # dynamic-dim names
+IDS, POSITIONS, LOGIT_INDEX, TABLE = 0, 1, 4, 5  # step arguments (compile/builder.py example_args)
+FEW_ROWS = 8  # rows up to which the CPU backend's GEMV kernels serve a linear (compile/cpu_gemv.py MAX_ROWS)
 
 
 @dataclass(frozen=True)
@@ -99,8 +101,23 @@ def shape_class(spec: GraphSpec, build: BuildConfig) -> ShapeClass:
         if tmax > 2:
             dynamic.update({IDS: {1: (TOKENS, 2, tmax)}, POSITIONS: {1: (TOKENS, 2, tmax)}})
         return ShapeClass("prefill", GraphSpec("context", min(tmax, 5), w_example * bs, spec.batch), dynamic)
-    return ShapeClass(f"decode_b{spec.batch}_t{spec.tokens}",
-                      GraphSpec(spec.kind, spec.tokens, w_example * bs, spec.batch, spec.batch_bucket), dynamic)
+    lo, hi = _batch_range(spec.batch, build.batch_size)
+    if hi > lo:  # ids, positions, logit_index, table: [B, ...]
+        for arg in (IDS, POSITIONS, LOGIT_INDEX, TABLE):
+            dynamic.setdefault(arg, {})[0] = (BATCH, lo, hi)
+    example = GraphSpec(spec.kind, spec.tokens, w_example * bs, min(lo + 1, hi))
+    name = f"decode_b{lo}_t{spec.tokens}" if hi == lo else f"decode_b{lo}-{hi}_t{spec.tokens}"
+    return ShapeClass(name, example, dynamic)
+
+
+def _batch_range(batch: int, batch_size: int) -> tuple[int, int]:
+    """The batch sizes one decode graph serves: 1 alone (size 1 is specialised at export), 2..8 (rows the GEMV and
+    attention kernels take) and 9..batch_size (the GEMM)."""
+    if batch == 1:
+        return 1, 1
+    if batch <= FEW_ROWS:
+        return 2, min(batch_size, FEW_ROWS)
+    return FEW_ROWS + 1, batch_size
 
 
 @dataclass(frozen=True)
@@ -151,6 +168,7 @@ class Engine:
         every graph a table of 2..max_table_blocks blocks."""
         self.graphs, self.build, self.cache_shape, self.vocab_size = graphs, build, cache, vocab_size
         self.shape_classes = shape_classes
+        self._min_width = 2 if shape_classes else 1  # shape-class graphs take tables of 2+ blocks
         self.k_cache, self.v_cache = cache.allocate()
         self.pool = BlockPool(cache.blocks, cache.block_size)
         self.slots: list[list[int]] = [self._stripe(r) for r in range(build.batch_size)]  # blocks of each slot
@@ -186,12 +204,10 @@ class Engine:
         """Slot `slot` now holds the sequence whose positions live in `blocks` (in order; [] frees the slot)."""
         self.slots[slot] = blocks
 
-    def table(self, slots: Sequence[int | None], attend: int) -> torch.Tensor:
-        """The block table [len(slots), attend/bs] of the named slots (None, or blocks not yet held: scratch); at
-        least 2 blocks wide for shape-class graphs."""
-        width = attend // self.block_size
-        if self.shape_classes:
-            width = max(width, 2)
+    def table(self, slots: Sequence[int | None], attend: int, min_width: int = 1) -> torch.Tensor:
+        """The block table [len(slots), max(attend/bs, min_width)] of the named slots (None, or blocks not yet held:
+        the scratch block, whose positions are masked)."""
+        width = max(attend // self.block_size, min_width)
         out = torch.zeros(len(slots), width, dtype=torch.int64)  # [b, W]
         for i, slot in enumerate(slots):
             blocks = self.slots[slot][:width] if slot is not None else []
@@ -226,7 +242,7 @@ class Engine:
         ids[0, :n] = torch.tensor(prompt[start:end], dtype=torch.int64)
         positions = torch.arange(start, start + t, dtype=torch.int64).view(1, t)  # [1, T]
         last = torch.tensor([[n - 1]], dtype=torch.int64)  # [1, 1]
-        return self._run(name, ids, positions, last, self.table([slot], s))[0, 0]  # [V]
+        return self._run(name, ids, positions, last, self.table([slot], s, self._min_width))[0, 0]  # [V]
 
     def prefill(self, prompts: list[list[int]]) -> torch.Tensor:
         """Encode prompts into slots 0..n-1 of the static layout (`bind_stripes`) -> next-token logits [B, V] (idle
@@ -243,7 +259,7 @@ class Engine:
         ids = tokens.view(-1, 1).to(torch.int64)  # [B, 1]
         pos = positions.view(-1, 1).to(torch.int64)  # [B, 1]
         zero = torch.zeros_like(pos)  # [B, 1]: the only token
-        table = self.table(range(self.build.batch_size), s)  # [B, S/bs]
+        table = self.table(range(self.build.batch_size), s, self._min_width)  # [B, S/bs]
         return self._run(graph_name("tokengen", 1, s), ids, pos, zero, table)[:, 0]  # [B, V]
 
     def decode_rows(self, rows: list[int], tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -263,5 +279,5 @@ class Engine:
         pos = torch.zeros(b, 1, dtype=torch.int64)  # [b, 1]
         ids[:n, 0], pos[:n, 0] = tokens, positions
         s = pick_bucket(int(positions.max()) + 1, self.build.tokengen_bucket_list, "sequence", "--max-length")
-        table = self.table(list(rows) + [None] * (b - n), s)  # [b, S/bs]
+        table = self.table(list(rows) + [None] * (b - n), s, self._min_width)  # [b, S/bs]
         return self._run(batch_graph_name(b, s), ids, pos, torch.zeros_like(pos), table)[:n, 0]  # [n, V]
