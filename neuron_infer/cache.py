@@ -14,9 +14,9 @@ marker file; everything else in the cache (e.g. a virtualenv, a user's files) is
 deleted. Symbolic links are never followed or deleted.
 
 States: `current` (loadable by this installation), `stale` (built by other package versions or graph sources, or
-converted from a GGUF file that is no longer the installed one) and `partial` (an interrupted build older than an hour; a younger
-one may be a build in progress and is left alone). `prune` removes stale and partial entries; `prune --all`
-also removes current ones (they are rebuilt on next use).
+converted from a GGUF file that is no longer the installed one) and `partial` (an interrupted build older than an
+hour; a younger one may be a build in progress and is left alone). `prune` removes stale and partial entries;
+`prune --all` also removes current ones (they are rebuilt on next use).
 """
 from __future__ import annotations
 

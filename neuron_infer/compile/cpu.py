@@ -195,13 +195,24 @@ def _export_linears(module: torch.nn.Module, example_args: tuple, options: CpuCo
     # Export records in-place cache writes only outside inference mode; inference tensors are cloned out of it.
     with torch.inference_mode(False), torch.no_grad():
         args = tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in example_args)
-        program = torch.export.export(module, args, dynamic_shapes=_dynamic_shapes(module, args, dynamic), strict=False,
-                                         prefer_deferred_runtime_asserts_over_guards=True)
-        if options.gemv_max_rows == 0:
-            return program  # Inductor applies its own decompositions when it compiles
+        program = torch.export.export(module, args, dynamic_shapes=_dynamic_shapes(module, args, dynamic),
+                                      strict=False, prefer_deferred_runtime_asserts_over_guards=True)
+        if options.gemv_max_rows == 0 or not _few_row_linears(program, max(options.gemv_max_rows, cpu_gemv.MAX_ROWS)):
+            return program  # Inductor applies its own decompositions when it compiles (no second trace)
         # Only linear is rewritten here; every other op is left to Inductor's lowering choices.
         linear = gemv_linear(options.gemv_max_rows, options.uses_kernel)
         return program.run_decompositions({torch.ops.aten.linear.default: linear})
+
+
+def _few_row_linears(program: torch.export.ExportedProgram, max_rows: int) -> bool:
+    """Whether a linear of the program has an input known to have at most max_rows rows (a prefill graph's linears,
+    on a dynamic row count, have none: rewriting them would only trace the program a second time)."""
+    for node in program.graph.nodes:
+        if node.target is torch.ops.aten.linear.default:
+            x = node.args[0].meta["val"]
+            if known(x.numel() // x.shape[-1] <= max_rows):
+                return True
+    return False
 
 
 def _export(module: torch.nn.Module, example_args: tuple, options: CpuCompileOptions,

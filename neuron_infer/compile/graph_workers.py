@@ -60,8 +60,8 @@ def compile_in_workers(jobs: list, weights: Path, cfg, build, graphs_dir: Path,
 
 
 def _start(cls, key: str, weights: Path, cfg, build, graphs_dir: Path) -> subprocess.Popen:
-    job = {"class": {"name": cls.name, "example": cls.example.__dict__,
-                     "dynamic": {str(i): {str(d): list(v) for d, v in dims.items()} for i, dims in cls.dynamic.items()}},
+    dynamic = {str(i): {str(d): list(v) for d, v in dims.items()} for i, dims in cls.dynamic.items()}
+    job = {"class": {"name": cls.name, "example": cls.example.__dict__, "dynamic": dynamic},
            "key": key, "weights": str(weights), "model": cfg.to_dict(), "build": build.to_dict(),
            "graphs_dir": str(graphs_dir)}
     proc = subprocess.Popen([sys.executable, "-m", "neuron_infer.compile.graph_workers"], stdin=subprocess.PIPE,

@@ -232,9 +232,12 @@ def planned_speculation(target: LlamaModel, draft: LlamaModel | None, build: Bui
 
 def compile_spec_graphs(target: LlamaModel, draft: LlamaModel | None, build: BuildConfig, backend,
                         graphs_dir: Path, say: Progress) -> dict:
-    """Compile the speculation graphs of one rank's target (and the whole draft) into `graphs_dir` -> metadata."""
+    """Compile the speculation graphs of one rank's target (and the whole draft) into `graphs_dir` -> metadata.
+    Prompt lookup on a backend with dynamic shapes: one verify graph for every attended length (a shape class)."""
     meta = {}
     graphs_dir.mkdir(parents=True, exist_ok=True)
+    if draft is None and getattr(backend, "dynamic_shapes", False):
+        return _compile_verify_classes(target, build, backend, graphs_dir)
     for name, (module, args) in steps(planned_speculation(target, draft, build).items(),
                                       "compiling speculation graph", say,
                                       lambda item: f"{item[0]} ({backend.name})", unit="graph"):
@@ -242,6 +245,20 @@ def compile_spec_graphs(target: LlamaModel, draft: LlamaModel | None, build: Bui
         with torch.inference_mode():
             m = backend.compile_graph(module, args, graphs_dir, name)
         meta[name] = {"kind": name.split("_t")[0].split("_k")[0], "seconds": round(time.perf_counter() - t0, 3), **m}
+    return meta
+
+
+def _compile_verify_classes(target: LlamaModel, build: BuildConfig, backend, graphs_dir: Path) -> dict:
+    from neuron_infer.compile.builder import cache_shape, class_key, compile_class  # noqa: PLC0415  (builder calls us)
+    from neuron_infer.runtime.engine import shape_class  # noqa: PLC0415
+
+    meta, done = {}, {}
+    for g in spec_graph_list(build, draft=False):
+        cls = shape_class(GraphSpec("verify", g.tokens, g.attend, g.batch), build)
+        if cls.name not in done:
+            key = class_key(target, build, backend, cache_shape(target, build), cls)
+            done[cls.name] = compile_class(target, build, graphs_dir, cls, key, backend)
+        meta[g.name] = {"kind": "verify", **done[cls.name], "graph": cls.name, "dynamic": sorted(cls.dims)}
     return meta
 
 

@@ -88,7 +88,8 @@ class Int8Linear(QuantizedLinear):
         return m
 
     def use_pack(self, rows: int) -> bool:
-        return known(rows <= PACK_MAX_ROWS) and self.in_features % PACK_K_MULTIPLE == 0 and self.weight.device.type == "cpu"
+        return (known(rows <= PACK_MAX_ROWS) and self.in_features % PACK_K_MULTIPLE == 0
+                and self.weight.device.type == "cpu")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]

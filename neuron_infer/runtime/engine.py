@@ -30,7 +30,7 @@ def graph_name(kind: str, tokens: int, attend: int) -> str:
 
 @dataclass(frozen=True)
 class GraphSpec:
-    kind: str  # "context" | "tokengen"
+    kind: str  # "context" | "tokengen" | "verify" (speculation: logits at every token)
     tokens: int  # T
     attend: int  # S (positions visible)
     batch: int
@@ -106,7 +106,8 @@ def shape_class(spec: GraphSpec, build: BuildConfig) -> ShapeClass:
         for arg in (IDS, POSITIONS, LOGIT_INDEX, TABLE):
             dynamic.setdefault(arg, {})[0] = (BATCH, lo, hi)
     example = GraphSpec(spec.kind, spec.tokens, w_example * bs, min(lo + 1, hi))
-    name = f"decode_b{lo}_t{spec.tokens}" if hi == lo else f"decode_b{lo}-{hi}_t{spec.tokens}"
+    kind = "decode" if spec.kind == "tokengen" else spec.kind  # "verify": logits at every one of its T tokens
+    name = f"{kind}_b{lo}_t{spec.tokens}" if hi == lo else f"{kind}_b{lo}-{hi}_t{spec.tokens}"
     return ShapeClass(name, example, dynamic)
 
 
@@ -168,7 +169,7 @@ class Engine:
         every graph a table of 2..max_table_blocks blocks."""
         self.graphs, self.build, self.cache_shape, self.vocab_size = graphs, build, cache, vocab_size
         self.shape_classes = shape_classes
-        self._min_width = 2 if shape_classes else 1  # shape-class graphs take tables of 2+ blocks
+        self.min_table_width = 2 if shape_classes else 1  # shape-class graphs take tables of 2+ blocks
         self.k_cache, self.v_cache = cache.allocate()
         self.pool = BlockPool(cache.blocks, cache.block_size)
         self.slots: list[list[int]] = [self._stripe(r) for r in range(build.batch_size)]  # blocks of each slot
@@ -242,7 +243,7 @@ class Engine:
         ids[0, :n] = torch.tensor(prompt[start:end], dtype=torch.int64)
         positions = torch.arange(start, start + t, dtype=torch.int64).view(1, t)  # [1, T]
         last = torch.tensor([[n - 1]], dtype=torch.int64)  # [1, 1]
-        return self._run(name, ids, positions, last, self.table([slot], s, self._min_width))[0, 0]  # [V]
+        return self._run(name, ids, positions, last, self.table([slot], s, self.min_table_width))[0, 0]  # [V]
 
     def prefill(self, prompts: list[list[int]]) -> torch.Tensor:
         """Encode prompts into slots 0..n-1 of the static layout (`bind_stripes`) -> next-token logits [B, V] (idle
@@ -259,7 +260,7 @@ class Engine:
         ids = tokens.view(-1, 1).to(torch.int64)  # [B, 1]
         pos = positions.view(-1, 1).to(torch.int64)  # [B, 1]
         zero = torch.zeros_like(pos)  # [B, 1]: the only token
-        table = self.table(range(self.build.batch_size), s, self._min_width)  # [B, S/bs]
+        table = self.table(range(self.build.batch_size), s, self.min_table_width)  # [B, S/bs]
         return self._run(graph_name("tokengen", 1, s), ids, pos, zero, table)[:, 0]  # [B, V]
 
     def decode_rows(self, rows: list[int], tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -279,5 +280,5 @@ class Engine:
         pos = torch.zeros(b, 1, dtype=torch.int64)  # [b, 1]
         ids[:n, 0], pos[:n, 0] = tokens, positions
         s = pick_bucket(int(positions.max()) + 1, self.build.tokengen_bucket_list, "sequence", "--max-length")
-        table = self.table(list(rows) + [None] * (b - n), s, self._min_width)  # [b, S/bs]
+        table = self.table(list(rows) + [None] * (b - n), s, self.min_table_width)  # [b, S/bs]
         return self._run(batch_graph_name(b, s), ids, pos, torch.zeros_like(pos), table)[:n, 0]  # [n, V]

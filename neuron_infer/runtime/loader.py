@@ -109,7 +109,8 @@ def load_speculation(root: Path, manifest: Manifest, target: LlamaModel, target_
         from neuron_infer.compile.spec_builder import planned_verify_graphs
 
         modules = {name: module for name, (module, _) in planned_verify_graphs(target, build).items()}
-        graphs = _load_graphs(manifest.backend, graphs_dir or Path(root) / "graphs", modules)
+        files = {name: manifest.graphs.get(name, {}).get("graph", name) for name in modules}  # shape classes
+        graphs = _load_graphs(manifest.backend, graphs_dir or Path(root) / "graphs", modules, files)
         if mode == "fused":
             raise ArtifactError(f"{root}: prompt-lookup speculation (--draft-model ngram) runs the host loop only")
         return NgramSpec(target_engine, graphs, build.speculation.length, build.speculation.ngram)

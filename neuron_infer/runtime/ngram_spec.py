@@ -114,7 +114,7 @@ class NgramSpec:
         if name not in self.graphs:
             raise NeuronInferError(f"compiled graph {name!r} is missing from the artifact; recompile")
         with torch.inference_mode(), self.clock.timing("verify"):
-            table = self.target.table(range(b), s)  # [B, S/bs]
+            table = self.target.table(range(b), s, self.target.min_table_width)  # [B, S/bs]
             return self.graphs[name](ids, pos, self.target.k_cache, self.target.v_cache, steps.expand(b, k + 1),
                                      table)  # [B, K+1, V]
 
