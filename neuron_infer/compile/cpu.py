@@ -189,7 +189,7 @@ def _dynamic_shapes(module: torch.nn.Module, args: tuple, dynamic: Dynamic | Non
 
 
 def _export_linears(module: torch.nn.Module, example_args: tuple, options: CpuCompileOptions,
-                    dynamic: Dynamic | None) -> torch.export.ExportedProgram:
+                    dynamic: Dynamic | None = None) -> torch.export.ExportedProgram:
     """Export `module`; linear layers on few rows (known at export) become GEMV reductions. Shape conditions export
     cannot prove for every size in the dynamic ranges become run-time asserts instead of export errors."""
     # Export records in-place cache writes only outside inference mode; inference tensors are cloned out of it.
@@ -216,7 +216,7 @@ def _few_row_linears(program: torch.export.ExportedProgram, max_rows: int) -> bo
 
 
 def _export(module: torch.nn.Module, example_args: tuple, options: CpuCompileOptions,
-            dynamic: Dynamic | None) -> torch.export.ExportedProgram:
+            dynamic: Dynamic | None = None) -> torch.export.ExportedProgram:
     """Export `module`; int8 and w8a8 linears on few rows call their C kernels (when this machine builds them), and
     kernel calls that share an input are merged (compile/gemv_groups.py)."""
     kernels = {"int8": cpu_gemv.gemv_int8, "w8a8": cpu_gemv.gemv_w8a8} if options.uses_int8_kernel else {}
