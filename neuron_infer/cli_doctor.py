@@ -33,7 +33,8 @@ def _import_torch_neuronx():
 @click.option("--tp-degree", type=click.IntRange(min=1), default=1, show_default=True,
               help="the --tp-degree the compile would use (tp > 1 needs neuronx-distributed)")
 @click.option("--lnc", type=click.Choice(["1", "2"]), default=None,
-              help="the --lnc the compile would use (default: NEURON_LOGICAL_NC_CONFIG, else the platform's)")
+              help="the --lnc the compile would use (NEURON_LOGICAL_NC_CONFIG wins over it, as in a compile; default: the "
+                   "platform's)")
 @click.option("--json", "as_json", is_flag=True, help="print the report as one JSON object")
 def doctor_cmd(kernels, tp_degree, lnc, as_json) -> None:
     """Check the Neuron SDK, platform and LNC of this machine against what --target neuron supports."""

@@ -121,3 +121,10 @@ def test_compile_runs_the_check_before_tracing(monkeypatch, tiny_dirs, tmp_path)
     with pytest.raises(BackendUnavailableError, match="--kernels nki does not apply on inf2"):
         compile_model(tiny_dirs("gqa"), tmp_path / "a", BUILD.replace(kernels="nki"), say=lambda m: None)
     assert sdk.calls == [] and not (tmp_path / "a").exists()
+
+
+def test_the_lnc_variable_wins_over_the_option_as_in_a_compile(capsys, monkeypatch):
+    on(monkeypatch, "trn1", SDK["2.33"])
+    monkeypatch.setenv(LNC_ENV, "2")
+    code, out, err = doctor(capsys, "--lnc", "1")
+    assert code == 2 and "lnc          2" in out and "LNC 2 does not exist on trn1" in err
