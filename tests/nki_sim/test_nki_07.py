@@ -150,6 +150,7 @@ def test_scalar_width_rules(monkeypatch):
     ("store_int", "must be an NkiScalar"),
     ("load_unsigned", "unsigned dtypes are not accepted"),
     ("bound_int64", "must be 32-bit"),
+    ("onchip_offset_int64", "SBUF/PSUM scalar_offset must be an nl.int32 scalar"),
 ])
 def test_scalar_misuse_raises(case, fragment, monkeypatch):
     monkeypatch.delenv("NKI_SIMULATOR_API", raising=False)
@@ -160,8 +161,11 @@ def test_scalar_misuse_raises(case, fragment, monkeypatch):
             nisa.scalar_store(t32, 3)
         elif case == "load_unsigned":
             nisa.scalar_load(nl.zeros((1, 1), dtype=nl.uint32, buffer=nl.sbuf))
-        else:
+        elif case == "bound_int64":
             nl.fori_loop(0, nisa.NkiScalar(4, "int64"), lambda i: None)
+        else:
+            t = nl.zeros((4, 8), dtype=nl.float32, buffer=nl.sbuf)
+            t.ap([[8, 1], [1, 8]], scalar_offset=nisa.NkiScalar(1, "int64"))
 
     with pytest.raises(SimulationError, match=fragment):
         run(kernel)
