@@ -44,7 +44,7 @@ class NeuronTarget:
         return {"platform": self.platform, "lnc": self.lnc}
 
 
-def platform_name(value: str, source: str) -> str:
+def _platform_name(value: str, source: str) -> str:
     name = _SYNONYMS.get(value.strip().lower(), value.strip().lower())
     if name not in PLATFORM_LNC:
         raise BackendUnavailableError(f"{source}={value!r} is not a Neuron platform; use one of "
@@ -56,8 +56,8 @@ def platform_target(sdk: Any) -> str:
     """The platform from NEURON_PLATFORM_TARGET_OVERRIDE, else from torch-neuronx (the instance we run on)."""
     override = os.environ.get(PLATFORM_ENV, "").strip()
     if override:
-        return platform_name(override, PLATFORM_ENV)
-    return platform_name(str(sdk.utils.get_platform_target()), "torch_neuronx.utils.get_platform_target()")
+        return _platform_name(override, PLATFORM_ENV)
+    return _platform_name(str(sdk.utils.get_platform_target()), "torch_neuronx.utils.get_platform_target()")
 
 
 def _degree(value: Any, source: str) -> int:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from neuron_infer.compile.neuron_platform import LNC_ENV, PLATFORM_ENV, PLATFORM_LNC, platform_name
+from neuron_infer.compile.neuron_platform import LNC_ENV, PLATFORM_ENV, PLATFORM_LNC, platform_target
 from neuron_infer.errors import BackendUnavailableError
 
 DISTRIBUTIONS = ("torch-neuronx", "neuronx-cc", "neuronx-distributed", "nki")
@@ -206,13 +206,12 @@ def check(platform: str | None, platform_source: str, lnc: int | None, versions:
 
 
 def detect_platform(sdk: Any | None, itype: str | None) -> tuple[str | None, str]:
-    """(platform, where it came from): the override variable, torch-neuronx, or the instance type."""
-    override = os.environ.get(PLATFORM_ENV, "").strip()
-    if override:
-        return platform_name(override, PLATFORM_ENV), PLATFORM_ENV
+    """(platform, where it came from): the override variable or torch-neuronx (compile/neuron_platform.py's
+    `platform_target`, the one a compile uses), else the instance type."""
+    if os.environ.get(PLATFORM_ENV, "").strip():
+        return platform_target(sdk), PLATFORM_ENV
     if sdk is not None:
-        return (platform_name(str(sdk.utils.get_platform_target()), "torch_neuronx.utils.get_platform_target()"),
-                "torch_neuronx.utils.get_platform_target()")
+        return platform_target(sdk), "torch_neuronx.utils.get_platform_target()"
     fam = family_of_instance(itype)
     return fam, ("instance type" if fam else "not detected")
 
