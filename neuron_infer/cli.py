@@ -327,10 +327,12 @@ cli.add_command(quantize_cmd)
 
 from neuron_infer.cli_cache import cache_group  # noqa: E402
 from neuron_infer.cli_chat import chat_cmd  # noqa: E402
+from neuron_infer.cli_doctor import doctor_cmd  # noqa: E402
 from neuron_infer.cli_info import info_cmd  # noqa: E402
 
 cli.add_command(chat_cmd)
 cli.add_command(info_cmd)
+cli.add_command(doctor_cmd)
 cli.add_command(cache_group)
 
 

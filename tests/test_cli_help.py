@@ -23,7 +23,7 @@ def test_the_top_level_help_has_examples():
 
 def test_every_command_is_listed():
     names = {" ".join(path) for path, _ in COMMANDS}
-    assert {"compile", "generate", "chat", "info", "plan", "quantize", "cache", "cache list", "cache prune"} <= names
+    assert {"compile", "generate", "chat", "info", "doctor", "plan", "quantize", "cache", "cache list", "cache prune"} <= names
 
 
 @pytest.mark.parametrize(("path", "cmd"), COMMANDS, ids=[" ".join(p) for p, _ in COMMANDS])

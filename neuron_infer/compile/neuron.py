@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from neuron_infer.compile.neuron_platform import NeuronTarget, check_runtime, compile_env, resolve_target
+from neuron_infer.compile.neuron_support import preflight
 from neuron_infer.errors import ArtifactError, BackendUnavailableError
 from neuron_infer.model.nki_neuron import neuron_target
 
@@ -81,7 +82,9 @@ class NeuronBackend:
         self._target: NeuronTarget | None = None
 
     def bind_build(self, build) -> None:
-        """The build's `lnc` (second in the resolution order, after NEURON_LOGICAL_NC_CONFIG)."""
+        """The build's `lnc` (second in the resolution order, after NEURON_LOGICAL_NC_CONFIG); the support check
+        (`neuron-infer doctor`, compile/neuron_support.py) runs here, before anything is traced."""
+        preflight(self.sdk, build)
         self.build_lnc, self._target = build.lnc, None
 
     def target(self) -> NeuronTarget:

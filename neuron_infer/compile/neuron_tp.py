@@ -49,6 +49,7 @@ import torch
 
 from neuron_infer.compile.neuron import COMPILER_ARGS, import_sdk
 from neuron_infer.compile.neuron_platform import check_runtime, compile_env, resolve_target
+from neuron_infer.compile.neuron_support import preflight
 from neuron_infer.config import BuildConfig, ModelConfig
 from neuron_infer.errors import ArtifactError, BackendUnavailableError, ConfigError
 from neuron_infer.model.nki_neuron import neuron_target
@@ -211,7 +212,9 @@ def compile_neuron_tp_graphs(root: Path, cfg: ModelConfig, build: BuildConfig, p
     `spec`: (draft model or None, manifest speculation info) when the build speculates (neuron_tp_spec.py)."""
     nxd = import_nxd()
     check_spmd(plan)
-    target = resolve_target(import_sdk(), build.lnc)
+    sdk = import_sdk()
+    preflight(sdk, build, tp=plan.tp)   # `neuron-infer doctor`'s check, before anything is traced
+    target = resolve_target(sdk, build.lnc)
     builder = nxd.trace.model_builder.ModelBuilder(
         router=None, tp_degree=plan.tp, checkpoint_loader=_no_checkpoint_loader,
         compiler_workdir=str(root / "graphs" / "nxd.workdir"), logical_nc_config=target.lnc)

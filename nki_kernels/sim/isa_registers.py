@@ -1,5 +1,6 @@
 """Virtual registers (``nisa.register_alloc/move/load/store``) and the loops they drive (``nl.dynamic_range``,
-``nl.while_loop``), per the NKI 0.6 API reference. A register holds a 32-bit integer; the simulator executes the
+``nl.while_loop``), per the NKI 0.6 API reference; NKI 0.7 removed ``nl.dynamic_range`` and ``while reg:``
+(``api_version.py``). A register holds a 32-bit integer; the simulator executes the
 program in order, so a register's value is known whenever it is used. Register instructions emit no cost events
 (they run on the engine sequencers)."""
 from __future__ import annotations
@@ -7,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import checks as C
+from .api_version import removed_in_07
 from .errors import SimulationError
 from .language_ops import NKIObject
 
@@ -20,6 +22,11 @@ class VirtualRegister(NKIObject):
 
     def __repr__(self) -> str:
         return f"VirtualRegister({self.value})"
+
+    def __bool__(self) -> bool:
+        """``while reg:`` (a runtime loop while the register is nonzero, 0.2-0.6; removed in 0.7)."""
+        removed_in_07("while on a VirtualRegister", "nl.while_loop")
+        return value_of(self, "while reg") != 0
 
 
 def _int32(v) -> int:
@@ -73,7 +80,8 @@ def register_store(dst, src):
 
 
 def dynamic_range(start, stop=None, step=1):
-    """On-device loop whose bounds may be registers (0.2-0.6); here a Python range over their current values."""
+    """On-device loop whose bounds may be registers (0.2-0.6, removed in 0.7); a Python range over their values."""
+    removed_in_07("nl.dynamic_range", "nl.fori_loop")
     lo, hi = (0, start) if stop is None else (start, stop)
     return range(value_of(lo, "dynamic_range"), value_of(hi, "dynamic_range"), value_of(step, "dynamic_range"))
 

@@ -148,24 +148,44 @@ def program_ndim():
 
 
 def affine_range(start, stop=None, step=1):
-    """Compile-time loop; in NKI 0.6 an alias of Python ``range`` (§3.3)."""
+    """Compile-time loop: an alias of Python ``range`` (§3.3); deprecated in NKI 0.7, where it still is ``range``."""
     return range(start) if stop is None else range(start, stop, step)
 
 
 sequential_range = static_range = affine_range
 
 
-def _value(x) -> int:
-    """A loop bound: a Python int or a ``VirtualRegister`` (its current value)."""
-    return int(getattr(x, "value", x))
+def _bound(x, what: str) -> int:
+    """A loop bound: a Python int, a ``VirtualRegister`` or (0.7) an int32 ``NkiScalar`` (64-bit bounds have no
+    compare-and-branch form: rejected)."""
+    if getattr(x, "dtype", None) == "int64":
+        raise SimulationError(f"nl.fori_loop {what} must be 32-bit; an nl.int64 NkiScalar cannot bound a loop")
+    value = getattr(x, "value", x)
+    if value is None:
+        raise SimulationError(f"nl.fori_loop {what}: register read before it was written")
+    return int(value)
 
 
 def fori_loop(lower, upper, body_fun, step=1):
-    """Runtime counted loop (0.6+, §3.3); simulated as a Python loop. Not allowed inside ``nl.no_reorder()``."""
+    """Runtime counted loop (0.6+, §3.3); simulated as a Python loop. Not allowed inside ``nl.no_reorder()``.
+
+    The body's value: under the 0.7 rules an ``NkiScalar``, or a ``VirtualRegister`` when a bound is one (2.33 API
+    reference); under the 0.6 rules a ``VirtualRegister``; with both APIs accepted, a Python int."""
+    from .api_version import api_version
+    from .isa_registers import VirtualRegister
+    from .nki_scalar import NkiScalar
+
     if runtime.current().no_reorder_depth:
         raise SimulationError("nl.fori_loop is not allowed inside a nl.no_reorder() block")
-    for i in range(_value(lower), _value(upper), step):
-        body_fun(i)
+    if not isinstance(step, int) or step <= 0:
+        raise SimulationError(f"nl.fori_loop step must be a compile-time positive integer, got {step!r}")
+    version = api_version()
+    register = version == "0.6" or isinstance(lower, VirtualRegister) or isinstance(upper, VirtualRegister)
+    for i in range(_bound(lower, "lower"), _bound(upper, "upper"), step):
+        if version is None:
+            body_fun(i)
+        else:
+            body_fun(VirtualRegister(i) if register else NkiScalar(i, "int32"))
 
 
 def device_print(print_prefix, tensor):

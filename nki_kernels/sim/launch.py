@@ -9,10 +9,12 @@ collective group, all concurrently.
 from __future__ import annotations
 
 import os
+import shlex
 import threading
 from dataclasses import dataclass
 
 from . import runtime
+from .api_version import api_version
 from .args import ArgConverter
 from .errors import SimulationError
 from .target import parse_target, precise_fp_from_env, target_from_env
@@ -83,6 +85,33 @@ def _default_lnc():
     return None if not value else int(value)
 
 
+def compiler_lnc() -> int | None:
+    """The LNC degree given to neuronx-cc in NEURON_CC_FLAGS (``--lnc`` / ``--logical-nc-config``), if any."""
+    flags = shlex.split(os.environ.get("NEURON_CC_FLAGS", ""))
+    for i, flag in enumerate(flags):
+        name, _, value = flag.partition("=")
+        if name in ("--lnc", "--logical-nc-config"):
+            value = value or (flags[i + 1] if i + 1 < len(flags) else "")
+            if value not in ("1", "2"):
+                raise SimulationError(f"NEURON_CC_FLAGS {name}={value!r}: the LNC degree is 1 or 2")
+            return int(value)
+    return None
+
+
+def check_lnc(fn, kernel_lnc) -> None:
+    """NKI 0.7: a kernel whose LNC degree differs from neuronx-cc's is rejected (NCC_EVRF066). The kernel's degree
+    is its ``kernel[lnc]`` grid, else NEURON_LOGICAL_NC_CONFIG, else 1; the compiler's is NEURON_CC_FLAGS' --lnc
+    (checked only when given: the simulator has no graph compile). The 0.6 rules leave this unchecked."""
+    compiler = compiler_lnc()
+    if compiler is None or api_version() == "0.6":
+        return
+    kernel = kernel_lnc or 1
+    if kernel != compiler:
+        raise SimulationError(f"NCC_EVRF066: NKI kernel {getattr(fn, '__name__', 'kernel')!r} is configured with "
+                              f"LNC={kernel}, but neuronx-cc is using LNC={compiler}; set NEURON_LOGICAL_NC_CONFIG "
+                              f"and --lnc to the same degree")
+
+
 def simulate_kernel(func, args=(), kwargs=None, lnc=None, recorder=None, execute=True, target=None):
     """Run ``func(*args, **kwargs)`` as an NKI kernel on the CPU and return its outputs.
 
@@ -118,6 +147,7 @@ class _Launch:
             raise SimulationError(f"lnc must be 1 or 2, got {lnc!r}")
         if lnc == 2 and tgt.gen < 3:
             raise SimulationError("LNC2 needs trn2/trn3 (gen3+); trn1 NeuronCores run kernel[1] only")
+        check_lnc(self.fn, lnc)
         precise = precise_fp_from_env()
         self.execute = execute
         self.conv = ArgConverter(precise=precise, execute=execute)

@@ -201,6 +201,9 @@ class NkiTensor:
             raise SimulationError(f"ap on on-chip tensor {self.name!r}: the first [stride, count] pair is the "
                                   f"partition dim and its stride must be {base.partition_stride()} (the allocation's "
                                   f"free size), got {pattern[0][0]}")
+        if self.on_chip and getattr(scalar_offset, "dtype", None) == "int64":   # an nl.int64 NkiScalar
+            raise SimulationError(f"ap on on-chip tensor {self.name!r}: an SBUF/PSUM scalar_offset must be an "
+                                  "nl.int32 scalar (NKI 0.7 scalar_load reference)")
         start = int(offset) + _scalar_offset(scalar_offset, self.shape, indirect_dim)
         if vector_offset is None:
             return NkiTensor(self.storage, dt, start, pattern)
@@ -309,7 +312,7 @@ def _scalar_offset(value, base_shape, indirect_dim) -> int:
     shape of the tensor ``ap`` is called on (a reshaped view scales by its own rows, not the allocation's)."""
     if value is None:
         return 0
-    if hasattr(value, "value") and not isinstance(value, NkiTensor):   # a VirtualRegister
+    if hasattr(value, "value") and not isinstance(value, NkiTensor):   # a VirtualRegister or an NkiScalar
         if value.value is None:
             raise SimulationError("scalar_offset register read before it was written")
         value = value.value

@@ -7,7 +7,7 @@ names are those of the real package (nki_kernels/sim/api_table.json); simulator-
 from ..launch import jit, simulate
 from . import collectives, compiler, dtype, isa, language, simulator, typing
 
-__version__ = "0.6.0+numpy-sim"
+__version__ = "0.7.0+numpy-sim"  # runs 0.6 kernels too (nki_kernels/sim/api_version.py)
 _IS_NKI_KERNELS_SIMULATOR = True
 
 __all__ = ["collectives", "compiler", "dtype", "isa", "jit", "language", "simulate", "simulator", "typing"]

@@ -38,6 +38,7 @@ from ..isa_vector import (  # noqa: F401
     tensor_scalar_reduce,
     tensor_tensor,
 )
+from ..nki_scalar import NkiScalar, scalar_load, scalar_store  # noqa: F401
 
 tensor_engine, vector_engine, scalar_engine = engine.tensor, engine.vector, engine.scalar
 gpsimd_engine, unknown_engine = engine.gpsimd, engine.unknown
