@@ -102,20 +102,30 @@ def tensor_digest(t: torch.Tensor) -> str:
     return h.hexdigest()
 
 
-def module_parts(module: torch.nn.Module) -> dict[str, Any]:
-    """What of a module determines its traced graph: structure, configs, parameter shapes, buffer bytes."""
+def _digest(t: torch.Tensor, memo: dict) -> str:
+    """tensor_digest, once per tensor storage and view within one compile (every bucket shares the model's)."""
+    key = (t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
+    if key not in memo:
+        memo[key] = tensor_digest(t)
+    return memo[key]
+
+
+def module_parts(module: torch.nn.Module, digests: dict | None = None) -> dict[str, Any]:
+    """What of a module determines its traced graph: structure, configs, parameter shapes, buffer bytes.
+    `digests`: a memo of buffer digests shared by the graphs of one compile (their model's tensors do not change)."""
+    memo = {} if digests is None else digests
     from neuron_infer.config import ModelConfig  # noqa: PLC0415
 
     configs = {name: m.cfg.to_dict() for name, m in module.named_modules()
                if isinstance(getattr(m, "cfg", None), ModelConfig)}
     params = {k: [list(p.shape), str(p.dtype)] for k, p in module.named_parameters()}
-    buffers = {k: tensor_digest(b) for k, b in module.named_buffers() if b is not None}
+    buffers = {k: _digest(b, memo) for k, b in module.named_buffers() if b is not None}
     return {"module": type(module).__qualname__, "repr": repr(module), "configs": configs, "params": params,
             "buffers": buffers}
 
 
 def neff_key(module: torch.nn.Module, example_args: tuple, graph_name: str, record: dict[str, Any],
-             compiler_args: list[str], build: Any) -> str | None:
+             compiler_args: list[str], build: Any, digests: dict | None = None) -> str | None:
     """The cache key of one traced graph, or None when it cannot be keyed (neuronx-cc version unknown)."""
     versions = sdk_versions()
     if versions is None:
@@ -124,4 +134,4 @@ def neff_key(module: torch.nn.Module, example_args: tuple, graph_name: str, reco
     return graph_key({"backend": "neuron", "sdk": versions, "compiler_args": list(compiler_args),
                       "cc_flags": cc_flags(), "target": record, "neuron_sources": neuron_source_hash(),
                       "graph": graph_name, "args": args, "build": build.to_dict() if build is not None else None,
-                      **module_parts(module)})
+                      **module_parts(module, digests)})

@@ -44,12 +44,13 @@ def compile_buckets(backend, model, build, graphs_dir: Path, say: Callable[[str]
     from neuron_infer.compile.builder import cache_shape, example_args  # noqa: PLC0415  (builder imports us lazily)
     from neuron_infer.model.llama import BucketStep  # noqa: PLC0415
 
-    shape, out, misses, root = cache_shape(model, build), {}, [], neff_cache_root()
+    shape, out, misses, root, digests = cache_shape(model, build), {}, [], neff_cache_root(), {}
     for spec in plan:
         t0 = time.perf_counter()
         step, args = BucketStep(model, spec.attend), example_args(shape, spec)
         with torch.inference_mode():
-            key = neff_key(step, args, spec.name, backend.target().record(), backend.compiler_args(), build)
+            key = neff_key(step, args, spec.name, backend.target().record(), backend.compiler_args(), build,
+                           digests)
         hit = cached_lookup(key, graphs_dir, root) if key is not None and root is not None else None
         if hit is None:
             misses.append((spec, key))

@@ -216,3 +216,17 @@ def test_misses_are_traced_in_worker_processes_and_an_identical_rebuild_in_none(
     subprocess.run([sys.executable, "-c", code, str(d), str(tmp_path / "b")], check=True, capture_output=True)
     assert len(log.read_text().splitlines()) == 4                 # another process: all hits, no worker, no trace
     assert _graph_bytes(tmp_path / "a") == _graph_bytes(tmp_path / "b")
+
+
+def test_each_buffer_is_hashed_once_per_compile(sdk, monkeypatch, tiny_dirs, tmp_path):
+    """The buckets of one compile share the model's buffers: their bytes are read once, not once per bucket."""
+    seen: list[tuple] = []
+    real = neuron_cache.tensor_digest
+
+    def counting(t):
+        seen.append((t.data_ptr(), tuple(t.shape)))
+        return real(t)
+
+    monkeypatch.setattr(neuron_cache, "tensor_digest", counting)
+    compile_model(tiny_dirs("gqa"), tmp_path / "a", BUILD, **QUIET)
+    assert seen and len(seen) == len(set(seen))
