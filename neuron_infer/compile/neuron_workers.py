@@ -32,8 +32,8 @@ from neuron_infer.compile.graph_workers import run_workers, worker_count
 from neuron_infer.compile.neuron_cache import neff_cache_root, neff_key
 from neuron_infer.progress import steps
 
-# Memory budget of one neuronx-cc run beyond the weights. An assumption, not a measurement (no compile has run
-# on this target yet): NxDI compiles its buckets concurrently on the same hosts, and a trn1/trn2 host has >= 32 GiB.
+# Memory budget of one bucket compile (trace + neuronx-cc) beyond the weights: an assumption, not a measurement
+# (no compile has run on this target yet). Too small a budget runs more compiles at once than memory holds.
 NEFF_COMPILE_BYTES = 8 << 30
 MODULE = "neuron_infer.compile.neuron_workers"
 
