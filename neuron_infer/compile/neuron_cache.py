@@ -28,7 +28,6 @@ import hashlib
 import importlib.metadata
 import os
 import re
-import shlex
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -53,7 +52,7 @@ def cc_flags() -> str:
 def cache_url() -> str | None:
     """The Neuron persistent cache URL as the SDK resolves it, or None when NEURON_CC_FLAGS has `--no_cache`."""
     flags = cc_flags()
-    if "--no_cache" in shlex.split(flags):
+    if "--no_cache" in flags.split():
         return None
     explicit = _CACHE_DIR_RE.search(flags)
     if explicit:

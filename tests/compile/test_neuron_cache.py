@@ -131,6 +131,8 @@ def test_the_cache_directory_is_resolved_as_the_sdk_documents(monkeypatch, tmp_p
     assert neuron_cache.neff_cache_root() == tmp_path / "ours" / "graphs"        # S3 is not written by us
     monkeypatch.setenv(neuron_cache.CC_FLAGS_ENV, "--no_cache")
     assert neuron_cache.neff_cache_root() is None
+    monkeypatch.setenv(neuron_cache.CC_FLAGS_ENV, "--log_level='INFO --no_cache")  # unbalanced quote: no error
+    assert neuron_cache.neff_cache_root() is None
 
 
 class _Tiny(torch.nn.Module):
