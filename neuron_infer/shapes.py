@@ -9,5 +9,8 @@ def known(cond: bool | torch.SymBool) -> bool:
     """`cond`, where its truth is known: a plain bool, or a shape condition export can decide from the static sizes
     and the declared ranges of the dynamic ones. An undecided condition (e.g. `rows <= 8` on a prefill graph's
     dynamic token count) is False and adds no guard, so a shape-dependent fast path is taken only where every shape
-    the graph serves takes it; the other path serves any shape."""
+    the graph serves takes it; the other path serves any shape. Under torch.jit.trace (the Neuron target's
+    torch_neuronx.trace) sizes are traced tensors, not SymBools: False, the path that serves any shape."""
+    if torch.jit.is_tracing():
+        return False
     return statically_known_true(cond)

@@ -82,7 +82,7 @@ def compile_graphs(model: LlamaModel, build: BuildConfig, backend, graphs_dir: P
     graphs_dir.mkdir(parents=True, exist_ok=True)
     plan = planned_graphs(build)
     if not getattr(backend, "dynamic_shapes", False):
-        return _compile_buckets(model, build, backend, graphs_dir, say, plan)
+        return _compile_static(model, build, backend, graphs_dir, say, plan, weights)
     classes: dict[str, ShapeClass] = {}
     for spec in plan:
         classes.setdefault(shape_class(spec, build).name, shape_class(spec, build))
@@ -93,6 +93,15 @@ def compile_graphs(model: LlamaModel, build: BuildConfig, backend, graphs_dir: P
         out[spec.name] = {"kind": spec.kind, "tokens": spec.tokens, "attend": spec.attend, "batch": spec.batch,
                           **compiled[cls.name], "graph": cls.name, "dynamic": sorted(cls.dims)}
     return out
+
+
+def _compile_static(model, build, backend, graphs_dir: Path, say: Progress, plan: list[GraphSpec],
+                    weights: Path | None) -> dict:
+    """Static-shape buckets: through the backend's own compile of a whole plan when it has one (neuron: NEFF cache
+    and worker processes, compile/neuron_workers.py), else one by one."""
+    if hasattr(backend, "compile_buckets"):
+        return backend.compile_buckets(model, build, graphs_dir, say, plan, weights)
+    return _compile_buckets(model, build, backend, graphs_dir, say, plan)
 
 
 def _compile_buckets(model, build, backend, graphs_dir: Path, say: Progress, plan: list[GraphSpec]) -> dict:

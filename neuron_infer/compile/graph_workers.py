@@ -1,4 +1,4 @@
-"""Independent graphs compiled in parallel worker processes (CPU backend).
+"""Independent graphs compiled in parallel worker processes (CPU backend; the scheduler is shared with Neuron).
 
     metas = compile_in_workers(jobs, weights, cfg, build, graphs_dir, say)     jobs: [(ShapeClass, cache key)]
 
@@ -23,13 +23,14 @@ from neuron_infer.errors import ArtifactError
 WORKER_BYTES = 3 << 30  # peak memory of one graph compile beyond the weights (SmolLM2 prefill graph: ~2.4 GiB)
 
 
-def worker_count(jobs: int, weight_bytes: int) -> int:
-    """Workers for `jobs` graphs: at most the usable cores and what the available memory holds (at least 1)."""
+def worker_count(jobs: int, weight_bytes: int, compile_bytes: int = WORKER_BYTES) -> int:
+    """Workers for `jobs` graphs: at most the usable cores and what the available memory holds, `compile_bytes`
+    plus the weights per worker (at least 1)."""
     import psutil  # noqa: PLC0415
 
     from neuron_infer.cpu_threads import usable_cpus  # noqa: PLC0415
 
-    by_memory = psutil.virtual_memory().available // (WORKER_BYTES + weight_bytes)
+    by_memory = psutil.virtual_memory().available // (compile_bytes + weight_bytes)
     return max(1, min(jobs, usable_cpus(), by_memory))
 
 
@@ -37,13 +38,25 @@ def compile_in_workers(jobs: list, weights: Path, cfg, build, graphs_dir: Path,
                        say: Callable[[str], None]) -> dict[str, dict]:
     """Compile each (ShapeClass, key) job in a worker process; -> {class name: metadata}."""
     n = worker_count(len(jobs), weights.stat().st_size)
-    say(f"compiling {len(jobs)} graph{'s' * (len(jobs) != 1)} in {n} worker process{'es' * (n != 1)}: "
-        + ", ".join(cls.name for cls, _ in jobs))
-    pending, running, out, t0 = list(jobs), {}, {}, time.perf_counter()
+    named = [(cls.name, {"class": {"name": cls.name, "example": cls.example.__dict__,
+                                   "dynamic": {str(i): {str(d): list(v) for d, v in dims.items()}
+                                               for i, dims in cls.dynamic.items()}},
+                         "key": key, "weights": str(weights), "model": cfg.to_dict(), "build": build.to_dict(),
+                         "graphs_dir": str(graphs_dir)}) for cls, key in jobs]
+    return run_workers(named, "neuron_infer.compile.graph_workers", n, say)
+
+
+def run_workers(named: list[tuple[str, dict]], module: str, n: int, say: Callable[[str], None]) -> dict[str, dict]:
+    """Run each (name, job) as `python -m <module>` (the job as JSON on stdin, its metadata as the last line of
+    stdout), at most n at a time; -> {name: metadata}. A failing worker stops the others and raises one
+    ArtifactError with its last stderr line. Shared by the CPU and the Neuron backend (compile/neuron_workers.py)."""
+    say(f"compiling {len(named)} graph{'s' * (len(named) != 1)} in {n} worker process{'es' * (n != 1)}: "
+        + ", ".join(name for name, _ in named))
+    pending, running, out, t0 = list(named), {}, {}, time.perf_counter()
     while pending or running:
         while pending and len(running) < n:
-            cls, key = pending.pop(0)
-            running[cls.name] = (_start(cls, key, weights, cfg, build, graphs_dir), time.perf_counter())
+            name, job = pending.pop(0)
+            running[name] = (_start(module, job), time.perf_counter())
         name, (proc, started) = _wait_any(running)
         del running[name]
         stdout, stderr = proc.communicate()
@@ -54,17 +67,13 @@ def compile_in_workers(jobs: list, weights: Path, cfg, build, graphs_dir: Path,
             raise ArtifactError(f"compiling graph {name} failed: {lines[-1] if lines else 'no output'}")
         out[name] = json.loads(stdout.strip().splitlines()[-1])
         done = len(out)
-        say(f"[{done}/{len(jobs)}] compiled {name} in {time.perf_counter() - started:.1f} s "
+        say(f"[{done}/{len(named)}] compiled {name} in {time.perf_counter() - started:.1f} s "
             f"({time.perf_counter() - t0:.1f} s elapsed)")
     return out
 
 
-def _start(cls, key: str, weights: Path, cfg, build, graphs_dir: Path) -> subprocess.Popen:
-    dynamic = {str(i): {str(d): list(v) for d, v in dims.items()} for i, dims in cls.dynamic.items()}
-    job = {"class": {"name": cls.name, "example": cls.example.__dict__, "dynamic": dynamic},
-           "key": key, "weights": str(weights), "model": cfg.to_dict(), "build": build.to_dict(),
-           "graphs_dir": str(graphs_dir)}
-    proc = subprocess.Popen([sys.executable, "-m", "neuron_infer.compile.graph_workers"], stdin=subprocess.PIPE,
+def _start(module: str, job: dict) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-m", module], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     proc.stdin.write(json.dumps(job))
     proc.stdin.close()
@@ -80,19 +89,27 @@ def _wait_any(running: dict) -> tuple[str, tuple]:
         time.sleep(0.05)
 
 
-def _main() -> None:
-    """Worker: one job from stdin -> the graph's metadata on stdout."""
-    from neuron_infer.compile.builder import compile_class  # noqa: PLC0415  (the worker's own entry point)
+def worker_model(job: dict):
+    """The rank's model of a worker job, rebuilt from the weights file the compile already wrote (as the loader
+    does) -> (model, build)."""
     from neuron_infer.compile.quantize_step import quant_structure  # noqa: PLC0415
     from neuron_infer.compile.weights import empty_model, load_rank_weights  # noqa: PLC0415
     from neuron_infer.config import BuildConfig, ModelConfig  # noqa: PLC0415
-    from neuron_infer.runtime.engine import GraphSpec, ShapeClass  # noqa: PLC0415
 
-    job = json.loads(sys.stdin.read())
     cfg, build = ModelConfig.from_dict(job["model"]), BuildConfig.from_dict(job["build"])
     model = empty_model(cfg, build)
     quant_structure(model, build)
     load_rank_weights(model, Path(job["weights"]))
+    return model, build
+
+
+def _main() -> None:
+    """Worker: one job from stdin -> the graph's metadata on stdout."""
+    from neuron_infer.compile.builder import compile_class  # noqa: PLC0415  (the worker's own entry point)
+    from neuron_infer.runtime.engine import GraphSpec, ShapeClass  # noqa: PLC0415
+
+    job = json.loads(sys.stdin.read())
+    model, build = worker_model(job)
     c = job["class"]
     dynamic = {int(i): {int(d): tuple(v) for d, v in dims.items()} for i, dims in c["dynamic"].items()}
     cls = ShapeClass(c["name"], GraphSpec(**c["example"]), dynamic)

@@ -4,8 +4,10 @@ Written against the documented torch-neuronx API (`torch_neuronx.trace`, `replac
 `move_trace_to_device`; the signatures our test double enforces are in tests/compile/neuron_sdk_signatures.py)
 and exercised in CI through that recording double. The SDK is imported lazily, only when this backend is used.
 
-    compile: torch_neuronx.trace(step, example_args, compiler_workdir=..., compiler_args=[..., "--lnc=N"],
-                                 inline_weights_to_neff=False)   -> torch.jit.save(graphs/<name>.pt)
+    compile: torch_neuronx.trace(step, example_args, compiler_workdir=<temporary>, inline_weights_to_neff=False,
+                                 compiler_args=[..., "--lnc=N"])   -> torch.jit.save(graphs/<name>.pt)
+             through the NEFF cache (compile/neuron_cache.py); the buckets a compile misses are traced in parallel
+             worker processes (compile/neuron_workers.py)
     load:    torch.jit.load(graphs/<name>.pt); torch_neuronx.replace_weights(graph, weights);
              torch_neuronx.move_trace_to_device(graph, 0)
 
@@ -26,6 +28,8 @@ from __future__ import annotations
 
 import importlib
 import json
+import shutil
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -33,6 +37,8 @@ from typing import Any
 
 import torch
 
+from neuron_infer.compile.graph_cache import cached_compile
+from neuron_infer.compile.neuron_cache import neff_cache_root, neff_key
 from neuron_infer.compile.neuron_platform import NeuronTarget, check_runtime, compile_env, resolve_target
 from neuron_infer.compile.neuron_support import preflight
 from neuron_infer.errors import ArtifactError, BackendUnavailableError
@@ -78,14 +84,28 @@ class NeuronBackend:
 
     def __init__(self, sdk: Any | None = None):
         self.sdk = sdk or import_sdk()
+        self.build: Any = None
         self.build_lnc: int | None = None
         self._target: NeuronTarget | None = None
 
     def bind_build(self, build) -> None:
-        """The build's `lnc` (second in the resolution order, after NEURON_LOGICAL_NC_CONFIG); the support check
-        (`neuron-infer doctor`, compile/neuron_support.py) runs here, before anything is traced."""
+        """The build: its `lnc` (second in the resolution order, after NEURON_LOGICAL_NC_CONFIG) and, for the NEFF
+        cache key, the rest; the support check (`neuron-infer doctor`, compile/neuron_support.py) runs here, before
+        anything is traced."""
         preflight(self.sdk, build)
-        self.build_lnc, self._target = build.lnc, None
+        self.build, self.build_lnc, self._target = build, build.lnc, None
+
+    def compile_buckets(self, model: torch.nn.Module, build, graphs_dir: Path, say: Callable[[str], None],
+                        plan: list, weights: Path | None) -> dict:
+        """Every planned bucket graph: cache hits copied, misses traced in parallel worker processes
+        (compile/neuron_workers.py)."""
+        from neuron_infer.compile.neuron_workers import compile_buckets  # noqa: PLC0415  (imports the builder)
+
+        return compile_buckets(self, model, build, graphs_dir, say, plan, weights)
+
+    def pin_target(self, target: NeuronTarget) -> None:
+        """Use `target` (a compile worker receives the platform and LNC its parent resolved)."""
+        self._target = target
 
     def target(self) -> NeuronTarget:
         """Resolved once per compile, so every graph of an artifact shares one platform and LNC."""
@@ -94,12 +114,33 @@ class NeuronBackend:
         return self._target
 
     def compile_graph(self, module: torch.nn.Module, example_args: tuple, out_dir: Path, graph_name: str) -> dict:
-        target, workdir = self.target(), out_dir / f"{graph_name}.workdir"
+        """Trace one graph into out_dir through the NEFF cache (compile/neuron_cache.py): a cached graph is copied,
+        a missing one traced and stored. Metadata: files, compile_s, platform, lnc and "cache" (hit | miss | off)."""
+        target = self.target()
+        key = neff_key(module, example_args, graph_name, target.record(), self.compiler_args(), self.build)
+        return self.compile_keyed(module, example_args, out_dir, graph_name, key)
+
+    def compiler_args(self) -> list[str]:
+        return [*COMPILER_ARGS, *self.target().compiler_args()]
+
+    def compile_keyed(self, module: torch.nn.Module, example_args: tuple, out_dir: Path, graph_name: str,
+                      key: str | None) -> dict:
+        """compile_graph with its key already computed (None: not cacheable, traced and not stored)."""
+        root = neff_cache_root()
+        if key is None or root is None:
+            return {**self.trace_into(module, example_args, out_dir, graph_name), "cache": "off"}
+        return cached_compile(key, out_dir, lambda d: self.trace_into(module, example_args, d, graph_name), root)
+
+    def trace_into(self, module: torch.nn.Module, example_args: tuple, out_dir: Path, graph_name: str) -> dict:
+        """torch_neuronx.trace one graph -> out_dir/<name>.pt and <name>.neuron.json. neuronx-cc works in a
+        temporary directory outside the artifact, removed after a successful trace (kept after a failure)."""
+        target = self.target()
         t0 = time.perf_counter()
+        workdir = Path(tempfile.mkdtemp(prefix=f"neuron-infer-{graph_name}-"))
         with compile_env(target):
             traced = self.sdk.trace(FunctionalStep(module, target.lnc), example_args, compiler_workdir=str(workdir),
-                                    compiler_args=[*COMPILER_ARGS, *target.compiler_args()],
-                                    inline_weights_to_neff=False)
+                                    compiler_args=self.compiler_args(), inline_weights_to_neff=False)
+        shutil.rmtree(workdir, ignore_errors=True)
         torch.jit.save(traced, str(out_dir / f"{graph_name}.pt"))
         (out_dir / f"{graph_name}.neuron.json").write_text(json.dumps(target.record(), sort_keys=True))
         return {"files": [f"{graph_name}.pt", f"{graph_name}.neuron.json"],
