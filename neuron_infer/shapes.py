@@ -10,7 +10,8 @@ def known(cond: bool | torch.SymBool) -> bool:
     and the declared ranges of the dynamic ones. An undecided condition (e.g. `rows <= 8` on a prefill graph's
     dynamic token count) is False and adds no guard, so a shape-dependent fast path is taken only where every shape
     the graph serves takes it; the other path serves any shape. Under torch.jit.trace (the Neuron target's
-    torch_neuronx.trace) sizes are traced tensors, not SymBools: False, the path that serves any shape."""
+    torch_neuronx.trace: one static bucket per trace) a size comparison is a traced value: its value at the traced
+    shape, as a plain comparison would give."""
     if torch.jit.is_tracing():
-        return False
+        return bool(cond)
     return statically_known_true(cond)
