@@ -50,7 +50,7 @@ def prompt_ids(tokenizer, n: int) -> list[int]:
 
 class NeuronInfer:
     def __init__(self, model_dir: Path, dtype: str, backend: str | None, artifacts: Path | None,
-                 name: str = "neuron-infer"):
+                 name: str = "neuron-infer", prefix_caching: bool = True):
         from neuron_infer.api import CompiledModel, compile_model
         from neuron_infer.presets import load_preset
 
@@ -62,7 +62,7 @@ class NeuronInfer:
             t0 = time.perf_counter()
             compile_model(model_dir, out, build, backend=backend, say=lambda m: None)
             self.compile_s = time.perf_counter() - t0
-        self.m = CompiledModel.load(out, expect_checkpoint=model_dir)
+        self.m = CompiledModel.load(out, expect_checkpoint=model_dir, prefix_caching=prefix_caching)
         if self.m.manifest.build.dtype != dtype:
             sys.exit(f"--artifacts {out} was compiled for {self.m.manifest.build.dtype}, not --dtype {dtype}")
         self.weight_bytes = (out / "weights" / "rank0.safetensors").stat().st_size

@@ -6,8 +6,8 @@
 
 Each round times every runner on every prompt length (round 0 is a warm-up); the ratios are medians over rounds of
 llama.cpp's TTFT / neuron-infer's within a round (> 1: neuron-infer answers sooner). bf16 is compared with F16 and
-int8 with Q8_0. TTFT is one `generate` call for one new token (prefill + the first sample), for llama.cpp one
-`generate` step from a reset state. The llama.cpp files are made as scripts/bench_decode.py makes them.
+int8 with Q8_0. TTFT is one `generate` call for one new token (prefill + the first sample; prefix caching off), for
+llama.cpp one `generate` step from a reset state. The llama.cpp files are made as scripts/bench_decode.py makes them.
 """
 from __future__ import annotations
 
@@ -37,9 +37,11 @@ def main() -> None:
     from neuron_infer.embedded import default_model_dir, find_gguf
 
     model_dir = default_model_dir()
-    pairs = [(NeuronInfer(model_dir, "bf16", None, Path(args.artifacts), "neuron-infer bf16"), "F16")]
+    # prefix caching off: every round encodes the whole prompt (a repeated prompt would otherwise be a cache hit)
+    pairs = [(NeuronInfer(model_dir, "bf16", None, Path(args.artifacts), "neuron-infer bf16", False), "F16")]
     if args.int8_artifacts:
-        pairs.append((NeuronInfer(model_dir, "bf16", None, Path(args.int8_artifacts), "neuron-infer int8"), "Q8_0"))
+        pairs.append((NeuronInfer(model_dir, "bf16", None, Path(args.int8_artifacts), "neuron-infer int8", False),
+                      "Q8_0"))
     runners = []
     for ni, kind in pairs:
         runners.append(ni)
