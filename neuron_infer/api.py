@@ -36,6 +36,7 @@ from neuron_infer.runtime.generate import SequenceResult, generate_ids
 from neuron_infer.runtime.loader import load_rank
 from neuron_infer.runtime.metrics import Metrics, pooled
 from neuron_infer.runtime.options import RunOptions
+from neuron_infer.runtime.sampling import check_vocab
 from neuron_infer.runtime.sequence import Sequence, StopRule, check_prompt, cut_at_stop
 
 OnTokens = Callable[[list[list[int]]], None]
@@ -204,6 +205,7 @@ class CompiledModel:
         if max_new_tokens < 1:
             raise NeuronInferError(f"max_new_tokens={max_new_tokens} must be >= 1")
         rule = StopRule(stop_strings=tuple(stop), decode=self._decode)
+        check_vocab(sampling, self.manifest.model.vocab_size)
         if self.group is not None:  # checked here too: a rank's error would name no prompt of the caller
             if logprobs is not None:
                 raise NeuronInferError("logprobs are not available for tensor-parallel CPU artifacts yet; use a "
@@ -214,7 +216,7 @@ class CompiledModel:
                                           collect_logits)
             if got is None:
                 return GenerationOutput([], [])
-            return GenerationOutput([self._text(_apply_stop(r, rule), rule) for r in got[0]], got[1])
+            return GenerationOutput([self._text(_apply_stop(r, rule, sampling), rule) for r in got[0]], got[1])
         res, m = generate_ids(self.engine, prompts, max_new_tokens, sampling, self.eos_ids, ignore_eos, on_tokens,
                               stop=rule, logprobs=logprobs, options=self.options)
         return GenerationOutput([self._text(r, rule) for r in res], [m])
@@ -236,12 +238,12 @@ class CompiledModel:
         return TextOutput(r.token_ids, text, r.finish_reason, lps)
 
 
-def _apply_stop(r: SequenceResult, rule: StopRule) -> SequenceResult:
+def _apply_stop(r: SequenceResult, rule: StopRule, sampling: SamplingConfig) -> SequenceResult:
     """A rank group's result under the stop strings (the ranks generate without them): the same stop rule, replayed
-    over the tokens (the tokens after a stop string are dropped)."""
+    over the tokens (the tokens after a stop string are dropped; none within min_tokens)."""
     if not rule.stop_strings:
         return r
-    seq = Sequence(0, [], None, rule, None)
+    seq = Sequence(0, [], sampling, rule, None)
     kept = seq.append(r.token_ids)
     return SequenceResult(kept, "stop") if seq.finished else r
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import click
 from safetensors import SafetensorError
 
-from neuron_infer.cli_help import SectionedCommand, examples, option_names, sampling_options
+from neuron_infer.cli_help import SectionedCommand, examples, option_names, parse_logit_bias, sampling_options
 from neuron_infer.errors import NeuronInferError
 from neuron_infer.oserrors import as_os_error, describe_os_error
 
@@ -206,7 +206,7 @@ def compile_cmd(model_dir, output, backend, overwrite, **kw) -> None:
                    "bucket <= 256; 0: whole prompts)")
 @build_options
 def generate_cmd(artifacts, prompts, prompt_file, chat, max_new_tokens, temperature, top_k, top_p, seed, min_p, repetition_penalty,
-                 presence_penalty, frequency_penalty, stop,
+                 presence_penalty, frequency_penalty, min_tokens, logit_bias, stop,
                  ignore_eos, as_json, stream_json, logprobs, threads, kv_cache_gib, no_prefix_caching, prefill_chunk,
                  **kw) -> None:
     """Generate from ARTIFACTS (omit to compile or reuse the embedded default model)."""
@@ -231,7 +231,8 @@ def generate_cmd(artifacts, prompts, prompt_file, chat, max_new_tokens, temperat
     prompts = collect_prompts(prompts, prompt_file)  # empty ones refused, never swapped or dropped
     sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, min_p=min_p,
                               repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
-                              frequency_penalty=frequency_penalty)
+                              frequency_penalty=frequency_penalty, min_tokens=min_tokens,
+                              logit_bias=parse_logit_bias(logit_bias))
     if artifacts is None:
         from neuron_infer.checkpoint import load_tokenizer  # noqa: PLC0415
         from neuron_infer.embedded import default_model_dir  # noqa: PLC0415

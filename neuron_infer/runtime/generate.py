@@ -20,7 +20,7 @@ from neuron_infer.runtime.engine import Engine
 from neuron_infer.runtime.metrics import Metrics
 from neuron_infer.runtime.options import RunOptions
 from neuron_infer.runtime.runner import Agree, Runner
-from neuron_infer.runtime.sampling import make_generator
+from neuron_infer.runtime.sampling import check_vocab, make_generator
 from neuron_infer.runtime.sequence import Sequence, StopRule, check_prompt
 from neuron_infer.runtime.spec_engine import SpecEngine
 
@@ -82,6 +82,7 @@ def generate_ids(
         raise NeuronInferError("got no prompts; pass at least one")
     for i, p in enumerate(prompts):
         check_prompt(f"prompt {i}", p, build.max_context_length, engine.vocab_size)
+    check_vocab(sampling, engine.vocab_size)
     gen = make_generator(sampling.seed)
     stop = StopRule(max_new_tokens, eos_ids, ignore_eos, build.max_length,
                     stop.stop_strings if stop else (), stop.decode if stop else None)

@@ -16,8 +16,8 @@ With chunked prefill (`prefill`), a prompt that starts while others decode is en
 last chunk the sequence sits decode steps out (its slot is bound to no blocks for them, like a free slot).
 
 Speculation: one graph serves one sampling rule per step, so a step is plain when the scheduled sequences mix
-greedy and sampled or different temperature / top-k / top-p, when a sequence asks for logprobs or uses penalties or
-min-p, and near max_length where a speculative block would not fit (or, with the caller's blocks, past the end of a
+greedy and sampled or different temperature / top-k / top-p, when a sequence asks for logprobs or uses penalties,
+min-p or logit_bias or has not reached its min_tokens, and near max_length where a speculative block would not fit (or, with the caller's blocks, past the end of a
 row's last block: vLLM allocates blocks only for the tokens it scheduled). Plain steps and prompt encoding write only
 the target cache; before a speculative step the draft catches up on what it missed (`SpecEngine.catch_up`).
 
@@ -62,7 +62,13 @@ from neuron_infer.runtime.engine import Engine, take_rows
 from neuron_infer.runtime.metrics import Metrics
 from neuron_infer.runtime.ngram_spec import NgramSpec, accept, accept_uniforms
 from neuron_infer.runtime.options import RunOptions
-from neuron_infer.runtime.sampling import draw_uniforms, sample_rows, token_history, token_logprobs
+from neuron_infer.runtime.sampling import (
+    draw_uniforms,
+    logit_adjustment,
+    sample_rows,
+    token_history,
+    token_logprobs,
+)
 from neuron_infer.runtime.scheduler import Scheduler
 from neuron_infer.runtime.sequence import Sequence
 from neuron_infer.runtime.spec_engine import SpecEngine
@@ -226,7 +232,12 @@ class Runner:
         history = None
         if any(c.penalized for c in configs):  # per-row token counts of prompt + output
             history = token_history([s.prompt for s in seqs], [s.output for s in seqs], logits.shape[-1])
-        toks = sample_rows(logits, configs, draw_uniforms(configs, [s.generator for s in seqs]), history)  # [n]
+        bias = None
+        if any(c.biased for c in configs):  # logit_bias; min_tokens holding back the stop ids
+            bias = logit_adjustment(configs, [len(s.output) for s in seqs], [s.held_ids for s in seqs],
+                                    logits.shape[-1])  # [n, V] or None
+        u = draw_uniforms(configs, [s.generator for s in seqs])
+        toks = sample_rows(logits, configs, u, history, bias)  # [n]
         if self.agree is not None:
             toks = self.agree(toks)
         want = [i for i, s in enumerate(seqs) if s.logprobs is not None]
@@ -315,8 +326,9 @@ class Runner:
 def _shared_rule(seqs: list[Sequence]) -> SamplingConfig | None:
     """The one sampling rule of the scheduled sequences (seed aside), or None when they differ or when a sequence
     needs what only a plain step gives: logprobs (the host sees the logits of plain steps only), penalties (the
-    target distribution would depend on the tokens accepted earlier in the same block) or min-p (the compiled
-    speculation graphs take temperature / top-k / top-p only)."""
+    target distribution would depend on the tokens accepted earlier in the same block), min-p or logit_bias (the
+    compiled speculation graphs take temperature / top-k / top-p only) or min_tokens while the output is shorter
+    (the stop ids are held back on the host)."""
     if any(_plain_only(s) for s in seqs):
         return None
     rules = {(s.sampling.temperature, s.sampling.top_k, s.sampling.top_p) if not s.sampling.greedy else "greedy"
@@ -328,5 +340,8 @@ def _shared_rule(seqs: list[Sequence]) -> SamplingConfig | None:
 
 
 def _plain_only(s: Sequence) -> bool:
-    """Needs what only a plain step gives: logprobs, penalties or min-p (see _shared_rule)."""
-    return s.logprobs is not None or s.sampling.penalized or s.sampling.min_p > 0
+    """Needs what only a plain step gives: logprobs, penalties, min-p, logit_bias or min_tokens not yet reached
+    (see _shared_rule)."""
+    c = s.sampling
+    return (s.logprobs is not None or c.penalized or c.min_p > 0 or bool(c.logit_bias)
+            or len(s.output) < c.min_tokens)

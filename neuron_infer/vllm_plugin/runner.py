@@ -64,9 +64,9 @@ class SlotRunner:
         return self.runner.engine.cache_shape
 
     def admit(self, req_id: str, token_ids: list[int], sampling: SamplingConfig, blocks: list[int],
-              prompt_len: int | None = None, logprobs: int | None = None) -> int:
+              prompt_len: int | None = None, logprobs: int | None = None, stop_ids: tuple[int, ...] = ()) -> int:
         """`join`, encode all of `token_ids` and return the first sampled token."""
-        self.join(req_id, token_ids, sampling, blocks, prompt_len=prompt_len, logprobs=logprobs)
+        self.join(req_id, token_ids, sampling, blocks, prompt_len=prompt_len, logprobs=logprobs, stop_ids=stop_ids)
         return self.encode(req_id, len(token_ids))[0]
 
     def encode(self, req_id: str, upto: int) -> list[int]:
@@ -75,18 +75,19 @@ class SlotRunner:
         return self.runner.prefill_to(self.slots[req_id], upto)
 
     def join(self, req_id: str, token_ids: list[int], sampling: SamplingConfig, blocks: list[int], computed: int = 0,
-             prompt_len: int | None = None, logprobs: int | None = None) -> None:
+             prompt_len: int | None = None, logprobs: int | None = None, stop_ids: tuple[int, ...] = ()) -> None:
         """Give `req_id` a free row whose block table is `blocks` (vLLM's block ids; the first `computed` positions
         are already cached in them); nothing is encoded yet (`encode`). `prompt_len`: for a resumed request, how many
         of `token_ids` are its prompt (the rest is output, which the presence and frequency penalties count); None =
         all prompt. `logprobs`: record each new token's logprob, rank and this many top alternatives (read them with
-        `take_logprobs`); such a request makes every step plain."""
+        `take_logprobs`); such a request makes every step plain. `stop_ids`: the ids sampling.min_tokens holds back
+        (vLLM's stop token ids and EOS; its own stop rules end the request)."""
         if req_id in self.slots:
             raise NeuronInferError(f"request {req_id!r} is already in the batch")
         check_prompt(f"request {req_id!r}", token_ids, self.max_context, self.engine_vocab)
         cut = len(token_ids) if prompt_len is None else prompt_len
         seq = Sequence(req_id, list(token_ids[:cut]), sampling, NO_STOP, make_generator(sampling.seed),
-                       output=list(token_ids[cut:]), logprobs=logprobs)
+                       output=list(token_ids[cut:]), logprobs=logprobs, stop_ids=tuple(stop_ids))
         self.scheduler.admit_now(seq, blocks, computed)
         self.runner.begin(seq)
         self.slots[req_id] = seq

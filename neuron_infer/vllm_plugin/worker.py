@@ -52,7 +52,7 @@ from neuron_infer.vllm_plugin.artifacts import (
     run_options,
 )
 from neuron_infer.vllm_plugin.logprobs import logprobs_arrays
-from neuron_infer.vllm_plugin.params import check_request, requested_logprobs, to_sampling_config
+from neuron_infer.vllm_plugin.params import check_request, requested_logprobs, stop_ids, to_sampling_config
 from neuron_infer.vllm_plugin.platform import engine_args
 from neuron_infer.vllm_plugin.runner import SlotRunner
 
@@ -266,5 +266,5 @@ class NeuronInferWorker(WorkerBase):
         params = self._params.get(req_id)
         self.runner.join(req_id, tokens, to_sampling_config(params), blocks, computed,
                          prompt_len=self._prompt_lens.get(req_id),
-                         logprobs=requested_logprobs(params, self.runner.engine_vocab))
+                         logprobs=requested_logprobs(params, self.runner.engine_vocab), stop_ids=stop_ids(params))
         self._pending.add(req_id)
