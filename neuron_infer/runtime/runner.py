@@ -58,7 +58,7 @@ import torch
 
 from neuron_infer.config import SamplingConfig
 from neuron_infer.errors import NeuronInferError
-from neuron_infer.runtime.engine import Engine, take_rows
+from neuron_infer.runtime.engine import Engine, graph_name, take_rows
 from neuron_infer.runtime.metrics import Metrics
 from neuron_infer.runtime.ngram_spec import NgramSpec, accept, accept_uniforms
 from neuron_infer.runtime.options import RunOptions
@@ -161,7 +161,10 @@ class Runner:
         logits = None
         while start < end:
             stop = min(end, start + piece)
-            logits = encode(seq.row, tokens, start, stop)
+            if seq.prompt_logprobs is not None:
+                logits = self._encode_scored(encode, seq, start, stop)
+            else:
+                logits = encode(seq.row, tokens, start, stop)
             start = stop
         self.encoding[seq] = start
         if start < len(seq):
@@ -170,6 +173,24 @@ class Runner:
         self.scheduler.cache_blocks(seq)
         self._note_blocks()
         return logits
+
+    def _encode_scored(self, encode: Callable, seq: Sequence, start: int, stop: int) -> torch.Tensor:
+        """Encode seq.tokens[start:stop] and record the prompt logprobs it yields (the logits after position p
+        score prompt token p+1; raw log-softmax, as the sample logprobs) -> logits [V] after its last token.
+
+        The vocabulary head runs over every position of the piece only for such sequences: eager graphs take all
+        the piece's rows as `logit_index` in one call; compiled graphs take the one row they were exported with, so
+        the piece is encoded once per row (each call writes the same K/V again)."""
+        rows = list(range(stop - start))
+        if _takes_logit_rows(self.engine, len(rows), start):
+            logits = encode(seq.row, seq.tokens, start, stop, logit_rows=rows)  # [n, V]
+        else:
+            logits = torch.cat([encode(seq.row, seq.tokens, start, stop, logit_rows=[i]) for i in rows])  # [n, V]
+        scored = min(stop, len(seq.prompt) - 1) - start  # positions start.. that predict a prompt token
+        if scored > 0:
+            targets = torch.tensor(seq.prompt[start + 1: start + 1 + scored], dtype=torch.int64)  # [scored]
+            seq.prompt_records.extend(token_logprobs(logits[:scored], targets, seq.prompt_logprobs))
+        return logits[-1]
 
     def _bind(self, idle: dict | None = None) -> None:
         """Every slot's blocks on the engine (free slots, and the sequences in `idle`: none, so their rows write
@@ -321,6 +342,13 @@ class Runner:
 
     def _timed(self, kind: str) -> contextlib.AbstractContextManager:
         return self.gate.clock.timing(kind) if self.gate is not None else contextlib.nullcontext()
+
+
+def _takes_logit_rows(engine: Engine, n: int, start: int) -> bool:
+    """Whether the context graph encoding n tokens from `start` takes any number of logit rows: an eager graph (the
+    nn.Module itself) does; a compiled graph has the static logit_index [1, 1] it was exported with."""
+    t, s = engine.context_graph(n, start)
+    return isinstance(engine.graphs.get(graph_name("context", t, s)), torch.nn.Module)
 
 
 def _shared_rule(seqs: list[Sequence]) -> SamplingConfig | None:

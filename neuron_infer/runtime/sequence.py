@@ -93,12 +93,20 @@ class Sequence:
     # the token ids sampling.min_tokens holds back (None: the stop rule's EOS ids, unless it ignores EOS; the vLLM
     # worker passes the request's stop token ids and EOS, as vLLM's own min_tokens does)
     stop_ids: tuple[int, ...] | None = None
+    prompt_logprobs: int | None = None  # score the prompt: each prompt token's logprob and this many top alternatives
+    # one record (as output_logprobs) per prompt position 1..len(prompt)-1, filled as the prompt is encoded
+    prompt_records: list[dict] | None = None
 
     def __post_init__(self) -> None:
         if self.logprobs is not None:
             if self.logprobs < 0:
                 raise NeuronInferError(f"logprobs={self.logprobs} must be >= 0 (the number of top alternatives)")
             self.output_logprobs = []
+        if self.prompt_logprobs is not None:
+            if self.prompt_logprobs < 0:
+                raise NeuronInferError(f"prompt_logprobs={self.prompt_logprobs} must be >= 0 (the number of top "
+                                       "alternatives)")
+            self.prompt_records = []
 
     @property
     def tokens(self) -> list[int]:

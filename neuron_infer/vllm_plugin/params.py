@@ -6,7 +6,9 @@ and work unchanged. Sample logprobs (`logprobs`) are computed by the runtime's R
 from (raw log-softmax, vLLM's default `logprobs_mode`). `logit_bias` (vLLM has already clamped it to [-100, 100]
 and checked its ids against the vocabulary) and `min_tokens` (its stop ids: `all_stop_token_ids`, as vLLM's own
 logits processor) go to the runtime's one sampling definition; everything else that would need this runner to change
-or report logits (prompt logprobs, ...) is refused up front.
+or report logits (structured output, ...) is refused up front. Prompt logprobs (`prompt_logprobs`, and the OpenAI
+`echo` with `logprobs`, which vLLM's front end turns into prompt logprobs) are scored by the Runner as it encodes
+the prompt.
 """
 from __future__ import annotations
 
@@ -19,7 +21,6 @@ GREEDY_EPS = 1e-5  # vLLM treats temperature below this as greedy
 
 # attribute -> (value that means "off", what to tell the user)
 _UNSUPPORTED: dict[str, tuple[Any, str]] = {
-    "prompt_logprobs": (None, "prompt_logprobs"),
     "logprob_token_ids": (None, "logprob_token_ids"),
     "prompt_logprob_token_ids": (None, "prompt_logprob_token_ids"),
     "allowed_token_ids": (None, "allowed_token_ids"),
@@ -57,7 +58,7 @@ def check_request(params: Any, prompt_len: int | None = None, max_prompt_len: in
         raise UnsupportedRequestError(
             f"the neuron-infer vLLM plugin does not support {', '.join(found)}; remove "
             f"{'it' if len(found) == 1 else 'them'} from the request (supported: temperature, top_k, top_p, min_p, "
-            "seed, repetition/presence/frequency penalties, min_tokens, logit_bias, logprobs (sampled tokens), "
+            "seed, repetition/presence/frequency penalties, min_tokens, logit_bias, logprobs, prompt_logprobs, "
             "max_tokens, stop, stop_token_ids, ignore_eos, n), or serve this model without NEURON_INFER_VLLM=1"
         )
     try:
@@ -100,3 +101,12 @@ def requested_logprobs(params: Any, vocab_size: int) -> int | None:
 def stop_ids(params: Any) -> tuple[int, ...]:
     """The token ids min_tokens holds back: vLLM's `all_stop_token_ids` (EOS and the request's stop_token_ids)."""
     return tuple(sorted(int(t) for t in (getattr(params, "all_stop_token_ids", None) or ())))
+
+
+def requested_prompt_logprobs(params: Any, vocab_size: int) -> int | None:
+    """How many top alternatives to report per prompt token (None: no prompt logprobs; -1 = the whole vocabulary,
+    as vLLM's own runner)."""
+    n = getattr(params, "prompt_logprobs", None)
+    if n is None:
+        return None
+    return vocab_size if int(n) == -1 else int(n)

@@ -75,19 +75,22 @@ class SlotRunner:
         return self.runner.prefill_to(self.slots[req_id], upto)
 
     def join(self, req_id: str, token_ids: list[int], sampling: SamplingConfig, blocks: list[int], computed: int = 0,
-             prompt_len: int | None = None, logprobs: int | None = None, stop_ids: tuple[int, ...] = ()) -> None:
+             prompt_len: int | None = None, logprobs: int | None = None, stop_ids: tuple[int, ...] = (),
+             prompt_logprobs: int | None = None) -> None:
         """Give `req_id` a free row whose block table is `blocks` (vLLM's block ids; the first `computed` positions
         are already cached in them); nothing is encoded yet (`encode`). `prompt_len`: for a resumed request, how many
         of `token_ids` are its prompt (the rest is output, which the presence and frequency penalties count); None =
         all prompt. `logprobs`: record each new token's logprob, rank and this many top alternatives (read them with
         `take_logprobs`); such a request makes every step plain. `stop_ids`: the ids sampling.min_tokens holds back
-        (vLLM's stop token ids and EOS; its own stop rules end the request)."""
+        (vLLM's stop token ids and EOS; its own stop rules end the request). `prompt_logprobs`: score every prompt
+        token after the first as the prompt is encoded (read them with `take_prompt_logprobs`)."""
         if req_id in self.slots:
             raise NeuronInferError(f"request {req_id!r} is already in the batch")
         check_prompt(f"request {req_id!r}", token_ids, self.max_context, self.engine_vocab)
         cut = len(token_ids) if prompt_len is None else prompt_len
         seq = Sequence(req_id, list(token_ids[:cut]), sampling, NO_STOP, make_generator(sampling.seed),
-                       output=list(token_ids[cut:]), logprobs=logprobs, stop_ids=tuple(stop_ids))
+                       output=list(token_ids[cut:]), logprobs=logprobs, stop_ids=tuple(stop_ids),
+                       prompt_logprobs=prompt_logprobs)
         self.scheduler.admit_now(seq, blocks, computed)
         self.runner.begin(seq)
         self.slots[req_id] = seq
@@ -111,6 +114,15 @@ class SlotRunner:
         if seq is None or seq.output_logprobs is None:
             return []
         got, seq.output_logprobs = seq.output_logprobs, []
+        return got
+
+    def take_prompt_logprobs(self, req_id: str) -> list[dict] | None:
+        """The prompt's logprob records (one per prompt token after the first) once its prompt is encoded, handed
+        out once; None before, afterwards, and for a request that did not ask."""
+        seq = self.slots.get(req_id)
+        if seq is None or seq.prompt_records is None or seq in self.runner.encoding or not seq.output:
+            return None
+        got, seq.prompt_records = seq.prompt_records, None
         return got
 
     def decode(self, req_ids: list[str]) -> dict[str, list[int]]:

@@ -1,5 +1,6 @@
-"""min_tokens and logit_bias through vLLM's OpenAI server with the official `openai` client: the plugin's greedy
-responses equal neuron-infer's own generation and stock vLLM CPU's (plugin off), on the same tiny fp32 checkpoint.
+"""min_tokens, logit_bias, prompt_logprobs and echo with logprobs through vLLM's OpenAI server with the official
+`openai` client: the plugin's greedy responses equal neuron-infer's own generation and stock vLLM CPU's (plugin
+off), on the same tiny fp32 checkpoint (logprobs within TOL).
 
 The requests are built from neuron-infer's greedy tokens r of each prompt, so every feature changes the output:
 min_tokens holds back a stop token id that greedy decoding emits early (r[1]), logit_bias pushes the greedy first
@@ -24,6 +25,8 @@ from neuron_infer.runtime.generate import generate_ids
 
 PROMPTS = [list(range(7, 27)), [5, 9, 33]]
 N = 10
+K = 3  # prompt logprobs: top alternatives per prompt token
+TOL = 1e-4  # logprobs: fp32 on both sides, other kernels (see test_vllm_logprobs.py)
 SERVE = ["--dtype", "float32", "--max-model-len", "128", "--max-num-seqs", "4", "--gpu-memory-utilization", "0.3",
          "--enforce-eager", "--served-model-name", "tiny", "--seed", "0"]
 
@@ -53,19 +56,29 @@ def cases(model: CompiledModel) -> list[tuple[dict, SamplingConfig, tuple[int, .
     return out
 
 
-def serve_all(server: Server, bodies: list[dict]) -> list[dict]:
-    """Each request through the official client (greedy) -> {"ids", "finish"}."""
+def serve_all(server: Server, bodies: list[dict]) -> dict:
+    """Each request through the official client (greedy) -> {"features": [{"ids", "finish"}, ...] per body,
+    "prompt_logprobs": per prompt, "echo": per prompt}."""
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
     try:
         server.wait_ready()
-        got = []
+        got = {"features": [], "prompt_logprobs": [], "echo": []}
         for b in bodies:
             extra = {k: b[k] for k in ("min_tokens", "stop_token_ids", "ignore_eos") if k in b}
             bias = {str(t): v for t, v in b.get("logit_bias", {}).items()} or None
             c = client.completions.create(model="tiny", prompt=b["prompt"], max_tokens=N, temperature=0.0,
                                           logit_bias=bias, extra_body={**extra, "return_token_ids": True})
             choice = c.choices[0].model_dump()
-            got.append({"ids": choice["token_ids"], "finish": choice["finish_reason"]})
+            got["features"].append({"ids": choice["token_ids"], "finish": choice["finish_reason"]})
+        for p in PROMPTS:
+            c = client.completions.create(model="tiny", prompt=p, max_tokens=2, temperature=0.0,
+                                          extra_body={"prompt_logprobs": K, "ignore_eos": True})
+            got["prompt_logprobs"].append(c.choices[0].model_dump()["prompt_logprobs"])
+            c = client.completions.create(model="tiny", prompt=p, max_tokens=1, temperature=0.0, echo=True,
+                                          logprobs=2, extra_body={"ignore_eos": True})
+            lp = c.choices[0].logprobs
+            got["echo"].append({"tokens": lp.tokens, "token_logprobs": lp.token_logprobs,
+                                "top": lp.top_logprobs, "text": c.choices[0].text})
         return got
     finally:
         server.kill()
@@ -84,7 +97,7 @@ def test_min_tokens_and_logit_bias_equal_neuron_infer(plugin, ours):
     """neuron-infer's runtime with the stop token ids as its EOS ids: held back by min_tokens, then ending the
     sequence with the stop token kept, as vLLM's stop_token_ids."""
     _, model = ours
-    for (body, sampling, stops), got in zip(cases(model), plugin, strict=True):
+    for (body, sampling, stops), got in zip(cases(model), plugin["features"], strict=True):
         (want,), _ = generate_ids(model.engine, [body["prompt"]], N, sampling, stops, ignore_eos=not stops)
         assert got["ids"] == want.token_ids, body
         assert got["finish"] == ("stop" if want.finish_reason == "eos" else "length")
@@ -94,10 +107,43 @@ def test_min_tokens_and_logit_bias_equal_neuron_infer(plugin, ours):
 
 def test_logit_bias_changes_the_output(plugin, ours):
     _, model = ours
-    for (body, _, _), got in zip(cases(model), plugin):
+    for (body, _, _), got in zip(cases(model), plugin["features"]):
         if "logit_bias" in body:
             banned = [t for t, v in body["logit_bias"].items() if v == -100.0]
             assert not set(got["ids"]) & set(banned)
+
+
+def test_prompt_logprobs_and_echo_equal_neuron_infer(plugin, ours):
+    """vLLM's layout (None for the first prompt token, then {id: {logprob, rank}} with the prompt token and the top
+    K) filled from the runtime's prompt records; echo with logprobs is the same scores, the prompt's text first."""
+    _, model = ours
+    for p, got, echo in zip(PROMPTS, plugin["prompt_logprobs"], plugin["echo"], strict=True):
+        (want,), _ = generate_ids(model.engine, [p], 1, prompt_logprobs=K, ignore_eos=True)
+        assert got[0] is None and len(got) == len(p)
+        for pos, rec in zip(got[1:], want.prompt_logprobs, strict=True):
+            entries = {int(t): e for t, e in pos.items()}
+            assert set(entries) == {rec["token_id"], *(i for i, _ in rec["top"])}
+            assert entries[rec["token_id"]]["rank"] == rec["rank"]
+            assert entries[rec["token_id"]]["logprob"] == pytest.approx(rec["logprob"], abs=TOL)
+        assert echo["token_logprobs"][0] is None
+        scored = [r["logprob"] for r in want.prompt_logprobs]
+        assert echo["token_logprobs"][1: len(p)] == pytest.approx(scored, abs=TOL)
+
+
+def _same(a, b, path="") -> None:
+    """Equal structures, floats within TOL."""
+    if isinstance(a, float) or isinstance(b, float):
+        assert a == pytest.approx(b, abs=TOL), path
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), path
+        for k in a:
+            _same(a[k], b[k], f"{path}.{k}")
+    elif isinstance(a, list):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            _same(x, y, f"{path}[{i}]")
+    else:
+        assert a == b, path
 
 
 @pytest.mark.slow
@@ -106,4 +152,6 @@ def test_plugin_equals_stock_vllm(tiny, ours, plugin, tmp_path_factory):
     root = tmp_path_factory.mktemp("stock")
     stock = serve_all(Server(tiny, SERVE, root / "server.log", NEURON_INFER_VLLM="0"),
                       [b for b, _, _ in cases(model)])
-    assert plugin == stock
+    assert plugin["features"] == stock["features"]
+    _same(plugin["prompt_logprobs"], stock["prompt_logprobs"], "prompt_logprobs")
+    _same(plugin["echo"], stock["echo"], "echo")
