@@ -18,6 +18,7 @@ from neuron_infer.runtime.sampling import (
     rows_params,
     sample_rows,
     token_history,
+    unpack_bitmask,
 )
 from neuron_infer.runtime.sequence import Sequence, StopRule
 from tests.test_cli_generate_io import run_main
@@ -196,3 +197,47 @@ def test_cli_min_tokens_and_logit_bias(art, model):
     assert code == 2 and err.strip().startswith("error: --logit-bias '17=1' must be TOKEN_ID:BIAS")
     code, out, err = run_main(["generate", str(art), "--prompt", "a", "--logit-bias", "17:300"])
     assert code == 2 and "error:" in err and "[-100, 100]" in err and "Traceback" not in err
+
+
+# ---- a grammar's token mask (structured outputs: vLLM's per-step bitmask) ----------------------------------------
+def test_unpack_bitmask_matches_a_per_bit_reference():
+    rng = np.random.default_rng(0)
+    words = rng.integers(-2**31, 2**31, size=(3, 2), dtype=np.int64).astype(np.int32)  # [3, 2]: 64 bits
+    words[0] = [-1, 0]  # all of 0..31, none of 32..63 (bit 31 is the sign bit)
+    got = unpack_bitmask(words, 40)
+    want = [[bool((int(words[r, t // 32]) >> (t % 32)) & 1) for t in range(40)] for r in range(3)]
+    assert got.tolist() == want and got.shape == (3, 40)
+    assert got[0, :32].all() and not got[0, 32:].any()
+
+
+def test_a_mask_restricts_greedy_and_sampled_rows_and_clears_after_one_token():
+    logits = torch.zeros(64, V)
+    logits[:, 0] = 5.0  # the unconstrained favourite
+    allowed = torch.zeros(V, dtype=torch.bool)
+    allowed[[3, 7]] = True
+    cs = [SamplingConfig(temperature=1.0)] * 63 + [SamplingConfig()]
+    bias = logit_adjustment(cs, [0] * 64, [()] * 64, V, [allowed] * 64)
+    u = torch.rand(64, generator=torch.Generator().manual_seed(5))
+    toks = sample_rows(logits, cs, u, None, bias)
+    assert set(toks.tolist()) == {3, 7}  # both allowed tokens drawn, nothing else
+    s = Sequence(0, [1], SamplingConfig(), StopRule(), torch.Generator())
+    s.allowed = allowed
+    assert _shared_rule([s]) is None  # a constrained sequence takes plain steps
+
+
+def test_slot_runner_applies_a_mask_to_one_step(model):
+    from neuron_infer.vllm_plugin.runner import SlotRunner
+
+    runner = SlotRunner(model.engine)
+    v = model.engine.vocab_size
+    ref = model.generate_ids([[5, 9, 14]], 3, ignore_eos=True).outputs[0].token_ids
+    only = torch.zeros(v, dtype=torch.bool)
+    only[17] = True
+    runner.join("r", [5, 9, 14], SamplingConfig(), blocks=[1])
+    runner.constrain("r", only)
+    assert runner.encode("r", 3) == [17]  # the prefill's token, masked
+    assert runner.slots["r"].allowed is None
+    nxt = runner.decode(["r"])["r"]
+    alone = model.generate_ids([[5, 9, 14, 17]], 1, ignore_eos=True).outputs[0].token_ids
+    assert nxt == alone and ref[0] != 17  # unconstrained again (and the mask really changed the first token)
+    runner.release("r")

@@ -17,8 +17,8 @@ last chunk the sequence sits decode steps out (its slot is bound to no blocks fo
 
 Speculation: one graph serves one sampling rule per step, so a step is plain when the scheduled sequences mix
 greedy and sampled or different temperature / top-k / top-p, when a sequence asks for logprobs or uses penalties,
-min-p or logit_bias or has not reached its min_tokens, and near max_length where a speculative block would not fit (or, with the caller's blocks, past the end of a
-row's last block: vLLM allocates blocks only for the tokens it scheduled). Plain steps and prompt encoding write only
+min-p or logit_bias, has not reached its min_tokens or is held to a grammar's mask, and near max_length where a
+speculative block would not fit (or, with the caller's blocks, past the end of a row's last block: vLLM allocates blocks only for the tokens it scheduled). Plain steps and prompt encoding write only
 the target cache; before a speculative step the draft catches up on what it missed (`SpecEngine.catch_up`).
 
 With `gate`, a step that could speculate still takes a plain step while speculative steps are measured not to
@@ -253,17 +253,25 @@ class Runner:
         history = None
         if any(c.penalized for c in configs):  # per-row token counts of prompt + output
             history = token_history([s.prompt for s in seqs], [s.output for s in seqs], logits.shape[-1])
-        bias = None
-        if any(c.biased for c in configs):  # logit_bias; min_tokens holding back the stop ids
+        bias, allowed = None, [s.allowed for s in seqs]
+        constrained = any(a is not None for a in allowed)
+        if constrained or any(c.biased for c in configs):  # logit_bias; min_tokens; a grammar's mask
             bias = logit_adjustment(configs, [len(s.output) for s in seqs], [s.held_ids for s in seqs],
-                                    logits.shape[-1])  # [n, V] or None
+                                    logits.shape[-1], allowed)  # [n, V] or None
         u = draw_uniforms(configs, [s.generator for s in seqs])
         toks = sample_rows(logits, configs, u, history, bias)  # [n]
         if self.agree is not None:
             toks = self.agree(toks)
+        for s in seqs:
+            s.allowed = None  # a mask holds for one token
         want = [i for i, s in enumerate(seqs) if s.logprobs is not None]
         if want:
-            got = token_logprobs(logits[want], toks[want], max(seqs[i].logprobs for i in want))
+            scored = logits
+            if constrained:  # as vLLM: logprobs of the masked logits (disallowed tokens -inf)
+                masked = torch.stack([torch.ones_like(logits[0], dtype=torch.bool) if a is None else a
+                                      for a in allowed])  # [n, V]
+                scored = logits.float().masked_fill(~masked, float("-inf"))
+            got = token_logprobs(scored[want], toks[want], max(seqs[i].logprobs for i in want))
             for i, rec in zip(want, got):
                 rec["top"] = rec["top"][: seqs[i].logprobs]
                 seqs[i].output_logprobs.append(rec)
@@ -355,8 +363,9 @@ def _shared_rule(seqs: list[Sequence]) -> SamplingConfig | None:
     """The one sampling rule of the scheduled sequences (seed aside), or None when they differ or when a sequence
     needs what only a plain step gives: logprobs (the host sees the logits of plain steps only), penalties (the
     target distribution would depend on the tokens accepted earlier in the same block), min-p or logit_bias (the
-    compiled speculation graphs take temperature / top-k / top-p only) or min_tokens while the output is shorter
-    (the stop ids are held back on the host)."""
+    compiled speculation graphs take temperature / top-k / top-p only), min_tokens while the output is shorter
+    (the stop ids are held back on the host) or a grammar's mask (structured output: the mask of each position
+    depends on the tokens before it, and the caller gives one per step)."""
     if any(_plain_only(s) for s in seqs):
         return None
     rules = {(s.sampling.temperature, s.sampling.top_k, s.sampling.top_p) if not s.sampling.greedy else "greedy"
@@ -368,8 +377,8 @@ def _shared_rule(seqs: list[Sequence]) -> SamplingConfig | None:
 
 
 def _plain_only(s: Sequence) -> bool:
-    """Needs what only a plain step gives: logprobs, penalties, min-p, logit_bias or min_tokens not yet reached
-    (see _shared_rule)."""
+    """Needs what only a plain step gives: logprobs, penalties, min-p, logit_bias, min_tokens not yet reached or a
+    grammar's mask (see _shared_rule)."""
     c = s.sampling
     return (s.logprobs is not None or c.penalized or c.min_p > 0 or bool(c.logit_bias)
-            or len(s.output) < c.min_tokens)
+            or len(s.output) < c.min_tokens or s.allowed is not None)

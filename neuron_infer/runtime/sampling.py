@@ -63,20 +63,33 @@ def check_vocab(c: SamplingConfig, vocab_size: int) -> None:
 
 
 def logit_adjustment(configs: Sequence[SamplingConfig], output_lens: Sequence[int],
-                     stop_ids: Sequence[Sequence[int]], v: int) -> torch.Tensor | None:
+                     stop_ids: Sequence[Sequence[int]], v: int,
+                     allowed: Sequence[torch.Tensor | None] | None = None) -> torch.Tensor | None:
     """The additive adjustment of each row's logits -> bias [B, V] fp32, or None when no row has one: the row's
     logit_bias, plus -inf at its stop ids (EOS unless ignored, and the request's stop token ids) while its output
-    holds fewer than min_tokens tokens (vLLM's min_tokens: the next token cannot end the sequence)."""
+    holds fewer than min_tokens tokens (vLLM's min_tokens: the next token cannot end the sequence), plus -inf at
+    every token its grammar does not allow next (`allowed[i]`: bool [V], or None: unconstrained)."""
     held = [list(ids) if n < c.min_tokens else [] for c, n, ids in zip(configs, output_lens, stop_ids)]
-    if not any(c.logit_bias for c in configs) and not any(held):
+    masks = list(allowed) if allowed is not None else [None] * len(configs)
+    if not any(c.logit_bias for c in configs) and not any(held) and all(m is None for m in masks):
         return None
     bias = torch.zeros(len(configs), v, dtype=torch.float32)  # [B, V]
-    for i, (c, ids) in enumerate(zip(configs, held)):
+    for i, (c, ids, mask) in enumerate(zip(configs, held, masks)):
         if c.logit_bias:
             bias[i, torch.tensor([t for t, _ in c.logit_bias])] = torch.tensor([b for _, b in c.logit_bias])
         if ids:
             bias[i, torch.tensor(ids, dtype=torch.int64)] = float("-inf")
+        if mask is not None:
+            bias[i].masked_fill_(~mask[:v], float("-inf"))
     return bias
+
+
+def unpack_bitmask(words: np.ndarray | torch.Tensor, v: int) -> torch.Tensor:
+    """A token bitmask, 32 tokens per int32 word (bit j of word i allows token 32 i + j: the layout of vLLM's
+    grammar bitmask, from xgrammar) -> allowed [n, V] bool. words [n, ceil(V / 32)]."""
+    w = torch.as_tensor(np.asarray(words, dtype=np.int32))  # [n, W]
+    bits = (w.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1  # [n, W, 32]
+    return bits.reshape(w.shape[0], -1)[:, :v].bool()  # [n, V]
 
 
 def penalized(logits: torch.Tensor, params: torch.Tensor, seen: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:

@@ -96,6 +96,8 @@ class Sequence:
     prompt_logprobs: int | None = None  # score the prompt: each prompt token's logprob and this many top alternatives
     # one record (as output_logprobs) per prompt position 1..len(prompt)-1, filled as the prompt is encoded
     prompt_records: list[dict] | None = None
+    allowed: torch.Tensor | None = None  # bool [V]: the only tokens its next sampled token may be (a grammar's mask,
+    # set by the caller before a step, cleared when the token is sampled); None: unconstrained
 
     def __post_init__(self) -> None:
         if self.logprobs is not None:

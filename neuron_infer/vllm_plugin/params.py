@@ -6,7 +6,9 @@ and work unchanged. Sample logprobs (`logprobs`) are computed by the runtime's R
 from (raw log-softmax, vLLM's default `logprobs_mode`). `logit_bias` (vLLM has already clamped it to [-100, 100]
 and checked its ids against the vocabulary) and `min_tokens` (its stop ids: `all_stop_token_ids`, as vLLM's own
 logits processor) go to the runtime's one sampling definition; everything else that would need this runner to change
-or report logits (structured output, ...) is refused up front. Prompt logprobs (`prompt_logprobs`, and the OpenAI
+or report logits (bad_words, allowed_token_ids, ...) is refused up front. Structured outputs (json, json_object,
+regex, choice, grammar) are vLLM's: its scheduler compiles the grammar and computes each step's token bitmask, the
+worker applies it in the runtime's sampling (`Sequence.allowed`). Prompt logprobs (`prompt_logprobs`, and the OpenAI
 `echo` with `logprobs`, which vLLM's front end turns into prompt logprobs) are scored by the Runner as it encodes
 the prompt.
 """
@@ -25,7 +27,6 @@ _UNSUPPORTED: dict[str, tuple[Any, str]] = {
     "prompt_logprob_token_ids": (None, "prompt_logprob_token_ids"),
     "allowed_token_ids": (None, "allowed_token_ids"),
     "bad_words": (None, "bad_words"),
-    "structured_outputs": (None, "structured output (guided decoding / response_format json)"),
     "thinking_token_budget": (None, "thinking_token_budget"),
     "repetition_detection": (None, "repetition_detection"),
     "trace_decode_token_ids": (None, "trace_decode_token_ids"),
@@ -59,6 +60,7 @@ def check_request(params: Any, prompt_len: int | None = None, max_prompt_len: in
             f"the neuron-infer vLLM plugin does not support {', '.join(found)}; remove "
             f"{'it' if len(found) == 1 else 'them'} from the request (supported: temperature, top_k, top_p, min_p, "
             "seed, repetition/presence/frequency penalties, min_tokens, logit_bias, logprobs, prompt_logprobs, "
+            "structured outputs, "
             "max_tokens, stop, stop_token_ids, ignore_eos, n), or serve this model without NEURON_INFER_VLLM=1"
         )
     try:

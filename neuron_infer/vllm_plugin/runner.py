@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
+
 from neuron_infer.config import SamplingConfig
 from neuron_infer.errors import NeuronInferError
 from neuron_infer.runtime.engine import CacheShape, Engine
@@ -115,6 +117,11 @@ class SlotRunner:
             return []
         got, seq.output_logprobs = seq.output_logprobs, []
         return got
+
+    def constrain(self, req_id: str, allowed: torch.Tensor) -> None:
+        """The next token `req_id` samples must be one of `allowed` (bool [V]: its grammar's mask for this step);
+        a constrained request takes a plain step."""
+        self.slots[req_id].allowed = allowed
 
     def take_prompt_logprobs(self, req_id: str) -> list[dict] | None:
         """The prompt's logprob records (one per prompt token after the first) once its prompt is encoded, handed

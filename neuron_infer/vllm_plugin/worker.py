@@ -44,6 +44,7 @@ from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, LogprobsLists, LogprobsTe
 from vllm.v1.worker.gpu_worker import init_worker_distributed_environment
 from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 
+from neuron_infer.runtime.sampling import unpack_bitmask
 from neuron_infer.vllm_plugin.artifacts import (
     ensure_artifact,
     kv_cache_gib,
@@ -91,6 +92,7 @@ class NeuronInferWorker(WorkerBase):
         self._params: dict[str, Any] = {}  # SamplingParams of admitted requests (needed again on resume)
         self._prompt_lens: dict[str, int] = {}  # prompt length per request (penalties tell prompt from output)
         self._scored: set[str] = set()  # requests whose prompt logprobs vLLM has received
+        self._deferred: Any = None  # a SchedulerOutput waiting for its grammar bitmask (sample_tokens)
 
     def _init_group(self) -> None:
         """vLLM's distributed init (its executor builds message queues on these groups), even at world size 1."""
@@ -214,7 +216,26 @@ class NeuronInferWorker(WorkerBase):
                 self._preempted[req_id] = tokens
         if not so.total_num_scheduled_tokens:
             return EMPTY_MODEL_RUNNER_OUTPUT
+        if so.has_structured_output_requests:  # vLLM computes the grammar bitmask now and hands it to sample_tokens
+            self._deferred = so
+            return None
+        return self._step(so, None)
+
+    def sample_tokens(self, grammar_output: Any) -> ModelRunnerOutput:
+        """The step execute_model deferred, with the grammar bitmask of its structured-output requests (one row per
+        request id, xgrammar's 32 tokens per int32 word; None: no request needs one this step)."""
+        so, self._deferred = self._deferred, None
+        if so is None:
+            raise RuntimeError("sample_tokens without a deferred execute_model step")
+        return self._step(so, grammar_output)
+
+    def _step(self, so: Any, grammar_output: Any) -> ModelRunnerOutput:
         upto = self._take_blocks(so)  # joins new and resumed requests, grows running ones
+        if grammar_output is not None and grammar_output.structured_output_request_ids:
+            masks = unpack_bitmask(grammar_output.grammar_bitmask, self.runner.engine_vocab)  # [n, V]
+            for req_id, allowed in zip(grammar_output.structured_output_request_ids, masks):
+                if req_id in self.runner.slots:
+                    self.runner.constrain(req_id, allowed)
         sampled = self._decode_running(so)
         for req_id, end in upto.items():  # then this step's prompt tokens (chunked prefill: part of a prompt)
             sampled[req_id] = self.runner.encode(req_id, end)
