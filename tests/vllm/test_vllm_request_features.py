@@ -1,4 +1,4 @@
-"""min_tokens, logit_bias, prompt_logprobs and echo with logprobs through vLLM's OpenAI server with the official
+"""min_tokens, logit_bias, prompt_logprobs, echo with logprobs and structured outputs through vLLM's OpenAI server with the official
 `openai` client: the plugin's greedy responses equal neuron-infer's own generation and stock vLLM CPU's (plugin
 off), on the same tiny fp32 checkpoint (logprobs within TOL).
 
@@ -10,6 +10,7 @@ logprobs comparison in test_vllm_logprobs.py shows the two runners' fp32 logits 
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -17,6 +18,7 @@ from tests.vllm.vllm_helpers import Server, require_vllm
 
 require_vllm()
 
+import jsonschema
 import openai
 
 from neuron_infer.api import CompiledModel, compile_model
@@ -27,8 +29,13 @@ PROMPTS = [list(range(7, 27)), [5, 9, 33]]
 N = 10
 K = 3  # prompt logprobs: top alternatives per prompt token
 TOL = 1e-4  # logprobs: fp32 on both sides, other kernels (see test_vllm_logprobs.py)
+SCHEMA = {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]}, "ok": {"type": "boolean"}},
+          "required": ["color", "ok"], "additionalProperties": False}
+SAMPLED = 50  # structured requests at temperature 1.0, each with its own seed
 SERVE = ["--dtype", "float32", "--max-model-len", "128", "--max-num-seqs", "4", "--gpu-memory-utilization", "0.3",
-         "--enforce-eager", "--served-model-name", "tiny", "--seed", "0"]
+         "--enforce-eager", "--served-model-name", "tiny", "--seed", "0",
+         # xgrammar without optional whitespace: a random-weight model otherwise fills max_tokens with it
+         "--structured-outputs-config", json.dumps({"backend": "xgrammar", "disable_any_whitespace": True})]
 
 
 @pytest.fixture(scope="module")
@@ -79,9 +86,30 @@ def serve_all(server: Server, bodies: list[dict]) -> dict:
             lp = c.choices[0].logprobs
             got["echo"].append({"tokens": lp.tokens, "token_logprobs": lp.token_logprobs,
                                 "top": lp.top_logprobs, "text": c.choices[0].text})
+        got["structured"] = structured(client)
+        got["sampled_json"] = [client.completions.create(
+            model="tiny", prompt=PROMPTS[0], max_tokens=80, temperature=1.0, seed=i,
+            extra_body={"structured_outputs": {"json": SCHEMA}}).choices[0].text for i in range(SAMPLED)]
         return got
     finally:
         server.kill()
+
+
+def structured(client: openai.OpenAI) -> list[dict]:
+    """Greedy structured-output requests: choice and regex (completions), json_schema and json_object (chat)."""
+    out = []
+    for so in ({"choice": ["red", "green", "blue"]}, {"regex": "[abc]{3}-[0-9]{2}"}):
+        c = client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=20, temperature=0.0,
+                                      extra_body={"structured_outputs": so, "return_token_ids": True})
+        out.append({"text": c.choices[0].text, "ids": c.choices[0].model_dump()["token_ids"]})
+    formats = ({"type": "json_schema", "json_schema": {"name": "pick", "schema": SCHEMA}}, {"type": "json_object"})
+    for fmt in formats:
+        c = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Pick one."}],
+                                           max_tokens=40, temperature=0.0, response_format=fmt,
+                                           extra_body={"return_token_ids": True})
+        out.append({"text": c.choices[0].message.content, "ids": c.choices[0].model_dump()["token_ids"],
+                    "finish": c.choices[0].finish_reason})
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -130,6 +158,23 @@ def test_prompt_logprobs_and_echo_equal_neuron_infer(plugin, ours):
         assert echo["token_logprobs"][1: len(p)] == pytest.approx(scored, abs=TOL)
 
 
+def test_structured_outputs_follow_their_grammar(plugin):
+    choice, regex, schema, obj = plugin["structured"]
+    assert choice["text"] in ("red", "green", "blue")
+    assert re.fullmatch("[abc]{3}-[0-9]{2}", regex["text"])
+    jsonschema.validate(json.loads(schema["text"]), SCHEMA)
+    if obj["finish"] == "stop":  # json_object: any JSON object (it may still be open at max_tokens)
+        assert isinstance(json.loads(obj["text"]), dict)
+
+
+def test_sampled_structured_outputs_all_validate(plugin):
+    """Temperature 1.0: every one of the SAMPLED outputs is JSON valid against the schema."""
+    assert len(plugin["sampled_json"]) == SAMPLED
+    for text in plugin["sampled_json"]:
+        jsonschema.validate(json.loads(text), SCHEMA)
+    assert len(set(plugin["sampled_json"])) > 1  # really sampled
+
+
 def _same(a, b, path="") -> None:
     """Equal structures, floats within TOL."""
     if isinstance(a, float) or isinstance(b, float):
@@ -155,3 +200,4 @@ def test_plugin_equals_stock_vllm(tiny, ours, plugin, tmp_path_factory):
     assert plugin["features"] == stock["features"]
     _same(plugin["prompt_logprobs"], stock["prompt_logprobs"], "prompt_logprobs")
     _same(plugin["echo"], stock["echo"], "echo")
+    assert plugin["structured"] == stock["structured"]
