@@ -1,4 +1,4 @@
-"""min_tokens, logit_bias, prompt_logprobs, echo with logprobs and structured outputs through vLLM's OpenAI server with the official
+"""min_tokens, logit_bias, prompt_logprobs, echo with logprobs, structured outputs and tool calls through vLLM's OpenAI server with the official
 `openai` client: the plugin's greedy responses equal neuron-infer's own generation and stock vLLM CPU's (plugin
 off), on the same tiny fp32 checkpoint (logprobs within TOL).
 
@@ -35,7 +35,8 @@ SAMPLED = 50  # structured requests at temperature 1.0, each with its own seed
 SERVE = ["--dtype", "float32", "--max-model-len", "128", "--max-num-seqs", "4", "--gpu-memory-utilization", "0.3",
          "--enforce-eager", "--served-model-name", "tiny", "--seed", "0",
          # xgrammar without optional whitespace: a random-weight model otherwise fills max_tokens with it
-         "--structured-outputs-config", json.dumps({"backend": "xgrammar", "disable_any_whitespace": True})]
+         "--structured-outputs-config", json.dumps({"backend": "xgrammar", "disable_any_whitespace": True}),
+         "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
 
 
 @pytest.fixture(scope="module")
@@ -87,6 +88,7 @@ def serve_all(server: Server, bodies: list[dict]) -> dict:
             got["echo"].append({"tokens": lp.tokens, "token_logprobs": lp.token_logprobs,
                                 "top": lp.top_logprobs, "text": c.choices[0].text})
         got["structured"] = structured(client)
+        got["tools"] = tool_calls(client)
         got["sampled_json"] = [client.completions.create(
             model="tiny", prompt=PROMPTS[0], max_tokens=80, temperature=1.0, seed=i,
             extra_body={"structured_outputs": {"json": SCHEMA}}).choices[0].text for i in range(SAMPLED)]
@@ -109,6 +111,25 @@ def structured(client: openai.OpenAI) -> list[dict]:
                                            extra_body={"return_token_ids": True})
         out.append({"text": c.choices[0].message.content, "ids": c.choices[0].model_dump()["token_ids"],
                     "finish": c.choices[0].finish_reason})
+    return out
+
+
+TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}}, "required": ["city"],
+                   "additionalProperties": False}}}
+
+
+def tool_calls(client: openai.OpenAI) -> list[dict]:
+    """Greedy tool requests (--enable-auto-tool-choice --tool-call-parser hermes): tool_choice "required" and a
+    named function (vLLM constrains both with structured outputs), and "auto" (the parser reads the text)."""
+    out = []
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}, "auto"):
+        c = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Weather?"}],
+                                           tools=[TOOL], tool_choice=choice, max_tokens=120, temperature=0.0)
+        m = c.choices[0].message
+        out.append({"content": m.content, "finish": c.choices[0].finish_reason,
+                    "calls": [(t.function.name, json.loads(t.function.arguments)) for t in m.tool_calls or []]})
     return out
 
 
@@ -167,6 +188,16 @@ def test_structured_outputs_follow_their_grammar(plugin):
         assert isinstance(json.loads(obj["text"]), dict)
 
 
+def test_tool_calls(plugin):
+    """The grammar vLLM builds for the tool names what the model may emit: the named function's call is parsed into
+    tool_calls, and "required" starts with a hermes tool call of the only tool (the random model then repeats calls
+    until max_tokens, as stock vLLM does: test_plugin_equals_stock_vllm)."""
+    required, named, auto = plugin["tools"]
+    assert [name for name, _ in named["calls"]] == ["get_weather"] and named["finish"] == "stop"
+    assert required["content"].startswith('<tool_call>\n{"name": "get_weather"')
+    assert auto["finish"] in ("stop", "length", "tool_calls")
+
+
 def test_sampled_structured_outputs_all_validate(plugin):
     """Temperature 1.0: every one of the SAMPLED outputs is JSON valid against the schema."""
     assert len(plugin["sampled_json"]) == SAMPLED
@@ -201,3 +232,4 @@ def test_plugin_equals_stock_vllm(tiny, ours, plugin, tmp_path_factory):
     _same(plugin["prompt_logprobs"], stock["prompt_logprobs"], "prompt_logprobs")
     _same(plugin["echo"], stock["echo"], "echo")
     assert plugin["structured"] == stock["structured"]
+    assert plugin["tools"] == stock["tools"]
