@@ -67,6 +67,7 @@ def generate_ids(
     logprobs: int | None = None,
     options: RunOptions = RunOptions(),  # noqa: B008 (frozen)
     prompt_logprobs: int | None = None,
+    grammar: Callable[[], object] | None = None,
 ) -> tuple[list[SequenceResult], Metrics]:
     """Generate up to `max_new_tokens` per prompt; speculative steps when the engine carries a draft model
     (`engine.spec`) or is a SpecEngine, plain steps otherwise.
@@ -76,6 +77,7 @@ def generate_ids(
     sampled position of a plain step or prefill. `stop`: stop strings and their decoder (its count fields are
     replaced by this call's); `logprobs`: record each output token's log-probability and the top-N alternatives;
     `prompt_logprobs`: score every prompt token after the first (its logprob and the top-N alternatives);
+    `grammar`: a factory of per-sequence token grammars (runtime/grammar.py `token_grammar`: structured output);
     `options`: prefix caching (prompts whose first blocks are cached, by earlier prompts of this call or an earlier
     call on the same engine, encode only the rest) and chunked prefill (a prompt that starts while others decode is
     encoded a chunk per step).
@@ -89,8 +91,8 @@ def generate_ids(
     gen = make_generator(sampling.seed)
     stop = StopRule(max_new_tokens, eos_ids, ignore_eos, build.max_length,
                     stop.stop_strings if stop else (), stop.decode if stop else None)
-    seqs = [Sequence(i, list(p), sampling, stop, gen, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
-            for i, p in enumerate(prompts)]
+    seqs = [Sequence(i, list(p), sampling, stop, gen, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                     grammar=grammar() if grammar is not None else None) for i, p in enumerate(prompts)]
     runner = Runner(engine, agree, on_logits, keep_step_counts=True, options=options)
     sched = runner.scheduler
     for s in seqs:

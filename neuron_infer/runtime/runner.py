@@ -250,6 +250,9 @@ class Runner:
         if self.on_logits is not None:
             self.on_logits(logits)
         configs = [s.sampling for s in seqs]
+        for s in seqs:
+            if s.grammar is not None:
+                s.allowed = s.grammar.allowed()  # [V]
         history = None
         if any(c.penalized for c in configs):  # per-row token counts of prompt + output
             history = token_history([s.prompt for s in seqs], [s.output for s in seqs], logits.shape[-1])
@@ -275,7 +278,12 @@ class Runner:
             for i, rec in zip(want, got):
                 rec["top"] = rec["top"][: seqs[i].logprobs]
                 seqs[i].output_logprobs.append(rec)
-        return {s: s.append([t]) for s, t in zip(seqs, toks.tolist())}
+        out = {s: s.append([t]) for s, t in zip(seqs, toks.tolist())}
+        for s, kept in out.items():
+            if s.grammar is not None:
+                for t in kept:
+                    s.grammar.accept(t)
+        return out
 
     def _lookup(self, scheduled: list[Sequence], rows: dict[int, list[int]]) -> dict[Sequence, list[int]] | None:
         """A prompt-lookup step (None: no sequence drafts this step, take a plain step)."""
@@ -381,4 +389,4 @@ def _plain_only(s: Sequence) -> bool:
     grammar's mask (see _shared_rule)."""
     c = s.sampling
     return (s.logprobs is not None or c.penalized or c.min_p > 0 or bool(c.logit_bias)
-            or len(s.output) < c.min_tokens or s.allowed is not None)
+            or len(s.output) < c.min_tokens or s.allowed is not None or s.grammar is not None)

@@ -98,6 +98,7 @@ class Sequence:
     prompt_records: list[dict] | None = None
     allowed: torch.Tensor | None = None  # bool [V]: the only tokens its next sampled token may be (a grammar's mask,
     # set by the caller before a step, cleared when the token is sampled); None: unconstrained
+    grammar: object | None = None  # a runtime.grammar.TokenGrammar: its mask is taken before each sampled token
 
     def __post_init__(self) -> None:
         if self.logprobs is not None:

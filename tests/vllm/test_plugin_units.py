@@ -122,7 +122,7 @@ def test_out_of_range_logit_bias_is_a_clear_request_error():
 
 @pytest.mark.parametrize("kw,name", [
     ({"logprob_token_ids": [3, 4]}, "logprob_token_ids"),
-    ({"structured_outputs": object()}, "structured output"), ({"bad_words": ["x"]}, "bad_words"),
+    ({"bad_words": ["x"]}, "bad_words"),
     ({"allowed_token_ids": [1, 2]}, "allowed_token_ids"),
 ])
 def test_unsupported_features_are_named(kw, name):
