@@ -33,9 +33,11 @@ from neuron_infer.errors import NeuronInferError
 from neuron_infer.prompts import refuse_empty
 from neuron_infer.runtime.engine import Engine
 from neuron_infer.runtime.generate import SequenceResult, generate_ids
+from neuron_infer.runtime.grammar import GrammarSpec, check_ends_at_eos, token_grammar
 from neuron_infer.runtime.loader import load_rank
 from neuron_infer.runtime.metrics import Metrics, pooled
 from neuron_infer.runtime.options import RunOptions
+from neuron_infer.runtime.sampling import check_vocab
 from neuron_infer.runtime.sequence import Sequence, StopRule, check_prompt, cut_at_stop
 
 OnTokens = Callable[[list[list[int]]], None]
@@ -186,38 +188,52 @@ class CompiledModel:
     def generate(self, prompts: list[str], max_new_tokens: int = 64,
                  sampling: SamplingConfig = SamplingConfig(),  # noqa: B008 (frozen, never mutated)
                  chat: bool = False, ignore_eos: bool = False, on_tokens: OnTokens | None = None,
-                 stop: tuple[str, ...] = (), logprobs: int | None = None) -> GenerationOutput:
+                 stop: tuple[str, ...] = (), logprobs: int | None = None,
+                 grammar: GrammarSpec | None = None) -> GenerationOutput:
         """Generate text. `stop`: stop strings (a sequence stops when its output contains one; the text is cut
-        before it, finish_reason "stop"); `logprobs`: each output token's logprob and the top-N alternatives."""
+        before it, finish_reason "stop"); `logprobs`: each output token's logprob and the top-N alternatives;
+        `grammar`: structured output (see `generate_ids`)."""
         refuse_empty((f"prompt {i}", p) for i, p in enumerate(prompts))
         ids = [self.encode(p, chat) for p in prompts]
-        return self.generate_ids(ids, max_new_tokens, sampling, ignore_eos, on_tokens, stop=stop, logprobs=logprobs)
+        return self.generate_ids(ids, max_new_tokens, sampling, ignore_eos, on_tokens, stop=stop, logprobs=logprobs,
+                                 grammar=grammar)
 
     def generate_ids(self, prompts: list[list[int]], max_new_tokens: int = 64,
                      sampling: SamplingConfig = SamplingConfig(),  # noqa: B008 (frozen, never mutated)
                      ignore_eos: bool = False, on_tokens: OnTokens | None = None,
                      collect_logits: bool = False, stop: tuple[str, ...] = (),
-                     logprobs: int | None = None) -> GenerationOutput:
+                     logprobs: int | None = None, grammar: GrammarSpec | None = None) -> GenerationOutput:
         """Generate from token ids (`stop`, `logprobs`: see `generate`). `collect_logits` (tensor-parallel rank
         groups): keep each step's logits in `self.group.last_run["logits"]` (tests compare them against tp = 1).
-        Under torchrun, ranks other than 0 return an empty GenerationOutput (rank 0 holds the results)."""
+        Under torchrun, ranks other than 0 return an empty GenerationOutput (rank 0 holds the results). `grammar`:
+        structured output (a JSON schema, regex or choices, runtime/grammar.py; each output ends with EOS once the
+        grammar is complete)."""
         if max_new_tokens < 1:
             raise NeuronInferError(f"max_new_tokens={max_new_tokens} must be >= 1")
         rule = StopRule(stop_strings=tuple(stop), decode=self._decode)
+        check_vocab(sampling, self.manifest.model.vocab_size)
+        make_grammar = self._grammar(grammar, ignore_eos)
         if self.group is not None:  # checked here too: a rank's error would name no prompt of the caller
-            if logprobs is not None:
-                raise NeuronInferError("logprobs are not available for tensor-parallel CPU artifacts yet; use a "
-                                       "tp=1 artifact")
+            if logprobs is not None or grammar is not None:
+                raise NeuronInferError("logprobs and structured output are not available for tensor-parallel CPU "
+                                       "artifacts yet; use a tp=1 artifact")
             for i, p in enumerate(prompts):
                 check_prompt(f"prompt {i}", p, self.manifest.build.max_context_length, self.manifest.model.vocab_size)
             got = self.group.generate_ids(prompts, max_new_tokens, sampling, self.eos_ids, ignore_eos, on_tokens,
                                           collect_logits)
             if got is None:
                 return GenerationOutput([], [])
-            return GenerationOutput([self._text(_apply_stop(r, rule), rule) for r in got[0]], got[1])
+            return GenerationOutput([self._text(_apply_stop(r, rule, sampling), rule) for r in got[0]], got[1])
         res, m = generate_ids(self.engine, prompts, max_new_tokens, sampling, self.eos_ids, ignore_eos, on_tokens,
-                              stop=rule, logprobs=logprobs, options=self.options)
+                              stop=rule, logprobs=logprobs, options=self.options, grammar=make_grammar)
         return GenerationOutput([self._text(r, rule) for r in res], [m])
+
+    def _grammar(self, spec: GrammarSpec | None, ignore_eos: bool):
+        """The per-sequence grammar factory of `spec` (None: unconstrained)."""
+        check_ends_at_eos(spec, ignore_eos)
+        if spec is None:
+            return None
+        return token_grammar(spec, self.tokenizer, self.manifest.model.vocab_size, self.eos_ids)
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -236,12 +252,12 @@ class CompiledModel:
         return TextOutput(r.token_ids, text, r.finish_reason, lps)
 
 
-def _apply_stop(r: SequenceResult, rule: StopRule) -> SequenceResult:
+def _apply_stop(r: SequenceResult, rule: StopRule, sampling: SamplingConfig) -> SequenceResult:
     """A rank group's result under the stop strings (the ranks generate without them): the same stop rule, replayed
-    over the tokens (the tokens after a stop string are dropped)."""
+    over the tokens (the tokens after a stop string are dropped; none within min_tokens)."""
     if not rule.stop_strings:
         return r
-    seq = Sequence(0, [], None, rule, None)
+    seq = Sequence(0, [], sampling, rule, None)
     kept = seq.append(r.token_ids)
     return SequenceResult(kept, "stop") if seq.finished else r
 

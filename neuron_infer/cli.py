@@ -12,7 +12,7 @@ from pathlib import Path
 import click
 from safetensors import SafetensorError
 
-from neuron_infer.cli_help import SectionedCommand, examples, option_names, sampling_options
+from neuron_infer.cli_help import SectionedCommand, examples, option_names, parse_logit_bias, sampling_options
 from neuron_infer.errors import NeuronInferError
 from neuron_infer.oserrors import as_os_error, describe_os_error
 
@@ -193,6 +193,11 @@ def compile_cmd(model_dir, output, backend, overwrite, **kw) -> None:
               help="with --json: JSON Lines, one delta record per step, then the result record")
 @click.option("--logprobs", type=click.IntRange(min=0), default=None,
               help="with --json: each output token's logprob and the top N alternatives (with their text)")
+@click.option("--json-schema", "json_schema", default=None, metavar="FILE",
+              help="structured output: each output is JSON valid against this JSON schema file (needs xgrammar)")
+@click.option("--regex", default=None, help="structured output: each output matches this regex, e.g. '[0-9]{3}'")
+@click.option("--choice", "choice", multiple=True,
+              help="structured output: each output is one of these texts; repeatable, e.g. --choice yes --choice no")
 @click.option("--threads", type=click.IntRange(min=1), default=None,
               help="CPU threads for the graphs (default: the usable CPUs that other processes leave free, "
                    "re-evaluated twice a second)")
@@ -206,13 +211,15 @@ def compile_cmd(model_dir, output, backend, overwrite, **kw) -> None:
                    "bucket <= 256; 0: whole prompts)")
 @build_options
 def generate_cmd(artifacts, prompts, prompt_file, chat, max_new_tokens, temperature, top_k, top_p, seed, min_p, repetition_penalty,
-                 presence_penalty, frequency_penalty, stop,
-                 ignore_eos, as_json, stream_json, logprobs, threads, kv_cache_gib, no_prefix_caching, prefill_chunk,
+                 presence_penalty, frequency_penalty, min_tokens, logit_bias, stop,
+                 ignore_eos, as_json, stream_json, logprobs, json_schema, regex, choice, threads, kv_cache_gib,
+                 no_prefix_caching, prefill_chunk,
                  **kw) -> None:
     """Generate from ARTIFACTS (omit to compile or reuse the embedded default model)."""
     from neuron_infer.api import LOAD_STAGES, CompiledModel, check_request, encode_prompt  # noqa: PLC0415
     from neuron_infer.cli_io import JsonLinesStreamer, TextStreamer, artifact_front  # noqa: PLC0415
-    from neuron_infer.cli_io import resolve_stdin_prompts  # noqa: PLC0415
+    from neuron_infer.cli_io import grammar_spec, resolve_stdin_prompts  # noqa: PLC0415
+    from neuron_infer.runtime.grammar import check_ends_at_eos  # noqa: PLC0415
     from neuron_infer.config import SamplingConfig  # noqa: PLC0415
     from neuron_infer.progress import set_bars, stages  # noqa: PLC0415
     from neuron_infer.prompts import collect_prompts  # noqa: PLC0415
@@ -227,11 +234,14 @@ def generate_cmd(artifacts, prompts, prompt_file, chat, max_new_tokens, temperat
     if artifacts is not None and any(v is not None for v in kw.values()):
         raise NeuronInferError("build flags (--dtype, --max-length, ...) apply when compiling; pass them to "
                                "`neuron-infer compile`, or omit ARTIFACTS to use the embedded default")
+    grammar = grammar_spec(json_schema, regex, choice)  # checked before any slow step
+    check_ends_at_eos(grammar, ignore_eos)
     prompts = resolve_stdin_prompts([check_text(p, "--prompt") for p in prompts], prompt_file is not None)
     prompts = collect_prompts(prompts, prompt_file)  # empty ones refused, never swapped or dropped
     sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, min_p=min_p,
                               repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
-                              frequency_penalty=frequency_penalty)
+                              frequency_penalty=frequency_penalty, min_tokens=min_tokens,
+                              logit_bias=parse_logit_bias(logit_bias))
     if artifacts is None:
         from neuron_infer.checkpoint import load_tokenizer  # noqa: PLC0415
         from neuron_infer.embedded import default_model_dir  # noqa: PLC0415
@@ -256,7 +266,7 @@ def generate_cmd(artifacts, prompts, prompt_file, chat, max_new_tokens, temperat
         stream = TextStreamer(model.tokenizer, stop) if len(prompts) == 1 else None
     with model:  # a tensor-parallel artifact's rank processes stop when generation ends
         out = model.generate_ids(ids, max_new_tokens or 128, sampling, ignore_eos=ignore_eos, on_tokens=stream,
-                                 stop=stop, logprobs=logprobs)
+                                 stop=stop, logprobs=logprobs, grammar=grammar)
     _print_result(out, as_json, stream)
 
 

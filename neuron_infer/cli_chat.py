@@ -13,7 +13,7 @@ import sys
 
 import click
 
-from neuron_infer.cli_help import examples, sampling_options
+from neuron_infer.cli_help import examples, parse_logit_bias, sampling_options
 from neuron_infer.errors import NeuronInferError
 
 EXIT_COMMANDS = ("/exit", "/quit")
@@ -74,7 +74,7 @@ def _read_message(stdin, interactive: bool) -> str | None:
 @click.option("--config", default=None,
               help="without ARTIFACTS: the build preset of the default model (as for generate), e.g. tiny")
 def chat_cmd(artifacts, system, max_new_tokens, temperature, top_k, top_p, seed, min_p, repetition_penalty,
-                 presence_penalty, frequency_penalty, stop, threads, config) -> None:
+                 presence_penalty, frequency_penalty, min_tokens, logit_bias, stop, threads, config) -> None:
     """Chat with ARTIFACTS (omit for the embedded default model): one user message per line, answers streamed.
 
     /exit, /quit or end of input ends the chat; /reset forgets the conversation (the system message stays).
@@ -88,7 +88,8 @@ def chat_cmd(artifacts, system, max_new_tokens, temperature, top_k, top_p, seed,
 
     sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, min_p=min_p,
                               repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
-                              frequency_penalty=frequency_penalty)
+                              frequency_penalty=frequency_penalty, min_tokens=min_tokens,
+                              logit_bias=parse_logit_bias(logit_bias))
     artifacts = _resolve_artifacts(artifacts, config, say)
     manifest, tokenizer = artifact_front(artifacts)  # cheap checks before the slow load
     start = [{"role": "system", "content": system}] if system else []

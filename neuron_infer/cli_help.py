@@ -5,6 +5,8 @@ from collections.abc import Callable, Iterable
 
 import click
 
+from neuron_infer.errors import NeuronInferError
+
 
 def option_names(decorator: Callable) -> frozenset[str]:
     """Parameter names an option decorator (e.g. `build_options`) adds to a command."""
@@ -62,6 +64,12 @@ def sampling_options(f: Callable) -> Callable:
                      help="subtract from the logits of tokens already generated; 0 = off, range [-2, 2]"),
         click.option("--frequency-penalty", type=float, default=0.0, show_default=True,
                      help="subtract this times each token's count in the output; 0 = off, range [-2, 2]"),
+        click.option("--min-tokens", type=click.IntRange(min=0), default=0, show_default=True,
+                     help="generate at least this many tokens: EOS cannot be sampled (and stop strings do not end "
+                          "the output) before; 0 = off"),
+        click.option("--logit-bias", "logit_bias", multiple=True, metavar="ID:BIAS",
+                     help="add BIAS (in [-100, 100]) to token ID's logit; repeatable, e.g. --logit-bias 2:-100 "
+                          "(never token 2)"),
         click.option("--stop", "stop", multiple=True,
                      help="stop when the output contains this text (cut before it, finish_reason 'stop'); "
                           "repeatable, e.g. --stop '\\n\\n' --stop 'User:'"),
@@ -69,3 +77,18 @@ def sampling_options(f: Callable) -> Callable:
     for opt in reversed(opts):
         f = opt(f)
     return f
+
+
+def parse_logit_bias(values: tuple[str, ...]) -> tuple[tuple[int, float], ...]:
+    """--logit-bias ID:BIAS values -> ((id, bias), ...); NeuronInferError names a malformed one (SamplingConfig
+    checks the ranges)."""
+    pairs = []
+    for v in values:
+        tok, sep, bias = v.partition(":")
+        try:
+            pairs.append((int(tok), float(bias)))
+        except ValueError:
+            raise NeuronInferError(f"--logit-bias {v!r} must be TOKEN_ID:BIAS, e.g. 2:-100") from None
+        if not sep:
+            raise NeuronInferError(f"--logit-bias {v!r} must be TOKEN_ID:BIAS, e.g. 2:-100")
+    return tuple(pairs)

@@ -160,3 +160,22 @@ class JsonLinesStreamer:
 def emit(record: dict) -> None:
     """One compact JSON line on stdout."""
     click.echo(json.dumps(record))
+
+
+def grammar_spec(json_schema: str | None, regex: str | None, choice: tuple[str, ...]):
+    """--json-schema FILE / --regex RE / --choice TEXT... -> a GrammarSpec, or None when none is given; one clear
+    error for a missing or unreadable file, invalid JSON or more than one kind."""
+    from neuron_infer.runtime.grammar import GrammarSpec  # noqa: PLC0415
+
+    if json_schema is None and regex is None and not choice:
+        return None
+    text = None
+    if json_schema is not None:
+        try:
+            text = Path(json_schema).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise NeuronInferError(f"--json-schema {json_schema}: cannot read it ({e.__class__.__name__}: "
+                                   f"{getattr(e, 'strerror', None) or e}); give a UTF-8 JSON schema file") from None
+    if sum([json_schema is not None, regex is not None, bool(choice)]) > 1:
+        raise NeuronInferError("--json-schema, --regex and --choice exclude each other; give one")
+    return GrammarSpec(json_schema=text, regex=regex, choice=tuple(choice))

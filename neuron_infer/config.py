@@ -448,7 +448,10 @@ class SamplingConfig:
     """temperature 0 = greedy; top_k 0 = off; top_p 1.0 = off; seed None = nondeterministic; min_p 0 = off
     (keep tokens with probability >= min_p x the top token's); repetition_penalty 1 = off (logits of tokens seen in
     prompt or output divided by it when positive, multiplied when negative); presence_penalty / frequency_penalty
-    0 = off (subtracted from the logits of output tokens: presence once, frequency per occurrence)."""
+    0 = off (subtracted from the logits of output tokens: presence once, frequency per occurrence); min_tokens 0 = off
+    (the stop token ids cannot be sampled until the output holds this many tokens, and stop strings do not end it
+    sooner); logit_bias () = off ((token id, bias) pairs added to those tokens' logits, bias in [-100, 100] as in
+    OpenAI; a Mapping {id: bias} is accepted and stored as pairs sorted by id)."""
 
     temperature: float = 0.0
     top_k: int = 0
@@ -458,8 +461,13 @@ class SamplingConfig:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    min_tokens: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
+        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise ConfigError(f"min_tokens={self.min_tokens!r} must be an integer >= 0 (0 disables it)")
         if not math.isfinite(self.temperature) or self.temperature < 0:
             raise ConfigError(f"temperature={self.temperature} must be a finite number >= 0 (0 means greedy)")
         if self.top_k < 0:
@@ -480,6 +488,11 @@ class SamplingConfig:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     @property
+    def biased(self) -> bool:
+        """Whether logits get an additive adjustment: logit_bias, or min_tokens holding back the stop ids."""
+        return bool(self.logit_bias) or self.min_tokens > 0
+
+    @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
@@ -489,3 +502,25 @@ class SamplingConfig:
     @classmethod
     def from_dict(cls, d: Any, where: str = "sampling config") -> "SamplingConfig":
         return parse_dataclass(cls, d, where)
+
+
+MAX_LOGIT_BIAS = 100.0  # OpenAI's (and vLLM's) bound on one logit_bias value
+
+
+def _bias_pairs(bias: Any) -> tuple[tuple[int, float], ...]:
+    """logit_bias as a Mapping {id: bias} or pairs -> ((id, bias), ...) sorted by id; ConfigError names a bad entry."""
+    items = list(bias.items()) if isinstance(bias, Mapping) else list(bias)
+    pairs = []
+    for item in items:
+        if not isinstance(item, (tuple, list)) or len(item) != 2:
+            raise ConfigError(f"logit_bias entry {item!r} must be a (token id, bias) pair")
+        tok, b = item
+        if isinstance(tok, bool) or not isinstance(tok, int) or tok < 0:
+            raise ConfigError(f"logit_bias token id {tok!r} must be an integer >= 0")
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or not -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS:
+            raise ConfigError(f"logit_bias value {b!r} for token {tok} must be a number in [-100, 100]")
+        pairs.append((tok, float(b)))
+    ids = [t for t, _ in pairs]
+    if len(set(ids)) != len(ids):
+        raise ConfigError(f"logit_bias names token {next(t for t in ids if ids.count(t) > 1)} more than once")
+    return tuple(sorted(pairs))

@@ -10,6 +10,7 @@ A JSON value is checked against a type annotation:
     bool, str       true or false; a string
     X | None        null or an X (unions of several types try each in turn)
     tuple[T, ...]   an array of T, returned as a tuple (list[T]: returned as a list)
+    tuple[A, B]     an array of exactly an A and a B, returned as a tuple
     dict[str, T]    an object whose values are T
     Any             anything
     a dataclass     an object holding its fields: a missing required field or an unknown key is an error
@@ -77,9 +78,16 @@ def _describe(tp: Any) -> str:
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin in (typing.Union, types.UnionType):
         return " or ".join(_describe(a) for a in args)
+    if origin is tuple and _fixed(args):
+        return f"an array of {len(args)}: " + ", ".join(_describe(a) for a in args)
     if origin in (tuple, list):
         return f"an array of {_plural(args[0])}"
     return "a JSON object"
+
+
+def _fixed(args: tuple) -> bool:
+    """A fixed-length tuple annotation (tuple[A, B]), not tuple[T, ...]."""
+    return len(args) != 2 or args[1] is not Ellipsis
 
 
 def _plural(tp: Any) -> str:
@@ -100,8 +108,10 @@ def check(value: Any, tp: Any, field: str, where: str) -> Any:
     if tp in (bool, int, float, str, type(None)):
         return _check_scalar(value, tp, field, where)
     if origin in (tuple, list):
-        if not isinstance(value, (list, tuple)):
+        if not isinstance(value, (list, tuple)) or (origin is tuple and _fixed(args) and len(value) != len(args)):
             raise _fail(where, field, tp, value)
+        if origin is tuple and _fixed(args):
+            return tuple(check(v, t, f"{field}[{i}]", where) for i, (v, t) in enumerate(zip(value, args)))
         items = [check(v, args[0], f"{field}[{i}]", where) for i, v in enumerate(value)]
         return tuple(items) if origin is tuple else items
     if origin is dict or tp is dict:

@@ -228,10 +228,12 @@ class Engine:
         t = pick_bucket(tokens, self.build.context_bucket_list, "prompt", "--max-context-length/--context-buckets")
         return (t, t) if start == 0 else (t, self.build.max_context_length)
 
-    def prefill_row(self, slot: int, prompt: list[int], start: int = 0, end: int | None = None) -> torch.Tensor:
+    def prefill_row(self, slot: int, prompt: list[int], start: int = 0, end: int | None = None,
+                    logit_rows: Sequence[int] | None = None) -> torch.Tensor:
         """Encode prompt[start:end] at positions start.. into the blocks of `slot` (positions < start are already
         cached there; other slots untouched) -> logits [V] after its last token (the next-token logits when `end`
-        is the prompt's end). end - start must fit the largest context bucket."""
+        is the prompt's end), or with `logit_rows` (indices into the piece) logits [len(logit_rows), V] after those
+        tokens. end - start must fit the largest context bucket."""
         end = len(prompt) if end is None else end
         n = end - start
         t, s = self.context_graph(n, start)
@@ -242,8 +244,10 @@ class Engine:
         ids = torch.zeros(1, t, dtype=torch.int64)  # [1, T], right-padded; padding writes slots no one reads
         ids[0, :n] = torch.tensor(prompt[start:end], dtype=torch.int64)
         positions = torch.arange(start, start + t, dtype=torch.int64).view(1, t)  # [1, T]
-        last = torch.tensor([[n - 1]], dtype=torch.int64)  # [1, 1]
-        return self._run(name, ids, positions, last, self.table([slot], s, self.min_table_width))[0, 0]  # [V]
+        rows = [n - 1] if logit_rows is None else list(logit_rows)
+        index = torch.tensor([rows], dtype=torch.int64)  # [1, n_logits]
+        logits = self._run(name, ids, positions, index, self.table([slot], s, self.min_table_width))[0]
+        return logits[0] if logit_rows is None else logits  # [V] or [n_logits, V]
 
     def prefill(self, prompts: list[list[int]]) -> torch.Tensor:
         """Encode prompts into slots 0..n-1 of the static layout (`bind_stripes`) -> next-token logits [B, V] (idle

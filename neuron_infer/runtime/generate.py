@@ -20,7 +20,7 @@ from neuron_infer.runtime.engine import Engine
 from neuron_infer.runtime.metrics import Metrics
 from neuron_infer.runtime.options import RunOptions
 from neuron_infer.runtime.runner import Agree, Runner
-from neuron_infer.runtime.sampling import make_generator
+from neuron_infer.runtime.sampling import check_vocab, make_generator
 from neuron_infer.runtime.sequence import Sequence, StopRule, check_prompt
 from neuron_infer.runtime.spec_engine import SpecEngine
 
@@ -30,6 +30,7 @@ class SequenceResult:
     token_ids: list[int]
     finish_reason: str  # "eos" | "stop" | "max_new_tokens" | "max_length"
     logprobs: list[dict] | None = None  # per output token (see Sequence.logprobs), when asked for
+    prompt_logprobs: list[dict] | None = None  # per prompt token after the first (Sequence.prompt_records)
 
 
 OnTokens = Callable[[list[list[int]]], None]  # called after each step with every sequence's tokens so far
@@ -65,6 +66,8 @@ def generate_ids(
     stop: StopRule | None = None,
     logprobs: int | None = None,
     options: RunOptions = RunOptions(),  # noqa: B008 (frozen)
+    prompt_logprobs: int | None = None,
+    grammar: Callable[[], object] | None = None,
 ) -> tuple[list[SequenceResult], Metrics]:
     """Generate up to `max_new_tokens` per prompt; speculative steps when the engine carries a draft model
     (`engine.spec`) or is a SpecEngine, plain steps otherwise.
@@ -73,6 +76,8 @@ def generate_ids(
     actually used (tensor parallelism: rank 0's choice, broadcast); `on_logits` sees the logits [n, V] of every
     sampled position of a plain step or prefill. `stop`: stop strings and their decoder (its count fields are
     replaced by this call's); `logprobs`: record each output token's log-probability and the top-N alternatives;
+    `prompt_logprobs`: score every prompt token after the first (its logprob and the top-N alternatives);
+    `grammar`: a factory of per-sequence token grammars (runtime/grammar.py `token_grammar`: structured output);
     `options`: prefix caching (prompts whose first blocks are cached, by earlier prompts of this call or an earlier
     call on the same engine, encode only the rest) and chunked prefill (a prompt that starts while others decode is
     encoded a chunk per step).
@@ -82,10 +87,12 @@ def generate_ids(
         raise NeuronInferError("got no prompts; pass at least one")
     for i, p in enumerate(prompts):
         check_prompt(f"prompt {i}", p, build.max_context_length, engine.vocab_size)
+    check_vocab(sampling, engine.vocab_size)
     gen = make_generator(sampling.seed)
     stop = StopRule(max_new_tokens, eos_ids, ignore_eos, build.max_length,
                     stop.stop_strings if stop else (), stop.decode if stop else None)
-    seqs = [Sequence(i, list(p), sampling, stop, gen, logprobs=logprobs) for i, p in enumerate(prompts)]
+    seqs = [Sequence(i, list(p), sampling, stop, gen, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                     grammar=grammar() if grammar is not None else None) for i, p in enumerate(prompts)]
     runner = Runner(engine, agree, on_logits, keep_step_counts=True, options=options)
     sched = runner.scheduler
     for s in seqs:
@@ -109,4 +116,5 @@ def generate_ids(
     metrics.num_generated = max(len(s.output) for s in seqs)
     metrics.decode_tokens = sum(len(s.output) - 1 for s in seqs)
     metrics.finish(min(len(seqs), build.batch_size))
-    return [SequenceResult(s.output, s.finish_reason or "max_new_tokens", s.output_logprobs) for s in seqs], metrics
+    return [SequenceResult(s.output, s.finish_reason or "max_new_tokens", s.output_logprobs, s.prompt_records)
+            for s in seqs], metrics

@@ -53,8 +53,9 @@ class NgramSpec:
         self.spec_run = 0  # speculative steps since the last plain step
         self.plain_run = 0  # plain steps since the last speculative step
 
-    def prefill_row(self, row: int, prompt: list[int], start: int = 0, end: int | None = None) -> torch.Tensor:
-        return self.target.prefill_row(row, prompt, start, end)
+    def prefill_row(self, row: int, prompt: list[int], start: int = 0, end: int | None = None,
+                    logit_rows: Sequence[int] | None = None) -> torch.Tensor:
+        return self.target.prefill_row(row, prompt, start, end, logit_rows)
 
     def can_speculate(self, seqs: Mapping[int, Sequence[int]]) -> bool:
         """A verify step writes positions p..p+K of every listed row: p + K + 1 <= max_length."""

@@ -16,9 +16,9 @@ With chunked prefill (`prefill`), a prompt that starts while others decode is en
 last chunk the sequence sits decode steps out (its slot is bound to no blocks for them, like a free slot).
 
 Speculation: one graph serves one sampling rule per step, so a step is plain when the scheduled sequences mix
-greedy and sampled or different temperature / top-k / top-p, when a sequence asks for logprobs or uses penalties or
-min-p, and near max_length where a speculative block would not fit (or, with the caller's blocks, past the end of a
-row's last block: vLLM allocates blocks only for the tokens it scheduled). Plain steps and prompt encoding write only
+greedy and sampled or different temperature / top-k / top-p, when a sequence asks for logprobs or uses penalties,
+min-p or logit_bias, has not reached its min_tokens or is held to a grammar's mask, and near max_length where a
+speculative block would not fit (or, with the caller's blocks, past the end of a row's last block: vLLM allocates blocks only for the tokens it scheduled). Plain steps and prompt encoding write only
 the target cache; before a speculative step the draft catches up on what it missed (`SpecEngine.catch_up`).
 
 With `gate`, a step that could speculate still takes a plain step while speculative steps are measured not to
@@ -58,11 +58,17 @@ import torch
 
 from neuron_infer.config import SamplingConfig
 from neuron_infer.errors import NeuronInferError
-from neuron_infer.runtime.engine import Engine, take_rows
+from neuron_infer.runtime.engine import Engine, graph_name, take_rows
 from neuron_infer.runtime.metrics import Metrics
 from neuron_infer.runtime.ngram_spec import NgramSpec, accept, accept_uniforms
 from neuron_infer.runtime.options import RunOptions
-from neuron_infer.runtime.sampling import draw_uniforms, sample_rows, token_history, token_logprobs
+from neuron_infer.runtime.sampling import (
+    draw_uniforms,
+    logit_adjustment,
+    sample_rows,
+    token_history,
+    token_logprobs,
+)
 from neuron_infer.runtime.scheduler import Scheduler
 from neuron_infer.runtime.sequence import Sequence
 from neuron_infer.runtime.spec_engine import SpecEngine
@@ -155,7 +161,10 @@ class Runner:
         logits = None
         while start < end:
             stop = min(end, start + piece)
-            logits = encode(seq.row, tokens, start, stop)
+            if seq.prompt_logprobs is not None:
+                logits = self._encode_scored(encode, seq, start, stop)
+            else:
+                logits = encode(seq.row, tokens, start, stop)
             start = stop
         self.encoding[seq] = start
         if start < len(seq):
@@ -164,6 +173,24 @@ class Runner:
         self.scheduler.cache_blocks(seq)
         self._note_blocks()
         return logits
+
+    def _encode_scored(self, encode: Callable, seq: Sequence, start: int, stop: int) -> torch.Tensor:
+        """Encode seq.tokens[start:stop] and record the prompt logprobs it yields (the logits after position p
+        score prompt token p+1; raw log-softmax, as the sample logprobs) -> logits [V] after its last token.
+
+        The vocabulary head runs over every position of the piece only for such sequences: eager graphs take all
+        the piece's rows as `logit_index` in one call; compiled graphs take the one row they were exported with, so
+        the piece is encoded once per row (each call writes the same K/V again)."""
+        rows = list(range(stop - start))
+        if _takes_logit_rows(self.engine, len(rows), start):
+            logits = encode(seq.row, seq.tokens, start, stop, logit_rows=rows)  # [n, V]
+        else:
+            logits = torch.cat([encode(seq.row, seq.tokens, start, stop, logit_rows=[i]) for i in rows])  # [n, V]
+        scored = min(stop, len(seq.prompt) - 1) - start  # positions start.. that predict a prompt token
+        if scored > 0:
+            targets = torch.tensor(seq.prompt[start + 1: start + 1 + scored], dtype=torch.int64)  # [scored]
+            seq.prompt_records.extend(token_logprobs(logits[:scored], targets, seq.prompt_logprobs))
+        return logits[-1]
 
     def _bind(self, idle: dict | None = None) -> None:
         """Every slot's blocks on the engine (free slots, and the sequences in `idle`: none, so their rows write
@@ -223,19 +250,40 @@ class Runner:
         if self.on_logits is not None:
             self.on_logits(logits)
         configs = [s.sampling for s in seqs]
+        for s in seqs:
+            if s.grammar is not None:
+                s.allowed = s.grammar.allowed()  # [V]
         history = None
         if any(c.penalized for c in configs):  # per-row token counts of prompt + output
             history = token_history([s.prompt for s in seqs], [s.output for s in seqs], logits.shape[-1])
-        toks = sample_rows(logits, configs, draw_uniforms(configs, [s.generator for s in seqs]), history)  # [n]
+        bias, allowed = None, [s.allowed for s in seqs]
+        constrained = any(a is not None for a in allowed)
+        if constrained or any(c.biased for c in configs):  # logit_bias; min_tokens; a grammar's mask
+            bias = logit_adjustment(configs, [len(s.output) for s in seqs], [s.held_ids for s in seqs],
+                                    logits.shape[-1], allowed)  # [n, V] or None
+        u = draw_uniforms(configs, [s.generator for s in seqs])
+        toks = sample_rows(logits, configs, u, history, bias)  # [n]
         if self.agree is not None:
             toks = self.agree(toks)
+        for s in seqs:
+            s.allowed = None  # a mask holds for one token
         want = [i for i, s in enumerate(seqs) if s.logprobs is not None]
         if want:
-            got = token_logprobs(logits[want], toks[want], max(seqs[i].logprobs for i in want))
+            scored = logits
+            if constrained:  # as vLLM: logprobs of the masked logits (disallowed tokens -inf)
+                masked = torch.stack([torch.ones_like(logits[0], dtype=torch.bool) if a is None else a
+                                      for a in allowed])  # [n, V]
+                scored = logits.float().masked_fill(~masked, float("-inf"))
+            got = token_logprobs(scored[want], toks[want], max(seqs[i].logprobs for i in want))
             for i, rec in zip(want, got):
                 rec["top"] = rec["top"][: seqs[i].logprobs]
                 seqs[i].output_logprobs.append(rec)
-        return {s: s.append([t]) for s, t in zip(seqs, toks.tolist())}
+        out = {s: s.append([t]) for s, t in zip(seqs, toks.tolist())}
+        for s, kept in out.items():
+            if s.grammar is not None:
+                for t in kept:
+                    s.grammar.accept(t)
+        return out
 
     def _lookup(self, scheduled: list[Sequence], rows: dict[int, list[int]]) -> dict[Sequence, list[int]] | None:
         """A prompt-lookup step (None: no sequence drafts this step, take a plain step)."""
@@ -312,11 +360,20 @@ class Runner:
         return self.gate.clock.timing(kind) if self.gate is not None else contextlib.nullcontext()
 
 
+def _takes_logit_rows(engine: Engine, n: int, start: int) -> bool:
+    """Whether the context graph encoding n tokens from `start` takes any number of logit rows: an eager graph (the
+    nn.Module itself) does; a compiled graph has the static logit_index [1, 1] it was exported with."""
+    t, s = engine.context_graph(n, start)
+    return isinstance(engine.graphs.get(graph_name("context", t, s)), torch.nn.Module)
+
+
 def _shared_rule(seqs: list[Sequence]) -> SamplingConfig | None:
     """The one sampling rule of the scheduled sequences (seed aside), or None when they differ or when a sequence
     needs what only a plain step gives: logprobs (the host sees the logits of plain steps only), penalties (the
-    target distribution would depend on the tokens accepted earlier in the same block) or min-p (the compiled
-    speculation graphs take temperature / top-k / top-p only)."""
+    target distribution would depend on the tokens accepted earlier in the same block), min-p or logit_bias (the
+    compiled speculation graphs take temperature / top-k / top-p only), min_tokens while the output is shorter
+    (the stop ids are held back on the host) or a grammar's mask (structured output: the mask of each position
+    depends on the tokens before it, and the caller gives one per step)."""
     if any(_plain_only(s) for s in seqs):
         return None
     rules = {(s.sampling.temperature, s.sampling.top_k, s.sampling.top_p) if not s.sampling.greedy else "greedy"
@@ -328,5 +385,8 @@ def _shared_rule(seqs: list[Sequence]) -> SamplingConfig | None:
 
 
 def _plain_only(s: Sequence) -> bool:
-    """Needs what only a plain step gives: logprobs, penalties or min-p (see _shared_rule)."""
-    return s.logprobs is not None or s.sampling.penalized or s.sampling.min_p > 0
+    """Needs what only a plain step gives: logprobs, penalties, min-p, logit_bias, min_tokens not yet reached or a
+    grammar's mask (see _shared_rule)."""
+    c = s.sampling
+    return (s.logprobs is not None or c.penalized or c.min_p > 0 or bool(c.logit_bias)
+            or len(s.output) < c.min_tokens or s.allowed is not None or s.grammar is not None)

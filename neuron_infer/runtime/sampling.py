@@ -1,5 +1,9 @@
 """Token selection: greedy, temperature, top-k, top-p — one definition, on the host and inside compiled graphs.
 
+Host-only adjustments come first, in vLLM's order: the additive `bias` [..., V] (logit_bias, and -inf at the stop ids
+that min_tokens holds back: `logit_adjustment`), then the penalties (`penalized`, from `token_history`); the
+compiled speculation graphs never see them (sequences using them take plain steps).
+
 The sampling settings travel as a tensor `params [..., 3]` fp32 = (temperature, top_k, top_p) with
 temperature 0 = greedy, top_k 0 = off, top_p 1 = off; one row of params per batch row (or one [3] for all rows).
 `processed_probs` is the single place where they are applied: the host sampler, the speculative acceptance rule and
@@ -15,6 +19,7 @@ import numpy as np
 import torch
 
 from neuron_infer.config import SamplingConfig
+from neuron_infer.errors import ConfigError
 
 
 def params_tensor(temperature: float, top_k: int, top_p: float) -> torch.Tensor:
@@ -50,6 +55,43 @@ def token_history(prompts: Sequence[list[int]], outputs: Sequence[list[int]], v:
     return seen, counts
 
 
+def check_vocab(c: SamplingConfig, vocab_size: int) -> None:
+    """ConfigError when logit_bias names a token id outside the vocabulary 0..vocab_size-1."""
+    bad = [t for t, _ in c.logit_bias if t >= vocab_size]
+    if bad:
+        raise ConfigError(f"logit_bias names token id {bad[0]}, outside this model's vocabulary 0..{vocab_size - 1}")
+
+
+def logit_adjustment(configs: Sequence[SamplingConfig], output_lens: Sequence[int],
+                     stop_ids: Sequence[Sequence[int]], v: int,
+                     allowed: Sequence[torch.Tensor | None] | None = None) -> torch.Tensor | None:
+    """The additive adjustment of each row's logits -> bias [B, V] fp32, or None when no row has one: the row's
+    logit_bias, plus -inf at its stop ids (EOS unless ignored, and the request's stop token ids) while its output
+    holds fewer than min_tokens tokens (vLLM's min_tokens: the next token cannot end the sequence), plus -inf at
+    every token its grammar does not allow next (`allowed[i]`: bool [V], or None: unconstrained)."""
+    held = [list(ids) if n < c.min_tokens else [] for c, n, ids in zip(configs, output_lens, stop_ids)]
+    masks = list(allowed) if allowed is not None else [None] * len(configs)
+    if not any(c.logit_bias for c in configs) and not any(held) and all(m is None for m in masks):
+        return None
+    bias = torch.zeros(len(configs), v, dtype=torch.float32)  # [B, V]
+    for i, (c, ids, mask) in enumerate(zip(configs, held, masks)):
+        if c.logit_bias:
+            bias[i, torch.tensor([t for t, _ in c.logit_bias])] = torch.tensor([b for _, b in c.logit_bias])
+        if ids:
+            bias[i, torch.tensor(ids, dtype=torch.int64)] = float("-inf")
+        if mask is not None:
+            bias[i].masked_fill_(~mask[:v], float("-inf"))
+    return bias
+
+
+def unpack_bitmask(words: np.ndarray | torch.Tensor, v: int) -> torch.Tensor:
+    """A token bitmask, 32 tokens per int32 word (bit j of word i allows token 32 i + j: the layout of vLLM's
+    grammar bitmask, from xgrammar) -> allowed [n, V] bool. words [n, ceil(V / 32)]."""
+    w = torch.as_tensor(np.asarray(words, dtype=np.int32))  # [n, W]
+    bits = (w.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1  # [n, W, 32]
+    return bits.reshape(w.shape[0], -1)[:, :v].bool()  # [n, V]
+
+
 def penalized(logits: torch.Tensor, params: torch.Tensor, seen: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """Repetition (HF / vLLM: seen tokens' logits / r when positive, * r when negative), then presence and frequency
     (OpenAI: - presence * (count > 0) - frequency * count over output tokens). logits, seen, counts [..., V];
@@ -61,13 +103,15 @@ def penalized(logits: torch.Tensor, params: torch.Tensor, seen: torch.Tensor, co
 
 
 def processed_probs(logits: torch.Tensor, params: torch.Tensor | SamplingConfig, filters: bool = True,
-                    history: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """logits [..., V] -> probabilities [..., V] fp32 after penalties, temperature, min-p, top-k and top-p.
+                    history: tuple[torch.Tensor, torch.Tensor] | None = None,
+                    bias: torch.Tensor | None = None) -> torch.Tensor:
+    """logits [..., V] -> probabilities [..., V] fp32 after the bias, penalties, temperature, min-p, top-k and top-p.
 
     params: [3] or [7] (every row) or [..., 3] / [..., 7] (one per row of logits), or a SamplingConfig; columns
     (temperature, top_k, top_p[, min_p, repetition, presence, frequency]); width 3 (the compiled speculation graphs)
     means no min-p and no penalties. history: (seen, counts) [..., V] from `token_history`, needed by rows with
-    penalties. Min-p keeps every token whose probability is >= min_p x the top token's. Top-k keeps every logit >=
+    penalties. bias [..., V]: added to the logits first (`logit_adjustment`; -inf entries are never chosen). Min-p
+    keeps every token whose probability is >= min_p x the top token's. Top-k keeps every logit >=
     the k-th largest (ties kept); top-p keeps every token whose preceding mass (descending order) is < top_p, which
     always keeps the top token, then renormalizes. Greedy rows (temperature 0) get a one-hot distribution on the
     argmax of the penalized logits (ties -> lowest id, like torch.argmax). `filters=False` skips the sort (a static
@@ -77,6 +121,8 @@ def processed_probs(logits: torch.Tensor, params: torch.Tensor | SamplingConfig,
         params = torch.tensor(_row(params), dtype=torch.float32)  # [7]
     logits = logits.float()
     v = logits.shape[-1]
+    if bias is not None:
+        logits = logits + bias  # [..., V]
     if history is not None and params.shape[-1] > 3:
         logits = penalized(logits, params, *history)  # [..., V]
     temp, top_k, top_p = params[..., 0:1], params[..., 1:2], params[..., 2:3]  # [..., 1] each
@@ -150,12 +196,14 @@ def host_argmax(logits: torch.Tensor) -> torch.Tensor:
 
 
 def sample_rows(logits: torch.Tensor, configs: Sequence[SamplingConfig], u: torch.Tensor | None,
-                history: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                history: tuple[torch.Tensor, torch.Tensor] | None = None,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
     """Every row in one call: logits [B, V], one SamplingConfig per row, u [B] uniforms (None when all greedy),
-    history (seen, counts) [B, V] when a row has penalties -> token ids [B] int64."""
-    if all(c.greedy and not c.penalized for c in configs):
-        return host_argmax(logits)  # [B]: the one-hot distributions' only token, without the softmax
-    probs = processed_probs(logits, rows_params(configs), _filters_active(configs), history)  # [B, V]
+    history (seen, counts) [B, V] when a row has penalties, bias [B, V] when a row has one (`logit_adjustment`)
+    -> token ids [B] int64."""
+    if all(c.greedy and not c.penalized for c in configs):  # the one-hot distributions' only token, no softmax
+        return host_argmax(logits if bias is None else logits.float() + bias)  # [B]
+    probs = processed_probs(logits, rows_params(configs), _filters_active(configs), history, bias)  # [B, V]
     if u is None:  # every row greedy
         return probs.argmax(-1)
     return sample_from_probs(probs, u)

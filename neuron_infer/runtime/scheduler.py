@@ -96,7 +96,10 @@ class Scheduler:
         return min(limit, len(seq) + new + self.lookahead)
 
     def _hits(self, seq: Sequence, count: bool) -> list[int]:
-        """Cached blocks of the prompt's full blocks, leaving at least its last token to encode."""
+        """Cached blocks of the prompt's full blocks, leaving at least its last token to encode (none for a sequence
+        scoring its prompt: every position's logits are needed, as vLLM skips reading the prefix cache then)."""
+        if seq.prompt_logprobs is not None:
+            return []
         return self.pool.lookup(block_hashes(seq.tokens[: len(seq) - 1], self.pool.block_size), count)
 
     def _fits(self, seq: Sequence) -> bool:

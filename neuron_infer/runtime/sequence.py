@@ -90,12 +90,26 @@ class Sequence:
     logprobs: int | None = None  # record each output token's logprob and this many top alternatives (None: off)
     # one {"token_id", "logprob", "rank", "top": [[id, logprob], ...]} per output token (see token_logprobs)
     output_logprobs: list[dict] | None = None
+    # the token ids sampling.min_tokens holds back (None: the stop rule's EOS ids, unless it ignores EOS; the vLLM
+    # worker passes the request's stop token ids and EOS, as vLLM's own min_tokens does)
+    stop_ids: tuple[int, ...] | None = None
+    prompt_logprobs: int | None = None  # score the prompt: each prompt token's logprob and this many top alternatives
+    # one record (as output_logprobs) per prompt position 1..len(prompt)-1, filled as the prompt is encoded
+    prompt_records: list[dict] | None = None
+    allowed: torch.Tensor | None = None  # bool [V]: the only tokens its next sampled token may be (a grammar's mask,
+    # set by the caller before a step, cleared when the token is sampled); None: unconstrained
+    grammar: object | None = None  # a runtime.grammar.TokenGrammar: its mask is taken before each sampled token
 
     def __post_init__(self) -> None:
         if self.logprobs is not None:
             if self.logprobs < 0:
                 raise NeuronInferError(f"logprobs={self.logprobs} must be >= 0 (the number of top alternatives)")
             self.output_logprobs = []
+        if self.prompt_logprobs is not None:
+            if self.prompt_logprobs < 0:
+                raise NeuronInferError(f"prompt_logprobs={self.prompt_logprobs} must be >= 0 (the number of top "
+                                       "alternatives)")
+            self.prompt_records = []
 
     @property
     def tokens(self) -> list[int]:
@@ -105,17 +119,26 @@ class Sequence:
         return len(self.prompt) + len(self.output)
 
     @property
+    def held_ids(self) -> tuple[int, ...]:
+        """The stop token ids that cannot be sampled while the output is shorter than sampling.min_tokens."""
+        if self.stop_ids is not None:
+            return self.stop_ids
+        return () if self.stop.ignore_eos else self.stop.eos_ids
+
+    @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
     def append(self, tokens: list[int]) -> list[int]:
-        """Append tokens in order until the stop rule fires; returns the tokens kept."""
+        """Append tokens in order until the stop rule fires; returns the tokens kept. Stop strings are looked for
+        once the output holds more than sampling.min_tokens tokens (as vLLM)."""
         stop = self.stop
+        floor = self.sampling.min_tokens if self.sampling is not None else 0
         for i, tok in enumerate(tokens):
             self.output.append(tok)
             if not stop.ignore_eos and tok in stop.eos_ids:
                 self.finish_reason = "eos"
-            elif stop.hits_stop_string(self.output):
+            elif len(self.output) > floor and stop.hits_stop_string(self.output):
                 self.finish_reason = "stop"
             elif stop.max_new_tokens is not None and len(self.output) >= stop.max_new_tokens:
                 self.finish_reason = "max_new_tokens"

@@ -120,11 +120,12 @@ class SpecEngine:
         return lambda ids, pos, li: fn(ids, pos, eng.k_cache, eng.v_cache, li, table)
 
     # ---- continuous batching: one request per batch slot, one step at a time (the Runner) ------------------------
-    def prefill_row(self, row: int, prompt: list[int], start: int = 0, end: int | None = None) -> torch.Tensor:
+    def prefill_row(self, row: int, prompt: list[int], start: int = 0, end: int | None = None,
+                    logit_rows: Sequence[int] | None = None) -> torch.Tensor:
         """Encode prompt[start:end] into the target blocks of slot `row` (Engine.prefill_row) -> target logits [V].
         The draft cache of the row is written before its first speculative step (`catch_up`)."""
         self.drafted[row] = []
-        return self.target.prefill_row(row, prompt, start, end)
+        return self.target.prefill_row(row, prompt, start, end, logit_rows)
 
     def catch_up(self, seqs: Mapping[int, Sequence[int]]) -> tuple[int, int]:
         """Write the draft K/V a speculative step over `seqs` needs (row -> all its tokens, the last one not yet

@@ -32,3 +32,18 @@ def logprobs_arrays(per_request: list[list[dict]]
         ranks[r] = rec["rank"]
     cu = np.concatenate([[0], np.cumsum([len(recs) for recs in per_request])]).tolist()
     return ids, lps, ranks, cu
+
+
+def prompt_logprobs_arrays(records: list[dict], n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One request's prompt records (one per prompt token after the first) -> (token ids [P-1, n+1] int32, logprobs
+    [P-1, n+1] float32, ranks [P-1] int32): vLLM's prompt `LogprobsTensors` layout, each row [prompt token, top-1,
+    ..., top-n] (a one-token prompt: zero rows)."""
+    ids = np.full((len(records), n + 1), PAD_ID, dtype=np.int32)  # [P-1, n+1]
+    lps = np.full((len(records), n + 1), PAD_LOGPROB, dtype=np.float32)  # [P-1, n+1]
+    ranks = np.empty(len(records), dtype=np.int32)  # [P-1]
+    for r, rec in enumerate(records):
+        row = [(rec["token_id"], rec["logprob"]), *rec["top"][:n]]
+        ids[r, : len(row)] = [i for i, _ in row]
+        lps[r, : len(row)] = [v for _, v in row]
+        ranks[r] = rec["rank"]
+    return ids, lps, ranks

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
+
 from neuron_infer.config import SamplingConfig
 from neuron_infer.errors import NeuronInferError
 from neuron_infer.runtime.engine import CacheShape, Engine
@@ -64,9 +66,9 @@ class SlotRunner:
         return self.runner.engine.cache_shape
 
     def admit(self, req_id: str, token_ids: list[int], sampling: SamplingConfig, blocks: list[int],
-              prompt_len: int | None = None, logprobs: int | None = None) -> int:
+              prompt_len: int | None = None, logprobs: int | None = None, stop_ids: tuple[int, ...] = ()) -> int:
         """`join`, encode all of `token_ids` and return the first sampled token."""
-        self.join(req_id, token_ids, sampling, blocks, prompt_len=prompt_len, logprobs=logprobs)
+        self.join(req_id, token_ids, sampling, blocks, prompt_len=prompt_len, logprobs=logprobs, stop_ids=stop_ids)
         return self.encode(req_id, len(token_ids))[0]
 
     def encode(self, req_id: str, upto: int) -> list[int]:
@@ -75,18 +77,22 @@ class SlotRunner:
         return self.runner.prefill_to(self.slots[req_id], upto)
 
     def join(self, req_id: str, token_ids: list[int], sampling: SamplingConfig, blocks: list[int], computed: int = 0,
-             prompt_len: int | None = None, logprobs: int | None = None) -> None:
+             prompt_len: int | None = None, logprobs: int | None = None, stop_ids: tuple[int, ...] = (),
+             prompt_logprobs: int | None = None) -> None:
         """Give `req_id` a free row whose block table is `blocks` (vLLM's block ids; the first `computed` positions
         are already cached in them); nothing is encoded yet (`encode`). `prompt_len`: for a resumed request, how many
         of `token_ids` are its prompt (the rest is output, which the presence and frequency penalties count); None =
         all prompt. `logprobs`: record each new token's logprob, rank and this many top alternatives (read them with
-        `take_logprobs`); such a request makes every step plain."""
+        `take_logprobs`); such a request makes every step plain. `stop_ids`: the ids sampling.min_tokens holds back
+        (vLLM's stop token ids and EOS; its own stop rules end the request). `prompt_logprobs`: score every prompt
+        token after the first as the prompt is encoded (read them with `take_prompt_logprobs`)."""
         if req_id in self.slots:
             raise NeuronInferError(f"request {req_id!r} is already in the batch")
         check_prompt(f"request {req_id!r}", token_ids, self.max_context, self.engine_vocab)
         cut = len(token_ids) if prompt_len is None else prompt_len
         seq = Sequence(req_id, list(token_ids[:cut]), sampling, NO_STOP, make_generator(sampling.seed),
-                       output=list(token_ids[cut:]), logprobs=logprobs)
+                       output=list(token_ids[cut:]), logprobs=logprobs, stop_ids=tuple(stop_ids),
+                       prompt_logprobs=prompt_logprobs)
         self.scheduler.admit_now(seq, blocks, computed)
         self.runner.begin(seq)
         self.slots[req_id] = seq
@@ -110,6 +116,20 @@ class SlotRunner:
         if seq is None or seq.output_logprobs is None:
             return []
         got, seq.output_logprobs = seq.output_logprobs, []
+        return got
+
+    def constrain(self, req_id: str, allowed: torch.Tensor) -> None:
+        """The next token `req_id` samples must be one of `allowed` (bool [V]: its grammar's mask for this step);
+        a constrained request takes a plain step."""
+        self.slots[req_id].allowed = allowed
+
+    def take_prompt_logprobs(self, req_id: str) -> list[dict] | None:
+        """The prompt's logprob records (one per prompt token after the first) once its prompt is encoded, handed
+        out once; None before, afterwards, and for a request that did not ask."""
+        seq = self.slots.get(req_id)
+        if seq is None or seq.prompt_records is None or seq in self.runner.encoding or not seq.output:
+            return None
+        got, seq.prompt_records = seq.prompt_records, None
         return got
 
     def decode(self, req_ids: list[str]) -> dict[str, list[int]]:

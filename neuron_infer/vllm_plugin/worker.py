@@ -40,10 +40,11 @@ from typing import Any
 import torch
 from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
 from vllm.logger import init_logger
-from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, LogprobsLists, ModelRunnerOutput
+from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, LogprobsLists, LogprobsTensors, ModelRunnerOutput
 from vllm.v1.worker.gpu_worker import init_worker_distributed_environment
 from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 
+from neuron_infer.runtime.sampling import unpack_bitmask
 from neuron_infer.vllm_plugin.artifacts import (
     ensure_artifact,
     kv_cache_gib,
@@ -51,8 +52,14 @@ from neuron_infer.vllm_plugin.artifacts import (
     resolve_model_dir,
     run_options,
 )
-from neuron_infer.vllm_plugin.logprobs import logprobs_arrays
-from neuron_infer.vllm_plugin.params import check_request, requested_logprobs, to_sampling_config
+from neuron_infer.vllm_plugin.logprobs import logprobs_arrays, prompt_logprobs_arrays
+from neuron_infer.vllm_plugin.params import (
+    check_request,
+    requested_logprobs,
+    requested_prompt_logprobs,
+    stop_ids,
+    to_sampling_config,
+)
 from neuron_infer.vllm_plugin.platform import engine_args
 from neuron_infer.vllm_plugin.runner import SlotRunner
 
@@ -84,6 +91,8 @@ class NeuronInferWorker(WorkerBase):
         self._preempted: dict[str, list[int]] = {}  # tokens of preempted requests (re-encoded on resume)
         self._params: dict[str, Any] = {}  # SamplingParams of admitted requests (needed again on resume)
         self._prompt_lens: dict[str, int] = {}  # prompt length per request (penalties tell prompt from output)
+        self._scored: set[str] = set()  # requests whose prompt logprobs vLLM has received
+        self._deferred: Any = None  # a SchedulerOutput waiting for its grammar bitmask (sample_tokens)
 
     def _init_group(self) -> None:
         """vLLM's distributed init (its executor builds message queues on these groups), even at world size 1."""
@@ -199,6 +208,7 @@ class NeuronInferWorker(WorkerBase):
             self._preempted.pop(req_id, None)
             self._params.pop(req_id, None)
             self._prompt_lens.pop(req_id, None)
+            self._scored.discard(req_id)
         for req_id in so.preempted_req_ids or ():  # vLLM took its blocks back
             tokens = self.runner.release(req_id)
             self._pending.discard(req_id)
@@ -206,7 +216,26 @@ class NeuronInferWorker(WorkerBase):
                 self._preempted[req_id] = tokens
         if not so.total_num_scheduled_tokens:
             return EMPTY_MODEL_RUNNER_OUTPUT
+        if so.has_structured_output_requests:  # vLLM computes the grammar bitmask now and hands it to sample_tokens
+            self._deferred = so
+            return None
+        return self._step(so, None)
+
+    def sample_tokens(self, grammar_output: Any) -> ModelRunnerOutput:
+        """The step execute_model deferred, with the grammar bitmask of its structured-output requests (one row per
+        request id, xgrammar's 32 tokens per int32 word; None: no request needs one this step)."""
+        so, self._deferred = self._deferred, None
+        if so is None:
+            raise RuntimeError("sample_tokens without a deferred execute_model step")
+        return self._step(so, grammar_output)
+
+    def _step(self, so: Any, grammar_output: Any) -> ModelRunnerOutput:
         upto = self._take_blocks(so)  # joins new and resumed requests, grows running ones
+        if grammar_output is not None and grammar_output.structured_output_request_ids:
+            masks = unpack_bitmask(grammar_output.grammar_bitmask, self.runner.engine_vocab)  # [n, V]
+            for req_id, allowed in zip(grammar_output.structured_output_request_ids, masks):
+                if req_id in self.runner.slots:
+                    self.runner.constrain(req_id, allowed)
         sampled = self._decode_running(so)
         for req_id, end in upto.items():  # then this step's prompt tokens (chunked prefill: part of a prompt)
             sampled[req_id] = self.runner.encode(req_id, end)
@@ -215,7 +244,20 @@ class NeuronInferWorker(WorkerBase):
         req_ids = list(so.num_scheduled_tokens)
         tokens = [sampled.get(r, []) for r in req_ids]
         return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
-                                 sampled_token_ids=tokens, logprobs=self._logprobs(req_ids, tokens))
+                                 sampled_token_ids=tokens, logprobs=self._logprobs(req_ids, tokens),
+                                 prompt_logprobs_dict=self._prompt_logprobs(req_ids))
+
+    def _prompt_logprobs(self, req_ids: list[str]) -> dict[str, LogprobsTensors]:
+        """The prompt logprobs of each request whose prompt was completed this step (vLLM takes them whole, with
+        the request's first token)."""
+        out = {}
+        for r in req_ids:
+            records = self.runner.take_prompt_logprobs(r)
+            if records is not None:
+                n = requested_prompt_logprobs(self._params[r], self.runner.engine_vocab)
+                out[r] = LogprobsTensors(*(torch.from_numpy(a) for a in prompt_logprobs_arrays(records, n)))
+                self._scored.add(r)
+        return out
 
     def _logprobs(self, req_ids: list[str], tokens: list[list[int]]) -> LogprobsLists | None:
         """This step's sample logprobs of the requests asking for them (one record per new token)."""
@@ -261,10 +303,16 @@ class NeuronInferWorker(WorkerBase):
                 upto[req_id] = cached.num_computed_tokens[i] + so.num_scheduled_tokens[req_id]
         return upto
 
+    def _prompt_scoring(self, req_id: str, params: Any) -> int | None:
+        """prompt_logprobs for a request that has not yet had them (a resumed request that had them with its first
+        token does not get them again: vLLM takes them once)."""
+        return None if req_id in self._scored else requested_prompt_logprobs(params, self.runner.engine_vocab)
+
     def _join(self, req_id: str, tokens: list[int], blocks: list[int], computed: int) -> None:
         """A request takes a row with vLLM's blocks; its first `computed` positions are cached there."""
         params = self._params.get(req_id)
         self.runner.join(req_id, tokens, to_sampling_config(params), blocks, computed,
                          prompt_len=self._prompt_lens.get(req_id),
-                         logprobs=requested_logprobs(params, self.runner.engine_vocab))
+                         logprobs=requested_logprobs(params, self.runner.engine_vocab), stop_ids=stop_ids(params),
+                         prompt_logprobs=self._prompt_scoring(req_id, params))
         self._pending.add(req_id)

@@ -26,11 +26,13 @@ from neuron_infer.vllm_plugin.artifacts import (
     ranks_in_one_process,
     run_options,
 )
-from neuron_infer.vllm_plugin.logprobs import logprobs_arrays
+from neuron_infer.vllm_plugin.logprobs import logprobs_arrays, prompt_logprobs_arrays
 from neuron_infer.vllm_plugin.params import (
     UnsupportedRequestError,
     check_request,
     requested_logprobs,
+    requested_prompt_logprobs,
+    stop_ids,
     to_sampling_config,
 )
 
@@ -87,11 +89,41 @@ def test_penalties_and_min_p_map_to_sampling_config():
     assert to_sampling_config(params(temperature=0.0, min_p=0.1, **kw)) == SamplingConfig(**kw)  # greedy: no min-p
 
 
+def test_min_tokens_and_logit_bias_map_to_sampling_config():
+    p = params(temperature=0.0, min_tokens=3, logit_bias={7: -100.0, 2: 1.5}, all_stop_token_ids={9, 4})
+    check_request(p)  # no error
+    assert to_sampling_config(p) == SamplingConfig(min_tokens=3, logit_bias=((2, 1.5), (7, -100.0)))
+    assert stop_ids(p) == (4, 9) and stop_ids(params()) == ()
+    sampled = to_sampling_config(params(temperature=0.8, min_tokens=1, logit_bias={3: 2.0}))
+    assert sampled.min_tokens == 1 and sampled.logit_bias == ((3, 2.0),)
+
+
+def test_prompt_logprobs_are_served():
+    check_request(params(prompt_logprobs=0))
+    assert requested_prompt_logprobs(params(prompt_logprobs=3), 100) == 3
+    assert requested_prompt_logprobs(params(prompt_logprobs=-1), 100) == 100  # the whole vocabulary
+    assert requested_prompt_logprobs(params(), 100) is None
+
+
+def test_prompt_logprobs_arrays_take_vllms_layout():
+    recs = [{"token_id": 4, "logprob": -1.5, "rank": 2, "top": [[7, -0.5], [4, -1.5]]},
+            {"token_id": 9, "logprob": -0.1, "rank": 1, "top": [[9, -0.1], [3, -2.0]]}]
+    ids, lps, ranks = prompt_logprobs_arrays(recs, 2)
+    assert ids.tolist() == [[4, 7, 4], [9, 9, 3]] and ranks.tolist() == [2, 1]
+    assert lps.dtype.name == "float32" and ids.dtype.name == "int32" and lps[0].tolist() == [-1.5, -0.5, -1.5]
+    empty = prompt_logprobs_arrays([], 2)  # a one-token prompt: no position to score
+    assert [a.shape for a in empty] == [(0, 3), (0, 3), (0,)]
+
+
+def test_out_of_range_logit_bias_is_a_clear_request_error():
+    with pytest.raises(UnsupportedRequestError, match="logit_bias value 250.0 for token 3"):
+        check_request(params(logit_bias={3: 250.0}))  # vLLM's own front end clamps; the offline API may not
+
+
 @pytest.mark.parametrize("kw,name", [
-    ({"prompt_logprobs": 1}, "prompt_logprobs"), ({"prompt_logprobs": 0}, "prompt_logprobs"),
-    ({"logprob_token_ids": [3, 4]}, "logprob_token_ids"), ({"logit_bias": {5: 1.0}}, "logit_bias"),
-    ({"structured_outputs": object()}, "structured output"), ({"bad_words": ["x"]}, "bad_words"),
-    ({"allowed_token_ids": [1, 2]}, "allowed_token_ids"), ({"min_tokens": 3}, "min_tokens"),
+    ({"logprob_token_ids": [3, 4]}, "logprob_token_ids"),
+    ({"bad_words": ["x"]}, "bad_words"),
+    ({"allowed_token_ids": [1, 2]}, "allowed_token_ids"),
 ])
 def test_unsupported_features_are_named(kw, name):
     with pytest.raises(UnsupportedRequestError, match=f"does not support {name}"):
@@ -99,8 +131,8 @@ def test_unsupported_features_are_named(kw, name):
 
 
 def test_several_unsupported_features_and_long_prompt():
-    with pytest.raises(UnsupportedRequestError, match="prompt_logprobs=1, .*min_tokens=2.*remove them"):
-        check_request(params(prompt_logprobs=1, min_tokens=2))
+    with pytest.raises(UnsupportedRequestError, match="allowed_token_ids=.*bad_words=.*remove them"):
+        check_request(params(allowed_token_ids=[1], bad_words=["x"], min_tokens=2, prompt_logprobs=1))
     check_request(params(logit_bias={}, bad_words=[]))  # empty containers mean "off"
     with pytest.raises(UnsupportedRequestError, match="prompt has 65 tokens .* at most 64"):
         check_request(params(), prompt_len=65, max_prompt_len=64)

@@ -131,9 +131,8 @@ def test_whole_vocabulary_logprobs(plugin, hf, tiny):
     check_against_hf(got, hf(PROMPTS[1], got["ids"]), vocab)
 
 
-def test_prompt_logprobs_are_refused_by_name(plugin):
-    err = plugin["prompt_logprobs_error"] or ""
-    assert "does not support prompt_logprobs=1" in err
+def test_prompt_logprobs_are_served(plugin):
+    assert plugin["prompt_logprobs_error"] is None
 
 
 @pytest.mark.slow
@@ -141,7 +140,7 @@ def test_same_format_and_values_as_stock_vllm(plugin, tiny, tmp_path_factory):
     """Stock vLLM (plugin off, its own CPU model runner) on the same requests: same tokens, same logprob entries
     (ids and ranks), values within TOL."""
     stock = vllm_run(tiny, tmp_path_factory.mktemp("stock"), plugin=False)
-    assert stock["prompt_logprobs_error"] is None  # stock vLLM serves prompt logprobs; the plugin refuses them
+    assert stock["prompt_logprobs_error"] is None
     for part in ("mixed", "vocab"):  # greedy requests (vLLM samples with other random draws than neuron-infer)
         for ours, theirs in zip(plugin[part], stock[part], strict=True):
             assert ours["ids"] == theirs["ids"], part

@@ -57,7 +57,7 @@ if __name__ == "__main__":
     res["seeded"] = [llm.generate([{"prompt_token_ids": prompts[0]}], seeded)[0].outputs[0].token_ids
                      for _ in range(2)]
     try:
-        llm.generate(["hi"], SamplingParams(max_tokens=2, min_tokens=1))
+        llm.generate(["hi"], SamplingParams(max_tokens=2, bad_words=["the"]))
         res["unsupported_error"] = None
     except Exception as e:
         res["unsupported_error"] = f"{type(e).__name__}: {e}"
@@ -154,4 +154,4 @@ def test_seeded_sampling_is_reproducible_and_matches_neuron_infer(vllm_result, r
 
 
 def test_unsupported_feature_is_rejected_with_reason(vllm_result):
-    assert "does not support min_tokens=1" in (vllm_result["unsupported_error"] or "")
+    assert "does not support bad_words=['the']" in (vllm_result["unsupported_error"] or "")

@@ -91,11 +91,11 @@ def test_chat_completion(setup):
 def test_unsupported_request_gets_400_with_reason(setup):
     server, _ = setup
     status, data = post(server.url + "/v1/completions",
-                        {"model": "tiny", "prompt": "hi", "max_tokens": 2, "prompt_logprobs": 1})
-    assert status == 400 and "does not support prompt_logprobs=1" in json.dumps(data)
-    status, data = post(server.url + "/v1/completions",  # echo + logprobs asks vLLM for the prompt's logprobs
-                        {"model": "tiny", "prompt": "hi", "max_tokens": 2, "logprobs": 2, "echo": True})
-    assert status == 400 and "does not support prompt_logprobs=2" in json.dumps(data)
+                        {"model": "tiny", "prompt": "hi", "max_tokens": 2, "allowed_token_ids": [5, 6]})
+    assert status == 400 and "does not support allowed_token_ids=[5, 6]" in json.dumps(data)
+    status, data = post(server.url + "/v1/completions",
+                        {"model": "tiny", "prompt": "hi", "max_tokens": 2, "bad_words": ["the"]})
+    assert status == 400 and "does not support bad_words=['the']" in json.dumps(data)
     ok = complete(server, prompt="hi", max_tokens=2)  # the server keeps serving
     assert ok["finish_reason"] in ("length", "stop")
 

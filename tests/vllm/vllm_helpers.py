@@ -87,14 +87,15 @@ def group_alive(pgid: int) -> bool:
 class Server:
     """`python -m vllm.entrypoints.openai.api_server ...` on 127.0.0.1 in its own process group."""
 
-    def __init__(self, model: Path, args: list[str], log: Path):
+    def __init__(self, model: Path, args: list[str], log: Path, **env_extra: str):
+        """env_extra: environment overrides, e.g. NEURON_INFER_VLLM="0" for stock vLLM."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
                "--host", "127.0.0.1", "--port", str(self.port), *args]
         self.log = log
         self._log_file = open(log, "w")  # noqa: SIM115  (closed in kill(), after the process is gone)
-        self.proc = subprocess.Popen(cmd, stdout=self._log_file, stderr=subprocess.STDOUT, env=env(),
+        self.proc = subprocess.Popen(cmd, stdout=self._log_file, stderr=subprocess.STDOUT, env=env(**env_extra),
                                      start_new_session=True)
 
     def wait_ready(self) -> None:
