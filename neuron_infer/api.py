@@ -19,17 +19,23 @@ does, and loads it.
 """
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Self
 
 from neuron_infer import cpu_threads
-from neuron_infer.compile.artifact import Manifest, check_checkpoint, read_manifest
+from neuron_infer.compile.artifact import (
+    TOKENIZER_DIR,
+    Manifest,
+    check_checkpoint,
+    check_files,
+    load_verified_tokenizer,
+    read_manifest,
+)
 from neuron_infer.compile.builder import compile_model  # noqa: F401  (re-exported)
 from neuron_infer.config import BuildConfig, SamplingConfig  # noqa: F401  (BuildConfig re-exported)
-from neuron_infer.errors import NeuronInferError
+from neuron_infer.errors import ArtifactError, NeuronInferError
 from neuron_infer.prompts import refuse_empty
 from neuron_infer.runtime.engine import Engine
 from neuron_infer.runtime.generate import SequenceResult, generate_ids
@@ -80,13 +86,13 @@ class GenerationOutput:
 
 
 def _eos_ids(manifest: Manifest, tokenizer, root: Path) -> tuple[int, ...]:
+    from neuron_infer.checkpoint import generation_eos_ids
+
     ids = set(manifest.model.eos_token_ids)
     if tokenizer.eos_token_id is not None:
         ids.add(int(tokenizer.eos_token_id))
-    gen_cfg = root / "tokenizer" / "generation_config.json"
-    if gen_cfg.is_file():
-        eos = json.loads(gen_cfg.read_text()).get("eos_token_id")
-        ids.update([eos] if isinstance(eos, int) else (eos or []))
+    ids.update(generation_eos_ids(root / TOKENIZER_DIR / "generation_config.json", manifest.model.vocab_size,
+                                  "recompile the model", ArtifactError))
     return tuple(sorted(ids))
 
 
@@ -124,8 +130,6 @@ class CompiledModel:
         speculation_gate: with a draft model, take plain steps while speculative steps are measured not to pay
         (False: speculate on every step that can, e.g. to measure speculation at a fixed k; docs/speculation.md).
         """
-        from neuron_infer.checkpoint import load_tokenizer  # noqa: PLC0415
-
         options = RunOptions(prefix_caching, prefill_chunk, speculation_gate)  # checked before the slow load
         if threads is not None:
             cpu_threads.use(threads)  # validated before the slow load
@@ -135,7 +139,9 @@ class CompiledModel:
         if expect_checkpoint is not None:
             check_checkpoint(manifest, root, Path(expect_checkpoint))
         on_stage(LOAD_STAGES[1])
-        tokenizer = tokenizer or load_tokenizer(root / "tokenizer")
+        if not verify_files:  # the tokenizer files (chat template, generation config) are verified in any case
+            check_files(root, manifest, TOKENIZER_DIR)
+        tokenizer = tokenizer or load_verified_tokenizer(root, manifest)
         on_stage(LOAD_STAGES[2])
         if manifest.build.tp_degree != 1 and manifest.backend != "neuron":  # shards live in rank processes
             from neuron_infer.runtime.rank_group import RankGroup  # noqa: PLC0415
@@ -254,12 +260,12 @@ def encode_prompt(tokenizer, prompt: str, chat: bool = False) -> list[int]:
 
 
 def encode_chat(tokenizer, messages: list[dict[str, str]]) -> list[int]:
-    """Token ids of a conversation through the chat template, ending with the assistant's turn header."""
-    if not getattr(tokenizer, "chat_template", None):
-        raise NeuronInferError("this model's tokenizer has no chat template: chat needs one (use --prompt "
-                               "without --chat for plain completion)")
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    """Token ids of a conversation through the chat template (rendered under limits: neuron_infer.chat_template),
+    ending with the assistant's turn header."""
+    from neuron_infer.chat_template import render_chat  # noqa: PLC0415
+
+    text = render_chat(tokenizer, messages)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 def check_request(build: BuildConfig, prompt_lengths: list[int], max_new_tokens: int | None) -> None:

@@ -16,7 +16,6 @@ also removes current ones (they are rebuilt on next use).
 """
 from __future__ import annotations
 
-import json
 import re
 import shutil
 import time
@@ -24,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from neuron_infer.embedded import MODEL_NAME, SOURCE_FILE
+from neuron_infer.typed import parse_json
 
 ARTIFACT_PREFIX = "smollm2-135m"  # neuron_infer.presets.default_artifact_dir names its compiles so
 PARTIAL_AGE_S = 3600.0
@@ -68,7 +68,7 @@ def _current_gguf_sha16() -> str | None:
 def _model_entry(p: Path, gguf16: str | None) -> CacheEntry | None:
     m = _MODEL_RE.match(p.name)
     try:
-        source = json.loads((p / SOURCE_FILE).read_text()) if m else None
+        source = parse_json((p / SOURCE_FILE).read_bytes()) if m else None
     except (OSError, ValueError):
         source = None
     if not isinstance(source, dict) or not str(source.get("gguf_sha256", "")).startswith(m.group(1)):
@@ -83,7 +83,7 @@ def _artifact_entry(p: Path, versions: dict[str, str]) -> CacheEntry | None:
     if not _ARTIFACT_RE.match(p.name):
         return None
     try:
-        manifest = json.loads((p / "manifest.json").read_text())
+        manifest = parse_json((p / "manifest.json").read_bytes())
     except (OSError, ValueError):
         return None
     if not isinstance(manifest, dict) or "format_version" not in manifest:

@@ -87,12 +87,12 @@ def _strip_final_newline(text: str) -> str:
 
 
 def artifact_front(artifacts: str | Path):
-    """The manifest (files not hashed yet) and tokenizer: all the cheap checks need, before the slow load."""
-    from neuron_infer.checkpoint import load_tokenizer  # noqa: PLC0415
-    from neuron_infer.compile.artifact import read_manifest  # noqa: PLC0415
+    """The manifest (checksum checked, weights and graphs not hashed yet) and the tokenizer (its files verified
+    first): all the cheap checks need, before the slow load."""
+    from neuron_infer.compile.artifact import load_verified_tokenizer, read_manifest  # noqa: PLC0415
 
     manifest = read_manifest(Path(artifacts), verify_files=False)
-    return manifest, load_tokenizer(Path(artifacts) / "tokenizer")
+    return manifest, load_verified_tokenizer(Path(artifacts), manifest)
 
 
 _INCOMPLETE = "\ufffd"  # what decode() shows for the first bytes of a character whose last bytes are to come

@@ -30,6 +30,7 @@ from pathlib import Path
 import click
 
 from neuron_infer.errors import CheckpointError, ConfigError
+from neuron_infer.typed import parse_json, read_json
 
 FORMAT = "neuron-infer-quantized-v1"
 CONFIG_FILE = "quantization_config.json"
@@ -63,7 +64,7 @@ def quantized_files(root: Path) -> set[str] | None:
     from neuron_infer.compile.builder import TOKENIZER_FILES
 
     try:
-        meta = json.loads((root / CONFIG_FILE).read_text())
+        meta = parse_json((root / CONFIG_FILE).read_bytes())
     except (OSError, ValueError):
         return None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
@@ -137,7 +138,8 @@ def load_quantized_checkpoint(path: str | Path):
 
     root = Path(path)
     meta_file = root / CONFIG_FILE
-    meta = json.loads(meta_file.read_text()) if meta_file.is_file() else {}
+    meta = read_json(meta_file, "run `neuron-infer quantize` again", CheckpointError) if meta_file.is_file() else {}
+    meta = meta if isinstance(meta, dict) else {}
     if meta.get("format") != FORMAT or "build_quant" not in meta:
         raise CheckpointError(f"{root} is not a float-conversion output of `neuron-infer quantize` "
                               f"(no {CONFIG_FILE} with format {FORMAT!r} and a scheme)")

@@ -7,6 +7,7 @@ import time
 import pytest
 from click.testing import CliRunner
 
+from neuron_infer.compile.artifact import seal
 from neuron_infer import cache
 from neuron_infer.cli import cli
 from neuron_infer.cli_info import human_bytes
@@ -47,7 +48,7 @@ def root(tmp_path, art, monkeypatch):
     mf = p["stale"] / "manifest.json"
     m = json.loads(mf.read_text())
     m["versions"]["neuron_infer"] = "0.0.1"
-    mf.write_text(json.dumps(m))
+    mf.write_text(json.dumps(seal(m)))
     p["partial"] = arts / f".smollm2-135m-{'3' * 16}.partial-ab_12x"
     p["young_partial"] = arts / f".smollm2-135m-{'4' * 16}.partial-cd34yz"
     p["tmp_model"] = models / f".tmp-{MODEL_NAME}-{SHA[:16]}-q1w2e3"

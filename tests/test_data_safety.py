@@ -10,7 +10,7 @@ import pytest
 
 from neuron_infer.api import CompiledModel, compile_model
 from neuron_infer.checkpoint import checkpoint_fingerprint
-from neuron_infer.compile.artifact import MANIFEST, read_manifest
+from neuron_infer.compile.artifact import MANIFEST, read_manifest, seal
 from neuron_infer.config import BuildConfig
 from neuron_infer.errors import NeuronInferError
 from tests.test_bad_input import TINY, compile_fails, fresh_copy, run_cli
@@ -205,7 +205,7 @@ def test_token_ids_past_the_vocabulary_are_refused_before_running(artifact):
 def test_a_file_missing_from_the_manifest_is_not_loaded(artifact, capsys):
     m = json.loads((artifact / MANIFEST).read_text())
     del m["files"]["weights/rank0.safetensors"]
-    (artifact / MANIFEST).write_text(json.dumps(m))
+    (artifact / MANIFEST).write_text(json.dumps(seal(m)))
     code, msg = run_cli(["generate", str(artifact), "--prompt", "hi"], capsys)
     assert code == 2 and "rank0.safetensors is not listed" in msg
 
