@@ -5,8 +5,8 @@
     <cache>/models/.tmp-SmolLM2-135M-Instruct-<sha16>-*   leftovers of interrupted conversions
     <cache>/artifacts/.smollm2-135m-<hash16>.partial-*    leftovers of interrupted compiles (also `.old-<pid>`)
 
-An entry is ours only when its name has one of these exact shapes *and* (for models and artifacts) it holds its
-marker file; everything else in the cache (e.g. a virtualenv, a user's files) is listed as "other" and never
+An entry is ours only when its whole name has one of these exact shapes *and* it holds its marker file (models,
+artifacts: as above; leftovers: neuron_infer.output_dir.PARTIAL_MARKER); everything else in the cache (e.g. a virtualenv, a user's files) is listed as "other" and never
 deleted. Symbolic links are never followed or deleted.
 
 States: `current` (loadable by this installation), `stale` (built by other package versions, or converted from a
@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from neuron_infer.embedded import MODEL_NAME, SOURCE_FILE
+from neuron_infer.output_dir import is_marked
 from neuron_infer.typed import parse_json
 
 ARTIFACT_PREFIX = "smollm2-135m"  # neuron_infer.presets.default_artifact_dir names its compiles so
@@ -66,7 +67,7 @@ def _current_gguf_sha16() -> str | None:
 
 
 def _model_entry(p: Path, gguf16: str | None) -> CacheEntry | None:
-    m = _MODEL_RE.match(p.name)
+    m = _MODEL_RE.fullmatch(p.name)
     try:
         source = parse_json((p / SOURCE_FILE).read_bytes()) if m else None
     except (OSError, ValueError):
@@ -80,7 +81,7 @@ def _model_entry(p: Path, gguf16: str | None) -> CacheEntry | None:
 
 
 def _artifact_entry(p: Path, versions: dict[str, str]) -> CacheEntry | None:
-    if not _ARTIFACT_RE.match(p.name):
+    if not _ARTIFACT_RE.fullmatch(p.name):
         return None
     try:
         manifest = parse_json((p / "manifest.json").read_bytes())
@@ -98,7 +99,7 @@ def _artifact_entry(p: Path, versions: dict[str, str]) -> CacheEntry | None:
 
 def _partial_entry(p: Path, now: float) -> CacheEntry | None:
     regex = _MODEL_TMP_RE if p.parent.name == "models" else _ARTIFACT_TMP_RE
-    if not regex.match(p.name):
+    if not regex.fullmatch(p.name) or not is_marked(p):  # a name alone (e.g. a user's copy) is not ours
         return None
     age = now - p.stat().st_mtime
     state = "partial" if age > PARTIAL_AGE_S else "in progress"

@@ -13,6 +13,7 @@ from neuron_infer.checkpoint import checkpoint_fingerprint
 from neuron_infer.compile.artifact import MANIFEST, read_manifest, seal
 from neuron_infer.config import BuildConfig
 from neuron_infer.errors import NeuronInferError
+from neuron_infer.output_dir import mark
 from tests.test_bad_input import TINY, compile_fails, fresh_copy, run_cli
 from tests.tiny_checkpoint import TINY_PRESETS, write_tiny_checkpoint, write_tiny_tokenizer
 
@@ -216,10 +217,17 @@ def test_stale_partial_directories_are_removed_by_the_next_compile(tiny_dirs, tm
     stale = tmp_path / ".art.partial-k3_x9q0z"
     (stale / "weights").mkdir(parents=True)
     (stale / "weights" / "rank0.safetensors").write_bytes(b"left by a killed compile")
+    mark(stale)  # every temporary directory of a writer carries the marker
     other = tmp_path / ".other.partial-k3_x9q0z"  # another output's: not ours to judge
     other.mkdir()
+    mark(other)
+    unmarked = [tmp_path / ".art.partial-a1b2c3d4", tmp_path / ".art.old-123"]  # the names alone: not ours
+    for d in unmarked:
+        d.mkdir()
+        (d / "notes.txt").write_text("mine")
     compile_model(tiny_dirs("gqa"), tmp_path / "art", BUILD, **QUIET)
     assert not stale.exists() and other.is_dir()
+    assert all((d / "notes.txt").read_text() == "mine" for d in unmarked)
 
 
 def test_killed_quantize_leaves_nothing(tiny_dirs, tmp_path, monkeypatch, capsys):

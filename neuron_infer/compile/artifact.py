@@ -26,13 +26,14 @@ from typing import Any
 
 from neuron_infer.config import BuildConfig, ModelConfig
 from neuron_infer.errors import ArtifactError, ConfigError
-from neuron_infer.output_dir import atomic_output
+from neuron_infer.output_dir import PARTIAL_MARKER, atomic_output
 from neuron_infer.typed import parse_dataclass, parse_json, read_json
 
 FORMAT_VERSION = 3  # 2: block KV cache (build.kv_block_size); 3: manifest_sha256
 MANIFEST = "manifest.json"
 CHECKSUM = "manifest_sha256"  # the manifest's checksum of its own content (every other key)
 TOKENIZER_DIR = "tokenizer"
+LAYOUT_DIRS = ("graphs/", "weights/", "tokenizer/")  # directories every artifact has (graphs/ may stay empty)
 
 
 def package_versions() -> dict[str, str]:
@@ -105,9 +106,10 @@ class Manifest:
 
 
 def hash_tree_names(root: Path) -> list[str]:
-    """POSIX relative paths of every file under root except the manifest."""
+    """POSIX relative paths of every file under root except the manifest (and the marker of a directory being
+    written, removed before it becomes the artifact)."""
     return [p.relative_to(root).as_posix() for p in sorted(root.rglob("*"))
-            if p.is_file() and p.relative_to(root).as_posix() != MANIFEST]
+            if p.is_file() and p.relative_to(root).as_posix() not in (MANIFEST, PARTIAL_MARKER)]
 
 
 def hash_tree(root: Path) -> dict[str, str]:
@@ -129,7 +131,12 @@ def artifact_files(root: Path) -> set[str] | None:
         return None
     if not isinstance(data, dict) or "format_version" not in data or not isinstance(data.get("files"), dict):
         return None
-    return {MANIFEST, *map(str, data["files"])}
+    try:
+        for rel in data["files"]:
+            _check_entry(rel, MANIFEST)
+    except ArtifactError:
+        return None  # entries outside the directory: not an artifact we wrote
+    return {MANIFEST, *data["files"], *LAYOUT_DIRS}
 
 
 def manifest_checksum(d: dict[str, Any]) -> str:
@@ -229,11 +236,12 @@ def check_files(root: Path, m: Manifest, under: str | None = None) -> None:
 
 def _regular_files(root: Path, top: Path) -> list[str]:
     """Relative paths of the files under `top` (the manifest excepted); a symbolic link (to a file or directory)
-    or a special file anywhere below `root` is refused, since it could point outside the artifact."""
+    or a special file anywhere below `root` is refused, since it could point outside the artifact (`root` itself
+    may be one: the user's own name for the artifact)."""
     if not os.path.lexists(top):
         return []
     found = []
-    for path in [top, *_walk(top)]:
+    for path in ([top] if top != root else []) + _walk(top):  # the artifact directory itself may be a link
         st = path.lstat()
         rel = path.relative_to(root).as_posix()
         if stat.S_ISLNK(st.st_mode):
