@@ -36,13 +36,14 @@ from neuron_infer.compile.artifact import (
 from neuron_infer.compile.builder import compile_model  # noqa: F401  (re-exported)
 from neuron_infer.config import BuildConfig, SamplingConfig  # noqa: F401  (BuildConfig re-exported)
 from neuron_infer.errors import ArtifactError, NeuronInferError
-from neuron_infer.prompts import refuse_empty
+from neuron_infer.prompts import check_sizes, refuse_empty
 from neuron_infer.runtime.engine import Engine
 from neuron_infer.runtime.generate import SequenceResult, generate_ids
 from neuron_infer.runtime.loader import load_rank
 from neuron_infer.runtime.metrics import Metrics, pooled
 from neuron_infer.runtime.options import RunOptions
 from neuron_infer.runtime.sequence import Sequence, StopRule, check_prompt, cut_at_stop
+from neuron_infer.text_input import check_text
 
 OnTokens = Callable[[list[list[int]]], None]
 
@@ -131,6 +132,7 @@ class CompiledModel:
         (False: speculate on every step that can, e.g. to measure speculation at a fixed k; docs/speculation.md).
         """
         options = RunOptions(prefix_caching, prefill_chunk, speculation_gate)  # checked before the slow load
+        check_kv_cache_gib(kv_cache_gib)
         if threads is not None:
             cpu_threads.use(threads)  # validated before the slow load
         root = Path(artifact_dir)
@@ -195,7 +197,15 @@ class CompiledModel:
                  stop: tuple[str, ...] = (), logprobs: int | None = None) -> GenerationOutput:
         """Generate text. `stop`: stop strings (a sequence stops when its output contains one; the text is cut
         before it, finish_reason "stop"); `logprobs`: each output token's logprob and the top-N alternatives."""
+        if isinstance(prompts, str) or not isinstance(prompts, list | tuple):
+            raise NeuronInferError(f"prompts must be a list of strings, not {type(prompts).__name__} (for one prompt: "
+                                   "[prompt])")
+        for i, p in enumerate(prompts):
+            if not isinstance(p, str):
+                raise NeuronInferError(f"prompt {i} is a {type(p).__name__}, not a string")
+            check_text(p, f"prompt {i}")
         refuse_empty((f"prompt {i}", p) for i, p in enumerate(prompts))
+        check_sizes(prompts, self.manifest.build.max_context_length)
         ids = [self.encode(p, chat) for p in prompts]
         return self.generate_ids(ids, max_new_tokens, sampling, ignore_eos, on_tokens, stop=stop, logprobs=logprobs)
 
@@ -207,8 +217,7 @@ class CompiledModel:
         """Generate from token ids (`stop`, `logprobs`: see `generate`). `collect_logits` (tensor-parallel rank
         groups): keep each step's logits in `self.group.last_run["logits"]` (tests compare them against tp = 1).
         Under torchrun, ranks other than 0 return an empty GenerationOutput (rank 0 holds the results)."""
-        if max_new_tokens < 1:
-            raise NeuronInferError(f"max_new_tokens={max_new_tokens} must be >= 1")
+        check_generate_args(prompts, max_new_tokens, stop, logprobs)
         rule = StopRule(stop_strings=tuple(stop), decode=self._decode)
         if self.group is not None:  # checked here too: a rank's error would name no prompt of the caller
             if logprobs is not None:
@@ -266,6 +275,40 @@ def encode_chat(tokenizer, messages: list[dict[str, str]]) -> list[int]:
 
     text = render_chat(tokenizer, messages)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def check_generate_args(prompts, max_new_tokens, stop, logprobs) -> None:
+    """The types and ranges of generate_ids' arguments, each problem a NeuronInferError naming it."""
+    if not isinstance(prompts, list | tuple) or not all(isinstance(p, list | tuple) for p in prompts):
+        raise NeuronInferError("prompts must be a list of token-id lists, e.g. [[1, 15, 7]]")
+    for i, p in enumerate(prompts):
+        bad = next((t for t in p if not _is_int(t)), None)
+        if bad is not None:
+            raise NeuronInferError(f"prompt {i} holds {bad!r}, not an integer token id")
+    if not _is_int(max_new_tokens) or max_new_tokens < 1:
+        raise NeuronInferError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 1")
+    if isinstance(stop, str) or not isinstance(stop, list | tuple) or not all(isinstance(s, str) and s for s in stop):
+        raise NeuronInferError(f"stop={stop!r} must be a list of non-empty strings (for one: [{stop!r}])"
+                               if isinstance(stop, str) else f"stop={stop!r} must be a list of non-empty strings")
+    if logprobs is not None and (not _is_int(logprobs) or logprobs < 0):
+        raise NeuronInferError(f"logprobs={logprobs!r} must be None or an integer >= 0")
+
+
+def check_kv_cache_gib(gib) -> None:
+    """None, or a finite number of GiB above 0 and at most the machine's memory."""
+    import math  # noqa: PLC0415
+    import os  # noqa: PLC0415
+
+    if gib is None:
+        return
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    if isinstance(gib, bool) or not isinstance(gib, int | float) or not math.isfinite(gib) or not 0 < gib <= total:
+        raise NeuronInferError(f"--kv-cache-gib {gib!r} must be a number above 0 and at most this machine's memory "
+                               f"({total:.1f} GiB)")
 
 
 def check_request(build: BuildConfig, prompt_lengths: list[int], max_new_tokens: int | None) -> None:
