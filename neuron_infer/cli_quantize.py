@@ -42,9 +42,10 @@ def checkpoint_has_fp8(model_dir: Path) -> bool:
     """True if any tensor of the checkpoint is stored as float8 e4m3 (header scan, no data read)."""
     from safetensors import safe_open
 
-    from neuron_infer.checkpoint import safetensors_files
+    from neuron_infer.checkpoint import read_header, safetensors_files
 
     for path in safetensors_files(model_dir)[0]:
+        read_header(path)  # a damaged header: one CheckpointError naming the file, before the native reader sees it
         with safe_open(str(path), framework="pt") as f:
             if any(f.get_slice(k).get_dtype() in _FP8_TAGS for k in f.keys()):  # noqa: SIM118  (safe_open is not a dict)
                 return True

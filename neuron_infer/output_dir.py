@@ -48,7 +48,12 @@ def atomic_output(final: str | Path, *, overwrite: bool, owned: OwnedFiles, what
     """
     final = Path(os.path.abspath(final))
     check_not_source(final, sources)
-    final.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        os.close(os.open(final.with_name(f".{final.name}.lock"), os.O_RDWR | os.O_CREAT, 0o666))
+    except OSError as e:  # e.g. -o /proc/x: a directory that holds no files of ours
+        raise ConfigError(f"-o {final}: cannot create files in {final.parent} ({e.strerror or e}); choose another "
+                          "-o directory") from None
     with _writer_lock(final):
         check_target(final, overwrite, owned, what)
         _remove_stale(final)
