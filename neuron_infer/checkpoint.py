@@ -276,12 +276,21 @@ def load_checkpoint(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype 
             with safe_open(str(path), framework="pt") as f:
                 for name in sorted(n for n in wanted if infos[n].file == path):
                     out[name] = f.get_tensor(name)
+                    check_finite(path, name, out[name])
         except (SafetensorError, OSError, RuntimeError) as e:
             raise _corrupt(path, str(e)) from None
     _drop_tied_head(out, cfg, d)
     if dtype is not None:
         out = {k: t.to(dtype) for k, t in out.items()}
     return out
+
+
+def check_finite(path: Path, name: str, t: torch.Tensor) -> None:
+    """Refuse a float tensor holding NaN or an infinity (a model built from it emits garbage at every step)."""
+    if t.dtype in (torch.float32, torch.bfloat16, torch.float16) and not bool(torch.isfinite(t).all()):
+        bad = int((~torch.isfinite(t)).sum())
+        raise CheckpointError(f"{path}: tensor {name} holds {bad} NaN or infinite value(s); the checkpoint is damaged: "
+                              "re-download or re-export it")
 
 
 def _drop_tied_head(sd: dict[str, torch.Tensor], cfg: ModelConfig, model_dir: Path) -> None:

@@ -57,7 +57,7 @@ def split_lines(text: str) -> list[str]:
     lines = text.split("\n")
     if lines and lines[-1] == "":
         lines.pop()
-    return [ln[:-1] if ln.endswith("\r") else ln for ln in lines]
+    return [ln.removesuffix("\r") for ln in lines]
 
 
 def check_size(label: str, prompt: str, max_context_length: int) -> None:

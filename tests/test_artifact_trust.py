@@ -36,7 +36,7 @@ def uses(monkeypatch) -> list[str]:
     """Records every read of the tokenizer directory and every load of weights and graphs."""
     import transformers
 
-    import neuron_infer.api as api
+    from neuron_infer import api
 
     seen: list[str] = []
     real_tok, real_rank = transformers.AutoTokenizer.from_pretrained, api.load_rank

@@ -165,7 +165,7 @@ def test_safetensors_header_and_shard_index(model, tmp_path, capsys):
     single = model / "model.safetensors"
     n = struct.unpack("<Q", single.read_bytes()[:8])[0]
     header = json.loads(single.read_bytes()[8:8 + n])
-    first = sorted(k for k in header if k != "__metadata__")[0]
+    first = min(k for k in header if k != "__metadata__")
     out = tmp_path / "out"
     saved = single.read_bytes()
     for key in ("__metadata__", first):
@@ -267,7 +267,7 @@ def test_every_api_parameter(art):
 
 
 def test_json_logprobs_output_is_valid_json(art, capsys, monkeypatch):
-    import neuron_infer.api as api
+    from neuron_infer import api
 
     real = api.CompiledModel._text
 
@@ -294,3 +294,19 @@ def test_a_hostile_artifact_template_never_runs_unverified(art, tmp_path, capsys
     relist(root)  # now listed and verified: the limits stop it
     run(["generate", root, "--chat", "--prompt", "hi"], capsys, "hostile template", True, [root])
     run(["chat", root], capsys, "chat with a hostile template", True, [root])
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_nan_or_inf_weights_are_refused_naming_the_tensor(model, tmp_path, capsys, bad):
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(model / "model.safetensors")
+    name = "model.layers.0.mlp.down_proj.weight"
+    state[name].view(-1)[3] = bad
+    save_file(state, model / "model.safetensors")
+    out = tmp_path / "out"
+    for args in (compile_args(model, out), ["quantize", model, "-o", out, "--quant", "int8"]):
+        code, lines = cli(args, capsys)
+        errors = [ln for ln in lines if ln.startswith("error: ")]
+        assert code == 2 and len(errors) == 1 and name in errors[0] and "NaN or infinite" in errors[0], lines
+        assert not out.exists()

@@ -100,7 +100,7 @@ def test_the_replaced_output_loses_only_its_listed_files(old):
     (old / "weights" / "late.txt").write_text("appeared after the check")
     mark(old)
     _remove_owned(old, mine)
-    assert snapshot(old) == {"weights": "dir", "weights/late.txt": "appeared after the check".encode().hex(),
+    assert snapshot(old) == {"weights": "dir", "weights/late.txt": b"appeared after the check".hex(),
                              PARTIAL_MARKER: snapshot(old)[PARTIAL_MARKER]}
 
 
