@@ -310,3 +310,24 @@ def test_nan_or_inf_weights_are_refused_naming_the_tensor(model, tmp_path, capsy
         errors = [ln for ln in lines if ln.startswith("error: ")]
         assert code == 2 and len(errors) == 1 and name in errors[0] and "NaN or infinite" in errors[0], lines
         assert not out.exists()
+
+
+@pytest.mark.parametrize("output", ["text", "json"])
+@pytest.mark.parametrize("stdout", ["closed", "broken pipe"])
+def test_a_closed_or_broken_stdout_ends_quietly(art, stdout, output):
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "neuron_infer.cli", "generate", str(art), "--prompt", "hi", "--max-new-tokens", "4",
+           *(["--json"] if output == "json" else [])]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    if stdout == "closed":
+        p = subprocess.run(cmd, stdout=None, stderr=subprocess.PIPE, text=True, timeout=DEADLINE_S, env=env,
+                           preexec_fn=lambda: os.close(1))
+    else:
+        read, write = os.pipe()
+        os.close(read)  # nobody reads: the first write gets EPIPE
+        p = subprocess.run(cmd, stdout=write, stderr=subprocess.PIPE, text=True, timeout=DEADLINE_S, env=env)
+        os.close(write)
+    assert "Traceback" not in p.stderr and "error" not in p.stderr.lower(), p.stderr
+    assert p.returncode in (0, 1), (p.returncode, p.stderr)
