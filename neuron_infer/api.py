@@ -19,18 +19,24 @@ does, and loads it.
 """
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Self
 
 from neuron_infer import cpu_threads
-from neuron_infer.compile.artifact import Manifest, check_checkpoint, read_manifest
+from neuron_infer.compile.artifact import (
+    TOKENIZER_DIR,
+    Manifest,
+    check_checkpoint,
+    check_files,
+    load_verified_tokenizer,
+    read_manifest,
+)
 from neuron_infer.compile.builder import compile_model  # noqa: F401  (re-exported)
 from neuron_infer.config import BuildConfig, SamplingConfig  # noqa: F401  (BuildConfig re-exported)
-from neuron_infer.errors import NeuronInferError
-from neuron_infer.prompts import refuse_empty
+from neuron_infer.errors import ArtifactError, NeuronInferError
+from neuron_infer.prompts import check_sizes, refuse_empty
 from neuron_infer.runtime.engine import Engine
 from neuron_infer.runtime.generate import SequenceResult, generate_ids
 from neuron_infer.runtime.grammar import GrammarSpec, check_ends_at_eos, token_grammar
@@ -39,6 +45,7 @@ from neuron_infer.runtime.metrics import Metrics, pooled
 from neuron_infer.runtime.options import RunOptions
 from neuron_infer.runtime.sampling import check_vocab
 from neuron_infer.runtime.sequence import Sequence, StopRule, check_prompt, cut_at_stop
+from neuron_infer.text_input import check_text
 
 OnTokens = Callable[[list[list[int]]], None]
 
@@ -82,13 +89,13 @@ class GenerationOutput:
 
 
 def _eos_ids(manifest: Manifest, tokenizer, root: Path) -> tuple[int, ...]:
+    from neuron_infer.checkpoint import generation_eos_ids
+
     ids = set(manifest.model.eos_token_ids)
     if tokenizer.eos_token_id is not None:
         ids.add(int(tokenizer.eos_token_id))
-    gen_cfg = root / "tokenizer" / "generation_config.json"
-    if gen_cfg.is_file():
-        eos = json.loads(gen_cfg.read_text()).get("eos_token_id")
-        ids.update([eos] if isinstance(eos, int) else (eos or []))
+    ids.update(generation_eos_ids(root / TOKENIZER_DIR / "generation_config.json", manifest.model.vocab_size,
+                                  "recompile the model", ArtifactError))
     return tuple(sorted(ids))
 
 
@@ -126,9 +133,8 @@ class CompiledModel:
         speculation_gate: with a draft model, take plain steps while speculative steps are measured not to pay
         (False: speculate on every step that can, e.g. to measure speculation at a fixed k; docs/speculation.md).
         """
-        from neuron_infer.checkpoint import load_tokenizer  # noqa: PLC0415
-
         options = RunOptions(prefix_caching, prefill_chunk, speculation_gate)  # checked before the slow load
+        check_kv_cache_gib(kv_cache_gib)
         if threads is not None:
             cpu_threads.use(threads)  # validated before the slow load
         root = Path(artifact_dir)
@@ -137,7 +143,9 @@ class CompiledModel:
         if expect_checkpoint is not None:
             check_checkpoint(manifest, root, Path(expect_checkpoint))
         on_stage(LOAD_STAGES[1])
-        tokenizer = tokenizer or load_tokenizer(root / "tokenizer")
+        if not verify_files:  # the tokenizer files (chat template, generation config) are verified in any case
+            check_files(root, manifest, TOKENIZER_DIR)
+        tokenizer = tokenizer or load_verified_tokenizer(root, manifest)
         on_stage(LOAD_STAGES[2])
         if manifest.build.tp_degree != 1 and manifest.backend != "neuron":  # shards live in rank processes
             from neuron_infer.runtime.rank_group import RankGroup  # noqa: PLC0415
@@ -193,7 +201,15 @@ class CompiledModel:
         """Generate text. `stop`: stop strings (a sequence stops when its output contains one; the text is cut
         before it, finish_reason "stop"); `logprobs`: each output token's logprob and the top-N alternatives;
         `grammar`: structured output (see `generate_ids`)."""
+        if isinstance(prompts, str) or not isinstance(prompts, list | tuple):
+            raise NeuronInferError(f"prompts must be a list of strings, not {type(prompts).__name__} (for one prompt: "
+                                   "[prompt])")
+        for i, p in enumerate(prompts):
+            if not isinstance(p, str):
+                raise NeuronInferError(f"prompt {i} is a {type(p).__name__}, not a string")
+            check_text(p, f"prompt {i}")
         refuse_empty((f"prompt {i}", p) for i, p in enumerate(prompts))
+        check_sizes(prompts, self.manifest.build.max_context_length)
         ids = [self.encode(p, chat) for p in prompts]
         return self.generate_ids(ids, max_new_tokens, sampling, ignore_eos, on_tokens, stop=stop, logprobs=logprobs,
                                  grammar=grammar)
@@ -208,8 +224,7 @@ class CompiledModel:
         Under torchrun, ranks other than 0 return an empty GenerationOutput (rank 0 holds the results). `grammar`:
         structured output (a JSON schema, regex or choices, runtime/grammar.py; each output ends with EOS once the
         grammar is complete)."""
-        if max_new_tokens < 1:
-            raise NeuronInferError(f"max_new_tokens={max_new_tokens} must be >= 1")
+        check_generate_args(prompts, max_new_tokens, stop, logprobs)
         rule = StopRule(stop_strings=tuple(stop), decode=self._decode)
         check_vocab(sampling, self.manifest.model.vocab_size)
         make_grammar = self._grammar(grammar, ignore_eos)
@@ -270,12 +285,46 @@ def encode_prompt(tokenizer, prompt: str, chat: bool = False) -> list[int]:
 
 
 def encode_chat(tokenizer, messages: list[dict[str, str]]) -> list[int]:
-    """Token ids of a conversation through the chat template, ending with the assistant's turn header."""
-    if not getattr(tokenizer, "chat_template", None):
-        raise NeuronInferError("this model's tokenizer has no chat template: chat needs one (use --prompt "
-                               "without --chat for plain completion)")
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    """Token ids of a conversation through the chat template (rendered under limits: neuron_infer.chat_template),
+    ending with the assistant's turn header."""
+    from neuron_infer.chat_template import render_chat  # noqa: PLC0415
+
+    text = render_chat(tokenizer, messages)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def check_generate_args(prompts, max_new_tokens, stop, logprobs) -> None:
+    """The types and ranges of generate_ids' arguments, each problem a NeuronInferError naming it."""
+    if not isinstance(prompts, list | tuple) or not all(isinstance(p, list | tuple) for p in prompts):
+        raise NeuronInferError("prompts must be a list of token-id lists, e.g. [[1, 15, 7]]")
+    for i, p in enumerate(prompts):
+        bad = next((t for t in p if not _is_int(t)), None)
+        if bad is not None:
+            raise NeuronInferError(f"prompt {i} holds {bad!r}, not an integer token id")
+    if not _is_int(max_new_tokens) or max_new_tokens < 1:
+        raise NeuronInferError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 1")
+    if isinstance(stop, str) or not isinstance(stop, list | tuple) or not all(isinstance(s, str) and s for s in stop):
+        raise NeuronInferError(f"stop={stop!r} must be a list of non-empty strings (for one: [{stop!r}])"
+                               if isinstance(stop, str) else f"stop={stop!r} must be a list of non-empty strings")
+    if logprobs is not None and (not _is_int(logprobs) or logprobs < 0):
+        raise NeuronInferError(f"logprobs={logprobs!r} must be None or an integer >= 0")
+
+
+def check_kv_cache_gib(gib) -> None:
+    """None, or a finite number of GiB above 0 and at most the machine's memory."""
+    import math  # noqa: PLC0415
+    import os  # noqa: PLC0415
+
+    if gib is None:
+        return
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    if isinstance(gib, bool) or not isinstance(gib, int | float) or not math.isfinite(gib) or not 0 < gib <= total:
+        raise NeuronInferError(f"--kv-cache-gib {gib!r} must be a number above 0 and at most this machine's memory "
+                               f"({total:.1f} GiB)")
 
 
 def check_request(build: BuildConfig, prompt_lengths: list[int], max_new_tokens: int | None) -> None:

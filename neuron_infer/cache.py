@@ -9,9 +9,9 @@
     <cache>/artifacts/.smollm2-135m-<hash16>.partial-*    leftovers of interrupted compiles (also `.old-<pid>`)
     <cache>/graphs/.<key32>.partial-<pid>             a graph being stored, or left by an interrupted compile
 
-An entry is ours only when its name has one of these exact shapes *and* (for models and artifacts) it holds its
-marker file; everything else in the cache (e.g. a virtualenv, a user's files) is listed as "other" and never
-deleted. Symbolic links are never followed or deleted.
+An entry is ours only when its whole name has one of these exact shapes *and* it holds its marker file (models,
+artifacts, graphs: as above; leftovers: neuron_infer.output_dir.PARTIAL_MARKER); everything else in the cache (e.g.
+a virtualenv, a user's files) is listed as "other" and never deleted. Symbolic links are never followed or deleted.
 
 States: `current` (loadable by this installation), `stale` (built by other package versions or graph sources, or
 converted from a GGUF file that is no longer the installed one) and `partial` (an interrupted build older than an
@@ -20,7 +20,6 @@ hour; a younger one may be a build in progress and is left alone). `prune` remov
 """
 from __future__ import annotations
 
-import json
 import re
 import shutil
 import time
@@ -28,6 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from neuron_infer.embedded import MODEL_NAME, SOURCE_FILE
+from neuron_infer.output_dir import is_marked
+from neuron_infer.typed import parse_json
 
 ARTIFACT_PREFIX = "smollm2-135m"  # neuron_infer.presets.default_artifact_dir names its compiles so
 PARTIAL_AGE_S = 3600.0
@@ -71,9 +72,9 @@ def _current_gguf_sha16() -> str | None:
 
 
 def _model_entry(p: Path, gguf16: str | None) -> CacheEntry | None:
-    m = _MODEL_RE.match(p.name)
+    m = _MODEL_RE.fullmatch(p.name)
     try:
-        source = json.loads((p / SOURCE_FILE).read_text()) if m else None
+        source = parse_json((p / SOURCE_FILE).read_bytes()) if m else None
     except (OSError, ValueError):
         source = None
     if not isinstance(source, dict) or not str(source.get("gguf_sha256", "")).startswith(m.group(1)):
@@ -85,10 +86,10 @@ def _model_entry(p: Path, gguf16: str | None) -> CacheEntry | None:
 
 
 def _artifact_entry(p: Path, versions: dict[str, str]) -> CacheEntry | None:
-    if not _ARTIFACT_RE.match(p.name):
+    if not _ARTIFACT_RE.fullmatch(p.name):
         return None
     try:
-        manifest = json.loads((p / "manifest.json").read_text())
+        manifest = parse_json((p / "manifest.json").read_bytes())
     except (OSError, ValueError):
         return None
     if not isinstance(manifest, dict) or "format_version" not in manifest:
@@ -107,7 +108,7 @@ def _graph_entry(p: Path, versions: dict[str, str]) -> CacheEntry | None:
     if not KEY_RE.match(p.name):
         return None
     try:
-        marker = json.loads((p / MARKER).read_text())
+        marker = parse_json((p / MARKER).read_bytes())
     except (OSError, ValueError):
         return None
     built = marker.get("versions") if isinstance(marker, dict) else None
@@ -131,7 +132,7 @@ def _partial_entry(p: Path, now: float) -> CacheEntry | None:
     from neuron_infer.compile.graph_cache import PARTIAL_RE  # noqa: PLC0415
 
     regex = {"models": _MODEL_TMP_RE, "artifacts": _ARTIFACT_TMP_RE, "graphs": PARTIAL_RE}[p.parent.name]
-    if not regex.match(p.name):
+    if not regex.fullmatch(p.name) or not is_marked(p):  # a name alone (e.g. a user's copy) is not ours
         return None
     age = now - p.stat().st_mtime
     state = "partial" if age > PARTIAL_AGE_S else "in progress"

@@ -8,7 +8,6 @@ Every problem raises `CheckpointError` naming the file or tensor and the fix.
 from __future__ import annotations
 
 import hashlib
-import json
 import struct
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -18,7 +17,8 @@ from typing import Any
 import torch
 
 from neuron_infer.config import ModelConfig
-from neuron_infer.errors import CheckpointError
+from neuron_infer.errors import CheckpointError, NeuronInferError
+from neuron_infer.typed import parse_json, read_json, show
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -96,8 +96,8 @@ def read_header(path: Path) -> tuple[int, bytes, dict[str, Any]]:
             raise _corrupt(path, f"header claims {n} bytes but the file has {size}")
         raw = f.read(n)
     try:
-        header = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        header = parse_json(raw)
+    except (ValueError, UnicodeDecodeError) as e:
         raise _corrupt(path, f"header is not valid JSON: {e}") from None
     if not isinstance(header, dict):
         raise _corrupt(path, "header is not a JSON object")
@@ -171,11 +171,15 @@ def safetensors_files(model_dir: str | Path) -> tuple[list[Path], Path | None]:
 
 def _read_index(index: Path) -> dict[str, str]:
     try:
-        weight_map = json.loads(index.read_text())["weight_map"]
-    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
+        weight_map = parse_json(index.read_bytes())["weight_map"]
+    except (ValueError, UnicodeDecodeError, KeyError, TypeError) as e:
         raise CheckpointError(f"{index} is not a valid safetensors index ({e!r}); re-download it") from None
     if not isinstance(weight_map, dict) or not weight_map:
         raise CheckpointError(f"{index} has an empty or invalid 'weight_map'; re-download it")
+    bad = [k for k, v in weight_map.items() if not isinstance(v, str) or "/" in v or v in ("", ".", "..")]
+    if bad:
+        raise CheckpointError(f"{index}: weight_map[{bad[0]!r}] is {weight_map[bad[0]]!r}, not a shard file name in "
+                              "the same directory; re-download the index")
     return weight_map
 
 
@@ -272,12 +276,21 @@ def load_checkpoint(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype 
             with safe_open(str(path), framework="pt") as f:
                 for name in sorted(n for n in wanted if infos[n].file == path):
                     out[name] = f.get_tensor(name)
+                    check_finite(path, name, out[name])
         except (SafetensorError, OSError, RuntimeError) as e:
             raise _corrupt(path, str(e)) from None
     _drop_tied_head(out, cfg, d)
     if dtype is not None:
         out = {k: t.to(dtype) for k, t in out.items()}
     return out
+
+
+def check_finite(path: Path, name: str, t: torch.Tensor) -> None:
+    """Refuse a float tensor holding NaN or an infinity (a model built from it emits garbage at every step)."""
+    if t.dtype in (torch.float32, torch.bfloat16, torch.float16) and not bool(torch.isfinite(t).all()):
+        bad = int((~torch.isfinite(t)).sum())
+        raise CheckpointError(f"{path}: tensor {name} holds {bad} NaN or infinite value(s); the checkpoint is damaged: "
+                              "re-download or re-export it")
 
 
 def _drop_tied_head(sd: dict[str, torch.Tensor], cfg: ModelConfig, model_dir: Path) -> None:
@@ -335,8 +348,9 @@ def checkpoint_fingerprint(model_dir: str | Path) -> str:
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
 
-def load_tokenizer(model_dir: str | Path):
-    """The model directory's tokenizer, through `transformers.AutoTokenizer`, from local files only."""
+def load_tokenizer(model_dir: str | Path, fix: str = "re-download the tokenizer files"):
+    """The model directory's tokenizer, through `transformers.AutoTokenizer`, from local files only (`fix`: the
+    remedy an error names)."""
     d = Path(model_dir)
     if not any((d / f).is_file() for f in _TOKENIZER_FILES):
         raise CheckpointError(
@@ -349,12 +363,33 @@ def load_tokenizer(model_dir: str | Path):
         return AutoTokenizer.from_pretrained(str(d), local_files_only=True)
     except Exception as e:  # tokenizers raises a bare Exception for malformed files
         raise CheckpointError(
-            f"cannot load the tokenizer in {d} ({type(e).__name__}: {e}); re-download the tokenizer files"
+            f"cannot load the tokenizer in {d} ({type(e).__name__}: {e}); {fix}"
         ) from e
 
 
+def generation_eos_ids(path: Path, vocab_size: int, fix: str, error: type[NeuronInferError] = CheckpointError
+                       ) -> tuple[int, ...]:
+    """The `eos_token_id` of a generation_config.json (absent or null: none; an id, or a list of ids, each in
+    0..vocab_size-1); anything else raises `error` naming the file and ending in `fix`."""
+    if not path.is_file():
+        return ()
+    data = read_json(path, fix, error)
+    eos = data.get("eos_token_id") if isinstance(data, dict) else data
+    if not isinstance(data, dict):
+        raise error(f"{path} holds {show(data)}, not a JSON object; {fix}")
+    ids = [] if eos is None else [eos] if isinstance(eos, int) and not isinstance(eos, bool) else eos
+    if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab_size
+                                            for i in ids):
+        raise error(f"{path}: eos_token_id={show(eos)} must be a token id or a list of token ids in "
+                    f"0..{vocab_size - 1}; {fix}")
+    return tuple(ids)
+
+
 def check_tokenizer(model_dir: str | Path, cfg: ModelConfig) -> None:
-    """Compile-time check: the checkpoint has a tokenizer, and none of its ids is past the embedding's rows."""
+    """Compile-time check: the checkpoint has a tokenizer, none of its ids is past the embedding's rows, and its
+    generation_config.json (copied into the artifact) names valid EOS ids."""
+    generation_eos_ids(Path(model_dir) / "generation_config.json", cfg.vocab_size,
+                       "fix its eos_token_id or remove the file")
     tok = load_tokenizer(model_dir)
     top = max(tok.get_vocab().values(), default=-1) + 1
     if top > cfg.vocab_size:

@@ -222,7 +222,7 @@ def generate_cmd(artifacts, prompts, prompt_file, chat, max_new_tokens, temperat
     from neuron_infer.runtime.grammar import check_ends_at_eos  # noqa: PLC0415
     from neuron_infer.config import SamplingConfig  # noqa: PLC0415
     from neuron_infer.progress import set_bars, stages  # noqa: PLC0415
-    from neuron_infer.prompts import collect_prompts  # noqa: PLC0415
+    from neuron_infer.prompts import check_sizes, collect_prompts  # noqa: PLC0415
     from neuron_infer.text_input import check_text  # noqa: PLC0415
 
     set_bars(not as_json)
@@ -251,9 +251,11 @@ def generate_cmd(artifacts, prompts, prompt_file, chat, max_new_tokens, temperat
         if preset.build.batch_size < len(prompts):
             preset = _preset_with_batch(kw, preset, len(prompts))
         tokenizer = load_tokenizer(default_model_dir(log=_say))  # cheap checks before a first-run compile
+        check_sizes(prompts, preset.build.max_context_length)
         check_request(preset.build, [len(encode_prompt(tokenizer, p, chat)) for p in prompts], max_new_tokens)
         artifacts = default_artifact_dir(preset.build, _say)
     manifest, tokenizer = artifact_front(artifacts)  # cheap checks before the slow load of weights and graphs
+    check_sizes(prompts, manifest.build.max_context_length)
     ids = [encode_prompt(tokenizer, p, chat) for p in prompts]
     check_request(manifest.build, [len(x) for x in ids], max_new_tokens)
     with stages("loading", list(LOAD_STAGES), None, leave=False) as stage:  # a bar on a terminal, else silent
@@ -318,8 +320,11 @@ def _print_result(out, as_json: bool, stream) -> None:
 @click.option("--json", "as_json", is_flag=True, help="print the plan as one JSON line")
 def plan_cmd(model, instance, tp_degree, quant, max_length, batch_size, lnc, as_json) -> None:
     """Capacity plan for MODEL (a preset such as llama-3.1-405b, or a checkpoint dir) on an instance."""
-    from neuron_infer.capacity.planner import plan_capacity, render_capacity_text  # noqa: PLC0415
-    from neuron_infer.capacity.planner import smallest_fitting_plan  # noqa: PLC0415
+    from neuron_infer.capacity.planner import (  # noqa: PLC0415
+        plan_capacity,
+        render_capacity_text,
+        smallest_fitting_plan,  # noqa: PLC0415
+    )
     from neuron_infer.capacity.presets import resolve_model  # noqa: PLC0415
 
     name, cfg = resolve_model(model)
@@ -355,9 +360,16 @@ def main(argv: list[str] | None = None) -> None:
     except click.exceptions.Abort:
         click.echo("aborted", err=True)
         sys.exit(130)
+    except click.UsageError as e:  # a bad flag or value: one line, like every other error
+        hint = f" (see `{e.ctx.command_path} --help`)" if e.ctx is not None else ""
+        click.echo(f"error: {e.format_message()}{hint}", err=True)
+        sys.exit(2)
     except click.ClickException as e:
-        e.show()
+        click.echo(f"error: {e.format_message()}", err=True)
         sys.exit(e.exit_code)
+    except BrokenPipeError:  # the reader of stdout went away (`| head`): stop quietly
+        _silence_stdout()
+        sys.exit(1)
     except (OSError, SafetensorError) as e:  # only user-fixable kinds (full disk, read-only, permissions)
         os_error = as_os_error(e)
         msg = describe_os_error(os_error) if os_error is not None else None
@@ -365,6 +377,17 @@ def main(argv: list[str] | None = None) -> None:
             raise
         click.echo(f"error: {msg}", err=True)
         sys.exit(2)
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null so the interpreter's final flush does not fail again."""
+    import os  # noqa: PLC0415
+
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 1)
+    except OSError:
+        pass
 
 
 def run() -> None:

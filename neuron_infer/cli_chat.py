@@ -15,6 +15,7 @@ import click
 
 from neuron_infer.cli_help import examples, parse_logit_bias, sampling_options
 from neuron_infer.errors import NeuronInferError
+from neuron_infer.text_input import MAX_INPUT_BYTES, check_text
 
 EXIT_COMMANDS = ("/exit", "/quit")
 RESET_COMMAND = "/reset"
@@ -55,8 +56,14 @@ def _read_message(stdin, interactive: bool) -> str | None:
     """The next user line (None at end of input)."""
     if interactive:
         click.echo("> ", nl=False, err=True)
-    line = stdin.readline() if stdin is not None else ""
-    return None if line == "" else line.rstrip("\r\n")
+    try:
+        line = stdin.readline(MAX_INPUT_BYTES + 1) if stdin is not None else ""
+    except UnicodeDecodeError as e:
+        raise NeuronInferError(f"the chat input is not UTF-8 text (byte 0x{e.object[e.start]:02x}); type or pipe "
+                               "UTF-8 text") from None
+    if len(line) > MAX_INPUT_BYTES:
+        raise NeuronInferError(f"a chat message is longer than {MAX_INPUT_BYTES >> 20} MiB; send a shorter one")
+    return None if line == "" else check_text(line.rstrip("\r\n"), "the chat message")
 
 
 @click.command("chat", epilog=examples(
@@ -90,6 +97,8 @@ def chat_cmd(artifacts, system, max_new_tokens, temperature, top_k, top_p, seed,
                               repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
                               frequency_penalty=frequency_penalty, min_tokens=min_tokens,
                               logit_bias=parse_logit_bias(logit_bias))
+    if system is not None:
+        check_text(system, "--system")
     artifacts = _resolve_artifacts(artifacts, config, say)
     manifest, tokenizer = artifact_front(artifacts)  # cheap checks before the slow load
     start = [{"role": "system", "content": system}] if system else []

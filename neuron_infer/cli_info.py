@@ -12,6 +12,7 @@ import click
 
 from neuron_infer.cli_help import examples
 from neuron_infer.errors import ArtifactError
+from neuron_infer.typed import read_json
 
 
 def disk_size(root: Path) -> tuple[int, int]:
@@ -90,18 +91,15 @@ def info_record(m, size: tuple[int, int], problem: str | None) -> dict:
 @click.option("--no-verify", is_flag=True, help="skip hashing the files (fast; versions are still compared)")
 def info_cmd(artifacts, as_json, no_verify) -> None:
     """Summarize a compiled artifact: model, dtype, tp, buckets, quant, size, backend, versions, verification."""
-    from neuron_infer.compile.artifact import MANIFEST, Manifest, read_manifest  # noqa: PLC0415
+    from neuron_infer.compile.artifact import MANIFEST, parse_manifest, read_manifest  # noqa: PLC0415
 
     root = Path(artifacts)
     if not (root / MANIFEST).is_file():
         read_manifest(root, verify_files=False)  # raises its "not a complete artifact" error
-    try:
-        data = json.loads((root / MANIFEST).read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ArtifactError(f"{root / MANIFEST} is not valid JSON ({e}); recompile the model") from e
+    data = read_json(root / MANIFEST, "recompile the model", ArtifactError)
     if not isinstance(data, dict):
         raise ArtifactError(f"{root / MANIFEST} holds a {type(data).__name__}, not a manifest object; recompile")
-    m = Manifest.from_dict(data, str(root / MANIFEST))
+    m = parse_manifest(data, str(root / MANIFEST))
     problem = None
     try:
         read_manifest(root, verify_files=not no_verify)

@@ -17,6 +17,7 @@ while a character's bytes are incomplete; a last record may carry held-back text
 from __future__ import annotations
 
 import json
+import math
 import os
 import stat
 import sys
@@ -26,6 +27,7 @@ import click
 
 from neuron_infer.errors import NeuronInferError
 from neuron_infer.runtime.sequence import cut_at_stop
+from neuron_infer.text_input import read_bounded
 
 STDIN = "-"
 
@@ -34,7 +36,7 @@ def read_stdin(stream=None) -> str:
     """All of stdin as text (invalid UTF-8 is a clear error)."""
     if stream is None:
         stream = getattr(sys.stdin, "buffer", sys.stdin)
-    data = stream.read()
+    data = read_bounded(stream, "stdin")
     if isinstance(data, str):
         return data
     try:
@@ -87,12 +89,12 @@ def _strip_final_newline(text: str) -> str:
 
 
 def artifact_front(artifacts: str | Path):
-    """The manifest (files not hashed yet) and tokenizer: all the cheap checks need, before the slow load."""
-    from neuron_infer.checkpoint import load_tokenizer  # noqa: PLC0415
-    from neuron_infer.compile.artifact import read_manifest  # noqa: PLC0415
+    """The manifest (checksum checked, weights and graphs not hashed yet) and the tokenizer (its files verified
+    first): all the cheap checks need, before the slow load."""
+    from neuron_infer.compile.artifact import load_verified_tokenizer, read_manifest  # noqa: PLC0415
 
     manifest = read_manifest(Path(artifacts), verify_files=False)
-    return manifest, load_tokenizer(Path(artifacts) / "tokenizer")
+    return manifest, load_verified_tokenizer(Path(artifacts), manifest)
 
 
 _INCOMPLETE = "\ufffd"  # what decode() shows for the first bytes of a character whose last bytes are to come
@@ -125,8 +127,11 @@ class TextStreamer:
 
     def _show(self, text: str) -> None:
         if text.startswith(self.shown) and len(text) > len(self.shown):
-            sys.stdout.write(text[len(self.shown):])
-            sys.stdout.flush()
+            out = sys.stdout
+            if out is None:  # started with stdout closed: nothing can be shown
+                raise BrokenPipeError("stdout is closed")
+            out.write(text[len(self.shown):])
+            out.flush()
             self.shown = text
 
 
@@ -158,8 +163,22 @@ class JsonLinesStreamer:
 
 
 def emit(record: dict) -> None:
-    """One compact JSON line on stdout."""
-    click.echo(json.dumps(record))
+    """One compact JSON line on stdout: valid JSON, so a number that is not finite (a NaN logprob, or -inf: a token
+    of probability 0) is written as null."""
+    if sys.stdout is None:
+        raise BrokenPipeError("stdout is closed")
+    click.echo(json.dumps(finite(record), allow_nan=False))
+
+
+def finite(value):
+    """`value` with every NaN or infinite float replaced by None (JSON has no such numbers)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [finite(v) for v in value]
+    return value
 
 
 def grammar_spec(json_schema: str | None, regex: str | None, choice: tuple[str, ...]):

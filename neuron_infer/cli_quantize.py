@@ -30,6 +30,7 @@ from pathlib import Path
 import click
 
 from neuron_infer.errors import CheckpointError, ConfigError
+from neuron_infer.typed import parse_json, read_json
 
 FORMAT = "neuron-infer-quantized-v1"
 CONFIG_FILE = "quantization_config.json"
@@ -41,9 +42,10 @@ def checkpoint_has_fp8(model_dir: Path) -> bool:
     """True if any tensor of the checkpoint is stored as float8 e4m3 (header scan, no data read)."""
     from safetensors import safe_open
 
-    from neuron_infer.checkpoint import safetensors_files
+    from neuron_infer.checkpoint import read_header, safetensors_files
 
     for path in safetensors_files(model_dir)[0]:
+        read_header(path)  # a damaged header: one CheckpointError naming the file, before the native reader sees it
         with safe_open(str(path), framework="pt") as f:
             if any(f.get_slice(k).get_dtype() in _FP8_TAGS for k in f.keys()):  # noqa: SIM118  (safe_open is not a dict)
                 return True
@@ -63,7 +65,7 @@ def quantized_files(root: Path) -> set[str] | None:
     from neuron_infer.compile.builder import TOKENIZER_FILES
 
     try:
-        meta = json.loads((root / CONFIG_FILE).read_text())
+        meta = parse_json((root / CONFIG_FILE).read_bytes())
     except (OSError, ValueError):
         return None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
@@ -137,7 +139,8 @@ def load_quantized_checkpoint(path: str | Path):
 
     root = Path(path)
     meta_file = root / CONFIG_FILE
-    meta = json.loads(meta_file.read_text()) if meta_file.is_file() else {}
+    meta = read_json(meta_file, "run `neuron-infer quantize` again", CheckpointError) if meta_file.is_file() else {}
+    meta = meta if isinstance(meta, dict) else {}
     if meta.get("format") != FORMAT or "build_quant" not in meta:
         raise CheckpointError(f"{root} is not a float-conversion output of `neuron-infer quantize` "
                               f"(no {CONFIG_FILE} with format {FORMAT!r} and a scheme)")

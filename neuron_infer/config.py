@@ -420,7 +420,7 @@ def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
 def _check_block_size(size: int | None, buckets: tuple[int, ...]) -> None:
     if size is None:
         return
-    bad = sorted({b for b in buckets if b % size})
+    bad = sorted({b for b in buckets if size < 1 or b % size})
     if size < 1 or bad:
         raise ConfigError(
             f"kv_block_size={size} must be a positive divisor of every context and token-generation bucket "
@@ -472,6 +472,8 @@ class SamplingConfig:
             raise ConfigError(f"temperature={self.temperature} must be a finite number >= 0 (0 means greedy)")
         if self.top_k < 0:
             raise ConfigError(f"top_k={self.top_k} must be >= 0 (0 disables top-k)")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise ConfigError(f"seed={self.seed} must be in 0..2**63-1")
         if not 0.0 < self.top_p <= 1.0:
             raise ConfigError(f"top_p={self.top_p} must be in (0, 1] (1 disables nucleus sampling)")
         if not 0.0 <= self.min_p <= 1.0:

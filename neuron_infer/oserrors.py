@@ -74,6 +74,8 @@ def check_output_location(final: Path) -> None:
     final = Path(final).absolute()
     if final.exists() and not final.is_dir():
         raise ArtifactError(f"-o {final} is a file, not a directory; choose another -o directory")
+    if final.parent == final:
+        raise ArtifactError(f"-o {final} is the root of the file system; choose a new directory for the output")
     ancestor = next(p for p in final.parents if p.exists())
     if not ancestor.is_dir():
         raise ArtifactError(f"-o {final}: {ancestor} is a file, not a directory; choose another -o directory")

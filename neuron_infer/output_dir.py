@@ -10,7 +10,11 @@
   second process waits for the first compile and reuses it.
 - The output is built in `.NAME.partial-XXXXXXXX` beside it and appears by one rename (a killed write never leaves a
   directory that loads). Holding the lock proves that no live writer owns a leftover `.NAME.partial-*` or
-  `.NAME.old-*`, so those left by killed writers are removed.
+  `.NAME.old-*`; those left by killed writers are removed when they hold our marker file (PARTIAL_MARKER, written
+  into each such directory we create), and left alone otherwise.
+- A replaced output is renamed aside, then only the files its manifest lists (and the directories holding them)
+  are deleted. Empty directories, symbolic links and special files inside an output are not ours: an output
+  holding one is refused like one holding any other file.
 - Files get the permissions the umask allows (mkdtemp creates 0700), so another account can read them.
 """
 from __future__ import annotations
@@ -20,6 +24,7 @@ import fcntl
 import os
 import re
 import shutil
+import stat
 import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -27,7 +32,10 @@ from pathlib import Path
 
 from neuron_infer.errors import ConfigError
 
-# relative POSIX paths of every file a previous output of this kind owns, or None when the directory is not one
+PARTIAL_MARKER = ".neuron-infer-partial"  # inside the temporary directories we create (never in a final output)
+
+# relative POSIX paths of every file a previous output of this kind owns (a name ending in '/': a directory it always
+# has, even when empty), or None when the directory is not one
 OwnedFiles = Callable[[Path], "set[str] | None"]
 
 
@@ -40,16 +48,23 @@ def atomic_output(final: str | Path, *, overwrite: bool, owned: OwnedFiles, what
     """
     final = Path(os.path.abspath(final))
     check_not_source(final, sources)
-    final.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        os.close(os.open(final.with_name(f".{final.name}.lock"), os.O_RDWR | os.O_CREAT, 0o666))
+    except OSError as e:  # e.g. -o /proc/x: a directory that holds no files of ours
+        raise ConfigError(f"-o {final}: cannot create files in {final.parent} ({e.strerror or e}); choose another "
+                          "-o directory") from None
     with _writer_lock(final):
         check_target(final, overwrite, owned, what)
         _remove_stale(final)
         tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.partial-", dir=final.parent))
+        mark(tmp)
         try:
             yield tmp
+            (tmp / PARTIAL_MARKER).unlink()
             apply_umask(tmp)
             check_target(final, overwrite, owned, what)  # again: a directory may have appeared meanwhile
-            _replace(tmp, final, what)
+            _replace(tmp, final, what, owned(final) or set())
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -89,8 +104,7 @@ def check_target(final: Path, overwrite: bool, owned: OwnedFiles, what: str) -> 
     if mine is None:
         raise ConfigError(f"{final} is not empty and is not a neuron-infer {what}, so it is never replaced (not even "
                           "with --overwrite); choose a new or empty -o directory")
-    present = {p.relative_to(final).as_posix() for p in final.rglob("*") if not p.is_dir()}
-    foreign = sorted(present - mine)
+    foreign = foreign_entries(final, mine)
     if foreign:
         raise ConfigError(f"{final} holds files that are not part of its neuron-infer {what} "
                           f"({', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''}); move them away or "
@@ -98,6 +112,42 @@ def check_target(final: Path, overwrite: bool, owned: OwnedFiles, what: str) -> 
     if not overwrite:
         raise ConfigError(f"{final} already holds a neuron-infer {what}; pass --overwrite to replace it, or choose "
                           "another -o directory")
+
+
+def foreign_entries(root: Path, mine: set[str]) -> list[str]:
+    """Entries under `root` that are not the files in `mine` (a name ending in '/': a directory the output always
+    has, even when empty) or the directories holding them: other files, empty or foreign directories, symbolic links (never followed) and special files, each described."""
+    dirs = {rel.rstrip("/") if rel.endswith("/") else Path(rel).parent.as_posix() for rel in mine} - {"."}
+    dirs |= {Path(d).parents[i].as_posix() for d in list(dirs) for i in range(len(Path(d).parents) - 1)}
+    out = []
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
+        for name in sorted(dirnames + filenames):
+            p = Path(dirpath) / name
+            rel, mode = p.relative_to(root).as_posix(), p.lstat().st_mode
+            if stat.S_ISLNK(mode):
+                out.append(f"{rel} (a symbolic link)")
+            elif stat.S_ISDIR(mode):
+                if rel not in dirs:
+                    out.append(f"{rel}/ (a directory)")
+            elif not stat.S_ISREG(mode):
+                out.append(f"{rel} (not a regular file)")
+            elif rel not in mine:
+                out.append(rel)
+    return out
+
+
+def mark(directory: Path) -> None:
+    """Mark a temporary directory as ours (a later writer may delete it once its writer is gone)."""
+    (directory / PARTIAL_MARKER).write_text("a temporary directory of neuron-infer; safe to delete\n")
+
+
+def is_marked(directory: Path) -> bool:
+    """Whether `directory` is a real directory (not a link) holding our marker as a regular file."""
+    try:
+        return (stat.S_ISDIR(directory.lstat().st_mode)
+                and stat.S_ISREG((directory / PARTIAL_MARKER).lstat().st_mode))
+    except OSError:
+        return False
 
 
 def apply_umask(root: Path) -> None:
@@ -161,12 +211,13 @@ def _remove_stale(final: Path) -> None:
     """Remove the temporary siblings of dead writers (called with the lock held, so no live writer owns one)."""
     pattern = re.compile(rf"\.{re.escape(final.name)}\.(partial-[a-z0-9_]{{8}}|old-[0-9]+)")
     for p in final.parent.iterdir():
-        if pattern.fullmatch(p.name) and p.is_dir() and not p.is_symlink():
+        if pattern.fullmatch(p.name) and is_marked(p):  # unmarked: not ours (or not finished being marked)
             shutil.rmtree(p, ignore_errors=True)
 
 
-def _replace(tmp: Path, final: Path, what: str) -> None:
-    """Rename `tmp` to `final`; a non-empty `final` (checked replaceable) is moved aside first, then deleted."""
+def _replace(tmp: Path, final: Path, what: str, mine: set[str]) -> None:
+    """Rename `tmp` to `final`; a non-empty `final` (checked replaceable; `mine`: its files) is moved aside first,
+    then its files are deleted."""
     if final.is_dir() and any(final.iterdir()):
         old = final.with_name(f".{final.name}.old-{os.getpid()}")
         os.rename(final, old)
@@ -175,7 +226,8 @@ def _replace(tmp: Path, final: Path, what: str) -> None:
         except OSError:
             os.rename(old, final)
             raise
-        shutil.rmtree(old, ignore_errors=True)
+        mark(old)
+        _remove_owned(old, mine)
         return
     try:
         os.rename(tmp, final)  # onto a missing or empty directory; fails instead of replacing a non-empty one
@@ -184,3 +236,24 @@ def _replace(tmp: Path, final: Path, what: str) -> None:
             raise
         raise ConfigError(f"{final} was created by another program while this {what} was being written; nothing "
                           "was replaced; choose another -o directory") from e
+
+
+def _remove_owned(old: Path, mine: set[str]) -> None:
+    """Delete the files in `mine` and then the emptied directories; anything else (which the checks refused, but
+    which may have appeared since) stays, with the marked directory holding it."""
+    inside = old.resolve()
+    mine = {rel for rel in mine if not rel.startswith("/") and ".." not in rel.split("/")}
+    for rel in mine:
+        p = old / rel
+        if not p.is_symlink() and p.is_file() and inside in p.resolve().parents:
+            p.unlink()
+    dirs = {q for rel in mine for q in (old / rel).parents if old in q.parents}
+    dirs |= {old / rel.rstrip("/") for rel in mine if rel.endswith("/")}
+    for d in sorted(dirs, key=lambda q: -len(q.parts)):
+        try:
+            d.rmdir()
+        except OSError:
+            pass
+    if {p.name for p in old.iterdir()} == {PARTIAL_MARKER}:
+        (old / PARTIAL_MARKER).unlink()
+        old.rmdir()

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from neuron_infer.errors import NeuronInferError
-from neuron_infer.text_input import read_text_file
+from neuron_infer.text_input import check_size, read_text_file, split_lines
 
 DEFAULT_PROMPT = "The capital of France is"
 
@@ -18,7 +18,7 @@ def collect_prompts(flags: Sequence[str], prompt_file: str | None) -> list[str]:
     """Every prompt in order (the default prompt when neither --prompt nor --prompt-file is given)."""
     labelled = [(f"--prompt #{i}", p) for i, p in enumerate(flags, 1)]
     if prompt_file is not None:
-        lines = read_text_file(prompt_file, f"--prompt-file {prompt_file}").splitlines()
+        lines = split_lines(read_text_file(prompt_file, f"--prompt-file {prompt_file}"))
         if not lines:
             raise NeuronInferError(f"--prompt-file {prompt_file} is empty; write one prompt per line")
         labelled += [(f"--prompt-file {prompt_file} line {n}", p) for n, p in enumerate(lines, 1)]
@@ -26,6 +26,12 @@ def collect_prompts(flags: Sequence[str], prompt_file: str | None) -> list[str]:
         return [DEFAULT_PROMPT]
     refuse_empty(labelled)
     return [p for _, p in labelled]
+
+
+def check_sizes(prompts: Sequence[str], max_context_length: int) -> None:
+    """Every prompt short enough to be tokenized (text_input.check_size), named by its position."""
+    for i, p in enumerate(prompts):
+        check_size(f"prompt {i}", p, max_context_length)
 
 
 def refuse_empty(labelled: Iterable[tuple[str, str]]) -> None:

@@ -222,14 +222,53 @@ def _check_sign(value: Any, f: Field, field: str, where: str) -> None:
             raise ConfigError(f"{where}: {field} must be {kind}, not {show(value)}")
 
 
+MAX_JSON_BYTES = 1 << 26  # 64 MiB: far above any config, index, header or manifest
+MAX_JSON_DEPTH = 64  # nesting levels
+MAX_INT_DIGITS = 24  # digits of one integer (an int64 has at most 19)
+
+
+class JsonLimitError(ValueError):
+    """JSON past one of the bounds of `parse_json` (a ValueError, as json.JSONDecodeError is)."""
+
+
+def parse_json(raw: bytes | str) -> Any:
+    """json.loads under bounds: at most MAX_JSON_BYTES, MAX_JSON_DEPTH levels and MAX_INT_DIGITS digits per
+    integer; past one, JsonLimitError (a ValueError) says which."""
+    if len(raw) > MAX_JSON_BYTES:
+        raise JsonLimitError(f"it is larger than {MAX_JSON_BYTES} bytes")
+    if isinstance(raw, bytes | bytearray) and raw.startswith(b"\xef\xbb\xbf"):
+        raise JsonLimitError("it starts with a UTF-8 byte order mark (BOM); save it as UTF-8 without a BOM")
+    try:
+        value = json.loads(raw, parse_int=_bounded_int)
+    except RecursionError:
+        raise JsonLimitError(f"it nests more than {MAX_JSON_DEPTH} levels deep") from None
+    stack = [(value, 1)]
+    while stack:
+        v, depth = stack.pop()
+        if isinstance(v, dict | list):
+            if depth > MAX_JSON_DEPTH:
+                raise JsonLimitError(f"it nests more than {MAX_JSON_DEPTH} levels deep")
+            stack += [(x, depth + 1) for x in (v.values() if isinstance(v, dict) else v)]
+    return value
+
+
+def _bounded_int(text: str) -> int:
+    if len(text.lstrip("-")) > MAX_INT_DIGITS:
+        raise JsonLimitError(f"it holds an integer of {len(text.lstrip('-'))} digits (at most {MAX_INT_DIGITS})")
+    return int(text)
+
+
 def read_json(path: Path, fix: str, error: type[NeuronInferError] = ConfigError) -> Any:
-    """The parsed JSON of an existing file; unreadable, non-UTF-8 or invalid JSON raises `error` ending in `fix`."""
+    """The parsed JSON of an existing file; unreadable, non-UTF-8, invalid or unbounded JSON (see `parse_json`)
+    raises `error` ending in `fix`."""
     try:
         raw = Path(path).read_bytes()
     except OSError as e:
         raise error(f"cannot read {path}: {e.strerror or e}; {fix}") from e
     try:
-        return json.loads(raw)
+        return parse_json(raw)
+    except JsonLimitError as e:
+        raise error(f"{path} is not usable JSON: {e}; {fix}") from e
     except UnicodeDecodeError as e:
         raise error(f"{path} is not UTF-8 text ({e.reason} at byte {e.start}); {fix}") from e
     except json.JSONDecodeError as e:

@@ -6,7 +6,7 @@ import pytest
 
 from neuron_infer.api import CompiledModel, compile_model
 from neuron_infer.cli import main
-from neuron_infer.compile.artifact import MANIFEST
+from neuron_infer.compile.artifact import MANIFEST, seal
 from neuron_infer.config import BuildConfig
 from neuron_infer.errors import ArtifactError
 
@@ -93,7 +93,7 @@ def artifact(tiny_dirs, tmp_path):
 def _edit_manifest(root, fn):
     m = json.loads((root / MANIFEST).read_text())
     fn(m)
-    (root / MANIFEST).write_text(json.dumps(m))
+    (root / MANIFEST).write_text(json.dumps(seal(m)))
 
 
 def test_other_format_version(artifact, capsys):

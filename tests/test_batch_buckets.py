@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from neuron_infer.api import CompiledModel, compile_model
-from neuron_infer.compile.artifact import MANIFEST, read_manifest
+from neuron_infer.compile.artifact import MANIFEST, read_manifest, seal
 from neuron_infer.config import BuildConfig
 from neuron_infer.errors import ConfigError
 from neuron_infer.runtime.engine import planned_graphs, take_rows
@@ -102,5 +102,5 @@ def test_a_manifest_without_batch_buckets_holds_the_full_batch_graph_only(models
     root = models[4].root
     d = json.loads((root / MANIFEST).read_text())
     d["build"].pop("tokengen_batch_buckets")
-    (root / MANIFEST).write_text(json.dumps(d))
+    (root / MANIFEST).write_text(json.dumps(seal(d)))
     assert read_manifest(root, verify_files=False).build.tokengen_batch_list == (4,)

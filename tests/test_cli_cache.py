@@ -10,7 +10,9 @@ from click.testing import CliRunner
 from neuron_infer import cache
 from neuron_infer.cli import cli
 from neuron_infer.cli_info import human_bytes
+from neuron_infer.compile.artifact import seal
 from neuron_infer.embedded import MODEL_NAME, SOURCE_FILE
+from neuron_infer.output_dir import mark
 from tests.tiny_artifact import compile_tiny
 
 SHA = "0123456789abcdef" + "0" * 48
@@ -47,15 +49,23 @@ def root(tmp_path, art, monkeypatch):
     mf = p["stale"] / "manifest.json"
     m = json.loads(mf.read_text())
     m["versions"]["neuron_infer"] = "0.0.1"
-    mf.write_text(json.dumps(m))
+    mf.write_text(json.dumps(seal(m)))
     p["partial"] = arts / f".smollm2-135m-{'3' * 16}.partial-ab_12x"
     p["young_partial"] = arts / f".smollm2-135m-{'4' * 16}.partial-cd34yz"
     p["tmp_model"] = models / f".tmp-{MODEL_NAME}-{SHA[:16]}-q1w2e3"
     for d in (p["partial"], p["young_partial"], p["tmp_model"]):
         d.mkdir()
+        mark(d)  # what a killed writer leaves: its directory with our marker
         (d / "x.bin").write_bytes(b"p" * 500)
     age(p["partial"])
     age(p["tmp_model"])
+    # leftover names without our marker, or with a newline after the name: kept
+    p["unmarked_partial"] = arts / f".smollm2-135m-{'7' * 16}.partial-ef56gh"
+    p["newline_stale"] = arts / f"smollm2-135m-{'8' * 16}\n"
+    shutil.copytree(art, p["newline_stale"])
+    p["unmarked_partial"].mkdir()
+    (p["unmarked_partial"] / "keep.txt").write_text("mine")
+    age(p["unmarked_partial"])
     # never ours: no marker, other names, a symlink to a real artifact, files of the user
     p["no_marker"] = arts / f"smollm2-135m-{'5' * 16}"
     p["no_marker"].mkdir()
@@ -125,7 +135,8 @@ def test_prune_all_removes_current_entries_but_never_others(root):
     _, p = root
     res = CliRunner().invoke(cli, ["cache", "prune", "--all"])
     assert res.exit_code == 0
-    kept = {"young_partial", "no_marker", "user_dir", "link", "venv", "old_user_tmp"}
+    kept = {"young_partial", "no_marker", "user_dir", "link", "venv", "old_user_tmp", "unmarked_partial",
+            "newline_stale"}
     for k, path in p.items():
         assert os.path.lexists(path) == (k in kept), k
     assert (p["user_dir"] / "manifest.json").is_file() and (p["no_marker"] / "notes.txt").read_text() == "mine"

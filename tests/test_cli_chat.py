@@ -6,7 +6,7 @@ from neuron_infer.api import CompiledModel, encode_chat
 from neuron_infer.cli import cli
 from neuron_infer.cli_chat import fit_conversation
 from neuron_infer.errors import NeuronInferError
-from tests.tiny_artifact import compile_tiny
+from tests.tiny_artifact import compile_tiny, relist
 
 N = 10  # tokens per answer
 
@@ -88,6 +88,7 @@ def test_a_tokenizer_without_chat_template_is_refused_before_loading(art, tmp_pa
     cfg.pop("chat_template", None)
     cfg_path.write_text(json.dumps(cfg))
     (dst / "tokenizer" / "chat_template.jinja").unlink(missing_ok=True)
+    relist(dst)  # compiled from a checkpoint without a template
     monkeypatch.setattr(CompiledModel, "load", lambda *a, **k: pytest.fail("loaded before the check"))
     r = chat(dst, "hi\n")
     assert isinstance(r.exception, NeuronInferError) and "no chat template" in str(r.exception)

@@ -10,9 +10,10 @@ import pytest
 
 from neuron_infer.api import CompiledModel, compile_model
 from neuron_infer.checkpoint import checkpoint_fingerprint
-from neuron_infer.compile.artifact import MANIFEST, read_manifest
+from neuron_infer.compile.artifact import MANIFEST, read_manifest, seal
 from neuron_infer.config import BuildConfig
 from neuron_infer.errors import NeuronInferError
+from neuron_infer.output_dir import mark
 from tests.test_bad_input import TINY, compile_fails, fresh_copy, run_cli
 from tests.tiny_checkpoint import TINY_PRESETS, write_tiny_checkpoint, write_tiny_tokenizer
 
@@ -205,7 +206,7 @@ def test_token_ids_past_the_vocabulary_are_refused_before_running(artifact):
 def test_a_file_missing_from_the_manifest_is_not_loaded(artifact, capsys):
     m = json.loads((artifact / MANIFEST).read_text())
     del m["files"]["weights/rank0.safetensors"]
-    (artifact / MANIFEST).write_text(json.dumps(m))
+    (artifact / MANIFEST).write_text(json.dumps(seal(m)))
     code, msg = run_cli(["generate", str(artifact), "--prompt", "hi"], capsys)
     assert code == 2 and "rank0.safetensors is not listed" in msg
 
@@ -216,10 +217,17 @@ def test_stale_partial_directories_are_removed_by_the_next_compile(tiny_dirs, tm
     stale = tmp_path / ".art.partial-k3_x9q0z"
     (stale / "weights").mkdir(parents=True)
     (stale / "weights" / "rank0.safetensors").write_bytes(b"left by a killed compile")
+    mark(stale)  # every temporary directory of a writer carries the marker
     other = tmp_path / ".other.partial-k3_x9q0z"  # another output's: not ours to judge
     other.mkdir()
+    mark(other)
+    unmarked = [tmp_path / ".art.partial-a1b2c3d4", tmp_path / ".art.old-123"]  # the names alone: not ours
+    for d in unmarked:
+        d.mkdir()
+        (d / "notes.txt").write_text("mine")
     compile_model(tiny_dirs("gqa"), tmp_path / "art", BUILD, **QUIET)
     assert not stale.exists() and other.is_dir()
+    assert all((d / "notes.txt").read_text() == "mine" for d in unmarked)
 
 
 def test_killed_quantize_leaves_nothing(tiny_dirs, tmp_path, monkeypatch, capsys):

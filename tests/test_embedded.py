@@ -12,6 +12,7 @@ import pytest
 
 from neuron_infer import embedded
 from neuron_infer.embedded import build_atomically, cache_dir, default_model_dir, find_gguf, is_complete
+from neuron_infer.output_dir import mark
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -68,12 +69,15 @@ def test_lost_race_uses_existing(tmp_path):
 
 
 def test_stale_tmp_removed_fresh_kept(tmp_path):
-    stale, fresh = tmp_path / ".tmp-m-old", tmp_path / ".tmp-m-new"
-    stale.mkdir(), fresh.mkdir()
+    stale, fresh, users = tmp_path / ".tmp-m-old", tmp_path / ".tmp-m-new", tmp_path / ".tmp-users-own"
+    for d in (stale, fresh, users):
+        d.mkdir()
+    mark(stale), mark(fresh)  # left by (killed) conversions; `users` has no marker: never ours
     old = time.time() - 2 * embedded._STALE_TMP_S
     os.utime(stale, (old, old))
+    os.utime(users, (old, old))
     build_atomically(tmp_path / "m", _fake_build)
-    assert not stale.exists() and fresh.exists()
+    assert not stale.exists() and fresh.exists() and users.exists()
 
 
 def test_default_model_dir_converts_once_then_reuses(monkeypatch, tmp_path):

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from neuron_infer.compile.artifact import MANIFEST
+from neuron_infer.compile.artifact import CHECKSUM, MANIFEST, seal
 from tests.test_user_errors import TINY, cli
 
 WRONG: list[Any] = ["abc", None, [1, 2], {"x": 1}, 2.7, -1, True]
@@ -136,7 +136,8 @@ def test_fuzz_manifest_json(artifact, capsys):
             for value in (["abc", None] if free else WRONG):
                 if value == current(base, path) and type(value) is type(current(base, path)):
                     continue
-                (artifact / MANIFEST).write_text(json.dumps(mutated(base, path, value)))
+                edited = mutated(base, path, value)  # re-sealed: the fields are checked, not only the checksum
+                (artifact / MANIFEST).write_text(json.dumps(edited if path == (CHECKSUM,) else seal(edited)))
                 code, lines = cli(generate, capsys)
                 graph_entry = path[0] == "graphs" and len(path) == 2 and isinstance(value, dict)  # any object
                 if free or graph_entry or value in MANIFEST_VALID.get(".".join(path), []):

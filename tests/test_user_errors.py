@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from neuron_infer.cli import main
-from neuron_infer.compile.artifact import MANIFEST
+from neuron_infer.compile.artifact import MANIFEST, seal
 
 TINY = ["--config", "tiny", "--backend", "cpu-eager"]
 REPO = Path(__file__).resolve().parent.parent
@@ -113,7 +113,7 @@ def test_bad_manifest_values(artifact, tmp_path, capsys, edit, words):
     shutil.copytree(artifact, art)
     m = json.loads((art / MANIFEST).read_text())
     m = edit(m) or m
-    (art / MANIFEST).write_text(json.dumps(m))
+    (art / MANIFEST).write_text(json.dumps(seal(m)))
     one_error(*cli(["generate", art, "--prompt", "hi", "--max-new-tokens", "1"], capsys), *words)
 
 

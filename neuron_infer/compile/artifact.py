@@ -8,13 +8,17 @@
 
 A compile writes into a temporary sibling directory and renames it into place, so a killed compile never leaves a
 directory that loads; neuron_infer.output_dir says what `--overwrite` may replace and keeps one writer per output.
-Loading checks the format version, the package versions the graphs depend on, that every file in the directory is
-listed in the manifest and that each matches its sha256, and names the differing field or file.
+Loading checks the format version, the manifest's own checksum (`manifest_sha256`, over its canonical JSON), the
+package versions the graphs depend on, that every file in the directory is a regular file (no symbolic link, no
+entry outside the directory) listed in the manifest and that each matches its sha256, and names the differing field
+or file. The tokenizer files are verified before the tokenizer (and its chat template) is read.
 """
 from __future__ import annotations
 
 import hashlib
 import json
+import os
+import stat
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,11 +26,14 @@ from typing import Any
 
 from neuron_infer.config import BuildConfig, ModelConfig
 from neuron_infer.errors import ArtifactError, ConfigError
-from neuron_infer.output_dir import atomic_output
-from neuron_infer.typed import parse_dataclass, read_json
+from neuron_infer.output_dir import PARTIAL_MARKER, atomic_output
+from neuron_infer.typed import parse_dataclass, parse_json, read_json
 
-FORMAT_VERSION = 2  # 2: block KV cache (build.kv_block_size); graphs take block tables
+FORMAT_VERSION = 3  # 2: block KV cache (build.kv_block_size); 3: manifest_sha256
 MANIFEST = "manifest.json"
+CHECKSUM = "manifest_sha256"  # the manifest's checksum of its own content (every other key)
+TOKENIZER_DIR = "tokenizer"
+LAYOUT_DIRS = ("graphs/", "weights/", "tokenizer/")  # directories every artifact has (graphs/ may stay empty)
 
 
 def package_versions() -> dict[str, str]:
@@ -99,9 +106,10 @@ class Manifest:
 
 
 def hash_tree_names(root: Path) -> list[str]:
-    """POSIX relative paths of every file under root except the manifest."""
+    """POSIX relative paths of every file under root except the manifest (and the marker of a directory being
+    written, removed before it becomes the artifact)."""
     return [p.relative_to(root).as_posix() for p in sorted(root.rglob("*"))
-            if p.is_file() and p.relative_to(root).as_posix() != MANIFEST]
+            if p.is_file() and p.relative_to(root).as_posix() not in (MANIFEST, PARTIAL_MARKER)]
 
 
 def hash_tree(root: Path) -> dict[str, str]:
@@ -118,19 +126,57 @@ def atomic_directory(final: Path, overwrite: bool, sources: Iterable[str | Path]
 def artifact_files(root: Path) -> set[str] | None:
     """The files a previous artifact in `root` owns (its manifest and the files it lists), or None if not one."""
     try:
-        data = json.loads((Path(root) / MANIFEST).read_text())
+        data = parse_json((Path(root) / MANIFEST).read_bytes())
     except (OSError, ValueError):
         return None
     if not isinstance(data, dict) or "format_version" not in data or not isinstance(data.get("files"), dict):
         return None
-    return {MANIFEST, *map(str, data["files"])}
+    try:
+        for rel in data["files"]:
+            _check_entry(rel, MANIFEST)
+    except ArtifactError:
+        return None  # entries outside the directory: not an artifact we wrote
+    return {MANIFEST, *data["files"], *LAYOUT_DIRS}
+
+
+def manifest_checksum(d: dict[str, Any]) -> str:
+    """sha256 of the manifest's canonical JSON (sorted keys, no whitespace), its own checksum key left out."""
+    body = {k: v for k, v in d.items() if k != CHECKSUM}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def seal(d: Any) -> Any:
+    """The manifest dict with its checksum set (any other JSON value unchanged)."""
+    return {**d, CHECKSUM: manifest_checksum(d)} if isinstance(d, dict) else d
 
 
 def write_manifest(root: Path, manifest: Manifest) -> None:
-    """Write manifest.json last, through a temporary file and an atomic rename."""
+    """Write manifest.json last (with its checksum), through a temporary file and an atomic rename."""
     tmp = root / (MANIFEST + ".tmp")
-    tmp.write_text(json.dumps(manifest.to_dict(), indent=2, sort_keys=True))
+    tmp.write_text(json.dumps(seal(manifest.to_dict()), indent=2, sort_keys=True))
     tmp.replace(root / MANIFEST)
+
+
+def parse_manifest(data: Any, where: str) -> Manifest:
+    """A manifest from its JSON value: format version first, then its checksum, then every field's type."""
+    if isinstance(data, dict) and data.get("format_version") == FORMAT_VERSION:
+        if data.get(CHECKSUM) != manifest_checksum(data):
+            what = "has no manifest_sha256" if CHECKSUM not in data else "does not match its manifest_sha256"
+            raise ArtifactError(f"{where} {what}: it was edited or damaged after the compile, and nothing in it is "
+                                "trusted; recompile the model")
+        data = {k: v for k, v in data.items() if k != CHECKSUM}
+    manifest = Manifest.from_dict(data, where)
+    for rel in manifest.files:
+        _check_entry(rel, where)
+    return manifest
+
+
+def _check_entry(rel: str, where: str) -> None:
+    """A manifest `files` key is a plain relative POSIX path inside the artifact (no '..', '.', '' or leading /)."""
+    parts = rel.split("/")
+    if rel.startswith("/") or "\\" in rel or any(p in ("", ".", "..") for p in parts) or rel == MANIFEST:
+        raise ArtifactError(f"{where}: files entry {rel!r} is not a path inside the artifact directory; the manifest "
+                            "is damaged: recompile the model")
 
 
 def read_manifest(root: Path, verify_files: bool = True) -> Manifest:
@@ -150,10 +196,10 @@ def read_manifest(root: Path, verify_files: bool = True) -> Manifest:
         hint = " (it looks like an interrupted compile)" if root.is_dir() else ""
         raise ArtifactError(f"{path} not found{hint}: {root} is not a complete neuron-infer artifact; run "
                             f"`neuron-infer compile MODEL_DIR -o {root}` first")
-    manifest = Manifest.from_dict(read_json(path, "recompile the model", ArtifactError), str(path))
+    manifest = parse_manifest(read_json(path, "recompile the model", ArtifactError), str(path))
     _check_versions(manifest, path)
     if verify_files:
-        _check_files(root, manifest)
+        check_files(root, manifest)
     return manifest
 
 
@@ -167,18 +213,70 @@ def _check_versions(m: Manifest, where: Path) -> None:
             )
 
 
-def _check_files(root: Path, m: Manifest) -> None:
-    """Every file under root is listed in the manifest (a load reads no unverified file) and matches its sha256."""
-    unlisted = sorted(set(hash_tree_names(root)) - set(m.files))
+def check_files(root: Path, m: Manifest, under: str | None = None) -> None:
+    """Every file under root (or under root/`under`) is a regular file listed in the manifest whose sha256 matches,
+    and no entry is a symbolic link or special file: a load reads no unverified file, and nothing outside the
+    artifact. `under`: one subdirectory, e.g. TOKENIZER_DIR, verified before its files are read."""
+    root = Path(root)
+    top = root / under if under else root
+    scope = f"{under}/" if under else ""
+    present = set(_regular_files(root, top))
+    listed = {rel for rel in m.files if rel.startswith(scope)}
+    unlisted = sorted(present - listed)
     if unlisted:
         raise ArtifactError(f"{root / unlisted[0]} is not listed in the manifest's files, so it cannot be verified "
                             "(an artifact is loaded only when every file is listed); recompile the model")
-    for rel, digest in m.files.items():
+    for rel in sorted(listed):
         p = root / rel
-        if not p.is_file():
+        if rel not in present:
             raise ArtifactError(f"{p} is missing from the artifact; recompile the model")
-        if sha256_file(p) != digest:
+        if _sha256_nofollow(p) != m.files[rel]:
             raise ArtifactError(f"{p} is corrupted (sha256 differs from the manifest); recompile the model")
+
+
+def _regular_files(root: Path, top: Path) -> list[str]:
+    """Relative paths of the files under `top` (the manifest excepted); a symbolic link (to a file or directory)
+    or a special file anywhere below `root` is refused, since it could point outside the artifact (`root` itself
+    may be one: the user's own name for the artifact)."""
+    if not os.path.lexists(top):
+        return []
+    found = []
+    for path in ([top] if top != root else []) + _walk(top):  # the artifact directory itself may be a link
+        st = path.lstat()
+        rel = path.relative_to(root).as_posix()
+        if stat.S_ISLNK(st.st_mode):
+            raise ArtifactError(f"{path} is a symbolic link; an artifact holds only its own regular files (a link "
+                                "can point outside it), so it is not loaded: recompile the model")
+        if stat.S_ISREG(st.st_mode):
+            if rel != MANIFEST:
+                found.append(rel)
+        elif not stat.S_ISDIR(st.st_mode):
+            raise ArtifactError(f"{path} is not a regular file; recompile the model")
+    return found
+
+
+def _walk(top: Path) -> list[Path]:
+    out = []
+    for dirpath, dirnames, filenames in os.walk(top, followlinks=False):  # a linked directory is listed, not entered
+        out += [Path(dirpath) / n for n in sorted(dirnames + filenames)]
+    return out
+
+
+def _sha256_nofollow(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    with os.fdopen(fd, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def load_verified_tokenizer(root: Path, manifest: Manifest):
+    """The artifact's tokenizer, its files (chat template, generation config) verified before any is read."""
+    from neuron_infer.checkpoint import load_tokenizer
+
+    check_files(root, manifest, TOKENIZER_DIR)
+    return load_tokenizer(Path(root) / TOKENIZER_DIR, fix="recompile the model (its tokenizer files are damaged)")
 
 
 def check_checkpoint(manifest: Manifest, root: Path, model_dir: Path) -> None:

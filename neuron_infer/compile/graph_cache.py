@@ -24,6 +24,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable
 
+from neuron_infer.typed import parse_json
+
 MARKER = "neuron_infer_graph.json"
 KEY_RE = re.compile(r"\A[0-9a-f]{32}\Z")
 PARTIAL_RE = re.compile(r"\A\.[0-9a-f]{32}\.partial-\d+\Z")
@@ -97,7 +99,7 @@ def cached_compile(key: str, out_dir: Path, compile_into: Callable[[Path], dict]
 
 def _read_entry(entry: Path) -> dict | None:
     try:
-        meta = json.loads((entry / MARKER).read_text())
+        meta = parse_json((entry / MARKER).read_bytes())
     except (OSError, ValueError):
         return None
     files = meta.get("files") if isinstance(meta, dict) else None
@@ -108,13 +110,18 @@ def _read_entry(entry: Path) -> dict | None:
 
 def _store(entry: Path, out_dir: Path, meta: dict) -> None:
     """Copy a fresh compile into the cache, atomically (a partial directory renamed into place)."""
+    from neuron_infer.output_dir import PARTIAL_MARKER, mark  # noqa: PLC0415
+
     tmp = entry.parent / f".{entry.name}.partial-{os.getpid()}"
     try:
-        tmp.mkdir(parents=True, exist_ok=False)
+        tmp.parent.mkdir(parents=True, exist_ok=True)
+        tmp.mkdir()
+        mark(tmp)  # an interrupted store is ours to prune
         for name in meta["files"]:
             shutil.copy2(out_dir / name, tmp / name)
         marker = {**meta, "stored": time.time(), "versions": current_versions()}
         (tmp / MARKER).write_text(json.dumps(marker, sort_keys=True))
+        (tmp / PARTIAL_MARKER).unlink()
         tmp.rename(entry)  # fails if the entry exists (another compile stored it, or a damaged one: kept as is)
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)  # read-only or full cache: the artifact has its files anyway

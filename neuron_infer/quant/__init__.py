@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import fnmatch
 import importlib
-import json
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -125,8 +124,10 @@ def parse_modules_to_not_convert(value: str | Path | Iterable[str]) -> tuple[str
     text = path.read_text()
     if path.suffix == ".json":
         try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
+            from neuron_infer.typed import parse_json
+
+            data = parse_json(text)
+        except ValueError as e:
             raise ConfigError(f"{path} is not valid JSON ({e})") from e
         if isinstance(data, dict):
             data = data.get("model", data)

@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import load_file
 
 from neuron_infer.api import CompiledModel
-from neuron_infer.compile.artifact import read_manifest
+from neuron_infer.compile.artifact import read_manifest, seal
 from neuron_infer.compile.builder import compile_model
 from neuron_infer.config import ModelConfig, QuantConfig
 from neuron_infer.errors import ConfigError
@@ -120,7 +120,7 @@ def test_a_tampered_plan_is_rejected(ckpts, tmp_path):
     path = tmp_path / "a" / "manifest.json"
     d = json.loads(path.read_text())
     d["extra"]["tp_plan"]["ranks"][1]["kv_heads"] = [0]
-    path.write_text(json.dumps(d))
+    path.write_text(json.dumps(seal(d)))
     with pytest.raises(Exception, match="shard plan differs"):
         CompiledModel.load(tmp_path / "a")
     assert read_manifest(tmp_path / "a").build.tp_degree == 2
