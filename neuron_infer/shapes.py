@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import torch
-from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 
 def known(cond: bool | torch.SymBool) -> bool:
@@ -12,6 +11,8 @@ def known(cond: bool | torch.SymBool) -> bool:
     the graph serves takes it; the other path serves any shape. Under torch.jit.trace (the Neuron target's
     torch_neuronx.trace: one static bucket per trace) a size comparison is a traced value: its value at the traced
     shape, as a plain comparison would give."""
-    if torch.jit.is_tracing():
+    if isinstance(cond, bool) or torch.jit.is_tracing():
         return bool(cond)
+    from torch.fx.experimental.symbolic_shapes import statically_known_true  # noqa: PLC0415  (sympy: export only)
+
     return statically_known_true(cond)

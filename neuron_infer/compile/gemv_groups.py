@@ -49,7 +49,8 @@ def group_gemvs(gm: fx.GraphModule) -> int:
     for node in graph.nodes:
         if node.op == "call_function" and node.target in kinds:
             x = node.args[0]
-            by_input[(node.target, _source(x), tuple(x.meta["val"].shape))].append(node)
+            shape = tuple(str(d) for d in x.meta["val"].shape)  # a dynamic dim by its symbol (SymInts do not hash)
+            by_input[(node.target, _source(x), shape)].append(node)
     removed = 0
     for calls in by_input.values():
         while len(calls) > 1:
