@@ -71,7 +71,7 @@ def summary_lines(root: Path, m, size: tuple[int, int], problem: str | None) -> 
     if spec is not None:
         lines.append(f"  speculation  draft {spec.draft_model}, K={spec.length}{', fused' if spec.fused else ''}")
     lines += [
-        f"  graphs       {len(m.graphs)}, backend {m.backend}, kernels {b.kernels}",
+        f"  graphs       {_graph_count(m.graphs)}, backend {m.backend}, kernels {b.kernels}",
         f"  size         {human_bytes(size[0])} on disk ({size[1]} files)",
         "  versions     " + ", ".join(f"{k} {v}" for k, v in sorted(m.versions.items())),
         f"  verified     {'yes: versions match and every file matches its sha256' if problem is None else 'NO'}",
@@ -112,3 +112,11 @@ def info_cmd(artifacts, as_json, no_verify) -> None:
         click.echo("\n".join(summary_lines(root, m, size, problem)))
     if problem is not None:
         raise ArtifactError(f"verification failed: {problem}")
+
+
+def _graph_count(graphs: dict) -> str:
+    """'7' for one graph per bucket; '2 serving 7 buckets (decode_b1_t1, prefill)' for shape-class graphs."""
+    files = sorted({g.get("graph", name) for name, g in graphs.items()})
+    if len(files) == len(graphs):
+        return str(len(graphs))
+    return f"{len(files)} serving {len(graphs)} buckets ({', '.join(files)})"

@@ -74,3 +74,12 @@ def test_a_quantized_tp2_artifact_shows_each_rank_and_the_compression(tiny_dirs,
     assert lines["tp"] == f"2  (weights per rank: {sizes[0]}, {sizes[1]})"
     report = read_manifest(tmp_path / "a").extra["quant"]
     assert lines["quant"].startswith("int8 (linear weights") and f"{report['compression']:.2f}x" in lines["quant"]
+
+
+def test_graph_count_names_the_shape_class_graphs():
+    from neuron_infer.cli_info import _graph_count
+
+    assert _graph_count({"a": {}, "b": {}}) == "2"
+    shared = {"context_t64_s64": {"graph": "prefill"}, "context_t128_s128": {"graph": "prefill"},
+              "tokengen_t1_s256": {"graph": "decode_b1_t1"}}
+    assert _graph_count(shared) == "2 serving 3 buckets (decode_b1_t1, prefill)"
