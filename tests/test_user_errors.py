@@ -261,3 +261,15 @@ def test_prompt_file_that_is_not_text(artifact, tmp_path, capsys, data, words):
 @pytest.mark.parametrize("flag, value", [("--temperature", "nan"), ("--temperature", "inf"), ("--top-p", "nan")])
 def test_non_finite_sampling_flags(artifact, capsys, flag, value):
     one_error(*cli(["generate", artifact, "--prompt", "hi", flag, value], capsys), flag.lstrip("-").replace("-", "_"))
+
+
+def test_a_kv_cache_larger_than_the_machine_is_a_sizing_error(tiny_dirs, tmp_path):
+    """A KV cache larger than the machine is one sizing error before any work, not an allocation failure at load."""
+    from neuron_infer.compile.builder import compile_model
+    from neuron_infer.config import BuildConfig
+    from neuron_infer.errors import ConfigError
+
+    build = BuildConfig(dtype="fp32", batch_size=100000, max_context_length=64, max_length=512)
+    with pytest.raises(ConfigError, match=r"--batch-size 100000 x --max-length 512 needs a KV cache of .* GiB"):
+        compile_model(tiny_dirs("gqa"), tmp_path / "a", build, backend="cpu-eager", say=lambda m: None)
+    assert not (tmp_path / "a").exists()

@@ -35,6 +35,7 @@ def check_build_against_model(cfg: ModelConfig, build: BuildConfig) -> None:
             f"--max-length {build.max_length} exceeds the model's max_position_embeddings="
             f"{cfg.max_position_embeddings}; lower --max-length"
         )
+    check_kv_cache_fits(cfg, build)
     if build.target == "cpu" and build.tp_degree != 1:
         from neuron_infer.parallel.plan import ShardPlan  # noqa: PLC0415  (validates the degree)
 
@@ -43,6 +44,20 @@ def check_build_against_model(cfg: ModelConfig, build: BuildConfig) -> None:
         from neuron_infer.compile.spec_builder import check_speculation  # noqa: PLC0415
 
         check_speculation(cfg, build)
+
+
+def check_kv_cache_fits(cfg: ModelConfig, build: BuildConfig) -> None:
+    """The default KV cache (batch_size sequences of max_length, K and V, all ranks together) must fit the machine's
+    memory: a sizing error names the fix instead of an allocation failure at load."""
+    import psutil  # noqa: PLC0415
+
+    elem = 4 if build.dtype == "fp32" else 1 if build.quant.kv_cache_dtype == "fp8" else 2
+    need = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * elem * build.batch_size * build.max_length
+    have = psutil.virtual_memory().total
+    if need > have:
+        raise ConfigError(f"--batch-size {build.batch_size} x --max-length {build.max_length} needs a KV cache of "
+                          f"{need / 2**30:.1f} GiB, more than this machine's {have / 2**30:.1f} GiB of memory; lower "
+                          "--batch-size or --max-length")
 
 
 def source_dirs(model_dir: Path, build: BuildConfig) -> list[Path]:
