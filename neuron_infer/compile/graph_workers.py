@@ -24,14 +24,23 @@ WORKER_BYTES = 3 << 30  # peak memory of one graph compile beyond the weights (S
 
 
 def worker_count(jobs: int, weight_bytes: int, compile_bytes: int = WORKER_BYTES) -> int:
-    """Workers for `jobs` graphs: at most the usable cores and what the available memory holds, `compile_bytes`
-    plus the weights per worker (at least 1)."""
+    """Workers for `jobs` graphs: at most the machine's cores under its CPU quota and what the available memory holds,
+    `compile_bytes` plus the weights per worker (at least 1). The caller's own CPU affinity does not bound them: a
+    vLLM worker binds itself to its cores, and its compile workers run while it waits (`all_cpus`)."""
     import psutil  # noqa: PLC0415
 
     from neuron_infer.cpu_threads import usable_cpus  # noqa: PLC0415
 
     by_memory = psutil.virtual_memory().available // (compile_bytes + weight_bytes)
-    return max(1, min(jobs, usable_cpus(), by_memory))
+    return max(1, min(jobs, usable_cpus(affinity=set(range(os.cpu_count() or 1))), by_memory))
+
+
+def all_cpus() -> None:
+    """Let this compile worker run on every CPU (it inherits the affinity of the process that started it)."""
+    try:
+        os.sched_setaffinity(0, range(os.cpu_count() or 1))
+    except (AttributeError, OSError):
+        pass  # not Linux, or not allowed: the inherited affinity stays
 
 
 def compile_in_workers(jobs: list, weights: Path, cfg, build, graphs_dir: Path,
@@ -108,6 +117,7 @@ def _main() -> None:
     from neuron_infer.compile.builder import compile_class  # noqa: PLC0415  (the worker's own entry point)
     from neuron_infer.runtime.engine import GraphSpec, ShapeClass  # noqa: PLC0415
 
+    all_cpus()
     job = json.loads(sys.stdin.read())
     model, build = worker_model(job)
     c = job["class"]

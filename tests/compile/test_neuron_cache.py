@@ -178,13 +178,13 @@ def test_a_damaged_entry_is_traced_again(sdk, tiny_dirs, tmp_path):
 
 def test_workers_are_bounded_by_cores_and_memory(monkeypatch):
     gib = 1 << 30
-    monkeypatch.setattr("neuron_infer.cpu_threads.usable_cpus", lambda: 8)
-    monkeypatch.setattr("psutil.virtual_memory", lambda: types.SimpleNamespace(available=30 * gib))
+    monkeypatch.setattr("neuron_infer.cpu_threads.usable_cpus", lambda **_: 8)
+    monkeypatch.setattr("psutil.virtual_memory", lambda: types.SimpleNamespace(available=30 * gib, total=32 * gib))
     assert graph_workers.worker_count(10, 2 * gib, 8 * gib) == 3               # 30 GiB / (8 + 2) GiB
     assert graph_workers.worker_count(2, 2 * gib, 8 * gib) == 2                # no more workers than buckets
-    monkeypatch.setattr("neuron_infer.cpu_threads.usable_cpus", lambda: 2)
+    monkeypatch.setattr("neuron_infer.cpu_threads.usable_cpus", lambda **_: 2)
     assert graph_workers.worker_count(10, 0, 1 * gib) == 2                     # the usable cores
-    monkeypatch.setattr("psutil.virtual_memory", lambda: types.SimpleNamespace(available=gib))
+    monkeypatch.setattr("psutil.virtual_memory", lambda: types.SimpleNamespace(available=gib, total=32 * gib))
     assert graph_workers.worker_count(10, 2 * gib, 8 * gib) == 1               # at least one
 
 
@@ -198,8 +198,8 @@ def test_misses_are_traced_in_worker_processes_and_an_identical_rebuild_in_none(
     monkeypatch.syspath_prepend(str(site))
     monkeypatch.syspath_prepend(str(SITE))
     monkeypatch.delitem(sys.modules, "torch_neuronx", raising=False)
-    monkeypatch.setattr("neuron_infer.cpu_threads.usable_cpus", lambda: 2)
-    monkeypatch.setattr("psutil.virtual_memory", lambda: types.SimpleNamespace(available=64 << 30))
+    monkeypatch.setattr("neuron_infer.cpu_threads.usable_cpus", lambda **_: 2)
+    monkeypatch.setattr("psutil.virtual_memory", lambda: types.SimpleNamespace(available=64 << 30, total=64 << 30))
     said: list[str] = []
     d = tiny_dirs("gqa")
     m = compile_model(d, tmp_path / "a", BUILD, say=said.append)
