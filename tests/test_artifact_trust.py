@@ -11,9 +11,9 @@ import pytest
 
 from neuron_infer.api import CompiledModel, encode_chat
 from neuron_infer.checkpoint import load_tokenizer
-from neuron_infer.cli import main
 from neuron_infer.compile.artifact import CHECKSUM, MANIFEST, seal
 from neuron_infer.errors import ArtifactError, NeuronInferError
+from tests.test_user_errors import cli, one_error
 from tests.tiny_artifact import compile_tiny, relist
 
 GENERATE = ["generate", "--chat", "--prompt", "hi", "--max-new-tokens", "1"]
@@ -52,22 +52,6 @@ def uses(monkeypatch) -> list[str]:
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", tok)
     monkeypatch.setattr(api, "load_rank", rank)
     return seen
-
-
-def cli(args, capsys) -> tuple[int, list[str]]:
-    with pytest.raises(SystemExit) as e:
-        main([str(a) for a in args])
-        raise SystemExit(0)
-    return e.value.code, capsys.readouterr().err.splitlines()
-
-
-def one_error(code: int, lines: list[str], *words: str) -> str:
-    assert code == 2, lines
-    errors = [ln for ln in lines if ln.startswith("error: ")]
-    assert len(errors) == 1 and not any("Traceback" in ln for ln in lines), lines
-    for w in words:
-        assert w in errors[0], (w, errors[0])
-    return errors[0]
 
 
 def tamper(path: Path) -> None:
