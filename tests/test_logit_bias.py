@@ -22,6 +22,7 @@ from neuron_infer.runtime.sampling import (
 )
 from neuron_infer.runtime.sequence import Sequence, StopRule
 from tests.test_cli_generate_io import run_main
+from tests.test_penalties import np_reference as penalties_reference
 from tests.tiny_artifact import compile_tiny
 
 V = 12
@@ -34,23 +35,14 @@ STOPS = [(11,), (10, 11), (0,), (9,)]  # per row: the ids min_tokens holds back
 
 
 def np_reference(logits, c, prompt, output, stops):
-    """One row, plain NumPy float64: bias, min_tokens, penalties, temperature, top-k (ties kept), renormalize."""
+    """One row, plain NumPy float64: bias and min_tokens, then the penalties reference (penalties, temperature,
+    min-p, top-k, renormalize)."""
     x = logits.astype(np.float64).copy()
     for t, b in c.logit_bias:
         x[t] += b
     if len(output) < c.min_tokens:
         x[list(stops)] = -np.inf
-    for t in set(prompt + output):
-        x[t] = x[t] / c.repetition_penalty if x[t] > 0 else x[t] * c.repetition_penalty
-    for t in set(output):
-        x[t] -= c.presence_penalty + c.frequency_penalty * output.count(t)
-    if c.greedy:
-        return np.eye(len(x))[int(np.argmax(x))]
-    p = np.exp((x - x.max()) / c.temperature)
-    p /= p.sum()
-    if c.top_k:
-        p[p < np.sort(p)[::-1][c.top_k - 1]] = 0
-    return p / p.sum()
+    return penalties_reference(x, c, prompt, output)
 
 
 def _bias(configs=CONFIGS, outputs=OUTPUTS, stops=STOPS):
