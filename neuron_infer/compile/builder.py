@@ -101,7 +101,7 @@ def compile_graphs(model: LlamaModel, build: BuildConfig, backend, graphs_dir: P
     classes: dict[str, ShapeClass] = {}
     for spec in plan:
         classes.setdefault(shape_class(spec, build).name, shape_class(spec, build))
-    compiled = _compile_classes(model, build, backend, graphs_dir, say, list(classes.values()), weights)
+    compiled = compile_classes(model, build, backend, graphs_dir, say, list(classes.values()), weights)
     out = {}
     for spec in plan:
         cls = shape_class(spec, build)
@@ -132,8 +132,8 @@ def _compile_buckets(model, build, backend, graphs_dir: Path, say: Progress, pla
     return out
 
 
-def _compile_classes(model, build, backend, graphs_dir: Path, say: Progress, classes: list[ShapeClass],
-                     weights: Path | None) -> dict[str, dict]:
+def compile_classes(model, build, backend, graphs_dir: Path, say: Progress, classes: list[ShapeClass],
+                    weights: Path | None = None) -> dict[str, dict]:
     """Shape-class graphs: cache hits copied, misses compiled (in worker processes when there are several)."""
     shape, out, misses = cache_shape(model, build), {}, []
     for cls in classes:

@@ -237,7 +237,7 @@ def compile_spec_graphs(target: LlamaModel, draft: LlamaModel | None, build: Bui
     meta = {}
     graphs_dir.mkdir(parents=True, exist_ok=True)
     if draft is None and getattr(backend, "dynamic_shapes", False):
-        return _compile_verify_classes(target, build, backend, graphs_dir)
+        return _compile_verify_classes(target, build, backend, graphs_dir, say)
     for name, (module, args) in steps(planned_speculation(target, draft, build).items(),
                                       "compiling speculation graph", say,
                                       lambda item: f"{item[0]} ({backend.name})", unit="graph"):
@@ -248,18 +248,17 @@ def compile_spec_graphs(target: LlamaModel, draft: LlamaModel | None, build: Bui
     return meta
 
 
-def _compile_verify_classes(target: LlamaModel, build: BuildConfig, backend, graphs_dir: Path) -> dict:
-    from neuron_infer.compile.builder import cache_shape, class_key, compile_class  # noqa: PLC0415  (builder calls us)
+def _compile_verify_classes(target: LlamaModel, build: BuildConfig, backend, graphs_dir: Path, say: Progress) -> dict:
+    """Prompt lookup's verify graphs as shape classes, through the builder's class compile (cache included)."""
+    from neuron_infer.compile.builder import compile_classes  # noqa: PLC0415  (builder calls us)
     from neuron_infer.runtime.engine import shape_class  # noqa: PLC0415
 
-    meta, done = {}, {}
-    for g in spec_graph_list(build, draft=False):
-        cls = shape_class(GraphSpec("verify", g.tokens, g.attend, g.batch), build)
-        if cls.name not in done:
-            key = class_key(target, build, backend, cache_shape(target, build), cls)
-            done[cls.name] = compile_class(target, build, graphs_dir, cls, key, backend)
-        meta[g.name] = {"kind": "verify", **done[cls.name], "graph": cls.name, "dynamic": sorted(cls.dims)}
-    return meta
+    classes = {g.name: shape_class(GraphSpec("verify", g.tokens, g.attend, g.batch), build)
+               for g in spec_graph_list(build, draft=False)}
+    unique = list({c.name: c for c in classes.values()}.values())
+    done = compile_classes(target, build, backend, graphs_dir, say, unique)
+    return {name: {"kind": "verify", **done[c.name], "graph": c.name, "dynamic": sorted(c.dims)}
+            for name, c in classes.items()}
 
 
 def speculation_extra(info: dict, build: BuildConfig, graph_names) -> dict:

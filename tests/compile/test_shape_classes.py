@@ -117,3 +117,26 @@ def test_prefill_after_a_cached_prefix_and_decode_equal_eager(compiled):
         tok = torch.tensor([int(want.argmax())])
         got, want = eng.decode(tok, pos)[0], ref.decode(tok, pos)[0]
         torch.testing.assert_close(got, want, atol=1e-4 * want.abs().max().item(), rtol=0)
+
+
+def test_prompt_lookup_verify_class_is_lossless(tiny_dirs, tmp_path, monkeypatch):
+    """bf16, head dim 32 (the GEMV and attention kernels apply): one verify graph for every sequence length; greedy
+    output with prompt lookup equals the same artifact's plain steps token for token (the verify pass computes what
+    one-token steps compute, bit for bit)."""
+    from neuron_infer.api import CompiledModel
+    from neuron_infer.config import SpeculationConfig
+    from tests.tiny_checkpoint import write_tiny_checkpoint
+
+    monkeypatch.setenv("NEURON_INFER_CACHE", str(tmp_path / "cache"))
+    ck = write_tiny_checkpoint(tmp_path / "ck", hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
+                               head_dim=32, intermediate_size=256)
+    build = BuildConfig(dtype="bf16", max_context_length=48, max_length=96, context_buckets=(16, 48),
+                        tokengen_buckets=(32, 96), speculation=SpeculationConfig(draft_model="ngram", length=4))
+    m = compile_model(ck, tmp_path / "a", build, say=lambda _m: None)
+    verify = {n: g for n, g in m.graphs.items() if g.get("kind") == "verify"}
+    assert len(verify) == 2 and {g["graph"] for g in verify.values()} == {"verify_b1_t5"}
+    prompt = [7, 8, 9, 10, 7, 8, 9, 10, 7, 8, 9, 10, 7, 8]  # repeats: the drafts get accepted
+    spec = CompiledModel.load(tmp_path / "a", speculation_gate=False)  # speculate on every step that can
+    want = spec.generate_ids([prompt], 60, ignore_eos=True, logprobs=0).outputs[0].token_ids  # logprobs: plain steps
+    got = spec.generate_ids([prompt], 60, ignore_eos=True).outputs[0].token_ids
+    assert got == want
