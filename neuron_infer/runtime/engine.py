@@ -73,8 +73,8 @@ FEW_ROWS = 8  # rows up to which the CPU backend's GEMV kernels serve a linear (
 class ShapeClass:
     """One compiled graph that serves every planned graph of a class (CPU): `example` gives its example inputs and
     `dynamic` the dims left dynamic, {argument index: {dim: (name, min, max)}}. Prefill: one graph for any prompt
-    length (tokens 2..max_context_length) and any attended length; decode: one graph per batch size for any
-    attended length. Attended lengths are table widths of 2..max_length/bs blocks (a shorter table is padded with
+    length (tokens 2..max_context_length) and any attended length; decode and verify: one graph per batch range
+    (1; 2..8; 9..batch_size, see _batch_range) for any attended length. Attended lengths are table widths of 2..max_length/bs blocks (a shorter table is padded with
     the scratch block: its positions are masked)."""
 
     name: str
@@ -169,11 +169,15 @@ class Engine:
         every graph a table of 2..max_table_blocks blocks."""
         self.graphs, self.build, self.cache_shape, self.vocab_size = graphs, build, cache, vocab_size
         self.shape_classes = shape_classes
-        self.min_table_width = 2 if shape_classes else 1  # shape-class graphs take tables of 2+ blocks
         self.k_cache, self.v_cache = cache.allocate()
         self.pool = BlockPool(cache.blocks, cache.block_size)
         self.slots: list[list[int]] = [self._stripe(r) for r in range(build.batch_size)]  # blocks of each slot
         self.spec = None  # runtime.spec_engine.SpecEngine over this engine and a draft, set by the loader
+
+    @property
+    def min_table_width(self) -> int:
+        """Shape-class graphs take tables of 2+ blocks (a dynamic size 1 would be specialised at export)."""
+        return 2 if self.shape_classes else 1
 
     @property
     def block_size(self) -> int:
