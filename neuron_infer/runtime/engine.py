@@ -74,8 +74,8 @@ class ShapeClass:
     """One compiled graph that serves every planned graph of a class (CPU): `example` gives its example inputs and
     `dynamic` the dims left dynamic, {argument index: {dim: (name, min, max)}}. Prefill: one graph for any prompt
     length (tokens 2..max_context_length) and any attended length; decode and verify: one graph per batch range
-    (1; 2..8; 9..batch_size, see _batch_range) for any attended length. Attended lengths are table widths of 2..max_length/bs blocks (a shorter table is padded with
-    the scratch block: its positions are masked)."""
+    (1; 2..8; 9..batch_size, see _batch_range) for any attended length. Attended lengths are table widths of
+    2..max_length/bs blocks (a shorter table is padded with the scratch block: its positions are masked)."""
 
     name: str
     example: GraphSpec
