@@ -19,13 +19,15 @@ does, and loads it.
 """
 from __future__ import annotations
 
+import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Self
 
 from neuron_infer import cpu_threads
-from neuron_infer.compile.artifact import (
+from neuron_infer.artifact.manifest import (
     TOKENIZER_DIR,
     Manifest,
     check_checkpoint,
@@ -33,9 +35,12 @@ from neuron_infer.compile.artifact import (
     load_verified_tokenizer,
     read_manifest,
 )
-from neuron_infer.compile.builder import compile_model  # noqa: F401  (re-exported)
-from neuron_infer.config import BuildConfig, SamplingConfig  # noqa: F401  (BuildConfig re-exported)
+from neuron_infer.chat_template import render_chat
+from neuron_infer.checkpoint import generation_eos_ids
+from neuron_infer.config import BuildConfig, SamplingConfig
 from neuron_infer.errors import ArtifactError, NeuronInferError
+from neuron_infer.model.sampling import check_vocab
+from neuron_infer.presets import EMBEDDED_PRESET, default_artifact_dir, load_preset
 from neuron_infer.prompts import check_sizes, refuse_empty
 from neuron_infer.runtime.engine import Engine
 from neuron_infer.runtime.generate import SequenceResult, generate_ids
@@ -43,7 +48,7 @@ from neuron_infer.runtime.grammar import GrammarSpec, check_ends_at_eos, token_g
 from neuron_infer.runtime.loader import load_rank
 from neuron_infer.runtime.metrics import Metrics, pooled
 from neuron_infer.runtime.options import RunOptions
-from neuron_infer.runtime.sampling import check_vocab
+from neuron_infer.runtime.rank_group import RankGroup
 from neuron_infer.runtime.sequence import Sequence, StopRule, check_prompt, cut_at_stop
 from neuron_infer.text_input import check_text
 
@@ -89,8 +94,6 @@ class GenerationOutput:
 
 
 def _eos_ids(manifest: Manifest, tokenizer, root: Path) -> tuple[int, ...]:
-    from neuron_infer.checkpoint import generation_eos_ids
-
     ids = set(manifest.model.eos_token_ids)
     if tokenizer.eos_token_id is not None:
         ids.add(int(tokenizer.eos_token_id))
@@ -148,8 +151,6 @@ class CompiledModel:
         tokenizer = tokenizer or load_verified_tokenizer(root, manifest)
         on_stage(LOAD_STAGES[2])
         if manifest.build.tp_degree != 1 and manifest.backend != "neuron":  # shards live in rank processes
-            from neuron_infer.runtime.rank_group import RankGroup  # noqa: PLC0415
-
             model = cls(root, manifest, None, tokenizer, RankGroup(root, manifest, kv_cache_gib, options))
         else:
             model = cls(root, manifest, load_rank(root, 0, manifest, kv_cache_gib=kv_cache_gib), tokenizer)
@@ -163,8 +164,6 @@ class CompiledModel:
 
         `build` defaults to the `smollm2-cpu` preset (the CLI's default); `say` receives progress lines.
         """
-        from neuron_infer.presets import EMBEDDED_PRESET, default_artifact_dir, load_preset  # noqa: PLC0415
-
         build = build or load_preset(EMBEDDED_PRESET).build
         return cls.load(default_artifact_dir(build, say or (lambda _msg: None)), threads=threads)
 
@@ -185,7 +184,7 @@ class CompiledModel:
         return encode_prompt(self.tokenizer, prompt, chat)
 
     def generate_chat(self, messages: list[dict[str, str]], max_new_tokens: int = 64,
-                      sampling: SamplingConfig = SamplingConfig(), ignore_eos: bool = False,  # noqa: B008
+                      sampling: SamplingConfig = SamplingConfig(), ignore_eos: bool = False,
                       on_tokens: OnTokens | None = None, stop: tuple[str, ...] = (),
                       logprobs: int | None = None) -> GenerationOutput:
         """The assistant's next message after `messages` ([{"role": "system"|"user"|"assistant", "content"}])."""
@@ -194,7 +193,7 @@ class CompiledModel:
                                  logprobs=logprobs)
 
     def generate(self, prompts: list[str], max_new_tokens: int = 64,
-                 sampling: SamplingConfig = SamplingConfig(),  # noqa: B008 (frozen, never mutated)
+                 sampling: SamplingConfig = SamplingConfig(),
                  chat: bool = False, ignore_eos: bool = False, on_tokens: OnTokens | None = None,
                  stop: tuple[str, ...] = (), logprobs: int | None = None,
                  grammar: GrammarSpec | None = None) -> GenerationOutput:
@@ -215,7 +214,7 @@ class CompiledModel:
                                  grammar=grammar)
 
     def generate_ids(self, prompts: list[list[int]], max_new_tokens: int = 64,
-                     sampling: SamplingConfig = SamplingConfig(),  # noqa: B008 (frozen, never mutated)
+                     sampling: SamplingConfig = SamplingConfig(),
                      ignore_eos: bool = False, on_tokens: OnTokens | None = None,
                      collect_logits: bool = False, stop: tuple[str, ...] = (),
                      logprobs: int | None = None, grammar: GrammarSpec | None = None) -> GenerationOutput:
@@ -287,8 +286,6 @@ def encode_prompt(tokenizer, prompt: str, chat: bool = False) -> list[int]:
 def encode_chat(tokenizer, messages: list[dict[str, str]]) -> list[int]:
     """Token ids of a conversation through the chat template (rendered under limits: neuron_infer.chat_template),
     ending with the assistant's turn header."""
-    from neuron_infer.chat_template import render_chat  # noqa: PLC0415
-
     text = render_chat(tokenizer, messages)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
@@ -316,9 +313,6 @@ def check_generate_args(prompts, max_new_tokens, stop, logprobs) -> None:
 
 def check_kv_cache_gib(gib) -> None:
     """None, or a finite number of GiB above 0 and at most the machine's memory."""
-    import math  # noqa: PLC0415
-    import os  # noqa: PLC0415
-
     if gib is None:
         return
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30

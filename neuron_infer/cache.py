@@ -3,7 +3,7 @@
     <cache>/models/SmolLM2-135M-Instruct-<sha16>/     the converted default model (marker: neuron_infer_source.json)
     <cache>/artifacts/smollm2-135m-<hash16>/          cached compiles of it (marker: a manifest.json that parses)
     <cache>/graphs/<key32>/                           compiled graphs shared by every compile on this machine
-                                                      (marker: neuron_infer_graph.json; compile/graph_cache.py)
+                                                      (marker: neuron_infer_graph.json; backends/graph_cache.py)
     <cache>/kernels/<key32>.gemv.so                   the CPU backend's C kernels, one per ISA level and source
     <cache>/models/.tmp-SmolLM2-135M-Instruct-<sha16>-*   leftovers of interrupted conversions
     <cache>/artifacts/.smollm2-135m-<hash16>.partial-*    leftovers of interrupted compiles (also `.old-<pid>`)
@@ -26,7 +26,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from neuron_infer.embedded import MODEL_NAME, SOURCE_FILE
+from neuron_infer.artifact.manifest import package_versions
+from neuron_infer.backends.graph_cache import KEY_RE, MARKER, PARTIAL_RE, current_versions
+from neuron_infer.embedded import MODEL_NAME, SOURCE_FILE, file_sha256, find_gguf
+from neuron_infer.errors import CheckpointError
 from neuron_infer.output_dir import is_marked
 from neuron_infer.typed import parse_json
 
@@ -62,9 +65,6 @@ def tree_size(path: Path) -> int:
 
 
 def _current_gguf_sha16() -> str | None:
-    from neuron_infer.embedded import file_sha256, find_gguf  # noqa: PLC0415
-    from neuron_infer.errors import CheckpointError  # noqa: PLC0415
-
     try:
         return file_sha256(find_gguf())[:16]
     except CheckpointError:
@@ -103,8 +103,6 @@ def _artifact_entry(p: Path, versions: dict[str, str]) -> CacheEntry | None:
 
 
 def _graph_entry(p: Path, versions: dict[str, str]) -> CacheEntry | None:
-    from neuron_infer.compile.graph_cache import KEY_RE, MARKER  # noqa: PLC0415
-
     if not KEY_RE.match(p.name):
         return None
     try:
@@ -129,8 +127,6 @@ def _kernel_entry(p: Path) -> CacheEntry | None:
 
 
 def _partial_entry(p: Path, now: float) -> CacheEntry | None:
-    from neuron_infer.compile.graph_cache import PARTIAL_RE  # noqa: PLC0415
-
     regex = {"models": _MODEL_TMP_RE, "artifacts": _ARTIFACT_TMP_RE, "graphs": PARTIAL_RE}[p.parent.name]
     if not regex.fullmatch(p.name) or not is_marked(p):  # a name alone (e.g. a user's copy) is not ours
         return None
@@ -141,9 +137,6 @@ def _partial_entry(p: Path, now: float) -> CacheEntry | None:
 
 def scan(root: Path) -> list[CacheEntry]:
     """Every entry of the cache root (ours classified, the rest as "other"), sorted by path."""
-    from neuron_infer.compile.artifact import package_versions  # noqa: PLC0415
-    from neuron_infer.compile.graph_cache import current_versions  # noqa: PLC0415
-
     if not root.is_dir():
         return []
     gguf16, versions, now = _current_gguf_sha16(), package_versions(), time.time()

@@ -73,8 +73,8 @@ def render_chat(tokenizer, messages: list[dict[str, str]]) -> str:
                                "working chat template") from None
     except MemoryError:
         raise NeuronInferError(f"{where}: the chat template ran out of memory") from None
-    except Exception as e:  # noqa: BLE001 (a template may raise anything: jinja errors, TypeError from its code)
-        import jinja2  # noqa: PLC0415
+    except Exception as e:
+        import jinja2
 
         if isinstance(e, jinja2.TemplateError) and type(e) is jinja2.TemplateError:  # raise_exception(message)
             raise NeuronInferError(f"{where}: the chat template refused this conversation: {e}") from None
@@ -204,10 +204,10 @@ def _precheck_method(obj: Any, args: tuple, kwargs: dict) -> None:
 
 @functools.lru_cache(maxsize=1)
 def _environment():
-    import jinja2  # noqa: PLC0415
-    from jinja2.compiler import CodeGenerator  # noqa: PLC0415
-    from jinja2.ext import Extension, loopcontrols  # noqa: PLC0415
-    from jinja2.sandbox import ImmutableSandboxedEnvironment  # noqa: PLC0415
+    import jinja2
+    from jinja2.compiler import CodeGenerator
+    from jinja2.ext import Extension, loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     class Generator(CodeGenerator):
         def visit_Concat(self, node, frame) -> None:  # `a ~ b`: through the size check

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError, safe_open
 
 from neuron_infer.config import ModelConfig
 from neuron_infer.errors import CheckpointError, NeuronInferError
@@ -264,8 +265,6 @@ def load_checkpoint(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype 
     data is read. In a tied checkpoint an `lm_head.weight` equal to the embedding is dropped; a different one
     raises.
     """
-    from safetensors import SafetensorError, safe_open
-
     d = Path(model_dir)
     infos = scan_checkpoint(d)
     _check_names(infos, cfg, d)

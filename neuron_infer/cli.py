@@ -93,8 +93,6 @@ GENERATE_EXAMPLES = examples(
 def _build_overrides(kw: dict) -> dict:
     mods, lnc = kw.pop("modules_to_not_convert", None), kw.pop("lnc")
     if mods is not None:
-        from neuron_infer.quant import parse_modules_to_not_convert  # noqa: PLC0415
-
         mods = list(parse_modules_to_not_convert(mods))
     return {
         "target": kw.pop("target"), "dtype": kw.pop("dtype"), "batch_size": kw.pop("batch_size"),
@@ -124,8 +122,6 @@ def _speculation_overrides(kw: dict) -> dict:
 
 
 def _preset(kw: dict, embedded: bool):
-    from neuron_infer.presets import CHECKPOINT_PRESET, EMBEDDED_PRESET, load_preset  # noqa: PLC0415
-
     config = kw.pop("config") or (EMBEDDED_PRESET if embedded else CHECKPOINT_PRESET)
     return load_preset(config, _build_overrides(kw))
 
@@ -155,19 +151,15 @@ def cli() -> None:
 @build_options
 def compile_cmd(model_dir, output, backend, overwrite, **kw) -> None:
     """Compile MODEL_DIR (a Hugging Face Llama checkpoint; omit for the embedded default) into OUTPUT."""
-    from neuron_infer.compile.builder import compile_model  # noqa: PLC0415
+    from neuron_infer.compile.builder import compile_model
 
     embedded = model_dir is None or model_dir == "default"
     default_total = kw["config"] is None and kw["max_length"] is None  # the preset's, not the user's choice
     user_context = kw["max_context_length"] is not None
     build = _preset(kw, embedded).build
     if embedded:
-        from neuron_infer.embedded import default_model_dir  # noqa: PLC0415
-
         model_dir = default_model_dir(log=_say)
     elif default_total:  # the model-independent default, shortened for a model with a shorter context
-        from neuron_infer.config import ModelConfig  # noqa: PLC0415
-        from neuron_infer.presets import fit_to_model  # noqa: PLC0415
 
         max_pos = ModelConfig.from_model_dir(model_dir).max_position_embeddings
         build = fit_to_model(build, max_pos, keep_context=user_context)
@@ -216,14 +208,9 @@ def generate_cmd(artifacts, prompts, prompt_file, chat, max_new_tokens, temperat
                  no_prefix_caching, prefill_chunk,
                  **kw) -> None:
     """Generate from ARTIFACTS (omit to compile or reuse the embedded default model)."""
-    from neuron_infer.api import LOAD_STAGES, CompiledModel, check_request, encode_prompt  # noqa: PLC0415
-    from neuron_infer.cli_io import JsonLinesStreamer, TextStreamer, artifact_front  # noqa: PLC0415
-    from neuron_infer.cli_io import grammar_spec, resolve_stdin_prompts  # noqa: PLC0415
-    from neuron_infer.runtime.grammar import check_ends_at_eos  # noqa: PLC0415
-    from neuron_infer.config import SamplingConfig  # noqa: PLC0415
-    from neuron_infer.progress import set_bars, stages  # noqa: PLC0415
-    from neuron_infer.prompts import check_sizes, collect_prompts  # noqa: PLC0415
-    from neuron_infer.text_input import check_text  # noqa: PLC0415
+    from neuron_infer.api import LOAD_STAGES, CompiledModel, check_request, encode_prompt
+    from neuron_infer.cli_io import JsonLinesStreamer, TextStreamer, artifact_front, grammar_spec, resolve_stdin_prompts
+    from neuron_infer.runtime.grammar import check_ends_at_eos
 
     set_bars(not as_json)
     if stream_json and not as_json:
@@ -243,9 +230,7 @@ def generate_cmd(artifacts, prompts, prompt_file, chat, max_new_tokens, temperat
                               frequency_penalty=frequency_penalty, min_tokens=min_tokens,
                               logit_bias=parse_logit_bias(logit_bias))
     if artifacts is None:
-        from neuron_infer.checkpoint import load_tokenizer  # noqa: PLC0415
-        from neuron_infer.embedded import default_model_dir  # noqa: PLC0415
-        from neuron_infer.presets import default_artifact_dir  # noqa: PLC0415
+        from neuron_infer.checkpoint import load_tokenizer
 
         preset = _preset(kw, embedded=True)
         if preset.build.batch_size < len(prompts):
@@ -273,13 +258,11 @@ def generate_cmd(artifacts, prompts, prompt_file, chat, max_new_tokens, temperat
 
 
 def _preset_with_batch(kw, preset, n):
-    from neuron_infer.presets import Preset  # noqa: PLC0415
-
     return Preset(preset.name, preset.description, preset.model, preset.build.replace(batch_size=n))
 
 
 def _print_result(out, as_json: bool, stream) -> None:
-    from neuron_infer.cli_io import emit  # noqa: PLC0415
+    from neuron_infer.cli_io import emit
 
     if not out.outputs:  # a torchrun rank other than 0: rank 0 prints the result
         return
@@ -320,12 +303,11 @@ def _print_result(out, as_json: bool, stream) -> None:
 @click.option("--json", "as_json", is_flag=True, help="print the plan as one JSON line")
 def plan_cmd(model, instance, tp_degree, quant, max_length, batch_size, lnc, as_json) -> None:
     """Capacity plan for MODEL (a preset such as llama-3.1-405b, or a checkpoint dir) on an instance."""
-    from neuron_infer.capacity.planner import (  # noqa: PLC0415
+    from neuron_infer.capacity.planner import (
         plan_capacity,
         render_capacity_text,
-        smallest_fitting_plan,  # noqa: PLC0415
+        smallest_fitting_plan,
     )
-    from neuron_infer.capacity.presets import resolve_model  # noqa: PLC0415
 
     name, cfg = resolve_model(model)
     lnc_n = int(lnc) if lnc else None
@@ -336,14 +318,31 @@ def plan_cmd(model, instance, tp_degree, quant, max_length, batch_size, lnc, as_
     click.echo(json.dumps(p.to_dict()) if as_json else render_capacity_text(p))
 
 
-from neuron_infer.cli_quantize import quantize_cmd  # noqa: E402  (kept torch-free at import)
+from neuron_infer.cli_quantize import quantize_cmd
 
 cli.add_command(quantize_cmd)
 
-from neuron_infer.cli_cache import cache_group  # noqa: E402
-from neuron_infer.cli_chat import chat_cmd  # noqa: E402
-from neuron_infer.cli_doctor import doctor_cmd  # noqa: E402
-from neuron_infer.cli_info import info_cmd  # noqa: E402
+import os
+
+from neuron_infer.capacity.presets import resolve_model
+from neuron_infer.cli_cache import cache_group
+from neuron_infer.cli_chat import chat_cmd
+from neuron_infer.cli_doctor import doctor_cmd
+from neuron_infer.cli_info import info_cmd
+from neuron_infer.config import ModelConfig, SamplingConfig
+from neuron_infer.embedded import default_model_dir
+from neuron_infer.presets import (
+    CHECKPOINT_PRESET,
+    EMBEDDED_PRESET,
+    Preset,
+    default_artifact_dir,
+    fit_to_model,
+    load_preset,
+)
+from neuron_infer.progress import set_bars, stages
+from neuron_infer.prompts import check_sizes, collect_prompts
+from neuron_infer.quant import parse_modules_to_not_convert
+from neuron_infer.text_input import check_text
 
 cli.add_command(chat_cmd)
 cli.add_command(info_cmd)
@@ -381,8 +380,6 @@ def main(argv: list[str] | None = None) -> None:
 
 def _silence_stdout() -> None:
     """Point stdout at /dev/null so the interpreter's final flush does not fail again."""
-    import os  # noqa: PLC0415
-
     try:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, 1)

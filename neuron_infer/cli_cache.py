@@ -5,13 +5,13 @@ import json
 
 import click
 
+from neuron_infer.cache import prunable, remove, scan
 from neuron_infer.cli_help import examples
 from neuron_infer.cli_info import human_bytes
+from neuron_infer.embedded import cache_dir
 
 
 def _root():
-    from neuron_infer.embedded import cache_dir  # noqa: PLC0415
-
     return cache_dir()
 
 
@@ -26,8 +26,6 @@ def cache_group() -> None:
 @click.option("--json", "as_json", is_flag=True, help="print the entries as one JSON line")
 def list_cmd(as_json) -> None:
     """List the cached converted models and compiled artifacts, their state and size."""
-    from neuron_infer.cache import scan  # noqa: PLC0415
-
     root = _root()
     entries = scan(root)
     if as_json:
@@ -50,8 +48,6 @@ def list_cmd(as_json) -> None:
 @click.option("--dry-run", is_flag=True, help="only print what would be removed and the space it would free")
 def prune_cmd(everything, dry_run) -> None:
     """Remove stale cache entries (other versions, interrupted builds); only entries neuron-infer created."""
-    from neuron_infer.cache import prunable, remove, scan  # noqa: PLC0415
-
     root = _root()
     victims = prunable(scan(root), everything)
     freed = 0

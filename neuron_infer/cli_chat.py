@@ -14,7 +14,9 @@ import sys
 import click
 
 from neuron_infer.cli_help import examples, parse_logit_bias, sampling_options
+from neuron_infer.config import SamplingConfig
 from neuron_infer.errors import NeuronInferError
+from neuron_infer.presets import EMBEDDED_PRESET, default_artifact_dir, load_preset
 from neuron_infer.text_input import MAX_INPUT_BYTES, check_text
 
 EXIT_COMMANDS = ("/exit", "/quit")
@@ -24,7 +26,7 @@ RESET_COMMAND = "/reset"
 def fit_conversation(tokenizer, messages: list[dict], max_tokens: int, say) -> tuple[list[dict], list[int]]:
     """Drop the oldest turns (never the system message nor the newest user message) until the encoded
     conversation has at most `max_tokens` tokens; returns the kept messages and their token ids."""
-    from neuron_infer.api import encode_chat  # noqa: PLC0415
+    from neuron_infer.api import encode_chat
 
     head = messages[:1] if messages and messages[0]["role"] == "system" else []
     turns = messages[len(head):]
@@ -47,7 +49,6 @@ def fit_conversation(tokenizer, messages: list[dict], max_tokens: int, say) -> t
 def _resolve_artifacts(artifacts: str | None, config: str | None, say) -> str:
     if artifacts is not None:
         return artifacts
-    from neuron_infer.presets import EMBEDDED_PRESET, default_artifact_dir, load_preset  # noqa: PLC0415
 
     return str(default_artifact_dir(load_preset(config or EMBEDDED_PRESET).build, say))
 
@@ -86,9 +87,8 @@ def chat_cmd(artifacts, system, max_new_tokens, temperature, top_k, top_p, seed,
 
     /exit, /quit or end of input ends the chat; /reset forgets the conversation (the system message stays).
     """
-    from neuron_infer.api import CompiledModel, encode_chat  # noqa: PLC0415
-    from neuron_infer.cli_io import TextStreamer, artifact_front  # noqa: PLC0415
-    from neuron_infer.config import SamplingConfig  # noqa: PLC0415
+    from neuron_infer.api import CompiledModel, encode_chat
+    from neuron_infer.cli_io import TextStreamer, artifact_front
 
     def say(msg: str) -> None:
         click.echo(msg, err=True)

@@ -2,7 +2,7 @@
 
 Reads the installed Neuron SDK packages, the platform (instance type, torch-neuronx, or
 NEURON_PLATFORM_TARGET_OVERRIDE) and the LNC degree, prints what the Neuron path supports here
-(compile/neuron_support.py; the support matrix is in docs/neuron.md) and exits with one `error:` line (status 2)
+(backends/neuron/support.py; the support matrix is in docs/neuron.md) and exits with one `error:` line (status 2)
 when the combination is unsupported. `compile --target neuron` runs the same check before it traces.
 """
 from __future__ import annotations
@@ -11,13 +11,14 @@ import json
 
 import click
 
+from neuron_infer.backends.neuron.support import machine_report
 from neuron_infer.cli_help import examples
+from neuron_infer.errors import BackendUnavailableError
 
 
 def _import_torch_neuronx():
     """torch_neuronx when importable and not a placeholder, else None (the report then says it is missing)."""
-    from neuron_infer.compile.neuron import import_sdk  # noqa: PLC0415  (imports torch)
-    from neuron_infer.errors import BackendUnavailableError  # noqa: PLC0415
+    from neuron_infer.backends.neuron.graph import import_sdk
 
     try:
         return import_sdk()
@@ -38,8 +39,6 @@ def _import_torch_neuronx():
 @click.option("--json", "as_json", is_flag=True, help="print the report as one JSON object")
 def doctor_cmd(kernels, tp_degree, lnc, as_json) -> None:
     """Check the Neuron SDK, platform and LNC of this machine against what --target neuron supports."""
-    from neuron_infer.compile.neuron_support import machine_report  # noqa: PLC0415
-
     sdk = _import_torch_neuronx()
     report = machine_report(sdk, build_lnc=None if lnc is None else int(lnc), kernels=kernels, tp=tp_degree,
                             imported=("torch-neuronx",) if sdk is not None else ())

@@ -10,8 +10,10 @@ from pathlib import Path
 
 import click
 
+from neuron_infer.artifact.manifest import MANIFEST, parse_manifest, read_manifest
 from neuron_infer.cli_help import examples
 from neuron_infer.errors import ArtifactError
+from neuron_infer.parallel.plan import ShardPlan
 from neuron_infer.typed import read_json
 
 
@@ -34,8 +36,7 @@ def human_bytes(n: float) -> str:
 
 
 def _params(model) -> int:
-    from neuron_infer.parallel.plan import ShardPlan  # noqa: PLC0415
-    from neuron_infer.parallel.shard import rank_param_counts  # noqa: PLC0415
+    from neuron_infer.parallel.shard import rank_param_counts
 
     return sum(rank_param_counts(model, ShardPlan.build(model, 1)).values())
 
@@ -91,8 +92,6 @@ def info_record(m, size: tuple[int, int], problem: str | None) -> dict:
 @click.option("--no-verify", is_flag=True, help="skip hashing the files (fast; versions are still compared)")
 def info_cmd(artifacts, as_json, no_verify) -> None:
     """Summarize a compiled artifact: model, dtype, tp, buckets, quant, size, backend, versions, verification."""
-    from neuron_infer.compile.artifact import MANIFEST, parse_manifest, read_manifest  # noqa: PLC0415
-
     root = Path(artifacts)
     if not (root / MANIFEST).is_file():
         read_manifest(root, verify_files=False)  # raises its "not a complete artifact" error

@@ -25,7 +25,9 @@ from pathlib import Path
 
 import click
 
+from neuron_infer.artifact.manifest import load_verified_tokenizer, read_manifest
 from neuron_infer.errors import NeuronInferError
+from neuron_infer.runtime.grammar import GrammarSpec
 from neuron_infer.runtime.sequence import cut_at_stop
 from neuron_infer.text_input import read_bounded
 
@@ -91,8 +93,6 @@ def _strip_final_newline(text: str) -> str:
 def artifact_front(artifacts: str | Path):
     """The manifest (checksum checked, weights and graphs not hashed yet) and the tokenizer (its files verified
     first): all the cheap checks need, before the slow load."""
-    from neuron_infer.compile.artifact import load_verified_tokenizer, read_manifest  # noqa: PLC0415
-
     manifest = read_manifest(Path(artifacts), verify_files=False)
     return manifest, load_verified_tokenizer(Path(artifacts), manifest)
 
@@ -184,8 +184,6 @@ def finite(value):
 def grammar_spec(json_schema: str | None, regex: str | None, choice: tuple[str, ...]):
     """--json-schema FILE / --regex RE / --choice TEXT... -> a GrammarSpec, or None when none is given; one clear
     error for a missing or unreadable file, invalid JSON or more than one kind."""
-    from neuron_infer.runtime.grammar import GrammarSpec  # noqa: PLC0415
-
     if json_schema is None and regex is None and not choice:
         return None
     text = None

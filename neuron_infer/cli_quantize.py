@@ -28,8 +28,13 @@ import shutil
 from pathlib import Path
 
 import click
+from safetensors import safe_open
 
+from neuron_infer.config import BuildConfig, ModelConfig, QuantConfig
 from neuron_infer.errors import CheckpointError, ConfigError
+from neuron_infer.oserrors import check_output_location, writing_to
+from neuron_infer.output_dir import atomic_output
+from neuron_infer.quant import parse_modules_to_not_convert
 from neuron_infer.typed import parse_json, read_json
 
 FORMAT = "neuron-infer-quantized-v1"
@@ -40,20 +45,18 @@ _FP8_TAGS = ("F8_E4M3",)
 
 def checkpoint_has_fp8(model_dir: Path) -> bool:
     """True if any tensor of the checkpoint is stored as float8 e4m3 (header scan, no data read)."""
-    from safetensors import safe_open
-
     from neuron_infer.checkpoint import read_header, safetensors_files
 
     for path in safetensors_files(model_dir)[0]:
         read_header(path)  # a damaged header: one CheckpointError naming the file, before the native reader sees it
         with safe_open(str(path), framework="pt") as f:
-            if any(f.get_slice(k).get_dtype() in _FP8_TAGS for k in f.keys()):  # noqa: SIM118  (safe_open is not a dict)
+            if any(f.get_slice(k).get_dtype() in _FP8_TAGS for k in f.keys()):
                 return True
     return False
 
 
 def _copy_side_files(model_dir: Path, out: Path) -> None:
-    from neuron_infer.compile.builder import TOKENIZER_FILES
+    from neuron_infer.compile.inputs import TOKENIZER_FILES
 
     for name in ("config.json", *TOKENIZER_FILES):
         if (model_dir / name).is_file():
@@ -62,7 +65,7 @@ def _copy_side_files(model_dir: Path, out: Path) -> None:
 
 def quantized_files(root: Path) -> set[str] | None:
     """The files a previous `quantize` output in `root` owns, or None if it is not one (for --overwrite)."""
-    from neuron_infer.compile.builder import TOKENIZER_FILES
+    from neuron_infer.compile.inputs import TOKENIZER_FILES
 
     try:
         meta = parse_json((root / CONFIG_FILE).read_bytes())
@@ -75,8 +78,6 @@ def quantized_files(root: Path) -> set[str] | None:
 
 def _output(src: Path, out: Path, overwrite: bool):
     """The atomic output directory (neuron_infer.output_dir): written aside, renamed into place when complete."""
-    from neuron_infer.output_dir import atomic_output
-
     return atomic_output(out, overwrite=overwrite, owned=quantized_files, what="quantize output", sources=[src])
 
 
@@ -85,10 +86,9 @@ def quantize_float_checkpoint(model_dir: Path, out: Path, scheme: str, modules, 
     import torch
     from safetensors.torch import save_file
 
+    from neuron_infer.artifact.weights import build_float_model
     from neuron_infer.checkpoint import load_checkpoint
     from neuron_infer.compile.quantize_step import quantize_model
-    from neuron_infer.compile.weights import build_float_model
-    from neuron_infer.config import BuildConfig, ModelConfig, QuantConfig
 
     cfg = ModelConfig.from_model_dir(model_dir)
     build = BuildConfig(dtype=dtype, quant=QuantConfig(scheme=scheme, modules_to_not_convert=modules))
@@ -133,9 +133,7 @@ def load_quantized_checkpoint(path: str | Path):
     import torch
     from safetensors.torch import load_file
 
-    from neuron_infer.compile.quantize_step import quant_structure
-    from neuron_infer.compile.weights import empty_model
-    from neuron_infer.config import BuildConfig, ModelConfig, QuantConfig
+    from neuron_infer.artifact.weights import empty_model, quant_structure
 
     root = Path(path)
     meta_file = root / CONFIG_FILE
@@ -174,8 +172,6 @@ def load_quantized_checkpoint(path: str | Path):
 @click.option("--overwrite", is_flag=True, help="replace a previous quantize output (never other files)")
 def quantize_cmd(model_dir, output, quant, modules_to_not_convert, dtype, rescale, rescale_method, overwrite) -> None:
     """Convert MODEL_DIR offline: quantize a float checkpoint, or check/rescale an FP8 one, into OUTPUT."""
-    from neuron_infer.oserrors import check_output_location, writing_to
-
     src, out = Path(model_dir), Path(output)
     check_output_location(out)
     with writing_to(out):  # a full disk or read-only file system: one line naming OUTPUT
@@ -200,8 +196,6 @@ def _quantize(src: Path, out: Path, quant, modules_to_not_convert, dtype, rescal
         raise ConfigError("--quant is required for a float checkpoint (int8, fp8, mxfp8, mxfp4 or w8a8)")
     mods = None
     if modules_to_not_convert is not None:
-        from neuron_infer.quant import parse_modules_to_not_convert
-
         mods = parse_modules_to_not_convert(modules_to_not_convert)
     with _output(src, out, overwrite) as tmp:
         meta = quantize_float_checkpoint(src, tmp, quant, mods, dtype)

@@ -9,7 +9,7 @@ few tokens per second, while one thread keeps one core to itself and runs at ful
       -> CPUs = sched_getaffinity, capped by a cgroup CPU quota        (what this process may use at all)
       -> others = busy time of those CPUs (/proc/stat) - our own CPU time, over a short window
       -> threads = choose_threads(CPUs, others, cap)                   (pure; see its docstring)
-    tick()                 before every graph call (compile/cpu.py): re-sample at most every PERIOD_S seconds and
+    tick()                 before every graph call (backends/cpu/graph.py): re-sample at most every PERIOD_S seconds and
                            torch.set_num_threads when the answer changes (in the thread that runs the graphs)
     use(n)                 a fixed count (--threads n, or OMP_NUM_THREADS in the environment): never re-evaluated
 
@@ -129,7 +129,7 @@ class Governor:
 
     def _apply(self, n: int) -> int:
         if n != self.threads:
-            import torch  # noqa: PLC0415 - torch only once threads are actually set
+            import torch
 
             torch.set_num_threads(n)
             self.threads = n
@@ -153,7 +153,7 @@ def use(threads: int | str = "auto", cap: int | None = None) -> int:
     if not isinstance(threads, int) or isinstance(threads, bool) or not 1 <= threads <= top:
         raise ConfigError(f"threads={threads!r} must be an int >= 1 or 'auto' (at most {top}: 4 per CPU of this "
                           "machine)")
-    import torch  # noqa: PLC0415
+    import torch
 
     _governor = None
     torch.set_num_threads(threads)

@@ -30,6 +30,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from neuron_infer.config import ModelConfig
 from neuron_infer.errors import CheckpointError
 from neuron_infer.output_dir import PARTIAL_MARKER, apply_umask, is_marked, mark
 from neuron_infer.progress import stages
@@ -244,7 +245,6 @@ def _verify(out_dir: Path, state: dict) -> None:
     import torch
 
     from neuron_infer.checkpoint import load_checkpoint
-    from neuron_infer.config import ModelConfig
 
     cfg = ModelConfig.from_model_dir(out_dir)
     loaded = load_checkpoint(out_dir, cfg)

@@ -13,8 +13,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+from neuron_infer.artifact.manifest import package_versions, read_manifest
 from neuron_infer.config import BuildConfig
-from neuron_infer.errors import ConfigError
+from neuron_infer.embedded import cache_dir, default_model_dir
+from neuron_infer.errors import ArtifactError, ConfigError
+from neuron_infer.output_dir import one_at_a_time
 from neuron_infer.typed import Field, parse_fields, read_json, show
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -121,12 +124,8 @@ def all_presets() -> list[Preset]:
 
 def default_artifact_dir(build: BuildConfig, say: Callable[[str], None]) -> Path:
     """Compile (once) or reuse the cached compile of the embedded default model for `build`."""
-    from neuron_infer.checkpoint import checkpoint_fingerprint  # noqa: PLC0415
-    from neuron_infer.compile.artifact import package_versions, read_manifest  # noqa: PLC0415
-    from neuron_infer.compile.builder import compile_model  # noqa: PLC0415
-    from neuron_infer.embedded import cache_dir, default_model_dir  # noqa: PLC0415
-    from neuron_infer.errors import ArtifactError  # noqa: PLC0415
-    from neuron_infer.output_dir import one_at_a_time  # noqa: PLC0415
+    from neuron_infer.checkpoint import checkpoint_fingerprint
+    from neuron_infer.compile.builder import compile_model
 
     model_dir = default_model_dir(log=say)
     fp = checkpoint_fingerprint(model_dir)

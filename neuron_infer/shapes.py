@@ -13,6 +13,6 @@ def known(cond: bool | torch.SymBool) -> bool:
     shape, as a plain comparison would give."""
     if isinstance(cond, bool) or torch.jit.is_tracing():
         return bool(cond)
-    from torch.fx.experimental.symbolic_shapes import statically_known_true  # noqa: PLC0415  (sympy: export only)
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
 
     return statically_known_true(cond)

@@ -41,8 +41,7 @@ def load(path: str, threads: int):
 
 def graph_call(model, name: str, position: int | None):
     """(callable, args) for graph `name` of a loaded (tp = 1) model, at positions position.. (None: S - T..)."""
-    from neuron_infer.compile.builder import example_args
-    from neuron_infer.runtime.engine import GraphSpec
+    from neuron_infer.artifact.plan import GraphSpec, example_args
 
     m = _NAME.match(name)
     if m is None:

@@ -30,9 +30,9 @@ from pathlib import Path
 
 from neuron_infer.api import CompiledModel
 from neuron_infer.config import SamplingConfig
+from neuron_infer.model.sampling import make_generator
 from neuron_infer.runtime.options import RunOptions
 from neuron_infer.runtime.runner import Runner
-from neuron_infer.runtime.sampling import make_generator
 from neuron_infer.runtime.sequence import Sequence, StopRule
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/: the serving benchmark's statistics

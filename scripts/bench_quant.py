@@ -49,7 +49,7 @@ CASES = {
     "mxfp4": ("mxfp4", None),
 }
 # the code that decides what a CPU graph computes (not the Neuron/NKI files, which other work edits often)
-SOURCE_FILES = ("neuron_infer/model/llama.py", "neuron_infer/model/ops.py", "neuron_infer/compile/cpu.py",
+SOURCE_FILES = ("neuron_infer/model/llama.py", "neuron_infer/model/ops.py", "neuron_infer/backends/cpu/graph.py",
                 "neuron_infer/compile/builder.py", "neuron_infer/compile/quantize_step.py", "neuron_infer/quant/*.py")
 
 
@@ -68,8 +68,8 @@ def source_hash(scheme: str) -> str:
 def import_graph_code() -> dict[str, str]:
     """Import the graph code now and return the source hashes it was imported at (compile_case re-checks them),
     so an artifact's cache key always describes the code that compiled it, even if files change during the run."""
+    import neuron_infer.backends.cpu.graph
     import neuron_infer.compile.builder
-    import neuron_infer.compile.cpu
     import neuron_infer.compile.quantize_step
     import neuron_infer.model.llama
     import neuron_infer.model.ops
@@ -93,8 +93,8 @@ def case_build(preset: str, case: str):
 
 
 def artifact_dir(cache: Path, preset: str, case: str, model_dir: Path, sources: dict[str, str]) -> Path:
+    from neuron_infer.artifact.manifest import package_versions
     from neuron_infer.checkpoint import checkpoint_fingerprint
-    from neuron_infer.compile.artifact import package_versions
 
     build = case_build(preset, case)
     key = json.dumps({"build": build.to_dict(), "versions": package_versions(), "source": sources[CASES[case][0]],
@@ -104,7 +104,7 @@ def artifact_dir(cache: Path, preset: str, case: str, model_dir: Path, sources: 
 
 def ensure_compiled(cache: Path, preset: str, case: str, model_dir: Path, sources: dict[str, str]) -> Path:
     """The case's artifact directory, compiled now if the cache does not hold it."""
-    from neuron_infer.compile.artifact import read_manifest
+    from neuron_infer.artifact.manifest import read_manifest
     from neuron_infer.compile.builder import compile_model
     from neuron_infer.errors import ArtifactError
 
@@ -132,7 +132,7 @@ def decode_tps(m, ids: list[int], n: int) -> float:
 
 
 def memory_row(root: Path) -> dict:
-    from neuron_infer.compile.artifact import read_manifest
+    from neuron_infer.artifact.manifest import read_manifest
 
     man = read_manifest(root, verify_files=False)
     q = man.extra["quant"]

@@ -28,13 +28,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from neuron_infer.artifact.plan import cache_shape, planned_graphs
+from neuron_infer.artifact.weights import build_float_model
 from neuron_infer.checkpoint import load_checkpoint, load_tokenizer
-from neuron_infer.compile.builder import cache_shape
 from neuron_infer.compile.spec_builder import build_draft, compile_speculation
-from neuron_infer.compile.weights import build_float_model
 from neuron_infer.config import BuildConfig, ModelConfig, SpeculationConfig
 from neuron_infer.model.llama import BucketStep
-from neuron_infer.runtime.engine import Engine, planned_graphs
+from neuron_infer.runtime.engine import Engine
 from neuron_infer.runtime.generate import generate_ids
 from neuron_infer.runtime.loader import eager_spec_engine, load_speculation
 from neuron_infer.runtime.options import RunOptions
@@ -46,13 +46,13 @@ def engine_for(target, draft, build: BuildConfig, backend: str, work: Path):
     """SpecEngine with graphs from `backend` (eager modules, or compiled into `work`)."""
     if backend == "cpu-eager":
         return eager_spec_engine(target, draft, build)
-    from neuron_infer.compile.backend import get_backend
+    from neuron_infer.backends import get_backend
 
     be, gdir = get_backend(backend), work / "graphs"
     core = {}
     for spec in planned_graphs(build):
         step = BucketStep(target, spec.attend)
-        from neuron_infer.compile.builder import example_args
+        from neuron_infer.artifact.plan import example_args
 
         be.compile_graph(step, example_args(cache_shape(target, build), spec), gdir, spec.name)
         core[spec.name] = be.load_graph(gdir, spec.name, step)

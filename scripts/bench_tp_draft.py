@@ -23,10 +23,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
+from neuron_infer.artifact.plan import cache_shape
+from neuron_infer.artifact.weights import build_float_model
 from neuron_infer.checkpoint import load_checkpoint
-from neuron_infer.compile.builder import cache_shape
 from neuron_infer.compile.tp import build_rank_model
-from neuron_infer.compile.weights import build_float_model
 from neuron_infer.config import BuildConfig, ModelConfig
 from neuron_infer.model.llama import BucketStep
 from neuron_infer.parallel.launch import run_ranks

@@ -35,6 +35,7 @@ def main() -> None:
     ns = ap.parse_args()
 
     from nki.simulator import ShapeSpec
+
     from nki_kernels.examples.gemm_blocked import gemm_blocked
     from nki_kernels.examples.gemm_naive import gemm_naive
     from nki_kernels.examples.tensor_add import tensor_add_kernel

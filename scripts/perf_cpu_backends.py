@@ -9,7 +9,7 @@ variants interleaved (the machine is shared; compare ratios, not absolute number
 Variants
     eager             the model's forward in eager PyTorch (bf16 F.linear -> oneDNN)
     aoti-gemv         neuron_infer's CPU backend: torch.export + AOTInductor, bf16 linears on 1-8 rows call the
-                      C GEMV kernel (compile/cpu_gemv.cpp: AVX512-BF16, AVX-512 or AVX2 + FMA) where the CPU has it
+                      C GEMV kernel (backends/cpu/cpu_gemv.cpp: AVX512-BF16, AVX-512 or AVX2 + FMA) where the CPU has it
     aoti-gemv-avx2    the same with the kernel forced down to AVX2 (gemv_isa="avx2"; on an AVX-512 CPU: the
                       AVX2 path; timed in a run of its own, as every forced ISA level: a process runs the first
                       kernel library it loads for every graph)
@@ -20,18 +20,18 @@ Variants
                       RMSNorm/RoPE/softmax normalisation inside the reductions reading them), no fused multiply-add
     inductor-freeze   torch.compile(fullgraph) with freezing=True (oneDNN weight prepacking) and cpp_wrapper
     aoti-int8         aoti-gemv on the int8-quantized model (quant.int8): int8 linears on 1-8 rows call the
-                      int8 GEMV C kernel (compile/cpu_gemv_int8.cpp)
+                      int8 GEMV C kernel (backends/cpu/cpu_gemv_int8.cpp)
     aoti-int8-avx2    the same with the kernel forced down to AVX2 (gemv_isa="avx2")
     aoti-int8-avx2-vnni  forced down to AVX2 with AVX-VNNI dot products (gemv_isa="avx2-vnni"; CPUs with AVX-VNNI)
     aoti-w8a8         aoti-gemv on the w8a8-quantized model (quant.smoothquant, no smoothing: random weights): w8a8
-                      linears on 1-8 rows call the w8a8 GEMV C kernel (compile/cpu_gemv_w8a8.cpp: VNNI where the
+                      linears on 1-8 rows call the w8a8 GEMV C kernel (backends/cpu/cpu_gemv_w8a8.cpp: VNNI where the
                       CPU has it)
     aoti-w8a8-avx512  the same with the kernel forced down to AVX-512 without VNNI (gemv_isa="avx512")
     aoti-w8a8-avx2-vnni, aoti-w8a8-avx2  forced down to AVX-VNNI, to AVX2
     <aoti-...>-separate  any aoti variant without merging the kernel calls of linears that share an input
-                      (compile/gemv_groups.py): one call per linear, 7 per layer instead of 4
+                      (backends/cpu/gemv_groups.py): one call per linear, 7 per layer instead of 4
     <aoti-...>-attnref   any aoti variant with attention left to the reference reductions (model/ops.py) instead of
-                      the few-row attention kernel (compile/cpu_attention.cpp)
+                      the few-row attention kernel (backends/cpu/cpu_attention.cpp)
 
     python scripts/perf_cpu_backends.py --variants aoti-gemv,aoti-int8 --batch 4   # int8 vs bf16, batch 4
 
@@ -69,8 +69,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from neuron_infer.compile import cpu, cpu_gemv
-from neuron_infer.compile.cpu import CpuBackend, CpuCompileOptions
+from neuron_infer.backends.cpu import graph as cpu
+from neuron_infer.backends.cpu import kernels as cpu_gemv
+from neuron_infer.backends.cpu.graph import CpuBackend, CpuCompileOptions
 from neuron_infer.config import ModelConfig, QuantConfig
 from neuron_infer.model import ops
 from neuron_infer.model.llama import BucketStep, LlamaModel
@@ -261,7 +262,7 @@ def forced_isa(name: str) -> str:
 
 def check_one_isa(variants: list[str], compile_only: bool) -> None:
     """Kernel libraries of every ISA level export the same C symbols and the first one loaded serves every graph of
-    the process (compile/cpu_gemv.py), so timing two levels in one run would time one level twice."""
+    the process (backends/cpu/kernels.py), so timing two levels in one run would time one level twice."""
     levels = {kernel_isa(v) for v in variants} - {None}
     if len(levels) > 1 and not compile_only:
         raise SystemExit(f"error: {', '.join(variants)} call GEMV kernels built for different ISA levels "

@@ -69,9 +69,8 @@ def eval_windows(tokenizer, n: int, width: int) -> list[torch.Tensor]:
 
 def artifact_model(root: Path):
     """The artifact's LlamaModel, loaded the way CompiledModel.load does (structure, then strict weights)."""
-    from neuron_infer.compile.artifact import read_manifest
-    from neuron_infer.compile.quantize_step import quant_structure
-    from neuron_infer.compile.weights import empty_model, load_rank_weights
+    from neuron_infer.artifact.manifest import read_manifest
+    from neuron_infer.artifact.weights import empty_model, load_rank_weights, quant_structure
 
     man = read_manifest(root)
     model = empty_model(man.model, man.build)

@@ -1,11 +1,11 @@
-"""Loaded weights packed into one huge-page-advised block (neuron_infer.runtime.arena, compile.weights.read_packed)."""
+"""Loaded weights packed into one huge-page-advised block (neuron_infer.artifact.arena, compile.weights.read_packed)."""
 import pytest
 import torch
 from safetensors.torch import save_file
 
-from neuron_infer.compile.weights import read_packed
+from neuron_infer.artifact.arena import ALIGN, pack_weights
+from neuron_infer.artifact.weights import read_packed
 from neuron_infer.errors import ArtifactError
-from neuron_infer.runtime.arena import ALIGN, pack_weights
 
 
 def _state() -> dict[str, torch.Tensor]:

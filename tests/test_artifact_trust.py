@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from neuron_infer.api import CompiledModel, encode_chat
+from neuron_infer.artifact.manifest import CHECKSUM, MANIFEST, seal
 from neuron_infer.checkpoint import load_tokenizer
-from neuron_infer.compile.artifact import CHECKSUM, MANIFEST, seal
 from neuron_infer.errors import ArtifactError, NeuronInferError
 from tests.test_user_errors import cli, one_error
 from tests.tiny_artifact import compile_tiny, relist

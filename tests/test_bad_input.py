@@ -5,8 +5,8 @@ import shutil
 import pytest
 
 from neuron_infer.api import CompiledModel, compile_model
+from neuron_infer.artifact.manifest import MANIFEST, seal
 from neuron_infer.cli import main
-from neuron_infer.compile.artifact import MANIFEST, seal
 from neuron_infer.config import BuildConfig
 from neuron_infer.errors import ArtifactError
 

@@ -6,10 +6,11 @@ import pytest
 import torch
 
 from neuron_infer.api import CompiledModel, compile_model
-from neuron_infer.compile.artifact import MANIFEST, read_manifest, seal
+from neuron_infer.artifact.manifest import MANIFEST, read_manifest, seal
+from neuron_infer.artifact.plan import planned_graphs
 from neuron_infer.config import BuildConfig
 from neuron_infer.errors import ConfigError
-from neuron_infer.runtime.engine import planned_graphs, take_rows
+from neuron_infer.runtime.engine import take_rows
 
 BUILD = BuildConfig(dtype="fp32", batch_size=4, max_context_length=64, max_length=128, context_buckets=(32, 64),
                     tokengen_buckets=(64, 128))

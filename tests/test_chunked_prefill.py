@@ -6,9 +6,9 @@ import torch
 from neuron_infer.api import CompiledModel, compile_model
 from neuron_infer.config import BuildConfig, SamplingConfig, SpeculationConfig
 from neuron_infer.errors import NeuronInferError
+from neuron_infer.model.sampling import make_generator
 from neuron_infer.runtime.options import RunOptions
 from neuron_infer.runtime.runner import Runner
-from neuron_infer.runtime.sampling import make_generator
 from neuron_infer.runtime.sequence import Sequence, StopRule
 
 BUILD = BuildConfig(dtype="fp32", batch_size=2, max_context_length=64, max_length=128, context_buckets=(16, 32, 64),

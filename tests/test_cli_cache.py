@@ -8,9 +8,9 @@ import pytest
 from click.testing import CliRunner
 
 from neuron_infer import cache
+from neuron_infer.artifact.manifest import seal
 from neuron_infer.cli import cli
 from neuron_infer.cli_info import human_bytes
-from neuron_infer.compile.artifact import seal
 from neuron_infer.embedded import MODEL_NAME, SOURCE_FILE
 from neuron_infer.output_dir import mark
 from tests.tiny_artifact import compile_tiny

@@ -4,9 +4,9 @@ import json
 import pytest
 from click.testing import CliRunner
 
+from neuron_infer.artifact.manifest import read_manifest
 from neuron_infer.cli import cli
 from neuron_infer.cli_info import human_bytes
-from neuron_infer.compile.artifact import read_manifest
 from neuron_infer.errors import ArtifactError
 from tests.tiny_artifact import compile_tiny
 

@@ -103,7 +103,7 @@ def test_fixed_counts_and_omp_num_threads_are_never_re_evaluated(monkeypatch):
 
 
 def test_every_cpu_graph_call_lets_the_policy_re_evaluate(monkeypatch):
-    from neuron_infer.compile.cpu import LoadedGraph
+    from neuron_infer.backends.cpu.graph import LoadedGraph
 
     calls = []
     monkeypatch.setattr(cpu_threads, "tick", lambda: calls.append("tick"))

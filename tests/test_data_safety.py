@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from neuron_infer.api import CompiledModel, compile_model
+from neuron_infer.artifact.manifest import MANIFEST, read_manifest, seal
 from neuron_infer.checkpoint import checkpoint_fingerprint
-from neuron_infer.compile.artifact import MANIFEST, read_manifest, seal
 from neuron_infer.config import BuildConfig
 from neuron_infer.errors import NeuronInferError
 from neuron_infer.output_dir import mark
@@ -283,7 +283,8 @@ def test_outputs_respect_the_umask(tiny_dirs, tmp_path, capsys, umask):
 # 9. the security note names every native-code file an artifact can hold -------------------------------------------
 
 def test_security_note_names_the_native_code_files():
-    from neuron_infer.compile import cpu, cpu_gemv
+    from neuron_infer.backends.cpu import graph as cpu
+    from neuron_infer.backends.cpu import kernels as cpu_gemv
 
     text = (Path(__file__).parents[1] / "docs" / "security.md").read_text()
     for suffix in (cpu.PACKAGE_SUFFIX, cpu_gemv.LIB_SUFFIX):

@@ -19,8 +19,8 @@ import torch
 
 from neuron_infer import progress
 from neuron_infer.api import compile_model
+from neuron_infer.artifact.plan import planned_graphs
 from neuron_infer.presets import load_preset
-from neuron_infer.runtime.engine import planned_graphs
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -128,7 +128,7 @@ def test_conversion_hides_transformers_gguf_bar(tmp_path, monkeypatch, capsys):
 @pytest.fixture(scope="module")
 def cpu_package(tmp_path_factory):
     """One small AOTInductor graph compiled by the CPU backend, with the warnings raised while compiling."""
-    from neuron_infer.compile.cpu import CpuBackend
+    from neuron_infer.backends.cpu.graph import CpuBackend
 
     out = tmp_path_factory.mktemp("cpu-graph")
     module = torch.nn.Sequential(torch.nn.Linear(8, 8)).eval()
@@ -146,7 +146,7 @@ def test_compiling_shows_no_torch_internal_future_warning(cpu_package):
 
 def _spawned_while_loading(package: Path, sha256: str, through_backend: bool) -> int:
     """Child processes started while loading one graph in a fresh interpreter (torch caches its probes per process)."""
-    load = (f"from neuron_infer.compile.cpu import _load_package; _load_package(Path({str(package)!r}), {sha256!r})"
+    load = (f"from neuron_infer.backends.cpu.graph import _load_package; _load_package(Path({str(package)!r}), {sha256!r})"
             if through_backend else f"import torch; torch._inductor.aoti_load_package({str(package)!r})")
     code = f"""
 import subprocess
@@ -179,7 +179,7 @@ def test_loading_a_graph_skips_torchs_isa_build_probes(cpu_package):
 def test_a_meta_model_does_not_import_the_symbolic_shape_stack():
     code = """
 import sys
-from neuron_infer.compile.weights import empty_model
+from neuron_infer.artifact.weights import empty_model
 from neuron_infer.config import BuildConfig
 from neuron_infer.capacity.presets import MODEL_PRESETS
 empty_model(MODEL_PRESETS["llama-3.1-8b"], BuildConfig())

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from neuron_infer.compile.artifact import CHECKSUM, MANIFEST, seal
+from neuron_infer.artifact.manifest import CHECKSUM, MANIFEST, seal
 from neuron_infer.errors import NeuronInferError
 from tests.test_user_errors import TINY, cli
 from tests.tiny_artifact import compile_tiny, relist

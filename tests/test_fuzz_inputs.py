@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from neuron_infer.compile.artifact import CHECKSUM, MANIFEST, seal
+from neuron_infer.artifact.manifest import CHECKSUM, MANIFEST, seal
 from tests.test_user_errors import TINY, cli
 
 WRONG: list[Any] = ["abc", None, [1, 2], {"x": 1}, 2.7, -1, True]

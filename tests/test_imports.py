@@ -80,12 +80,122 @@ def _cycles(graph: dict[str, set[str]]) -> list[set[str]]:
     return out
 
 
-def test_no_import_cycle_between_packages():
-    """No import cycle crosses a package boundary (compile/, parallel/, runtime/, api, ...), counting imports inside
-    functions too: a lazy import only hides a cycle. (Lazy registries inside one package are allowed.)"""
-    for comp in _cycles(_import_graph()):
-        packages = {m.split(".")[1] for m in comp}
-        assert len(packages) == 1, f"import cycle across {sorted(packages)}: {sorted(comp)}"
+def _package(module: str) -> str | None:
+    """The package under neuron_infer/ a module belongs to (compile, runtime, ...), None for a top-level module."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 else None
+
+
+def test_no_two_packages_import_each_other():
+    """Packages form layers: if compile/ imports artifact/, artifact/ never imports compile/ (counting imports
+    inside functions too: a lazy import only hides the dependency)."""
+    edges: dict[tuple[str, str], str] = {}
+    for m, deps in _import_graph().items():
+        for d in deps:
+            a, b = _package(m), _package(d)
+            if a and b and a != b:
+                edges.setdefault((a, b), f"{m} -> {d}")
+    two_way = [f"{edges[(a, b)]} and {edges[(b, a)]}" for a, b in edges if (b, a) in edges and a < b]
+    assert not two_way, two_way
+
+
+def test_no_module_import_cycle():
+    """No module imports itself through others, inside a package or across packages, lazy imports included."""
+    assert _cycles(_import_graph()) == []
+
+
+def test_packages_stay_in_their_layer():
+    """compile/ writes an artifact and runtime/ reads it: neither imports the other, and the lower layers (model,
+    quant, parallel, artifact, backends) import neither."""
+    above = {"model": {"compile", "runtime", "artifact", "backends", "vllm_plugin"},
+             "quant": {"compile", "runtime", "artifact", "backends", "vllm_plugin"},
+             "parallel": {"compile", "runtime", "artifact", "backends", "vllm_plugin"},
+             "artifact": {"compile", "runtime", "backends", "vllm_plugin"},
+             "backends": {"compile", "runtime", "vllm_plugin"},
+             "compile": {"runtime", "vllm_plugin"}, "runtime": {"compile", "vllm_plugin"}}
+    bad = [f"{m} -> {d}" for m, deps in _import_graph().items() for d in deps
+           if _package(d) in above.get(_package(m), set())]
+    assert not bad, bad
+
+
+def test_engines_are_built_only_in_runtime():
+    """Engine, SpecEngine and NgramSpec objects are assembled by runtime/ (the loader) only."""
+    import ast
+    from pathlib import Path
+
+    root = Path(neuron_infer.__file__).parent
+    bad = []
+    for path in root.rglob("*.py"):
+        if path.parent.name == "runtime":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("Engine", "SpecEngine", "NgramSpec"):
+                bad.append(f"{path.relative_to(root)}:{node.lineno}")
+    assert not bad, bad
+
+
+# An optional dependency is imported where it is used (the package runs without it). Two imports cost far more than
+# torch and are deferred wherever they are used: transformers (tokenizers and the GGUF conversion only) and the
+# symbolic-shapes module (it loads sympy; only an export needs it).
+OPTIONAL_DEPENDENCIES = {"vllm", "nki", "xgrammar", "huggingface_hub", "torch_neuronx", "neuronx_distributed"}
+DEFERRED_ANYWHERE = {"transformers", "torch.fx.experimental.symbolic_shapes"}
+HEAVY = ("torch", "transformers", "safetensors.torch", "numpy", "jinja2", "tqdm")  # 0.03-1.2 s each to import
+
+
+def _heavy(name: str) -> bool:
+    return any(name == h or name.startswith(h + ".") for h in HEAVY)
+
+
+def _function_local_imports():
+    """(module, line, imported module) of every import statement inside a function of neuron_infer."""
+    import ast
+    from pathlib import Path
+
+    root = Path(neuron_infer.__file__).parent
+    for path in sorted(root.rglob("*.py")):
+        name = ".".join(("neuron_infer",) + path.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
+        for fn in ast.walk(ast.parse(path.read_text())):
+            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                for node in ast.walk(fn):
+                    if isinstance(node, ast.ImportFrom) and node.module:
+                        yield name, node.lineno, node.module
+                    elif isinstance(node, ast.Import):
+                        yield from ((name, node.lineno, a.name) for a in node.names)
+
+
+def _imports_heavy_at_top(module: str, graph: dict[str, set[str]], seen: set[str] | None = None) -> bool:
+    """Whether importing `module` imports torch or another HEAVY package (its top-level imports, transitively)."""
+    import ast
+    import importlib.util
+
+    seen = set() if seen is None else seen
+    if module in seen:
+        return False
+    seen.add(module)
+    origin = importlib.util.find_spec(module).origin
+    tree = ast.parse(open(origin).read())
+    tops = [a.name for n in tree.body if isinstance(n, ast.Import) for a in n.names]
+    tops += [n.module + "." + a.name for n in tree.body if isinstance(n, ast.ImportFrom) and n.module and n.level == 0
+             for a in n.names] + [n.module for n in tree.body if isinstance(n, ast.ImportFrom) and n.module]
+    if any(_heavy(t) for t in tops):
+        return True
+    ours = {t for t in tops if t in graph or t.startswith("nki_kernels")}
+    return any(_imports_heavy_at_top(t, graph, seen) for t in ours if importlib.util.find_spec(t) is not None)
+
+
+def test_function_local_imports_only_defer_heavy_or_optional_dependencies():
+    """A function-local import keeps a light module light (`import neuron_infer` and the CLI never import torch)
+    or imports an optional dependency where it is used. Anything else is imported at the top of the module: a lazy
+    import inside a module that already imports torch defers nothing and only hides a dependency."""
+    graph, bad = _import_graph(), []
+    for module, line, target in _function_local_imports():
+        if target.split(".")[0] in OPTIONAL_DEPENDENCIES or any(target.startswith(d) for d in DEFERRED_ANYWHERE):
+            continue
+        heavy_target = _heavy(target) or (
+            target.split(".")[0] in ("neuron_infer", "nki_kernels") and _imports_heavy_at_top(target, graph))
+        if _imports_heavy_at_top(module, graph) or not heavy_target:
+            bad.append(f"{module}:{line} imports {target}")
+    assert not bad, bad
 
 
 def test_parallel_is_plan_sharding_collectives_and_launch_only():

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from neuron_infer.api import CompiledModel, compile_model
+from neuron_infer.artifact.weights import build_float_model
 from neuron_infer.checkpoint import load_checkpoint
-from neuron_infer.compile.weights import build_float_model
 from neuron_infer.config import BuildConfig, ModelConfig, SamplingConfig
 from neuron_infer.errors import ConfigError, NeuronInferError
 from neuron_infer.model.llama import CacheSlots
@@ -246,7 +246,7 @@ def test_an_artifact_from_before_the_block_cache_asks_for_a_recompile(artifact, 
     import json
     import shutil
 
-    from neuron_infer.compile.artifact import MANIFEST, read_manifest
+    from neuron_infer.artifact.manifest import MANIFEST, read_manifest
     from neuron_infer.errors import ArtifactError
 
     old = tmp_path / "old"

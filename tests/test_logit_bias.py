@@ -10,8 +10,7 @@ from neuron_infer.api import CompiledModel
 from neuron_infer.cli_help import parse_logit_bias
 from neuron_infer.config import SamplingConfig
 from neuron_infer.errors import ConfigError, NeuronInferError
-from neuron_infer.runtime.runner import _shared_rule
-from neuron_infer.runtime.sampling import (
+from neuron_infer.model.sampling import (
     check_vocab,
     logit_adjustment,
     processed_probs,
@@ -20,6 +19,7 @@ from neuron_infer.runtime.sampling import (
     token_history,
     unpack_bitmask,
 )
+from neuron_infer.runtime.runner import _shared_rule
 from neuron_infer.runtime.sequence import Sequence, StopRule
 from tests.test_cli_generate_io import run_main
 from tests.test_penalties import np_reference as penalties_reference

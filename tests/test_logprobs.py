@@ -7,9 +7,9 @@ import pytest
 
 from neuron_infer.api import CompiledModel
 from neuron_infer.config import SamplingConfig
+from neuron_infer.model.sampling import make_generator
 from neuron_infer.runtime.generate import generate_ids
 from neuron_infer.runtime.runner import _shared_rule
-from neuron_infer.runtime.sampling import make_generator
 from neuron_infer.runtime.sequence import Sequence, StopRule
 from tests.test_cli_generate_io import run_main
 from tests.tiny_artifact import compile_tiny

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from neuron_infer.compile.weights import build_float_model
+from neuron_infer.artifact.weights import build_float_model
 from neuron_infer.checkpoint import load_checkpoint
 from neuron_infer.config import BuildConfig, ModelConfig
 from neuron_infer.model.llama import rope_tables

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from neuron_infer.artifact.manifest import MANIFEST, artifact_files, seal
 from neuron_infer.cli import main
-from neuron_infer.compile.artifact import MANIFEST, artifact_files, seal
 from neuron_infer.output_dir import PARTIAL_MARKER, _remove_owned, foreign_entries, mark
 from tests.tiny_artifact import compile_tiny
 

@@ -6,8 +6,8 @@ import torch
 
 from neuron_infer.config import SamplingConfig
 from neuron_infer.errors import ConfigError
+from neuron_infer.model.sampling import processed_probs, rows_params, sample_rows, token_history
 from neuron_infer.runtime.runner import _shared_rule
-from neuron_infer.runtime.sampling import processed_probs, rows_params, sample_rows, token_history
 from neuron_infer.runtime.sequence import Sequence, StopRule
 
 V = 12

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from neuron_infer.config import SamplingConfig
-from neuron_infer.runtime.sampling import (
+from neuron_infer.model.sampling import (
     draw_uniforms,
     host_argmax,
     make_generator,

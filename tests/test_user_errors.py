@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from neuron_infer.artifact.manifest import MANIFEST, seal
 from neuron_infer.cli import main
-from neuron_infer.compile.artifact import MANIFEST, seal
 
 TINY = ["--config", "tiny", "--backend", "cpu-eager"]
 REPO = Path(__file__).resolve().parent.parent
@@ -141,7 +141,7 @@ def test_output_on_a_full_disk(tiny_dirs, tmp_path, monkeypatch, capsys):
 def test_output_on_a_full_disk_while_safetensors_writes(tiny_dirs, tmp_path, monkeypatch, capsys):
     from safetensors import SafetensorError
 
-    from neuron_infer.compile import weights
+    from neuron_infer.artifact import weights
 
     def full(*a, **k):  # what safetensors' writer raises on a full disk (its text carries the OS error)
         raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")

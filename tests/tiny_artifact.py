@@ -21,7 +21,7 @@ def relist(root: Path) -> None:
     inputs would have written it: the load then verifies the edited files instead of refusing them."""
     import json
 
-    from neuron_infer.compile.artifact import MANIFEST, hash_tree, seal
+    from neuron_infer.artifact.manifest import MANIFEST, hash_tree, seal
 
     m = json.loads((root / MANIFEST).read_text())
     m["files"] = hash_tree(root)

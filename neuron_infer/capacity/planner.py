@@ -25,10 +25,10 @@ import dataclasses
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from neuron_infer.capacity.presets import Instance, get_instance
 from neuron_infer.config import DTYPES, QUANT_SCHEMES, ModelConfig, auto_buckets
 from neuron_infer.errors import ConfigError
 from neuron_infer.parallel.plan import ShardPlan
-from neuron_infer.capacity.presets import Instance, get_instance
 from neuron_infer.parallel.shard import rank_param_counts
 
 _DTYPE_BYTES = {"bf16": 2, "fp32": 4}

@@ -3,7 +3,7 @@
     metas = compile_in_workers(jobs, weights, cfg, build, graphs_dir, say)     jobs: [(ShapeClass, cache key)]
 
 Compiling a graph is single-threaded Python (export, Inductor's lowering and code generation) and one g++ run, so
-two graphs on two cores take about the time of one. Each worker (`python -m neuron_infer.compile.graph_workers`)
+two graphs on two cores take about the time of one. Each worker (`python -m neuron_infer.compile.graph_worker`)
 rebuilds the rank's model from the weights file the compile already wrote, as the loader does, compiles one graph
 through the compile cache and prints its metadata as one JSON line. Workers are bounded by the usable cores and by
 the memory available (WORKER_BYTES each, plus the weights).
@@ -18,6 +18,9 @@ import time
 from pathlib import Path
 from typing import Callable
 
+import psutil
+
+from neuron_infer.cpu_threads import usable_cpus
 from neuron_infer.errors import ArtifactError
 
 WORKER_BYTES = 3 << 30  # peak memory of one graph compile beyond the weights (SmolLM2 prefill graph: ~2.4 GiB)
@@ -27,9 +30,6 @@ def worker_count(jobs: int, weight_bytes: int, compile_bytes: int = WORKER_BYTES
     """Workers for `jobs` graphs: at most the machine's cores under its CPU quota and what the available memory holds,
     `compile_bytes` plus the weights per worker (at least 1). The caller's own CPU affinity does not bound them: a
     vLLM worker binds itself to its cores, and its compile workers run while it waits (`all_cpus`)."""
-    import psutil  # noqa: PLC0415
-
-    from neuron_infer.cpu_threads import usable_cpus  # noqa: PLC0415
 
     by_memory = psutil.virtual_memory().available // (compile_bytes + weight_bytes)
     return max(1, min(jobs, usable_cpus(affinity=set(range(os.cpu_count() or 1))), by_memory))
@@ -52,7 +52,7 @@ def compile_in_workers(jobs: list, weights: Path, cfg, build, graphs_dir: Path,
                                                for i, dims in cls.dynamic.items()}},
                          "key": key, "weights": str(weights), "model": cfg.to_dict(), "build": build.to_dict(),
                          "graphs_dir": str(graphs_dir)}) for cls, key in jobs]
-    return run_workers(named, "neuron_infer.compile.graph_workers", n, say)
+    return run_workers(named, "neuron_infer.compile.graph_worker", n, say)
 
 
 def run_workers(named: list[tuple[str, dict]], module: str, n: int, say: Callable[[str], None]) -> dict[str, dict]:
@@ -96,37 +96,3 @@ def _wait_any(running: dict) -> tuple[str, tuple]:
             if item[0].poll() is not None:
                 return name, item
         time.sleep(0.05)
-
-
-def worker_model(job: dict):
-    """The rank's model of a worker job, rebuilt from the weights file the compile already wrote (as the loader
-    does) -> (model, build)."""
-    from neuron_infer.compile.quantize_step import quant_structure  # noqa: PLC0415
-    from neuron_infer.compile.weights import empty_model, load_rank_weights  # noqa: PLC0415
-    from neuron_infer.config import BuildConfig, ModelConfig  # noqa: PLC0415
-
-    cfg, build = ModelConfig.from_dict(job["model"]), BuildConfig.from_dict(job["build"])
-    model = empty_model(cfg, build)
-    quant_structure(model, build)
-    load_rank_weights(model, Path(job["weights"]))
-    return model, build
-
-
-def _main() -> None:
-    """Worker: one job from stdin -> the graph's metadata on stdout."""
-    from neuron_infer.compile.builder import compile_class  # noqa: PLC0415  (the worker's own entry point)
-    from neuron_infer.runtime.engine import GraphSpec, ShapeClass  # noqa: PLC0415
-
-    all_cpus()
-    job = json.loads(sys.stdin.read())
-    model, build = worker_model(job)
-    c = job["class"]
-    dynamic = {int(i): {int(d): tuple(v) for d, v in dims.items()} for i, dims in c["dynamic"].items()}
-    cls = ShapeClass(c["name"], GraphSpec(**c["example"]), dynamic)
-    meta = compile_class(model, build, Path(job["graphs_dir"]), cls, job["key"])
-    sys.stdout.write(json.dumps(meta) + "\n")
-
-
-if __name__ == "__main__":
-    os.environ.setdefault("PYTHONUNBUFFERED", "1")
-    _main()

@@ -4,10 +4,10 @@ NOT YET RUN ON HARDWARE.
     metas = compile_buckets(backend, model, build, graphs_dir, say, plan, weights)     {bucket name: metadata}
 
 The buckets stay static (one NEFF per (sub-model, bucket), as torch_neuronx.trace requires fixed input shapes).
-Each is keyed (compile/neuron_cache.py) in this process; the cached ones are copied into the artifact. The rest,
+Each is keyed (backends/neuron/cache.py) in this process; the cached ones are copied into the artifact. The rest,
 when more than one worker fits (see below) and the SDK is an installed module (a worker imports it; an SDK object
 given to NeuronBackend(sdk=...) traces in this process), are traced by worker processes
-(`python -m neuron_infer.compile.neuron_workers`, one bucket each, scheduled by compile/graph_workers.run_workers):
+(`python -m neuron_infer.compile.neuron_worker`, one bucket each, scheduled by compile/graph_workers.run_workers):
 each rebuilds the rank's model from the weights file as the loader does, calls `torch_neuronx.trace` once with the
 target platform and LNC of this compile, stores the graph in the NEFF cache and prints its metadata.
 
@@ -19,31 +19,28 @@ available: NEFF_COMPILE_BYTES per compile plus the weights each worker holds.
 from __future__ import annotations
 
 import dataclasses
-import json
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from neuron_infer.compile.graph_cache import cached_lookup
+from neuron_infer.artifact.plan import cache_shape, example_args
+from neuron_infer.backends.graph_cache import cached_lookup
+from neuron_infer.backends.neuron.cache import neff_cache_root, neff_key
 from neuron_infer.compile.graph_workers import run_workers, worker_count
-from neuron_infer.compile.neuron_cache import neff_cache_root, neff_key
+from neuron_infer.model.llama import BucketStep
 from neuron_infer.progress import steps
 
 # Memory budget of one bucket compile (trace + neuronx-cc) beyond the weights: an assumption, not a measurement
 # (no compile has run on this target yet). Too small a budget runs more compiles at once than memory holds.
 NEFF_COMPILE_BYTES = 8 << 30
-MODULE = "neuron_infer.compile.neuron_workers"
+MODULE = "neuron_infer.compile.neuron_worker"
 
 
 def compile_buckets(backend, model, build, graphs_dir: Path, say: Callable[[str], None], plan: list,
                     weights: Path | None) -> dict:
     """{bucket name: its manifest entry} for every planned bucket (GraphSpec) of one rank's model."""
-    from neuron_infer.compile.builder import cache_shape, example_args  # noqa: PLC0415  (builder imports us lazily)
-    from neuron_infer.model.llama import BucketStep  # noqa: PLC0415
-
     shape, out, misses, root, digests = cache_shape(model, build), {}, [], neff_cache_root(), {}
     for spec in plan:
         t0 = time.perf_counter()
@@ -82,30 +79,3 @@ def _in_workers(backend, model, build, graphs_dir: Path, say, misses: list, weig
     metas = run_workers(named, MODULE, n, say)
     return {spec.name: {"kind": spec.kind, "tokens": spec.tokens, "attend": spec.attend, "batch": spec.batch,
                         **metas[spec.name]} for spec, _ in misses}
-
-
-def _main() -> None:
-    """Worker: one bucket job from stdin -> its metadata (one JSON line) on stdout."""
-    from neuron_infer.compile.builder import cache_shape, example_args  # noqa: PLC0415
-    from neuron_infer.compile.graph_workers import worker_model  # noqa: PLC0415
-    from neuron_infer.compile.neuron import NeuronBackend  # noqa: PLC0415
-    from neuron_infer.compile.neuron_platform import NeuronTarget  # noqa: PLC0415
-    from neuron_infer.model.llama import BucketStep  # noqa: PLC0415
-    from neuron_infer.runtime.engine import GraphSpec  # noqa: PLC0415
-
-    job = json.loads(sys.stdin.read())
-    model, build = worker_model(job)
-    backend = NeuronBackend()
-    backend.bind_build(build)
-    backend.pin_target(NeuronTarget(**job["target"]))  # the compile's platform and LNC, resolved once
-    spec = GraphSpec(**job["spec"])
-    t0 = time.perf_counter()
-    with torch.inference_mode():
-        meta = backend.compile_keyed(BucketStep(model, spec.attend), example_args(cache_shape(model, build), spec),
-                                     Path(job["graphs_dir"]), spec.name, job["key"])
-    sys.stdout.write(json.dumps({**meta, "seconds": round(time.perf_counter() - t0, 3)})
-                     + "\n")
-
-
-if __name__ == "__main__":
-    _main()

@@ -1,39 +1,30 @@
 """The compile-time quantization step: resolve the scheme's defaults, calibrate when needed, apply, report."""
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
+from pydoc_data.topics import topics
 
 import torch
 
-from neuron_infer.config import BuildConfig, QuantConfig
+from neuron_infer.artifact.weights import resolve_quant
+from neuron_infer.checkpoint import load_tokenizer
+from neuron_infer.config import BuildConfig
 from neuron_infer.model.llama import LlamaModel
+from neuron_infer.quant import apply_quantization, check_combination
+from neuron_infer.quant.smoothquant import smoothquant
+from neuron_infer.quant.tiled import tile_model
 
 CALIBRATION_WINDOWS = 4
 CALIBRATION_TOKENS = 256
 
 
-def resolve_quant(qcfg: QuantConfig, num_layers: int) -> QuantConfig:
-    """Fill the scheme's default modules_to_not_convert (fp8: attention, first and last MLP, lm_head)."""
-    if qcfg.modules_to_not_convert is not None:
-        return qcfg
-    from neuron_infer.quant import default_fp8_not_convert
-
-    default = default_fp8_not_convert(num_layers) if qcfg.scheme == "fp8" else ()
-    return dataclasses.replace(qcfg, modules_to_not_convert=default)
-
-
 def calibration_text() -> str:
     """English text every CPython has: the pydoc topic help (used for SmoothQuant calibration)."""
-    from pydoc_data.topics import topics
-
     return "\n\n".join(topics[k] for k in sorted(topics))
 
 
 def calibration_runner(model: LlamaModel, model_dir: Path):
     """A callable running the float model over a few fixed windows of calibration text."""
-    from neuron_infer.checkpoint import load_tokenizer
-
     chars = CALIBRATION_WINDOWS * CALIBRATION_TOKENS * 8  # ample for the windows, cheap to tokenize
     ids = load_tokenizer(model_dir)(calibration_text()[:chars])["input_ids"]
     t = min(CALIBRATION_TOKENS, model.max_positions)  # the RoPE tables hold build.max_length positions
@@ -55,38 +46,20 @@ def quantize_model(model: LlamaModel, build: BuildConfig, model_dir: Path) -> di
     """Quantize (then, with --weight-tiling, tile) `model` in place per build.quant; return the manifest record."""
     record = _quantize(model, build, model_dir)
     if build.quant.weight_tiling:
-        from neuron_infer.quant.tiled import tile_model
-
         record["weight_tiling"] = tile_model(model)  # after quantization (and, under TP, after sharding)
     return record
 
 
 def _quantize(model: LlamaModel, build: BuildConfig, model_dir: Path) -> dict:
-    from neuron_infer.quant import apply_quantization, check_combination
-
     if build.quant.scheme == "none":  # nothing converted; the report still gives the float linear bytes
         return apply_quantization(model, build.quant).to_dict()
 
     check_combination(build.quant, build.dtype)  # before calibration: w8a8/MX + tiling fail fast
     qcfg = resolve_quant(build.quant, model.cfg.num_layers)
     if qcfg.scheme == "w8a8":
-        from neuron_infer.quant.smoothquant import smoothquant
-
         with torch.no_grad():
             report = smoothquant(model, calibration_runner(model, model_dir), qcfg.smoothquant_alpha,
                                  qcfg.modules_to_not_convert)
     else:
         report = apply_quantization(model, qcfg)
     return {**report.to_dict(), "modules_to_not_convert": list(qcfg.modules_to_not_convert)}
-
-
-def quant_structure(model: LlamaModel, build: BuildConfig) -> None:
-    """Give a meta-device skeleton the quantized (and tiled) module structure of the build (before loading weights)."""
-    if build.quant.scheme != "none":
-        from neuron_infer.quant import apply_quantization
-
-        apply_quantization(model, resolve_quant(build.quant, model.cfg.num_layers), structure_only=True)
-    if build.quant.weight_tiling:
-        from neuron_infer.quant.tiled import tile_structure
-
-        tile_structure(model)

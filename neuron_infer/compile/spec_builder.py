@@ -27,22 +27,21 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
-from neuron_infer.checkpoint import load_checkpoint
+from neuron_infer.artifact.plan import shape_class, spec_graph_list
+from neuron_infer.artifact.steps import speculation_modules
+from neuron_infer.artifact.weights import DRAFT_WEIGHTS, build_float_model, save_draft_weights
+from neuron_infer.checkpoint import load_checkpoint, load_tokenizer
+from neuron_infer.compile.graphs import compile_classes
 from neuron_infer.config import QUANT_SCHEMES, BuildConfig, ModelConfig, QuantConfig
-from neuron_infer.errors import ConfigError
-from neuron_infer.model.llama import BucketStep, LlamaModel
+from neuron_infer.errors import CheckpointError, ConfigError
+from neuron_infer.model.llama import LlamaModel
 from neuron_infer.progress import steps
-from neuron_infer.runtime.engine import CacheShape, GraphSpec, graph_name
-from neuron_infer.runtime.spec_engine import CATCH_UP_TOKENS, fused_graph_name
-from neuron_infer.runtime.spec_step import FusedSpecStep, SpecCacheLayout, fused_example_args
+from neuron_infer.quant import apply_quantization
 
-DRAFT_WEIGHTS = "weights/draft_rank0.safetensors"
 Progress = Callable[[str], None]
 
 
@@ -60,9 +59,6 @@ def check_speculation(cfg: ModelConfig, build: BuildConfig) -> None:
 
 def check_same_vocab(target_dir: Path, draft_dir: Path, cfg: ModelConfig, dcfg: ModelConfig) -> None:
     """The draft must score the target's token ids: same vocab_size and, when both have a tokenizer, the same map."""
-    from neuron_infer.checkpoint import load_tokenizer
-    from neuron_infer.errors import CheckpointError
-
     if dcfg.vocab_size != cfg.vocab_size:
         raise ConfigError(
             f"draft {draft_dir} has vocab_size={dcfg.vocab_size} but the target has {cfg.vocab_size}: draft and "
@@ -98,120 +94,16 @@ def draft_state(model_dir: Path, cfg: ModelConfig, build: BuildConfig) -> tuple[
 
 def build_draft(model_dir: Path, cfg: ModelConfig, build: BuildConfig) -> tuple[LlamaModel, dict]:
     """The draft model (float, then quantized with --draft-quant) and a description for the manifest."""
-    from neuron_infer.compile.weights import build_float_model
-
     dcfg, state, source = draft_state(model_dir, cfg, build)
     draft = build_float_model(dcfg, build, state)
     del state
     info = {"source": source, "config": dcfg.to_dict(), "quant": {"scheme": "none"}}
     if build.speculation.draft_quant != "none":
-        from neuron_infer.quant import apply_quantization
-
         info["quant"] = apply_quantization(draft, QuantConfig(scheme=build.speculation.draft_quant)).to_dict()
     return draft, info
 
 
-# ---- draft weights: stored once, tensors equal to the target's shared ---------------------------------------------
-def save_draft_weights(draft: LlamaModel, target: LlamaModel, path: Path,
-                       shareable: Callable[[str], bool] = lambda name: True) -> list[str]:
-    """Write the draft tensors that differ from the target's; return the names taken from the target. At tp > 1
-    `target` is rank 0's shard and `shareable` admits only tensors every rank holds whole (the norms)."""
-    tstate, shared, own = target.state_dict(), [], {}
-    for name, t in draft.state_dict().items():
-        ref = tstate.get(name) if shareable(name) else None
-        if ref is not None and ref.dtype == t.dtype and ref.shape == t.shape and torch.equal(ref, t):
-            shared.append(name)
-        else:
-            own[name] = t.contiguous()
-    tied = draft.lm_head.weight is draft.model.embed_tokens.weight if hasattr(draft.lm_head, "weight") else False
-    if tied and "lm_head.weight" in own:
-        own.pop("lm_head.weight")  # re-tied at load
-    path.parent.mkdir(parents=True, exist_ok=True)
-    save_file(own, str(path))
-    return sorted(shared)
-
-
-def load_draft_weights(draft: LlamaModel, target: LlamaModel, path: Path, shared: list[str]) -> None:
-    """Fill a meta-device draft skeleton: its own file plus the target's tensors named in `shared` (same memory)."""
-    from neuron_infer.compile.weights import assign_state, read_packed
-
-    state = read_packed(path, "draft weights")
-    tstate = target.state_dict()
-    state.update({n: tstate[n] for n in shared})
-    assign_state(draft, state, f"draft weights {path} do not match the manifest's draft model")
-
-
 # ---- graphs ---------------------------------------------------------------------------------------------------
-def spec_cache_layout(target: LlamaModel, draft: LlamaModel, build: BuildConfig) -> SpecCacheLayout:
-    from neuron_infer.compile.builder import cache_shape
-
-    return SpecCacheLayout(cache_shape(target, build), cache_shape(draft, build))
-
-
-def _step_args(cache: CacheShape, t: int, attend: int, b: int, idx_all: bool) -> tuple[torch.Tensor, ...]:
-    """Example inputs of a BucketStep graph with T tokens over b rows (logits at every token when idx_all)."""
-    from neuron_infer.compile.builder import example_args
-
-    args = example_args(cache, GraphSpec("x", t, attend, b))
-    if idx_all:
-        args = args[:4] + (torch.arange(t, dtype=torch.int64).expand(b, t).contiguous(),) + args[5:]  # [B, T]
-    return args
-
-
-@dataclass(frozen=True)
-class SpecGraph:
-    """One speculation graph of a build: which model runs (role) on what static shapes."""
-
-    name: str
-    role: str  # "draft" (the draft alone) | "verify" (the target over K+1 tokens) | "fused" (the whole step)
-    tokens: int  # T (fused: K)
-    attend: int  # S
-    batch: int
-    sample: bool = False  # fused: the sampling rule (else greedy)
-
-
-def spec_graph_list(build: BuildConfig, draft: bool = True) -> list[SpecGraph]:
-    """Every speculation graph a build compiles (draft=False: prompt lookup, the verify graphs only)."""
-    k, b, out = build.speculation.length, build.batch_size, []
-    if draft:
-        out += [SpecGraph("draft_" + graph_name("context", t, t), "draft", t, t, 1)
-                for t in build.context_bucket_list]
-    for s in build.tokengen_bucket_list:
-        if s < k + 2:
-            continue  # a step at position >= 1 needs p + K + 1 <= s slots
-        if draft:
-            widths = (1, 2, CATCH_UP_TOKENS) if s >= CATCH_UP_TOKENS else (1, 2)
-            out += [SpecGraph("draft_" + graph_name("tokengen", t, s), "draft", t, s, b) for t in widths]
-        out.append(SpecGraph(graph_name("verify", k + 1, s), "verify", k + 1, s, b))
-        if draft and build.speculation.fused:
-            out += [SpecGraph(fused_graph_name(k, s, sample), "fused", k, s, b, sample=sample)
-                    for sample in (False, True)]
-    return out
-
-
-def planned_spec_graphs(target: LlamaModel, draft: LlamaModel, build: BuildConfig) -> dict[str, tuple]:
-    """name -> (module, example_args) of every speculation graph a build compiles."""
-    k, layout, out = build.speculation.length, spec_cache_layout(target, draft, build), {}
-    for g in spec_graph_list(build):
-        if g.role == "draft":
-            out[g.name] = (BucketStep(draft, g.attend), _step_args(layout.draft, g.tokens, g.attend, g.batch, False))
-        elif g.role == "verify":
-            out[g.name] = (BucketStep(target, g.attend), _step_args(layout.target, g.tokens, g.attend, g.batch, True))
-        else:
-            out[g.name] = (FusedSpecStep(target, draft, k, g.attend, layout, g.sample),
-                           fused_example_args(layout, k, g.batch, g.attend))
-    return out
-
-
-def planned_verify_graphs(target: LlamaModel, build: BuildConfig) -> dict[str, tuple]:
-    """name -> (module, example_args) of the target's verify graphs alone (prompt lookup: no draft model)."""
-    from neuron_infer.compile.builder import cache_shape
-
-    cache = cache_shape(target, build)
-    return {g.name: (BucketStep(target, g.attend), _step_args(cache, g.tokens, g.attend, g.batch, True))
-            for g in spec_graph_list(build, draft=False)}
-
-
 def prepare_speculation(model_dir: Path, cfg: ModelConfig, build: BuildConfig, target: LlamaModel, out_dir: Path,
                         shareable: Callable[[str], bool] = lambda name: True) -> tuple[LlamaModel | None, dict]:
     """Check the config, build the draft and save its weights into `out_dir` (the artifact being written) ->
@@ -225,11 +117,6 @@ def prepare_speculation(model_dir: Path, cfg: ModelConfig, build: BuildConfig, t
     return draft, info
 
 
-def planned_speculation(target: LlamaModel, draft: LlamaModel | None, build: BuildConfig) -> dict[str, tuple]:
-    """name -> (module, example_args) of every speculation graph: the verify graphs alone without a draft."""
-    return planned_verify_graphs(target, build) if draft is None else planned_spec_graphs(target, draft, build)
-
-
 def compile_spec_graphs(target: LlamaModel, draft: LlamaModel | None, build: BuildConfig, backend,
                         graphs_dir: Path, say: Progress) -> dict:
     """Compile the speculation graphs of one rank's target (and the whole draft) into `graphs_dir` -> metadata.
@@ -238,23 +125,22 @@ def compile_spec_graphs(target: LlamaModel, draft: LlamaModel | None, build: Bui
     graphs_dir.mkdir(parents=True, exist_ok=True)
     if draft is None and getattr(backend, "dynamic_shapes", False):
         return _compile_verify_classes(target, build, backend, graphs_dir, say)
-    for name, (module, args) in steps(planned_speculation(target, draft, build).items(),
+    specs = {g.name: g for g in spec_graph_list(build, draft=draft is not None)}
+    for name, (module, args) in steps(speculation_modules(target, draft, build).items(),
                                       "compiling speculation graph", say,
                                       lambda item: f"{item[0]} ({backend.name})", unit="graph"):
         t0 = time.perf_counter()
         with torch.inference_mode():
             m = backend.compile_graph(module, args, graphs_dir, name)
-        meta[name] = {"kind": name.split("_t")[0].split("_k")[0], "seconds": round(time.perf_counter() - t0, 3), **m}
+        g = specs[name]
+        meta[name] = {"kind": g.kind, "model": g.model, "tokens": g.tokens, "attend": g.attend, "batch": g.batch,
+                      "seconds": round(time.perf_counter() - t0, 3), **m}
     return meta
 
 
 def _compile_verify_classes(target: LlamaModel, build: BuildConfig, backend, graphs_dir: Path, say: Progress) -> dict:
     """Prompt lookup's verify graphs as shape classes, through the builder's class compile (cache included)."""
-    from neuron_infer.compile.builder import compile_classes  # noqa: PLC0415  (builder calls us)
-    from neuron_infer.runtime.engine import shape_class  # noqa: PLC0415
-
-    classes = {g.name: shape_class(GraphSpec("verify", g.tokens, g.attend, g.batch), build)
-               for g in spec_graph_list(build, draft=False)}
+    classes = {g.name: shape_class(g, build) for g in spec_graph_list(build, draft=False)}
     unique = list({c.name: c for c in classes.values()}.values())
     done = compile_classes(target, build, backend, graphs_dir, say, unique)
     return {name: {"kind": "verify", **done[c.name], "graph": c.name, "dynamic": sorted(c.dims)}

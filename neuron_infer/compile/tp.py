@@ -26,8 +26,7 @@ from pathlib import Path
 
 import torch
 
-from neuron_infer.checkpoint import check_tokenizer, checkpoint_fingerprint, load_checkpoint
-from neuron_infer.compile.artifact import (
+from neuron_infer.artifact.manifest import (
     FORMAT_VERSION,
     Manifest,
     atomic_directory,
@@ -35,13 +34,20 @@ from neuron_infer.compile.artifact import (
     package_versions,
     write_manifest,
 )
-from neuron_infer.compile.weights import DTYPES, build_float_model, save_rank_weights
+from neuron_infer.artifact.weights import DTYPES, build_float_model, save_rank_weights
+from neuron_infer.backends import get_backend
+from neuron_infer.backends.neuron.tp import NEURON_TP_NOTE, import_nxd
+from neuron_infer.backends.neuron.tp_graphs import compile_neuron_tp_graphs
+from neuron_infer.checkpoint import check_tokenizer, checkpoint_fingerprint, load_checkpoint
+from neuron_infer.compile.graphs import compile_graphs
+from neuron_infer.compile.inputs import check_build_against_model, copy_tokenizer, source_dirs
+from neuron_infer.compile.quantize_step import quantize_model
+from neuron_infer.compile.spec_builder import compile_spec_graphs, prepare_speculation, speculation_extra
 from neuron_infer.config import BuildConfig, ModelConfig
 from neuron_infer.errors import ConfigError
-from neuron_infer.model.llama import LlamaModel, LocalLayout
-from neuron_infer.model.ops import Ops, get_ops
-from neuron_infer.parallel.launch import all_gather_last_dim, all_reduce_sum
-from neuron_infer.parallel.plan import RankShard, ShardPlan
+from neuron_infer.model.llama import LlamaModel
+from neuron_infer.parallel.plan import ShardPlan
+from neuron_infer.parallel.rank import rank_layout, tp_ops
 from neuron_infer.parallel.shard import shard_state_dict
 
 Progress = Callable[[str], None]
@@ -50,15 +56,6 @@ Progress = Callable[[str], None]
 CPU_TP_BACKEND = "cpu-eager"
 CPU_TP_NOTE = ("tensor-parallel CPU ranks run their step graphs eagerly (cpu-eager): the gloo collectives between "
                "layers are eager calls that the launcher monitors per rank; compiled CPU rank graphs are not built")
-
-
-def tp_ops(kernels: str) -> Ops:
-    """The op table of a rank: the build's kernels plus the gloo collectives (identity outside a process group)."""
-    return get_ops(kernels).with_collectives(all_reduce_sum, all_gather_last_dim)
-
-
-def rank_layout(shard: RankShard) -> LocalLayout:
-    return LocalLayout(**shard.local_layout_fields())
 
 
 def tp_backend_name(build: BuildConfig, backend: str | None) -> str:
@@ -93,8 +90,6 @@ def full_sharded_bytes(cfg: ModelConfig, build: BuildConfig, state: dict[str, to
 def build_rank_model(cfg: ModelConfig, build: BuildConfig, plan: ShardPlan, rank: int,
                      state: dict[str, torch.Tensor], model_dir: Path) -> tuple[LlamaModel, dict]:
     """Rank `rank`'s float model from the full checkpoint state, quantized when the build asks; (model, quant)."""
-    from neuron_infer.compile.quantize_step import quantize_model
-
     mine = shard_state_dict(state, cfg, plan, rank)
     model = build_float_model(cfg, build, mine, rank_layout(plan.ranks[rank]), tp_ops(build.kernels))
     del mine
@@ -104,9 +99,6 @@ def build_rank_model(cfg: ModelConfig, build: BuildConfig, plan: ShardPlan, rank
 def compile_tp_model(model_dir: str | Path, out_dir: str | Path, build: BuildConfig, *, backend: str | None = None,
                      overwrite: bool = False, say: Progress = print) -> Manifest:
     """Compile `model_dir` for `build.tp_degree` ranks into `out_dir` atomically; returns the manifest."""
-    from neuron_infer.compile.backend import get_backend
-    from neuron_infer.compile.builder import check_build_against_model, copy_tokenizer, source_dirs
-
     t_start = time.perf_counter()
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_model_dir(model_dir)
@@ -124,8 +116,6 @@ def compile_tp_model(model_dir: str | Path, out_dir: str | Path, build: BuildCon
         state = load_checkpoint(model_dir, cfg)
         records, quant, graphs, spec = _write_ranks(cfg, build, plan, state, model_dir, tmp, be, say)
         if be_name == "neuron":
-            from neuron_infer.compile.neuron_tp import compile_neuron_tp_graphs
-
             graphs = compile_neuron_tp_graphs(tmp, cfg, build, plan, say, spec)
         extra = {
             "tp_plan": plan.to_dict(), "tp_rank_weights": records, "tp_backend_note": note,
@@ -133,8 +123,6 @@ def compile_tp_model(model_dir: str | Path, out_dir: str | Path, build: BuildCon
             "quant": quant[0] if build.quant.scheme == "none" else {**quant[0], "per_rank": quant},
         }
         if build.speculation is not None:
-            from neuron_infer.compile.spec_builder import speculation_extra
-
             extra.update(speculation_extra(spec[1], build, [n for n in graphs if _is_spec_graph(n)]))
         del state
         copy_tokenizer(model_dir, tmp / "tokenizer")
@@ -151,8 +139,6 @@ def compile_tp_model(model_dir: str | Path, out_dir: str | Path, build: BuildCon
 def _tp_graph_builder(be_name: str, get_backend) -> tuple[object | None, str]:
     """(per-rank graph backend or None, note for the log and manifest)."""
     if be_name == "neuron":
-        from neuron_infer.compile.neuron_tp import NEURON_TP_NOTE, import_nxd
-
         import_nxd()  # fail before any work when neuronx-distributed is absent
         return None, NEURON_TP_NOTE
     return get_backend(be_name), CPU_TP_NOTE
@@ -163,8 +149,6 @@ def _write_ranks(cfg, build, plan, state, model_dir, tmp: Path, be, say: Progres
     """Every rank's weight file (and, with a per-rank backend, its graphs): (byte records, quant reports, graphs,
     (draft model or None, speculation info) when the build speculates, else None). The draft is built and saved
     once (replicated: every rank runs the whole draft, see docs/speculation.md); its graphs join each rank's."""
-    from neuron_infer.compile.builder import compile_graphs
-
     records, quant, graphs, spec = [], [], {}, None
     for r in range(plan.tp):
         model, q = build_rank_model(cfg, build, plan, r, state, model_dir)
@@ -172,15 +156,11 @@ def _write_ranks(cfg, build, plan, state, model_dir, tmp: Path, be, say: Progres
         records.append(rank_weight_record(model, r, nbytes))
         quant.append(q)
         if r == 0 and build.speculation is not None:
-            from neuron_infer.compile.spec_builder import prepare_speculation
-
             spec = prepare_speculation(model_dir, cfg, build, model, tmp, _replicated)
         if be is not None:
             rank_say = (lambda m, r=r: say(f"rank {r}: {m}"))
             graphs = _merge_graphs(graphs, compile_graphs(model, build, be, tmp / "graphs" / f"rank{r}", rank_say))
             if spec is not None:
-                from neuron_infer.compile.spec_builder import compile_spec_graphs
-
                 meta = compile_spec_graphs(model, spec[0], build, be, tmp / "graphs" / f"rank{r}", rank_say)
                 graphs = _merge_graphs(graphs, meta)
         del model
@@ -194,7 +174,7 @@ def _is_spec_graph(name: str) -> bool:
 def _merge_graphs(graphs: dict, rank_graphs: dict) -> dict:
     """Graph records keyed by name; per-rank files and compile seconds are listed in rank order."""
     for name, meta in rank_graphs.items():
-        shared = ("kind", "tokens", "attend", "batch")
+        shared = ("kind", "model", "tokens", "attend", "batch")
         entry = graphs.setdefault(name, {k: meta[k] for k in shared if k in meta} | {"ranks": []})
         entry["ranks"].append({k: v for k, v in meta.items() if k not in shared})
     return graphs

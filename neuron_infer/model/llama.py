@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from neuron_infer.config import ModelConfig
-from neuron_infer.model.ops import Ops, get_ops
+from neuron_infer.model.op_tables import get_ops
+from neuron_infer.model.ops import Ops
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ exercised in CI through a recording test double of `nki` that runs each launch o
 * the kernel is wrapped once with the SDK's `nki.jit(fn)` and launched as `jitted[lnc](*args)`: the new API's
   only grid is the logical-NeuronCore degree (1 or 2), which must equal neuronx-cc's `--lnc` (error EVRF066)
   and the runtime's `NEURON_LOGICAL_NC_CONFIG`. The neuron backends resolve that degree once per compile
-  (`compile/neuron_platform.py`: the environment, then the build, then the platform default - 2 on trn2/trn3)
+  (`backends/neuron/platform.py`: the environment, then the build, then the platform default - 2 on trn2/trn3)
   and pass the same value to neuronx-cc and to `neuron_target(lnc=...)`. The kernels do not split work by
   `nl.program_id` yet, so at LNC2 both physical cores compute the whole (identical) result: correct, not faster;
 * prefill vs decode is decided from static shapes (T == S: the context-encoding contract, prompt from position 0),
@@ -22,7 +22,7 @@ exercised in CI through a recording test double of `nki` that runs each launch o
 * MX projections keep the module's PyTorch forward on this target (their hardware block layout is packed on the
   host, which a traced graph cannot do); INT8/biased projections fall back to `ops.mlp_ref` as on CPU.
 
-Selection: `compile/neuron.py` and `compile/neuron_tp.py` trace under `neuron_target()`; while it is active the
+Selection: `backends/neuron/graph.py` and `backends/neuron/tp.py` trace under `neuron_target()`; while it is active the
 `kernels="nki"` op table (`nki_ops.attention` / `nki_ops.mlp`) routes here. Without the Neuron SDK the first
 kernel launch raises one sentence saying how to install it.
 """
@@ -35,8 +35,12 @@ from typing import Any
 import torch
 from torch import nn
 
+import nki_kernels
 from neuron_infer.errors import BackendUnavailableError
 from neuron_infer.tiling import TILE, tile_weight
+from nki_kernels.attention_decode.kernel import attention_decode
+from nki_kernels.attention_prefill.kernel import flash_attention_prefill
+from nki_kernels.mlp.kernel import mlp_fp8_kernel, mlp_kernel
 
 NKI_INSTALL_HINT = (
     "kernels='nki' on the neuron target needs the AWS Neuron SDK's nki package (NKI >= 0.6, installed with "
@@ -49,8 +53,6 @@ PARTITIONS = 128
 
 def import_device_nki() -> Any:
     """The genuine Neuron `nki` module, or one clear sentence when only the simulator / a placeholder is present."""
-    import nki_kernels  # resolves `nki`: the real SDK if installed, else the simulator
-
     if nki_kernels.NKI_BACKEND != "neuron":
         raise BackendUnavailableError(NKI_INSTALL_HINT)
     import nki
@@ -88,7 +90,7 @@ def active() -> Launcher | None:
 @contextlib.contextmanager
 def neuron_target(nki_module: Any | None = None, *, lnc: int):
     """While active, the `kernels="nki"` op table launches kernels through `nki_module.jit` (default: the SDK's)
-    with the grid `lnc`, the degree the graph is compiled for (`compile/neuron_platform.py`)."""
+    with the grid `lnc`, the degree the graph is compiled for (`backends/neuron/platform.py`)."""
     token = _ACTIVE.set(Launcher(nki_module, lnc))
     try:
         yield
@@ -107,8 +109,6 @@ def static_head_map(q_to_kv: torch.Tensor) -> tuple[int, ...]:
 
 def attention(launcher: Launcher, q, k, v, q_to_kv, positions):
     """Causal GQA attention [B, Hq, T, D] through the prefill (T == S) or decode kernel."""
-    from nki_kernels.attention_prefill.kernel import flash_attention_prefill
-
     dt = _kernel_dtype(q)
     qk, kk, vk = q.to(dt), k.to(dt), v.to(dt)
     t, s, d = q.shape[2], k.shape[2], q.shape[3]
@@ -123,8 +123,6 @@ def attention(launcher: Launcher, q, k, v, q_to_kv, positions):
 
 
 def _decode(launcher, q, k, v, mapping, positions, scale):
-    from nki_kernels.attention_decode.kernel import attention_decode
-
     group = max(mapping.count(h) for h in set(mapping))
     chunk = max(1, PARTITIONS // group)                               # query tokens per launch: group*chunk <= 128
     kT = k.transpose(2, 3).contiguous()                               # [B, Hkv, D, S]
@@ -169,8 +167,6 @@ def _operands(kind: str, m: nn.Module, dt: torch.dtype) -> tuple[torch.Tensor, .
 
 def mlp(launcher: Launcher, kind: str, x, gate, up, down):
     """down(silu(gate(x)) * up(x)) [B, T, H] through the fused kernel (`kind` from `nki_ops._kernel_kind`)."""
-    from nki_kernels.mlp.kernel import mlp_fp8_kernel, mlp_kernel
-
     mods = (gate, up, down)
     fp8 = kind == "fp8" or (kind == "tiled" and gate.kind == "fp8")
     if fp8:

@@ -3,8 +3,8 @@
 Each op converts torch tensors to the kernel layout, calls the `nki.jit` kernel and converts back. On CPU
 `import nki_kernels` registers the NumPy simulator as `nki`, so a call runs the kernel on the CPU simulator
 (slow: for tiny models and CI); weights are packed on the host (NumPy) and cached per module. While a graph is
-traced for the neuron target (`nki_neuron.neuron_target()`, entered by compile/neuron.py and
-compile/neuron_tp.py) the same ops route to `model/nki_neuron.py`, which launches the kernels through the
+traced for the neuron target (`nki_neuron.neuron_target()`, entered by backends/neuron/graph.py and
+backends/neuron/tp.py) the same ops route to `model/nki_neuron.py`, which launches the kernels through the
 SDK's `nki.jit` with torch tensors of the graph only (not yet run on hardware). RMSNorm stays the PyTorch
 reference (it is fused into the MLP kernel only when called through `rmsnorm_mlp_kernel` directly).
 
@@ -38,7 +38,6 @@ import numpy as np
 import torch
 from torch import nn
 
-import nki_kernels  # noqa: F401  (resolves `import nki` to Neuron or the simulator)
 from neuron_infer.model import nki_neuron
 from neuron_infer.model.ops import Ops, gather_blocks, mlp_ref
 from neuron_infer.quant.fp8 import FP8Linear

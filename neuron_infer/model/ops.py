@@ -14,7 +14,6 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from neuron_infer.errors import ConfigError
 from neuron_infer.shapes import known
 
 
@@ -31,7 +30,7 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
 # over the values, and every query row is reduced in the same order whatever the number of rows, so a verify pass
 # computes what one-token steps compute, bit for bit (docs/cpu-backend.md, "Batch invariance"; a verify pass through
 # SDPA differed in the last bits). The CPU backend replaces the reductions with its attention kernel where it
-# applies (compile/cpu_attention.cpp, same property; `few_rows_attention_kernel`). Prefill keeps SDPA beyond 64 rows:
+# applies (backends/cpu/cpu_attention.cpp, same property; `few_rows_attention_kernel`). Prefill keeps SDPA beyond 64 rows:
 # its flash kernel tiles the T x S work, where the reductions would re-read K/V per query row.
 FEW_QUERY_ROWS = 64
 
@@ -146,25 +145,3 @@ class Ops:
 
     def with_collectives(self, all_reduce: Callable, all_gather_vocab: Callable) -> "Ops":
         return replace(self, all_reduce=all_reduce, all_gather_vocab=all_gather_vocab)
-
-
-def _reference_ops() -> Ops:
-    return Ops(name="reference", gqa_fold=True)
-
-
-def _nki_ops() -> Ops:
-    try:
-        from neuron_infer.model import nki_ops  # noqa: PLC0415 - lazy: pulls in the NKI kernels / simulator
-    except ImportError as e:
-        raise ConfigError(f"kernels='nki' is not available in this build ({e}); use kernels='reference'") from e
-    return nki_ops.build_ops()
-
-
-_REGISTRY: dict[str, Callable[[], Ops]] = {"reference": _reference_ops, "nki": _nki_ops}
-
-
-def get_ops(kernels: str) -> Ops:
-    """Return the op table for `BuildConfig.kernels` ('reference' | 'nki')."""
-    if kernels not in _REGISTRY:
-        raise ConfigError(f"kernels={kernels!r} is unknown; choose one of {sorted(_REGISTRY)}")
-    return _REGISTRY[kernels]()

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
+import psutil
 import torch
 import torch.distributed as dist
 
@@ -147,8 +148,6 @@ def check_cpu_ranks(tp: int, weight_bytes_per_rank: int = 0, cpu_count: int | No
             f"--tp-degree <= {MAX_RANKS_PER_CPU * cpus} (tensor parallelism on CPU shares the same cores)"
         )
     if available_bytes is None:
-        import psutil
-
         available_bytes = psutil.virtual_memory().available
     need = tp * (RANK_PROCESS_OVERHEAD_BYTES + weight_bytes_per_rank)
     if need > available_bytes:
@@ -305,7 +304,7 @@ def _rank_entry(rank: int, tp: int, port: int, worker_fn: Callable[..., Any], ar
         while (request := inbox.get()) is not None:
             out = value(request)
             results.put(("result", rank, _pack(out if rank == 0 else None)))
-    except BaseException as e:  # noqa: BLE001 - everything goes back to the parent, named by rank
+    except BaseException as e:
         results.put(("error", rank, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
     finally:
         if dist.is_initialized():

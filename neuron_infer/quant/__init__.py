@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from neuron_infer.errors import ConfigError
+from neuron_infer.typed import parse_json
 
 if TYPE_CHECKING:  # torch is imported lazily so `neuron_infer.quant.mx_golden` stays NumPy-only
     import torch
@@ -124,8 +125,6 @@ def parse_modules_to_not_convert(value: str | Path | Iterable[str]) -> tuple[str
     text = path.read_text()
     if path.suffix == ".json":
         try:
-            from neuron_infer.typed import parse_json
-
             data = parse_json(text)
         except ValueError as e:
             raise ConfigError(f"{path} is not valid JSON ({e})") from e

@@ -9,7 +9,7 @@ Bound: |dequant - w| <= scale / 2 per element (round to nearest; no clipping bec
 Forward = the scale is applied after the matmul (as on Neuron): y = (x @ q^T) * scale + bias. Chosen from the
 static row count M = prod(x.shape[:-1]) (never from data):
 * inside `base.few_rows_kernels` (the CPU backend's export, where the machine builds its int8 C GEMV
-  kernel, compile/cpu_gemv_int8.cpp), bf16 inputs with M <= max_rows call fn(x [M, in], [q], [scale]) -> [M, out] bf16,
+  kernel, backends/cpu/cpu_gemv_int8.cpp), bf16 inputs with M <= max_rows call fn(x [M, in], [q], [scale]) -> [M, out] bf16,
   which streams the int8 weights once for all rows (decode, batched decode, speculative verification);
 * M <= PACK_MAX_ROWS and in % 32 == 0: `torch._weight_int8pack_mm` (int8 weights streamed straight into the dot,
   bf16 activations, fp32 accumulate) — ~2.5x faster than bf16 F.linear at batch-1 decode. It is a GEMV loop, so it

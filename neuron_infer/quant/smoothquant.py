@@ -13,7 +13,7 @@ Pipeline (Xiao et al., SmoothQuant; our own implementation):
      weight_scale  float32 [out]
    forward: per-token dynamic int8 activations (row scale = max|x_row| / 127, RNE, clamp +-127), exact int32
    accumulation, then y = acc * x_scale * w_scale (+ bias): `w8a8_matmul` (`torch._int_mm`), or, inside the CPU
-   backend's export on 1-8 bf16 rows, the C kernel compile/cpu_gemv_w8a8.cpp (VNNI where the CPU has it), which
+   backend's export on 1-8 bf16 rows, the C kernel backends/cpu/cpu_gemv_w8a8.cpp (VNNI where the CPU has it), which
    computes the same values bit for bit.
 """
 from __future__ import annotations
@@ -24,7 +24,9 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from neuron_infer.config import QuantConfig
 from neuron_infer.errors import ConfigError
+from neuron_infer.quant import apply_quantization
 from neuron_infer.quant.base import QuantizedLinear, check_float_linear, few_rows_kernel, per_channel_absmax
 
 QMAX = 127
@@ -195,9 +197,6 @@ def smooth_model(model: nn.Module, act_absmax: dict[str, torch.Tensor], alpha: f
 def smoothquant(model: nn.Module, run_calibration: Callable[[], object], alpha: float = 0.5,
                 modules_to_not_convert: tuple[str, ...] = (), smooth_down: bool = True):
     """Calibrate, smooth and convert to W8A8 in place; returns the QuantReport."""
-    from neuron_infer.config import QuantConfig
-    from neuron_infer.quant import apply_quantization
-
     absmax = collect_act_absmax(model, run_calibration)
     smooth_model(model, absmax, alpha, smooth_down)
     return apply_quantization(model, QuantConfig(scheme="w8a8", modules_to_not_convert=modules_to_not_convert))

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from neuron_infer.errors import ConfigError
+from neuron_infer.quant.base import QuantizedLinear
 from neuron_infer.quant.fp8 import FP8_DTYPE, FP8Linear, fp8_to_float
 from neuron_infer.quant.int8 import Int8Linear
 from neuron_infer.tiling import TILE, tile_weight, tiled_matmul, tiled_shape, untile_weight
@@ -180,8 +181,6 @@ def _kind_of(mod: nn.Module) -> tuple[str, torch.dtype]:
 
 def _tileable(model: nn.Module) -> tuple[dict[str, nn.Module], list[str]]:
     """(name -> linear to tile, names kept) over the model's linears; rejects modules tiling cannot express."""
-    from neuron_infer.quant.base import QuantizedLinear
-
     head_shared = getattr(getattr(model, "lm_head", None), "weight", None)
     embed = getattr(getattr(getattr(model, "model", None), "embed_tokens", None), "weight", None)
     tile, kept = {}, []

@@ -1,13 +1,13 @@
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import torch
 
+from neuron_infer.artifact.plan import batch_graph_name, graph_name, max_table_blocks
 from neuron_infer.config import BuildConfig
 from neuron_infer.errors import NeuronInferError
+from neuron_infer.model.kv_cache import CacheShape
 from neuron_infer.runtime.blocks import BlockPool
 from neuron_infer.runtime.buckets import pick_bucket
 
@@ -21,132 +21,6 @@ def take_rows(t: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
     if rows and rows == list(range(rows[0], rows[0] + len(rows))):
         return t[rows[0]: rows[0] + len(rows)]
     return t[rows]
-
-
-def graph_name(kind: str, tokens: int, attend: int) -> str:
-    """Canonical graph name, e.g. 'context_t128_s128', 'tokengen_t1_s512'."""
-    return f"{kind}_t{tokens}_s{attend}"
-
-
-@dataclass(frozen=True)
-class GraphSpec:
-    kind: str  # "context" | "tokengen" | "verify" (speculation: logits at every token)
-    tokens: int  # T
-    attend: int  # S (positions visible)
-    batch: int
-    batch_bucket: bool = False  # a tokengen graph over b < batch_size sequences
-
-    @property
-    def name(self) -> str:
-        if self.batch_bucket:
-            return batch_graph_name(self.batch, self.attend)
-        return graph_name(self.kind, self.tokens, self.attend)
-
-
-def batch_graph_name(batch: int, attend: int) -> str:
-    """A token-generation graph over `batch` sequences, e.g. 'tokengen_b2_t1_s512'."""
-    return f"tokengen_b{batch}_t1_s{attend}"
-
-
-def context_attends(build: BuildConfig, tokens: int) -> tuple[int, ...]:
-    """Attend lengths of the context graphs of `tokens`: its own bucket, and the largest context bucket (a prompt
-    whose first blocks are cached encodes only its rest, at positions p0.., attending to the cached blocks)."""
-    top = build.max_context_length
-    return (tokens,) if tokens == top else (tokens, top)
-
-
-def planned_graphs(build: BuildConfig) -> list[GraphSpec]:
-    """Every graph a build compiles."""
-    out = [GraphSpec("context", t, s, 1) for t in build.context_bucket_list for s in context_attends(build, t)]
-    out += [GraphSpec("tokengen", 1, s, build.batch_size) for s in build.tokengen_bucket_list]
-    out += [GraphSpec("tokengen", 1, s, b, True)
-            for b in build.tokengen_batch_list if b < build.batch_size for s in build.tokengen_bucket_list]
-    return out
-
-
-TOKENS, BATCH = "tokens", "batch"  # dynamic-dim names
-IDS, POSITIONS, LOGIT_INDEX, TABLE = 0, 1, 4, 5  # step arguments (compile/builder.py example_args)
-FEW_ROWS = 8  # rows up to which the CPU backend's GEMV kernels serve a linear (compile/cpu_gemv.py MAX_ROWS)
-
-
-@dataclass(frozen=True)
-class ShapeClass:
-    """One compiled graph that serves every planned graph of a class (CPU): `example` gives its example inputs and
-    `dynamic` the dims left dynamic, {argument index: {dim: (name, min, max)}}. Prefill: one graph for any prompt
-    length (tokens 2..max_context_length) and any attended length; decode and verify: one graph per batch range
-    (1; 2..8; 9..batch_size, see _batch_range) for any attended length. Attended lengths are table widths of
-    2..max_length/bs blocks (a shorter table is padded with the scratch block: its positions are masked)."""
-
-    name: str
-    example: GraphSpec
-    dynamic: dict
-
-    @property
-    def dims(self) -> set[str]:
-        return {name for per_arg in self.dynamic.values() for name, _, _ in per_arg.values()}
-
-
-def max_table_blocks(build: BuildConfig) -> int:
-    """The widest block table a shape-class graph takes (at least 2: size 1 would be specialized at export)."""
-    return max(2, build.max_length // build.block_size)
-
-
-def shape_class(spec: GraphSpec, build: BuildConfig) -> ShapeClass:
-    """The shape class that serves `spec` on a backend with dynamic shapes."""
-    bs, wmax = build.block_size, max_table_blocks(build)
-    dynamic: dict = {TABLE: {1: ("blocks", 2, wmax)}} if wmax > 2 else {}
-    w_example = min(3, wmax)
-    if spec.kind == "context" and not spec.batch_bucket:
-        tmax = build.max_context_length
-        if tmax > 2:
-            dynamic.update({IDS: {1: (TOKENS, 2, tmax)}, POSITIONS: {1: (TOKENS, 2, tmax)}})
-        return ShapeClass("prefill", GraphSpec("context", min(tmax, 5), w_example * bs, spec.batch), dynamic)
-    lo, hi = _batch_range(spec.batch, build.batch_size)
-    if hi > lo:  # ids, positions, logit_index, table: [B, ...]
-        for arg in (IDS, POSITIONS, LOGIT_INDEX, TABLE):
-            dynamic.setdefault(arg, {})[0] = (BATCH, lo, hi)
-    example = GraphSpec(spec.kind, spec.tokens, w_example * bs, min(lo + 1, hi))
-    kind = "decode" if spec.kind == "tokengen" else spec.kind  # "verify": logits at every one of its T tokens
-    name = f"{kind}_b{lo}_t{spec.tokens}" if hi == lo else f"{kind}_b{lo}-{hi}_t{spec.tokens}"
-    return ShapeClass(name, example, dynamic)
-
-
-def _batch_range(batch: int, batch_size: int) -> tuple[int, int]:
-    """The batch sizes one decode graph serves: 1 alone (size 1 is specialised at export), 2..8 (rows the GEMV and
-    attention kernels take) and 9..batch_size (the GEMM)."""
-    if batch == 1:
-        return 1, 1
-    if batch <= FEW_ROWS:
-        return 2, min(batch_size, FEW_ROWS)
-    return FEW_ROWS + 1, batch_size
-
-
-@dataclass(frozen=True)
-class CacheShape:
-    layers: int
-    blocks: int  # N, block 0 included
-    kv_heads: int  # local to this rank
-    block_size: int
-    head_dim: int
-    dtype: torch.dtype
-
-    @property
-    def dims(self) -> tuple[int, ...]:
-        return (self.layers, self.blocks, self.kv_heads, self.block_size, self.head_dim)  # [L, N, Hkv, bs, D]
-
-    def allocate(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return torch.zeros(self.dims, dtype=self.dtype), torch.zeros(self.dims, dtype=self.dtype)
-
-    def block_bytes(self) -> int:
-        """Bytes of one block, K and V."""
-        elems = 2 * self.layers * self.kv_heads * self.block_size * self.head_dim
-        return elems * torch.empty((), dtype=self.dtype).element_size()
-
-    def nbytes(self) -> int:
-        return self.blocks * self.block_bytes()
-
-    def with_blocks(self, blocks: int) -> CacheShape:
-        return dataclasses.replace(self, blocks=blocks)
 
 
 def budget_blocks(cache: CacheShape, gib: float) -> int:

@@ -16,11 +16,11 @@ import torch
 
 from neuron_infer.config import SamplingConfig
 from neuron_infer.errors import NeuronInferError
+from neuron_infer.model.sampling import check_vocab, make_generator
 from neuron_infer.runtime.engine import Engine
 from neuron_infer.runtime.metrics import Metrics
 from neuron_infer.runtime.options import RunOptions
 from neuron_infer.runtime.runner import Agree, Runner
-from neuron_infer.runtime.sampling import check_vocab, make_generator
 from neuron_infer.runtime.sequence import Sequence, StopRule, check_prompt
 from neuron_infer.runtime.spec_engine import SpecEngine
 
@@ -57,7 +57,7 @@ def generate_ids(
     engine: Engine | SpecEngine,
     prompts: list[list[int]],
     max_new_tokens: int,
-    sampling: SamplingConfig = SamplingConfig(),  # noqa: B008 (frozen, never mutated)
+    sampling: SamplingConfig = SamplingConfig(),
     eos_ids: tuple[int, ...] = (),
     ignore_eos: bool = False,
     on_tokens: OnTokens | None = None,
@@ -65,7 +65,7 @@ def generate_ids(
     on_logits: Callable[[torch.Tensor], None] | None = None,
     stop: StopRule | None = None,
     logprobs: int | None = None,
-    options: RunOptions = RunOptions(),  # noqa: B008 (frozen)
+    options: RunOptions = RunOptions(),
     prompt_logprobs: int | None = None,
     grammar: Callable[[], object] | None = None,
 ) -> tuple[list[SequenceResult], Metrics]:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from neuron_infer.errors import ConfigError, NeuronInferError
-from neuron_infer.runtime.sampling import unpack_bitmask
+from neuron_infer.model.sampling import unpack_bitmask
 
 
 @dataclass(frozen=True)

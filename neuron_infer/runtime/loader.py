@@ -14,15 +14,24 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from neuron_infer.compile.artifact import Manifest, read_manifest
+from neuron_infer.artifact.manifest import Manifest, check_checkpoint, read_manifest
+from neuron_infer.artifact.plan import cache_shape
+from neuron_infer.artifact.steps import speculation_modules, step_modules
+from neuron_infer.artifact.weights import DRAFT_WEIGHTS, empty_model, load_draft_weights, rank_model
+from neuron_infer.backends import get_backend
+from neuron_infer.backends.neuron import tp_graphs as neuron_tp
+from neuron_infer.backends.neuron.tp import rank_cache
+from neuron_infer.backends.neuron.tp_spec import DeviceSpecLayout, device_spec_graphs, draft_cache
 from neuron_infer.config import BuildConfig, ModelConfig, QuantConfig
 from neuron_infer.errors import ArtifactError
-from neuron_infer.model.llama import BucketStep, LlamaModel
+from neuron_infer.model.llama import LlamaModel
+from neuron_infer.model.spec_step import SpecCacheLayout
 from neuron_infer.parallel.plan import ShardPlan
-from neuron_infer.runtime.engine import Engine, budget_blocks, planned_graphs
+from neuron_infer.parallel.rank import rank_layout, tp_ops
+from neuron_infer.quant import apply_quantization
+from neuron_infer.runtime.engine import Engine, budget_blocks
 from neuron_infer.runtime.ngram_spec import NgramSpec
 from neuron_infer.runtime.spec_engine import SpecEngine
-from neuron_infer.runtime.spec_step import SpecCacheLayout
 
 
 def manifest_plan(manifest: Manifest, where: Path) -> ShardPlan:
@@ -43,36 +52,28 @@ def load_rank(artifact: str | Path, rank: int = 0, manifest: Manifest | None = N
     """Rank `rank`'s Engine (weights, graphs, cache; `.spec` when a draft model is compiled in). `manifest`: the
     caller's already verified manifest (read here, without re-hashing the files, when None). kv_cache_gib: this
     rank's KV-cache budget (None: the build's batch_size sequences of max_length)."""
-    from neuron_infer.compile.builder import cache_shape
-    from neuron_infer.compile.quantize_step import quant_structure
-    from neuron_infer.compile.tp import rank_layout, tp_ops
-    from neuron_infer.compile.weights import empty_model, load_rank_weights
-
     root = Path(artifact)
     manifest = manifest or read_manifest(root, verify_files=False)
     build, tp = manifest.build, manifest.build.tp_degree
     if not 0 <= rank < tp:
         raise ArtifactError(f"{root}: rank {rank} does not exist in an artifact of tp_degree={tp}")
-    if tp == 1:
-        model, graphs_dir = empty_model(manifest.model, build), root / "graphs"
-    else:
-        plan = manifest_plan(manifest, root)
-        if manifest.backend == "neuron":  # NxD runs the ranks on NeuronCores from this one process
-            from neuron_infer.compile.neuron_tp import load_neuron_tp_engine
-
-            return load_neuron_tp_engine(root, manifest, plan, spec_mode)
-        model = empty_model(manifest.model, build, rank_layout(plan.ranks[rank]), tp_ops(build.kernels))
-        graphs_dir = root / "graphs" / f"rank{rank}"
-    quant_structure(model, build)
-    load_rank_weights(model, root / "weights" / f"rank{rank}.safetensors")
-    modules = {s.name: BucketStep(model, s.attend) for s in planned_graphs(build)}
-    cache = cache_shape(model, build)
     if kv_cache_gib is not None and manifest.backend == "neuron":
         raise ArtifactError(f"{root}: Neuron graphs hold the KV cache of the compiled batch_size x max_length; "
                             "--kv-cache-gib applies to CPU artifacts")
+    weights = root / "weights" / f"rank{rank}.safetensors"
+    if tp == 1:
+        model, graphs_dir = rank_model(manifest.model, build, weights), root / "graphs"
+    else:
+        plan = manifest_plan(manifest, root)
+        if manifest.backend == "neuron":  # NxD runs the ranks on NeuronCores from this one process
+            return _load_neuron_tp(root, manifest, plan, spec_mode)
+        model = rank_model(manifest.model, build, weights, rank_layout(plan.ranks[rank]), tp_ops(build.kernels))
+        graphs_dir = root / "graphs" / f"rank{rank}"
+    modules = step_modules(model, build)
+    cache = cache_shape(model, build)
     if kv_cache_gib is not None:
         cache = cache.with_blocks(budget_blocks(cache, kv_cache_gib))
-    files = {name: manifest.graphs.get(name, {}).get("graph", name) for name in modules}  # shape classes: shared
+    files = _graph_files(manifest, modules)
     engine = Engine(_load_graphs(manifest.backend, graphs_dir, modules, files), build, cache,
                     manifest.model.vocab_size, shape_classes=any(f != n for n, f in files.items()))
     if build.speculation is not None:
@@ -80,11 +81,13 @@ def load_rank(artifact: str | Path, rank: int = 0, manifest: Manifest | None = N
     return engine
 
 
-def _load_graphs(backend: str, graphs_dir: Path, modules: dict, files: dict[str, str] | None = None) -> dict:
-    """Every graph by name; `files`: the compiled graph serving each name (a shape class serves several), each
-    loaded once."""
-    from neuron_infer.compile.backend import get_backend
+def _graph_files(manifest: Manifest, modules: dict) -> dict[str, str]:
+    """The compiled graph serving each name (a shape-class graph serves several)."""
+    return {name: manifest.graphs.get(name, {}).get("graph", name) for name in modules}
 
+
+def _load_graphs(backend: str, graphs_dir: Path, modules: dict, files: dict[str, str] | None = None) -> dict:
+    """Every graph by name; `files`: the compiled graph serving each name, each loaded once."""
     be, files, loaded = get_backend(backend), files or {}, {}
     for name, module in modules.items():
         file = files.get(name, name)
@@ -93,44 +96,42 @@ def _load_graphs(backend: str, graphs_dir: Path, modules: dict, files: dict[str,
     return {name: loaded[files.get(name, name)] for name in modules}
 
 
+def _spec_mode(build: BuildConfig, mode: str | None) -> str:
+    return mode or ("fused" if build.speculation.fused else "unfused")
+
+
+def _check_ngram_mode(root: Path, mode: str | None) -> None:
+    if mode == "fused":
+        raise ArtifactError(f"{root}: prompt-lookup speculation (--draft-model ngram) runs the host loop only")
+
+
 # ---- speculation: the draft model and the extra graphs ---------------------------------------------------------
 def load_speculation(root: Path, manifest: Manifest, target: LlamaModel, target_engine: Engine,
                      mode: str | None = None, graphs_dir: Path | None = None) -> SpecEngine | NgramSpec:
     """The SpecEngine of an artifact (mode: 'fused' if compiled with --fused-speculation, else 'unfused'), or the
     NgramSpec of a prompt-lookup artifact (`--draft-model ngram`; mode 'ngram', the host loop). `target`: this
     rank's target model; `graphs_dir`: this rank's graphs (root/graphs at tp = 1)."""
-    from neuron_infer.compile.spec_builder import DRAFT_WEIGHTS, load_draft_weights, planned_spec_graphs
-    from neuron_infer.compile.weights import empty_model
-
     build, info = manifest.build, manifest.extra.get("speculation")
     if info is None:
         raise ArtifactError(f"{root}: manifest extra.speculation is missing; recompile with --draft-model")
+    graphs_dir = graphs_dir or Path(root) / "graphs"
     if build.speculation.is_ngram:  # prompt lookup: the target's verify graphs only
-        from neuron_infer.compile.spec_builder import planned_verify_graphs
-
-        modules = {name: module for name, (module, _) in planned_verify_graphs(target, build).items()}
-        files = {name: manifest.graphs.get(name, {}).get("graph", name) for name in modules}  # shape classes
-        graphs = _load_graphs(manifest.backend, graphs_dir or Path(root) / "graphs", modules, files)
-        if mode == "fused":
-            raise ArtifactError(f"{root}: prompt-lookup speculation (--draft-model ngram) runs the host loop only")
+        modules = {name: module for name, (module, _) in speculation_modules(target, None, build).items()}
+        graphs = _load_graphs(manifest.backend, graphs_dir, modules, _graph_files(manifest, modules))
+        _check_ngram_mode(root, mode)
         return NgramSpec(target_engine, graphs, build.speculation.length, build.speculation.ngram)
     draft = empty_model(ModelConfig.from_dict(info["config"]), build)  # whole on every rank: no collectives
     if info["quant"]["scheme"] != "none":
-        from neuron_infer.quant import apply_quantization
-
         apply_quantization(draft, QuantConfig(scheme=info["quant"]["scheme"]), structure_only=True)
     load_draft_weights(draft, target, Path(root) / DRAFT_WEIGHTS, info["shared"])
-    modules = {name: module for name, (module, _) in planned_spec_graphs(target, draft, build).items()}
-    graphs = _load_graphs(manifest.backend, graphs_dir or Path(root) / "graphs", modules)
-    return assemble_spec(target_engine, draft, graphs, build, mode or ("fused" if build.speculation.fused
-                                                                         else "unfused"))
+    modules = {name: module for name, (module, _) in speculation_modules(target, draft, build).items()}
+    graphs = _load_graphs(manifest.backend, graphs_dir, modules)
+    return assemble_spec(target_engine, draft, graphs, build, _spec_mode(build, mode))
 
 
 def assemble_spec(target_engine: Engine, draft: LlamaModel, graphs: dict, build: BuildConfig,
                   mode: str) -> SpecEngine:
     """SpecEngine from loaded graphs (draft_* graphs go to the draft engine under their core names)."""
-    from neuron_infer.compile.builder import cache_shape
-
     dgraphs = {n[len("draft_"):]: g for n, g in graphs.items() if n.startswith("draft_")}
     sgraphs = {n: g for n, g in graphs.items() if not n.startswith("draft_")}
     dshape = cache_shape(draft, build, target_engine.cache_shape.blocks)
@@ -139,24 +140,47 @@ def assemble_spec(target_engine: Engine, draft: LlamaModel, graphs: dict, build:
     return SpecEngine(target_engine, draft_engine, sgraphs, layout, build.speculation.length, mode)
 
 
+def _load_neuron_tp(root: Path, manifest: Manifest, plan: ShardPlan, spec_mode: str | None) -> Engine:
+    """An in-process Engine whose graphs run every rank on its NeuronCore (NxD drives the ranks); `.spec` as for
+    any artifact when the build speculates. NOT YET RUN ON HARDWARE."""
+    build = manifest.build
+    traced = neuron_tp.load_tp_model(root, manifest, plan)
+    engine = Engine(neuron_tp.core_graphs(traced, build), build, rank_cache(manifest.model, build, plan),
+                    manifest.model.vocab_size)
+    if build.speculation is None:
+        return engine
+    if build.speculation.is_ngram:
+        _check_ngram_mode(root, spec_mode)
+        engine.spec = NgramSpec(engine, neuron_tp.verify_graphs(traced, build), build.speculation.length,
+                                build.speculation.ngram)
+        return engine
+    dcfg = ModelConfig.from_dict(manifest.extra["speculation"]["config"])
+    dgraphs, sgraphs = device_spec_graphs(traced, build, neuron_tp.device_step)
+    draft = Engine(dgraphs, build, draft_cache(dcfg, build, plan.tp), dcfg.vocab_size)
+    layout = DeviceSpecLayout(engine.cache_shape, draft.cache_shape)
+    engine.spec = SpecEngine(engine, draft, sgraphs, layout, build.speculation.length, _spec_mode(build, spec_mode))
+    return engine
+
+
 def eager_spec_engine(target: LlamaModel, draft: LlamaModel, build: BuildConfig, mode: str = "unfused"
                       ) -> SpecEngine:
     """A SpecEngine whose graphs are the modules themselves (no backend): for tests and debugging."""
-    from neuron_infer.compile.builder import cache_shape
-    from neuron_infer.compile.spec_builder import planned_spec_graphs
-
-    core = {s.name: BucketStep(target, s.attend) for s in planned_graphs(build)}
-    engine = Engine(core, build, cache_shape(target, build), target.cfg.vocab_size)
-    graphs = {n: m for n, (m, _) in planned_spec_graphs(target, draft, build).items()}
+    engine = Engine(step_modules(target, build), build, cache_shape(target, build), target.cfg.vocab_size)
+    graphs = {n: m for n, (m, _) in speculation_modules(target, draft, build).items()}
     return assemble_spec(engine, draft, graphs, build, mode)
+
+
+def eager_ngram_spec(target: LlamaModel, build: BuildConfig) -> NgramSpec:
+    """A prompt-lookup NgramSpec whose graphs are the modules themselves (no backend): for tests and debugging."""
+    engine = Engine(step_modules(target, build), build, cache_shape(target, build), target.cfg.vocab_size)
+    graphs = {n: m for n, (m, _) in speculation_modules(target, None, build).items()}
+    return NgramSpec(engine, graphs, build.speculation.length, build.speculation.ngram)
 
 
 def load_serving_rank(root: Path, rank: int, world_size: int, expect_checkpoint: Path | None = None,
                       kv_cache_gib: float | None = None) -> tuple[Manifest, Engine]:
     """Rank `rank`'s manifest and engine, for a long-lived process that already joined a group of `world_size`
     ranks (one vLLM worker per rank; the model's collectives run on torch.distributed's default group)."""
-    from neuron_infer.compile.artifact import check_checkpoint
-
     manifest = read_manifest(root, verify_files=True)
     if expect_checkpoint is not None:
         check_checkpoint(manifest, root, expect_checkpoint)
@@ -169,14 +193,3 @@ def load_serving_rank(root: Path, rank: int, world_size: int, expect_checkpoint:
                             "supported (neuronx-distributed drives every NeuronCore of the group from one process); "
                             "load it with CompiledModel.load instead")
     return manifest, load_rank(root, rank, manifest, kv_cache_gib=kv_cache_gib)
-
-
-def eager_ngram_spec(target: LlamaModel, build: BuildConfig) -> NgramSpec:
-    """A prompt-lookup NgramSpec whose graphs are the modules themselves (no backend): for tests and debugging."""
-    from neuron_infer.compile.builder import cache_shape
-    from neuron_infer.compile.spec_builder import planned_verify_graphs
-
-    core = {s.name: BucketStep(target, s.attend) for s in planned_graphs(build)}
-    engine = Engine(core, build, cache_shape(target, build), target.cfg.vocab_size)
-    graphs = {n: m for n, (m, _) in planned_verify_graphs(target, build).items()}
-    return NgramSpec(engine, graphs, build.speculation.length, build.speculation.ngram)

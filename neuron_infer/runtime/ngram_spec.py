@@ -7,7 +7,7 @@ Per step (host loop; there is no fused graph: the drafts come from the host, see
                  point mass q = one_hot(d_i): accept d_i with probability p_i(d_i), else sample from
                  normalize(max(p_i - q_i, 0)) = p_i without d_i, renormalized; the bonus token from p_k.
 Filler tokens past a row's k (and the other rows' slots) write cache slots that no accepted position attends to:
-the next step writes its own position before attending, as in the draft-model host loop (runtime/spec_step.py).
+the next step writes its own position before attending, as in the draft-model host loop (model/spec_step.py).
 
 The cost ratio (one verify step / one plain step) is measured from the steps this engine runs (an EWMA of each
 step's wall time, the first of each kind skipped as warm-up: `runtime/step_clock.py`) and feeds `plan_step`. While
@@ -25,13 +25,14 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
+from neuron_infer.artifact.plan import graph_name
 from neuron_infer.config import SamplingConfig
 from neuron_infer.errors import NeuronInferError
+from neuron_infer.model.sampling import host_argmax, processed_probs
+from neuron_infer.model.verify import greedy_accept, speculative_verify
 from neuron_infer.runtime.buckets import pick_bucket
-from neuron_infer.runtime.engine import Engine, graph_name
+from neuron_infer.runtime.engine import Engine
 from neuron_infer.runtime.ngram import RowView, SeqState, plan_step, propose
-from neuron_infer.runtime.sampling import host_argmax, processed_probs
-from neuron_infer.runtime.speculation import greedy_accept, speculative_verify
 from neuron_infer.runtime.step_clock import StepClock
 
 PRIOR_COST_RATIO = 1.3  # verify / plain step time assumed until both are measured

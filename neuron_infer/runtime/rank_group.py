@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from neuron_infer.compile.artifact import Manifest, read_manifest
+from neuron_infer.artifact.manifest import Manifest, read_manifest
 from neuron_infer.config import SamplingConfig
 from neuron_infer.parallel.launch import (
     RankProcesses,

@@ -56,23 +56,24 @@ from collections.abc import Callable
 
 import torch
 
+from neuron_infer.artifact.plan import graph_name
 from neuron_infer.config import SamplingConfig
 from neuron_infer.errors import NeuronInferError
-from neuron_infer.runtime.engine import Engine, graph_name, take_rows
-from neuron_infer.runtime.metrics import Metrics
-from neuron_infer.runtime.ngram_spec import NgramSpec, accept, accept_uniforms
-from neuron_infer.runtime.options import RunOptions
-from neuron_infer.runtime.sampling import (
+from neuron_infer.model.sampling import (
     draw_uniforms,
     logit_adjustment,
     sample_rows,
     token_history,
     token_logprobs,
 )
+from neuron_infer.model.spec_step import uniforms_width
+from neuron_infer.runtime.engine import Engine, take_rows
+from neuron_infer.runtime.metrics import Metrics
+from neuron_infer.runtime.ngram_spec import NgramSpec, accept, accept_uniforms
+from neuron_infer.runtime.options import RunOptions
 from neuron_infer.runtime.scheduler import Scheduler
 from neuron_infer.runtime.sequence import Sequence
 from neuron_infer.runtime.spec_engine import SpecEngine
-from neuron_infer.runtime.spec_step import uniforms_width
 
 Agree = Callable[[torch.Tensor], torch.Tensor]  # a tensor drawn here -> rank 0's (same shape) on every rank
 
@@ -82,7 +83,7 @@ class Runner:
 
     def __init__(self, engine: Engine | SpecEngine, agree: Agree | None = None,
                  on_logits: Callable[[torch.Tensor], None] | None = None, keep_step_counts: bool = False,
-                 options: RunOptions = RunOptions()):  # noqa: B008 (frozen)
+                 options: RunOptions = RunOptions()):
         """engine: an Engine (speculating when it carries a draft, `engine.spec`) or a SpecEngine. options: prefix
         caching, chunked prefill and the speculation gate (with a draft model, speculate only while speculative steps
         are measured to pay, `SpecGate`, kept on the SpecEngine; off, every step that can speculate does: fixed-k

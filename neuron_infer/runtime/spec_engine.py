@@ -30,17 +30,17 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from neuron_infer.artifact.plan import CATCH_UP_TOKENS, fused_graph_name, graph_name
 from neuron_infer.config import SamplingConfig
 from neuron_infer.errors import NeuronInferError
+from neuron_infer.model.sampling import params_tensor
+from neuron_infer.model.spec_step import SpecCacheLayout, speculate, uniforms_width, unpack
 from neuron_infer.runtime.buckets import pick_bucket
-from neuron_infer.runtime.engine import Engine, graph_name
-from neuron_infer.runtime.sampling import params_tensor
+from neuron_infer.runtime.engine import Engine
 from neuron_infer.runtime.spec_gate import SpecGate
-from neuron_infer.runtime.spec_step import SpecCacheLayout, speculate, uniforms_width, unpack
 
 MODES = ("fused", "unfused")
 PREFILL_LAG = 16  # a lag of more tokens is re-encoded by the draft's context graph rather than catch-up passes
-CATCH_UP_TOKENS = 8  # positions per catch-up pass (draft_tokengen_t8_s{S}: the GEMV kernels' row limit)
 
 
 def _agree(drafted: list[int], seq: Sequence[int]) -> int:
@@ -49,10 +49,6 @@ def _agree(drafted: list[int], seq: Sequence[int]) -> int:
     if list(seq[:n]) == drafted[:n]:
         return n
     return next(i for i in range(n) if drafted[i] != seq[i])
-
-
-def fused_graph_name(k: int, attend: int, sample: bool) -> str:
-    return f"fused_{'sample' if sample else 'greedy'}_k{k}_s{attend}"
 
 
 class SpecEngine:

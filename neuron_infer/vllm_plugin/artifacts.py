@@ -21,8 +21,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from neuron_infer.artifact.manifest import MANIFEST, package_versions, read_manifest
 from neuron_infer.config import BuildConfig
 from neuron_infer.errors import ConfigError
+from neuron_infer.output_dir import one_at_a_time
 from neuron_infer.runtime.options import RunOptions
 
 KEYS = ("neuron_infer_artifacts", "neuron_infer_build", "neuron_infer_backend", "neuron_infer_cache_dir",
@@ -152,8 +154,6 @@ def resolve_model_dir(model: str) -> Path:
 def ensure_artifact(args: EngineArgs, options: Mapping[str, Any], say=print) -> Path:
     """The artifact directory for this engine: the explicit one, or the cached compile (compiling on a miss)."""
     from neuron_infer.checkpoint import checkpoint_fingerprint
-    from neuron_infer.compile.artifact import MANIFEST, package_versions, read_manifest
-    from neuron_infer.output_dir import one_at_a_time
 
     if options.get("neuron_infer_artifacts"):
         root = Path(options["neuron_infer_artifacts"])

@@ -26,6 +26,7 @@ import vllm
 from vllm.exceptions import VLLMValidationError
 from vllm.platforms.cpu import CpuPlatform
 
+from neuron_infer.artifact.manifest import read_manifest
 from neuron_infer.vllm_plugin import check_vllm_version
 from neuron_infer.vllm_plugin.artifacts import (
     EngineArgs,
@@ -89,8 +90,6 @@ class NeuronInferPlatform(CpuPlatform):
         if prefix_caching(options) is not None:
             vllm_config.cache_config.enable_prefix_caching = prefix_caching(options)
         if options.get("neuron_infer_artifacts"):
-            from neuron_infer.compile.artifact import read_manifest
-
             root = options["neuron_infer_artifacts"]
             manifest = read_manifest(root, verify_files=False)
             build, backend = manifest.build, manifest.backend

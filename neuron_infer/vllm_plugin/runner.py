@@ -25,10 +25,11 @@ import torch
 
 from neuron_infer.config import SamplingConfig
 from neuron_infer.errors import NeuronInferError
-from neuron_infer.runtime.engine import CacheShape, Engine
+from neuron_infer.model.kv_cache import CacheShape
+from neuron_infer.model.sampling import make_generator
+from neuron_infer.runtime.engine import Engine
 from neuron_infer.runtime.options import RunOptions
 from neuron_infer.runtime.runner import Agree, Runner
-from neuron_infer.runtime.sampling import make_generator
 from neuron_infer.runtime.sequence import Sequence, StopRule, check_prompt
 from neuron_infer.runtime.spec_engine import SpecEngine
 
@@ -40,7 +41,7 @@ class SlotRunner:
     step."""
 
     def __init__(self, engine: Engine, spec: SpecEngine | None = None, agree: Agree | None = None,
-                 options: RunOptions = RunOptions()):  # noqa: B008 (frozen)
+                 options: RunOptions = RunOptions()):
         options = dataclasses.replace(options, prefix_caching=False)  # vLLM's block manager caches prefixes
         self.runner = Runner(spec if spec is not None else engine, agree, options=options)
         self.runner.scheduler.caller_blocks = True  # vLLM allocates every block

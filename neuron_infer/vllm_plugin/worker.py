@@ -44,7 +44,11 @@ from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, LogprobsLists, LogprobsTe
 from vllm.v1.worker.gpu_worker import init_worker_distributed_environment
 from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 
-from neuron_infer.runtime.sampling import unpack_bitmask
+from neuron_infer.api import CompiledModel
+from neuron_infer.config import SamplingConfig
+from neuron_infer.model.sampling import unpack_bitmask
+from neuron_infer.parallel.launch import broadcast_from_rank0, rank_threads
+from neuron_infer.runtime.loader import load_serving_rank
 from neuron_infer.vllm_plugin.artifacts import (
     ensure_artifact,
     kv_cache_gib,
@@ -97,8 +101,6 @@ class NeuronInferWorker(WorkerBase):
     def _init_group(self) -> None:
         """vLLM's distributed init (its executor builds message queues on these groups), even at world size 1."""
         if self.tp > 1 and not self.group_in_process:  # one process per rank: the ranks share this host's cores
-            from neuron_infer.parallel.launch import rank_threads
-
             torch.set_num_threads(rank_threads(self.tp))
         # vLLM's CPU communicator names its shared-memory group after this (set by its own CPUWorker, read by
         # every tp/pp group it builds): the rendezvous port, identical on all ranks of this engine.
@@ -113,8 +115,6 @@ class NeuronInferWorker(WorkerBase):
                                                 self.local_rank, "gloo")
 
     def load_model(self, *, load_dummy_weights: bool = False) -> None:
-        from neuron_infer.api import CompiledModel
-
         if load_dummy_weights:
             raise ValueError("the neuron-infer plugin loads weights from its artifact; drop --load-format dummy")
         options = plugin_options(self.vllm_config.additional_config)
@@ -130,9 +130,6 @@ class NeuronInferWorker(WorkerBase):
             manifest, engine, spec = self.compiled.manifest, self.compiled.engine, self.compiled.spec
             self.runner = SlotRunner(engine, spec, options=run)
         else:  # this rank's shard (the group was initialised in init_device)
-            from neuron_infer.parallel.launch import broadcast_from_rank0
-            from neuron_infer.runtime.loader import load_serving_rank
-
             manifest, engine = load_serving_rank(Path(root), self.rank, self.tp, expect_checkpoint=expect,
                                                  kv_cache_gib=gib)
             self.runner = SlotRunner(engine, agree=broadcast_from_rank0, options=run)
@@ -176,8 +173,6 @@ class NeuronInferWorker(WorkerBase):
 
     def compile_or_warm_up_model(self) -> CompilationTimes:
         t0 = time.perf_counter()
-        from neuron_infer.config import SamplingConfig
-
         self.runner.admit("__warmup__", [0], SamplingConfig(), blocks=[])  # no blocks: writes the scratch block
         self.runner.decode(["__warmup__"])
         self.runner.release("__warmup__")

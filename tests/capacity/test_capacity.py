@@ -6,10 +6,10 @@ import json
 import pytest
 import torch
 
-from neuron_infer.errors import ConfigError
 from neuron_infer.capacity.planner import plan_capacity, render_capacity_text
-from neuron_infer.parallel.plan import ShardPlan
 from neuron_infer.capacity.presets import INSTANCES, MODEL_PRESETS, resolve_model
+from neuron_infer.errors import ConfigError
+from neuron_infer.parallel.plan import ShardPlan
 from neuron_infer.parallel.shard import rank_param_counts, rank_weight_bytes, shard_state_dict
 from tests.parallel.test_plan import make_cfg
 from tests.parallel.test_shard import random_state_dict
@@ -166,8 +166,8 @@ def test_tp_candidates_are_powers_of_two_and_the_core_count():
 
 
 def test_no_fitting_degree_is_a_clear_error_and_the_cli_picks_without_tp(capsys):
-    from neuron_infer.cli import main
     from neuron_infer.capacity.planner import smallest_fitting_plan
+    from neuron_infer.cli import main
 
     with pytest.raises(ConfigError, match=r"does not fit on trn1.2xlarge at any TP degree \[1, 2\].*--quant"):
         smallest_fitting_plan(MODEL_PRESETS["llama-3.1-405b"], "trn1.2xlarge", "none", 4096, 1)

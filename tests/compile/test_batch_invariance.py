@@ -11,7 +11,7 @@ each token, exactly the logits a one-token step computes there: in bf16 a differ
   head dim 32, so attention runs the attention kernel)
   in bf16 at every ISA level and with int8 and w8a8 weights at the best one, and for the first 5 layers of the
   embedded SmolLM2-135M-Instruct in bf16: its real activations showed a residual sum that one graph rounded to bf16
-  before an RMSNorm read it and the other did not (Inductor fused them differently; compile/cpu.py makes it round every
+  before an RMSNorm read it and the other did not (Inductor fused them differently; backends/cpu/graph.py makes it round every
   bf16 op's result as eager does), which the random-weight models did not show.
 Each compiled graph runs in its own process (fresh_process.py: libraries of different ISA levels export the same
 symbols).
@@ -24,9 +24,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from neuron_infer.backends.cpu import kernels as cpu_gemv
+from neuron_infer.backends.cpu.graph import CpuBackend, CpuCompileOptions
 from neuron_infer.checkpoint import load_checkpoint
-from neuron_infer.compile import cpu_gemv
-from neuron_infer.compile.cpu import CpuBackend, CpuCompileOptions
 from neuron_infer.config import ModelConfig, QuantConfig
 from neuron_infer.embedded import default_model_dir
 from neuron_infer.model.llama import BucketStep, LlamaModel

@@ -1,4 +1,4 @@
-"""The few-row attention kernel (compile/cpu_attention.cpp) against an fp64 twin, inside real AOTInductor graphs.
+"""The few-row attention kernel (backends/cpu/cpu_attention.cpp) against an fp64 twin, inside real AOTInductor graphs.
 
 Numerics: scores, softmax and the weighted sum in fp32, one rounding to bf16. The fp64 twin computes the same
 attention exactly and rounds once; the kernel's fp32 sums differ from it by a few fp32 roundings of the summed terms,
@@ -21,8 +21,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from neuron_infer.compile import cpu, cpu_gemv
-from neuron_infer.compile.cpu import CpuBackend, CpuCompileOptions
+from neuron_infer.backends.cpu import graph as cpu
+from neuron_infer.backends.cpu import kernels as cpu_gemv
+from neuron_infer.backends.cpu.graph import CpuBackend, CpuCompileOptions
 from neuron_infer.model.llama import BucketStep
 from neuron_infer.model.ops import FEW_QUERY_ROWS
 from tests.compile.fresh_process import run_check

@@ -21,9 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch._inductor.utils import run_and_get_code
 
-from neuron_infer.compile import cpu
-from neuron_infer.compile.backend import get_backend
-from neuron_infer.compile.cpu import CpuBackend, CpuCompileOptions, gemv_linear
+from neuron_infer.backends import get_backend
+from neuron_infer.backends.cpu import graph as cpu
+from neuron_infer.backends.cpu.graph import CpuBackend, CpuCompileOptions, gemv_linear
 from neuron_infer.config import ModelConfig
 from neuron_infer.errors import ArtifactError, ConfigError
 from neuron_infer.model.llama import BucketStep, LlamaModel
@@ -191,7 +191,7 @@ def test_load_in_fresh_process(compiled, tmp_path):
         import sys, torch
         sys.path.insert(0, {str(Path(__file__).parent)!r})
         from test_cpu_backend import tiny_model, load_pair, run_steps
-        from neuron_infer.compile.cpu import CpuBackend
+        from neuron_infer.backends.cpu.graph import CpuBackend
         torch.set_num_threads(2)
         model = tiny_model()
         ctx, tg = load_pair(CpuBackend(), __import__("pathlib").Path({str(out)!r}), model)
@@ -297,7 +297,7 @@ def test_graphs_compile_with_every_core_visible_and_the_thread_count_is_restored
     """Inductor emits OpenMP loops only when the compiling process has > 1 thread: compile under all cores."""
     import os
 
-    from neuron_infer.compile.cpu import _all_cores
+    from neuron_infer.backends.cpu.graph import _all_cores
 
     before = torch.get_num_threads()
     torch.set_num_threads(1)

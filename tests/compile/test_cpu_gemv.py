@@ -1,4 +1,4 @@
-"""The bf16 GEMV kernel (compile/cpu_gemv.cpp) against its PyTorch twin, inside real AOTInductor graphs.
+"""The bf16 GEMV kernel (backends/cpu/cpu_gemv.cpp) against its PyTorch twin, inside real AOTInductor graphs.
 
 The kernel and the reference both multiply the same bf16 values exactly (a product of two 8-bit significands fits
 fp32) and accumulate in fp32, then round once to bf16; they differ only in summation order (fp32 reassociation,
@@ -24,8 +24,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from neuron_infer.compile import cpu, cpu_gemv
-from neuron_infer.compile.cpu import CpuBackend, CpuCompileOptions
+from neuron_infer.backends.cpu import graph as cpu
+from neuron_infer.backends.cpu import kernels as cpu_gemv
+from neuron_infer.backends.cpu.graph import CpuBackend, CpuCompileOptions
 from neuron_infer.errors import ArtifactError, ConfigError
 from neuron_infer.model.llama import BucketStep
 from tests.compile.fresh_process import run_check
@@ -47,7 +48,7 @@ SHAPES = [(1, 70, 64), (2, 33, 96), (3, 1, 100), (4, 130, 600), (5, 48, 576), (6
 
 
 # Linears reading another shape's input (input index, N), which the export merges into shared kernel calls
-# (compile/gemv_groups.py): five linears on input 3 (4 rows, K = 600) make a call of four matrices (the most per
+# (backends/cpu/gemv_groups.py): five linears on input 3 (4 rows, K = 600) make a call of four matrices (the most per
 # call) and one of one; three on input 0 make one call of three. So a graph makes len(SHAPES) + 1 calls.
 SHARED = [(3, 9), (3, 130), (3, 1), (3, 7), (0, 33), (0, 5)]
 SHARED_CALLS = 1  # calls the SHARED linears add: one on input 3 (its five linears make two calls), none on input 0

@@ -1,4 +1,4 @@
-"""The int8-weight GEMV kernel (compile/cpu_gemv_int8.cpp) against its PyTorch twin, inside real AOTInductor graphs.
+"""The int8-weight GEMV kernel (backends/cpu/cpu_gemv_int8.cpp) against its PyTorch twin, inside real AOTInductor graphs.
 
 Numerics: weight-only int8, integer dot products on 16-bit activations. The kernel puts each activation row on a
 power-of-two grid (|xi| <= 32767), sums q * xi exactly and scales once; `kernel_model` below
@@ -21,8 +21,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from neuron_infer.compile import cpu, cpu_gemv
-from neuron_infer.compile.cpu import CpuBackend, CpuCompileOptions
+from neuron_infer.backends.cpu import graph as cpu
+from neuron_infer.backends.cpu import kernels as cpu_gemv
+from neuron_infer.backends.cpu.graph import CpuBackend, CpuCompileOptions
 from neuron_infer.config import QuantConfig
 from neuron_infer.errors import ArtifactError, ConfigError
 from neuron_infer.model.llama import BucketStep

@@ -1,4 +1,4 @@
-"""The W8A8 GEMV kernel (compile/cpu_gemv_w8a8.cpp) against its PyTorch twin, inside real AOTInductor graphs.
+"""The W8A8 GEMV kernel (backends/cpu/cpu_gemv_w8a8.cpp) against its PyTorch twin, inside real AOTInductor graphs.
 
 Numerics: the kernel quantizes each activation row as the scheme does (s = max|x| / 127, round half to even,
 clamp to +-127), sums the int8 products exactly in int32 and applies both fp32 scales in the reference's order, so
@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from neuron_infer.compile import cpu, cpu_gemv
-from neuron_infer.compile.cpu import CpuBackend, CpuCompileOptions
+from neuron_infer.backends.cpu import graph as cpu
+from neuron_infer.backends.cpu import kernels as cpu_gemv
+from neuron_infer.backends.cpu.graph import CpuBackend, CpuCompileOptions
 from neuron_infer.errors import ArtifactError
 from neuron_infer.quant.smoothquant import W8A8Linear, quantize_per_token
 from tests.compile.fresh_process import run_check

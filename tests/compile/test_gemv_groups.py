@@ -1,4 +1,4 @@
-"""Merging GEMV calls that read one input (compile/gemv_groups.py): which calls merge, and that the merged graph
+"""Merging GEMV calls that read one input (backends/cpu/gemv_groups.py): which calls merge, and that the merged graph
 computes the same values. The merged kernels themselves are checked against their references at every ISA level in
 test_cpu_gemv*.py (their SHARED linears)."""
 from __future__ import annotations
@@ -10,8 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from neuron_infer.compile import cpu, cpu_gemv
-from neuron_infer.compile.cpu import CpuCompileOptions
+from neuron_infer.backends.cpu import graph as cpu
+from neuron_infer.backends.cpu import kernels as cpu_gemv
+from neuron_infer.backends.cpu.graph import CpuCompileOptions
 
 needs_kernel = pytest.mark.skipif(not cpu_gemv.supported(), reason="this CPU has no AVX2 + FMA")
 

@@ -12,9 +12,9 @@ import types
 import pytest
 
 from neuron_infer.api import CompiledModel
+from neuron_infer.backends.neuron.graph import import_sdk
+from neuron_infer.backends.neuron.platform import LNC_ENV, PLATFORM_ENV
 from neuron_infer.compile.builder import compile_model
-from neuron_infer.compile.neuron import import_sdk
-from neuron_infer.compile.neuron_platform import LNC_ENV, PLATFORM_ENV
 from neuron_infer.config import BuildConfig
 from neuron_infer.errors import ArtifactError, BackendUnavailableError, ConfigError
 from tests.compile.neuron_doubles import RecordingNeuronSDK

@@ -1,4 +1,4 @@
-"""The Neuron target's NEFF cache and parallel bucket compiles (compile/neuron_cache.py, compile/neuron_workers.py)
+"""The Neuron target's NEFF cache and parallel bucket compiles (backends/neuron/cache.py, compile/neuron_workers.py)
 through the recording double of torch-neuronx, whose calls are bound against the real SDK signatures
 (tests/compile/neuron_sdk_signatures.py). Not yet run on hardware.
 
@@ -18,9 +18,10 @@ import pytest
 import torch
 
 from neuron_infer.api import CompiledModel
-from neuron_infer.compile import graph_workers, neuron_cache
+from neuron_infer.backends.neuron import cache as neuron_cache
+from neuron_infer.backends.neuron.platform import LNC_ENV, PLATFORM_ENV
+from neuron_infer.compile import graph_workers
 from neuron_infer.compile.builder import compile_model
-from neuron_infer.compile.neuron_platform import LNC_ENV, PLATFORM_ENV
 from neuron_infer.config import BuildConfig
 from tests.compile.neuron_doubles import RecordingNeuronSDK
 

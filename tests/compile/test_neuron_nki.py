@@ -18,11 +18,11 @@ import torch
 from torch import nn
 
 from neuron_infer.api import CompiledModel
+from neuron_infer.artifact.weights import build_float_model
+from neuron_infer.backends.neuron.graph import FunctionalStep
+from neuron_infer.backends.neuron.platform import LNC_ENV, PLATFORM_ENV
 from neuron_infer.checkpoint import load_checkpoint
 from neuron_infer.compile.builder import compile_model
-from neuron_infer.compile.neuron import FunctionalStep
-from neuron_infer.compile.neuron_platform import LNC_ENV, PLATFORM_ENV
-from neuron_infer.compile.weights import build_float_model
 from neuron_infer.config import BuildConfig, ModelConfig
 from neuron_infer.errors import BackendUnavailableError
 from neuron_infer.model import nki_neuron, nki_ops

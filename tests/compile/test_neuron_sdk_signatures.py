@@ -19,7 +19,7 @@ from tests.compile.neuron_sdk_signatures import SIGNATURES, SDKContractError
 from tests.parallel.nxd_double import NxDModel, RecordingNxD
 
 PKG = Path(neuron_infer.__file__).parent
-SDK_FILES = ("compile/neuron.py", "compile/neuron_platform.py", "compile/neuron_tp.py", "model/nki_neuron.py")
+SDK_FILES = ("backends/neuron/graph.py", "backends/neuron/platform.py", "backends/neuron/tp.py", "model/nki_neuron.py")
 MB = "neuronx_distributed.trace.model_builder"
 # how the package spells each SDK handle -> the table's name for what it calls
 CALL_SITES = {

@@ -7,10 +7,10 @@ import sys
 
 import pytest
 
+from neuron_infer.backends.neuron import support as ns
+from neuron_infer.backends.neuron.platform import LNC_ENV, PLATFORM_ENV
 from neuron_infer.cli import main
-from neuron_infer.compile import neuron_support as ns
 from neuron_infer.compile.builder import compile_model
-from neuron_infer.compile.neuron_platform import LNC_ENV, PLATFORM_ENV
 from neuron_infer.config import BuildConfig
 from neuron_infer.errors import BackendUnavailableError
 from tests.compile.neuron_doubles import RecordingNeuronSDK

@@ -1,5 +1,5 @@
 """CPU graphs by shape class: one prefill graph for any prompt length, one decode graph per batch range, the compile
-cache and the parallel workers (compile/builder.py, compile/graph_cache.py, compile/graph_workers.py)."""
+cache and the parallel workers (compile/builder.py, backends/graph_cache.py, compile/graph_workers.py)."""
 from __future__ import annotations
 
 import json
@@ -7,10 +7,10 @@ import json
 import pytest
 import torch
 
+from neuron_infer.artifact.plan import planned_graphs, shape_class
 from neuron_infer.cache import prunable, remove, scan
 from neuron_infer.compile.builder import compile_model
 from neuron_infer.config import BuildConfig
-from neuron_infer.runtime.engine import planned_graphs, shape_class
 from neuron_infer.runtime.loader import load_rank
 
 # fp32, buckets that force a block size of 16: prompts of 1..48 tokens, 5 context buckets, 3 decode buckets

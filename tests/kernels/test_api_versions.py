@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import nki_kernels
-from neuron_infer.compile.neuron_platform import NeuronTarget
+from neuron_infer.backends.neuron.platform import NeuronTarget
 from neuron_infer.model.nki_neuron import Launcher
 from nki_kernels.mx_matmul.kernel import mx_matmul_kernel
 from nki_kernels.mx_matmul.reference import mx_matmul_reference, pack_mx_weight, pad_k

@@ -15,11 +15,12 @@ import pytest
 import torch
 from torch import nn
 
+from neuron_infer.artifact.weights import build_float_model
 from neuron_infer.checkpoint import load_checkpoint
-from neuron_infer.compile.weights import build_float_model
 from neuron_infer.config import BuildConfig, ModelConfig
 from neuron_infer.model import nki_ops
-from neuron_infer.model.ops import get_ops, mlp_ref, sequence_attention
+from neuron_infer.model.op_tables import get_ops
+from neuron_infer.model.ops import mlp_ref, sequence_attention
 from neuron_infer.quant.fp8 import FP8Linear
 from tests.paged import as_blocks
 

@@ -13,9 +13,9 @@ import sys
 import pytest
 
 from neuron_infer.api import CompiledModel
+from neuron_infer.backends.neuron.graph import COMPILER_ARGS
+from neuron_infer.backends.neuron.platform import LNC_ENV, PLATFORM_ENV
 from neuron_infer.compile.builder import compile_model
-from neuron_infer.compile.neuron import COMPILER_ARGS
-from neuron_infer.compile.neuron_platform import LNC_ENV, PLATFORM_ENV
 from neuron_infer.errors import BackendUnavailableError
 from tests.parallel.nxd_double import install
 from tests.parallel.test_tp_e2e import BUILD

@@ -15,11 +15,11 @@ import json
 import pytest
 
 from neuron_infer.api import CompiledModel
+from neuron_infer.artifact.plan import planned_graphs
+from neuron_infer.backends.neuron.platform import LNC_ENV, PLATFORM_ENV
 from neuron_infer.compile.builder import compile_model
-from neuron_infer.compile.neuron_platform import LNC_ENV, PLATFORM_ENV
 from neuron_infer.config import SpeculationConfig
 from neuron_infer.presets import load_preset
-from neuron_infer.runtime.engine import planned_graphs
 from tests.parallel.nxd_double import install
 from tests.parallel.test_tp_e2e import BUILD
 from tests.tiny_checkpoint import TINY_PRESETS, write_tiny_checkpoint

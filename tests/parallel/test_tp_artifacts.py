@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import load_file
 
 from neuron_infer.api import CompiledModel
-from neuron_infer.compile.artifact import read_manifest, seal
+from neuron_infer.artifact.manifest import read_manifest, seal
 from neuron_infer.compile.builder import compile_model
 from neuron_infer.config import ModelConfig, QuantConfig
 from neuron_infer.errors import ConfigError

@@ -54,10 +54,10 @@ def report_pids_then_loop(ctx, steps: int) -> int:
 def tp_greedy(ctx, cfg_dict: dict, full_sd: dict, ids: torch.Tensor, steps: int) -> dict:
     """The Llama model on this rank's shard: prefill logits, then `steps` greedy decode steps (token chosen on
     rank 0 and broadcast). Returns prefill logits, per-step logits and the tokens (rank 0's view)."""
-    from neuron_infer.compile.weights import build_float_model
+    from neuron_infer.artifact.weights import build_float_model
     from neuron_infer.config import BuildConfig, ModelConfig
     from neuron_infer.model.llama import LocalLayout
-    from neuron_infer.model.ops import get_ops
+    from neuron_infer.model.op_tables import get_ops
     from neuron_infer.parallel.plan import ShardPlan
     from neuron_infer.parallel.shard import shard_state_dict
 

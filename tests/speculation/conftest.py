@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from neuron_infer.artifact.weights import build_float_model
 from neuron_infer.checkpoint import load_checkpoint
 from neuron_infer.compile.spec_builder import build_draft
-from neuron_infer.compile.weights import build_float_model
 from neuron_infer.config import BuildConfig, ModelConfig, SpeculationConfig
 from neuron_infer.runtime.loader import eager_spec_engine
 from tests.tiny_checkpoint import TINY_PRESETS, write_tiny_checkpoint

@@ -9,18 +9,19 @@ import types
 
 import pytest
 
+from neuron_infer.artifact.plan import cache_shape, planned_graphs
+from neuron_infer.artifact.steps import spec_cache_layout
+from neuron_infer.artifact.weights import DRAFT_WEIGHTS, build_float_model
+from neuron_infer.backends import get_backend
 from neuron_infer.checkpoint import load_checkpoint
-from neuron_infer.compile.backend import get_backend
-from neuron_infer.compile.builder import cache_shape
-from neuron_infer.compile.spec_builder import DRAFT_WEIGHTS, build_draft, compile_speculation, spec_cache_layout
-from neuron_infer.compile.weights import build_float_model
+from neuron_infer.compile.spec_builder import build_draft, compile_speculation
 from neuron_infer.config import BuildConfig, ModelConfig, SpeculationConfig
 from neuron_infer.errors import ConfigError
 from neuron_infer.model.llama import BucketStep
-from neuron_infer.runtime.engine import Engine, planned_graphs
+from neuron_infer.model.spec_step import FusedSpecStep, fused_example_args
+from neuron_infer.runtime.engine import Engine
 from neuron_infer.runtime.generate import generate_ids
 from neuron_infer.runtime.loader import eager_spec_engine, load_speculation
-from neuron_infer.runtime.spec_step import FusedSpecStep, fused_example_args
 from tests.tiny_checkpoint import TINY_PRESETS, write_tiny_checkpoint
 
 SMALL = BuildConfig(dtype="fp32", max_context_length=16, max_length=32, context_buckets=(16,),
@@ -39,7 +40,7 @@ def compile_and_load(model_dir, build, out, backend="cpu-eager"):
     be, gdir = get_backend(backend), out / "graphs"
     gdir.mkdir(parents=True, exist_ok=True)
     cfg, target = fresh_target(model_dir, build)
-    from neuron_infer.compile.builder import example_args
+    from neuron_infer.artifact.plan import example_args
 
     for spec in planned_graphs(build):
         step = BucketStep(target, spec.attend)

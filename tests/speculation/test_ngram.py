@@ -12,17 +12,17 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import neuron_infer.model.verify as rules
 import neuron_infer.runtime.ngram as ng
-import neuron_infer.runtime.speculation as rules
+from neuron_infer.artifact.weights import build_float_model
 from neuron_infer.checkpoint import load_checkpoint
-from neuron_infer.compile.weights import build_float_model
 from neuron_infer.config import ModelConfig, SamplingConfig, SpeculationConfig
 from neuron_infer.errors import ConfigError
+from neuron_infer.model.sampling import processed_probs
 from neuron_infer.runtime.generate import generate_ids
 from neuron_infer.runtime.loader import eager_ngram_spec
 from neuron_infer.runtime.ngram import PRIOR_ACCEPTED, PROBE_EVERY, WINDOW, RowView, SeqState, plan_step, propose
 from neuron_infer.runtime.ngram_spec import CALIBRATE_EVERY, CALIBRATE_FIRST, RECHECK_EVERY, NgramSpec, accept
-from neuron_infer.runtime.sampling import processed_probs
 from tests.speculation.conftest import BASE
 from tests.speculation.test_sampling_lossless import chi_square_pvalue
 from tests.test_generate import hf_greedy
@@ -316,7 +316,7 @@ N_DRAWS = 4000
 
 def forward_probs(model, seq) -> torch.Tensor:
     """Logits [T, V] at every position of `seq` (a fresh cache)."""
-    from neuron_infer.runtime.engine import CacheShape
+    from neuron_infer.model.kv_cache import CacheShape
 
     t = len(seq)
     k, v = CacheShape(model.cfg.num_layers, 1, model.cfg.num_kv_heads, t, model.cfg.head_dim,

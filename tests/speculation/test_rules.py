@@ -3,8 +3,8 @@ import pytest
 import torch
 
 from neuron_infer.config import SamplingConfig
-from neuron_infer.runtime.sampling import params_tensor, processed_probs, sample_from_probs
-from neuron_infer.runtime.speculation import PAD, greedy_verify, residual_probs, speculative_verify
+from neuron_infer.model.sampling import params_tensor, processed_probs, sample_from_probs
+from neuron_infer.model.verify import PAD, greedy_verify, residual_probs, speculative_verify
 
 
 def one_hot_logits(ids: list[list[int]], v: int = 10) -> torch.Tensor:

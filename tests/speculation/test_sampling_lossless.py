@@ -15,10 +15,10 @@ from p instead of normalize(max(p - q, 0)) (the classic bug), and accepting ever
 import pytest
 import torch
 
-import neuron_infer.runtime.speculation as rules
+import neuron_infer.model.verify as rules
 from neuron_infer.config import SamplingConfig
-from neuron_infer.runtime.sampling import processed_probs
-from neuron_infer.runtime.spec_step import uniforms_width
+from neuron_infer.model.sampling import processed_probs
+from neuron_infer.model.spec_step import uniforms_width
 
 SAMPLING = SamplingConfig(temperature=0.8, top_k=6, top_p=0.9)
 PROMPT, LAST = [1, 40, 77, 123, 9, 250, 31, 64, 99, 180], 300
@@ -52,7 +52,7 @@ def draw_pairs(se, seed: int) -> torch.Tensor:
 def expected_joint(model) -> dict[tuple[int, int], float]:
     """Target-only law of (x1, x2) from fresh forwards of the float model."""
     def next_probs(seq):
-        from neuron_infer.runtime.engine import CacheShape
+        from neuron_infer.model.kv_cache import CacheShape
         t = len(seq)
         k, v = CacheShape(model.cfg.num_layers, 1, model.cfg.num_kv_heads, t, model.cfg.head_dim,
                           torch.float32).allocate()

@@ -5,9 +5,9 @@ fp32 so that the K+1-token verify pass and the 1-token decode pass agree to ~1e-
 """
 import pytest
 
+from neuron_infer.artifact.weights import build_float_model
 from neuron_infer.checkpoint import load_checkpoint, load_tokenizer
 from neuron_infer.compile.spec_builder import build_draft
-from neuron_infer.compile.weights import build_float_model
 from neuron_infer.config import BuildConfig, ModelConfig, SpeculationConfig
 from neuron_infer.runtime.generate import generate_ids
 from neuron_infer.runtime.loader import eager_spec_engine

@@ -53,7 +53,7 @@ def served(tiny, tmp_path_factory):
 
 
 def test_the_served_artifact_is_tp2_and_speculative(served):
-    from neuron_infer.compile.artifact import read_manifest
+    from neuron_infer.artifact.manifest import read_manifest
 
     _, art = served
     build = read_manifest(art, verify_files=False).build

@@ -57,8 +57,8 @@ from typing import Any
 import torch
 
 from neuron_infer import cpu_threads
-from neuron_infer.compile import cpu_gemv
-from neuron_infer.compile.gemv_groups import group_gemvs
+from neuron_infer.backends.cpu import kernels as cpu_gemv
+from neuron_infer.backends.cpu.gemv_groups import group_gemvs
 from neuron_infer.errors import ArtifactError, ConfigError
 from neuron_infer.model.ops import computed_once, few_rows_attention_kernel
 from neuron_infer.quant.base import few_rows_kernels
@@ -218,7 +218,7 @@ def _few_row_linears(program: torch.export.ExportedProgram, max_rows: int) -> bo
 def _export(module: torch.nn.Module, example_args: tuple, options: CpuCompileOptions,
             dynamic: Dynamic | None = None) -> torch.export.ExportedProgram:
     """Export `module`; int8 and w8a8 linears on few rows call their C kernels (when this machine builds them), and
-    kernel calls that share an input are merged (compile/gemv_groups.py)."""
+    kernel calls that share an input are merged (backends/cpu/gemv_groups.py)."""
     kernels = {"int8": cpu_gemv.gemv_int8, "w8a8": cpu_gemv.gemv_w8a8} if options.uses_int8_kernel else {}
     attention = (cpu_gemv.attention, cpu_gemv.attention_fits) if options.uses_kernel else None
     with few_rows_kernels(kernels, cpu_gemv.INT8_MAX_ROWS), few_rows_attention_kernel(attention):
@@ -269,7 +269,7 @@ class CpuBackend:
     dynamic_shapes = True  # a graph may serve a range of sizes (compile/builder.py: shape classes)
 
     def cache_key(self) -> dict:
-        """What of this backend determines a graph's code (compile/graph_cache.py): its options and the ISA level
+        """What of this backend determines a graph's code (backends/graph_cache.py): its options and the ISA level
         its C kernels are built for on this machine."""
         return {"name": self.name, "options": dataclasses.asdict(self.options), "isa": self.options.kernel_isa(),
                 "inductor": INDUCTOR_CONFIGS}

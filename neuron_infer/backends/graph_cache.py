@@ -24,19 +24,18 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable
 
+from neuron_infer import __version__
+from neuron_infer.embedded import cache_dir
+from neuron_infer.output_dir import PARTIAL_MARKER, mark
 from neuron_infer.typed import parse_json
 
 MARKER = "neuron_infer_graph.json"
 KEY_RE = re.compile(r"\A[0-9a-f]{32}\Z")
 PARTIAL_RE = re.compile(r"\A\.[0-9a-f]{32}\.partial-\d+\Z")
-_SOURCES = ("model", "quant", "compile/cpu.py", "compile/cpu_gemv.py", "compile/gemv_groups.py", "shapes.py",
-            "compile/cpu_gemv.cpp", "compile/cpu_gemv_int8.cpp", "compile/cpu_gemv_w8a8.cpp",
-            "compile/cpu_attention.cpp", "compile/cpu_gemv_common.h")
+_SOURCES = ("model", "quant", "shapes.py", "backends/cpu")  # what generates graph code: files or folders
 
 
 def graphs_root() -> Path:
-    from neuron_infer.embedded import cache_dir  # noqa: PLC0415  (embedded imports the GGUF reader lazily too)
-
     return cache_dir() / "graphs"
 
 
@@ -47,7 +46,7 @@ def source_hash() -> str:
     files: list[Path] = []
     for rel in _SOURCES:
         p = pkg / rel
-        files += sorted(p.rglob("*.py")) if p.is_dir() else [p]
+        files += sorted(f for f in p.rglob("*") if f.suffix in (".py", ".cpp", ".h")) if p.is_dir() else [p]
     h = hashlib.sha256()
     for f in files:
         h.update(str(f.relative_to(pkg)).encode() + b"\0" + f.read_bytes() + b"\0")
@@ -56,9 +55,8 @@ def source_hash() -> str:
 
 def current_versions() -> dict[str, str]:
     """What makes a cached graph current: this package version, its graph sources and the torch version."""
-    import torch  # noqa: PLC0415
+    import torch
 
-    from neuron_infer import __version__  # noqa: PLC0415
 
     return {"neuron_infer": __version__, "sources": source_hash()[:16], "torch": torch.__version__}
 
@@ -110,8 +108,6 @@ def _read_entry(entry: Path) -> dict | None:
 
 def _store(entry: Path, out_dir: Path, meta: dict) -> None:
     """Copy a fresh compile into the cache, atomically (a partial directory renamed into place)."""
-    from neuron_infer.output_dir import PARTIAL_MARKER, mark  # noqa: PLC0415
-
     tmp = entry.parent / f".{entry.name}.partial-{os.getpid()}"
     try:
         tmp.parent.mkdir(parents=True, exist_ok=True)

@@ -30,9 +30,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from neuron_infer.runtime.engine import CacheShape
-from neuron_infer.runtime.sampling import processed_probs, sample_from_probs
-from neuron_infer.runtime.speculation import greedy_verify, speculative_verify
+from neuron_infer.model.kv_cache import CacheShape
+from neuron_infer.model.sampling import processed_probs, sample_from_probs
+from neuron_infer.model.verify import greedy_verify, speculative_verify
 
 RunFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # (ids, pos, logit_index) -> logits
 # (the block table [B, S/bs] is bound into each RunFn: target and draft caches use the same block numbers)

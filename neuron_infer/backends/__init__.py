@@ -1,20 +1,25 @@
-"""Graph backends: compile one static-shape step module per (sub-model, bucket); load it back.
+"""Graph backends: compile one step module into a graph; load it back. The one interface compile/ and runtime/ use.
 
     compile_graph(module, example_args, out_dir, graph_name) -> dict   (metadata for the manifest)
     load_graph(out_dir, graph_name, module) -> callable(*example_args-like) -> logits
 
-`module` at load time holds the (already loaded) weights, so every bucket graph shares one weight file.
+    backends/cpu/      torch.export + AOTInductor, dynamic shapes; the C++ kernels and their custom ops
+    backends/neuron/   torch_neuronx.trace per static bucket; neuronx-distributed for tensor parallelism
+    backends/graph_cache.py   the content-addressed compile cache both use
+
+`module` at load time holds the (already loaded) weights, so every graph shares one weight file.
 Backends are imported lazily by name: importing neuron_infer never imports the Neuron SDK.
 """
 from __future__ import annotations
 
 import importlib
 from pathlib import Path
-from typing import Any, Callable, Protocol
-
-import torch
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from neuron_infer.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
 
 
 class Backend(Protocol):
@@ -40,9 +45,9 @@ class EagerBackend:
 
 
 _REGISTRY: dict[str, str] = {
-    "cpu": "neuron_infer.compile.cpu:CpuBackend",
-    "cpu-eager": "neuron_infer.compile.backend:EagerBackend",
-    "neuron": "neuron_infer.compile.neuron:NeuronBackend",
+    "cpu": "neuron_infer.backends.cpu.graph:CpuBackend",
+    "cpu-eager": "neuron_infer.backends:EagerBackend",
+    "neuron": "neuron_infer.backends.neuron.graph:NeuronBackend",
 }
 
 

@@ -10,7 +10,7 @@ ours live in the `neuron-infer/` subdirectory, so the two never collide. The SDK
 torch-xla graphs and says traced graphs with frozen weights are not cached; whether a trace with
 `inline_weights_to_neff=False` is is not documented, hence this cache of whole traced graphs. `--no_cache` in
 NEURON_CC_FLAGS (the documented switch) turns it off; an `s3://` cache (which the SDK supports) is not written by
-neuron-infer: its entries then go to neuron-infer's own cache (`<cache>/graphs`, compile/graph_cache.py).
+neuron-infer: its entries then go to neuron-infer's own cache (`<cache>/graphs`, backends/graph_cache.py).
 
 The key (compile/graph_cache.graph_key, which adds the package version, its graph sources and torch) covers:
 the neuronx-cc and torch-neuronx versions (pip distributions `neuronx-cc`, `torch-neuronx`); the compiler
@@ -19,7 +19,7 @@ Neuron backend and the NKI kernels; the graph name, the example input shapes and
 module and the build; the module's structure (repr), the shapes and dtypes of its parameters (bound at load by
 `replace_weights`, never in the NEFF) and the bytes of every other tensor (buffers: RoPE tables, head maps, and
 quantized weights, which a trace may fold into the NEFF as constants). When the neuronx-cc version cannot be read
-the graph is compiled and not cached. Entries are written and read by compile/graph_cache.py (atomic rename, a hit
+the graph is compiled and not cached. Entries are written and read by backends/graph_cache.py (atomic rename, a hit
 copies the files into the artifact, which hashes them as usual).
 """
 from __future__ import annotations
@@ -34,7 +34,8 @@ from typing import Any
 
 import torch
 
-from neuron_infer.compile.graph_cache import graph_key, graphs_root
+from neuron_infer.backends.graph_cache import graph_key, graphs_root
+from neuron_infer.config import ModelConfig
 
 DEFAULT_CACHE_URL = "/var/tmp/neuron-compile-cache"  # the SDK's default (neuron-caching.rst)
 CACHE_URL_ENV = "NEURON_COMPILE_CACHE_URL"
@@ -42,7 +43,7 @@ CC_FLAGS_ENV = "NEURON_CC_FLAGS"
 SUBDIR = "neuron-infer"
 SDK_DISTRIBUTIONS = ("neuronx-cc", "torch-neuronx")
 _CACHE_DIR_RE = re.compile(r"--cache_dir[= ](\S+)")
-_NEURON_SOURCES = ("compile/neuron.py", "compile/neuron_platform.py")
+_NEURON_SOURCES = ("backends/neuron/graph.py", "backends/neuron/platform.py")
 
 
 def cc_flags() -> str:
@@ -83,7 +84,7 @@ def sdk_versions() -> dict[str, str] | None:
 @lru_cache(maxsize=1)
 def neuron_source_hash() -> str:
     """sha256 over the Neuron backend's sources and the NKI kernels (graph_cache.source_hash covers the model)."""
-    pkg = Path(__file__).resolve().parent.parent
+    pkg = Path(__file__).resolve().parents[2]  # neuron_infer/
     files = [pkg / rel for rel in _NEURON_SOURCES]
     kernels = pkg.parent / "nki_kernels"
     files += sorted(kernels.rglob("*.py")) if kernels.is_dir() else []
@@ -113,8 +114,6 @@ def module_parts(module: torch.nn.Module, digests: dict | None = None) -> dict[s
     """What of a module determines its traced graph: structure, configs, parameter shapes, buffer bytes.
     `digests`: a memo of buffer digests shared by the graphs of one compile (their model's tensors do not change)."""
     memo = {} if digests is None else digests
-    from neuron_infer.config import ModelConfig  # noqa: PLC0415
-
     configs = {name: m.cfg.to_dict() for name, m in module.named_modules()
                if isinstance(getattr(m, "cfg", None), ModelConfig)}
     params = {k: [list(p.shape), str(p.dtype)] for k, p in module.named_parameters()}

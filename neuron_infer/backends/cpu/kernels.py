@@ -2,7 +2,7 @@
 AOTInductor calls.
 
     export:   the linears on 1-8 rows that share one input x [R, K] (q/k/v, gate/up; any other linear alone: a
-              group of one, see compile/gemv_groups.py) -> one call, the results side by side [R, N_0 + N_1 + ...]:
+              group of one, see backends/cpu/gemv_groups.py) -> one call, the results side by side [R, N_0 + N_1 + ...]:
                   bf16  torch.ops.neuron_infer.ni_gemv_bf16_v7(x, [w_0, ...])                 w_m [N_m, K] bf16
                   int8  torch.ops.neuron_infer.ni_gemv_int8_v5(x, [q_0, ...], [s_0, ...])     q_m int8, s_m [N_m]
                   w8a8  torch.ops.neuron_infer.ni_gemv_w8a8_v2(x, [q_0, ...], [s_0, ...])
@@ -47,6 +47,7 @@ from pathlib import Path
 
 import torch
 
+from neuron_infer.embedded import cache_dir
 from neuron_infer.errors import ArtifactError, NeuronInferError
 from neuron_infer.model.ops import few_rows_attention, gather_blocks
 from neuron_infer.quant.smoothquant import w8a8_matmul
@@ -225,8 +226,6 @@ def build(out: Path, kernels: tuple[str, ...], isa: str = LEGACY_ISA) -> Path:
 
 
 def _kernel_cache_path(cmd: list[str], kernels: tuple[str, ...]) -> Path:
-    from neuron_infer.embedded import cache_dir  # noqa: PLC0415
-
     h = hashlib.sha256(torch.__version__.encode() + "\0".join(cmd).encode())
     for path in sorted({SOURCES[k] for k in kernels} | set(Path(__file__).parent.glob("cpu_gemv_*.h"))):
         h.update(path.read_bytes())

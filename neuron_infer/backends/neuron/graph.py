@@ -6,12 +6,12 @@ and exercised in CI through that recording double. The SDK is imported lazily, o
 
     compile: torch_neuronx.trace(step, example_args, compiler_workdir=<temporary>, inline_weights_to_neff=False,
                                  compiler_args=[..., "--lnc=N"])   -> torch.jit.save(graphs/<name>.pt)
-             through the NEFF cache (compile/neuron_cache.py); the buckets a compile misses are traced in parallel
+             through the NEFF cache (backends/neuron/cache.py); the buckets a compile misses are traced in parallel
              worker processes (compile/neuron_workers.py)
     load:    torch.jit.load(graphs/<name>.pt); torch_neuronx.replace_weights(graph, weights);
              torch_neuronx.move_trace_to_device(graph, 0)
 
-The platform and logical-NeuronCore degree come from `compile/neuron_platform.py` (environment, then the build,
+The platform and logical-NeuronCore degree come from `backends/neuron/platform.py` (environment, then the build,
 then the platform default); the compile runs with NEURON_PLATFORM_TARGET_OVERRIDE set to the platform, and each
 graph's `graphs/<name>.neuron.json` records both, checked against the runtime before the graph is loaded.
 With `--kernels nki` the step is traced under `nki_neuron.neuron_target(lnc=N)`, so the NKI kernels are launched
@@ -37,10 +37,10 @@ from typing import Any
 
 import torch
 
-from neuron_infer.compile.graph_cache import cached_compile
-from neuron_infer.compile.neuron_cache import neff_cache_root, neff_key
-from neuron_infer.compile.neuron_platform import NeuronTarget, check_runtime, compile_env, resolve_target
-from neuron_infer.compile.neuron_support import preflight
+from neuron_infer.backends.graph_cache import cached_compile
+from neuron_infer.backends.neuron.cache import neff_cache_root, neff_key
+from neuron_infer.backends.neuron.platform import NeuronTarget, check_runtime, compile_env, resolve_target
+from neuron_infer.backends.neuron.support import preflight
 from neuron_infer.errors import ArtifactError, BackendUnavailableError
 from neuron_infer.model.nki_neuron import neuron_target
 
@@ -90,18 +90,10 @@ class NeuronBackend:
 
     def bind_build(self, build) -> None:
         """The build: its `lnc` (second in the resolution order, after NEURON_LOGICAL_NC_CONFIG) and, for the NEFF
-        cache key, the rest; the support check (`neuron-infer doctor`, compile/neuron_support.py) runs here, before
+        cache key, the rest; the support check (`neuron-infer doctor`, backends/neuron/support.py) runs here, before
         anything is traced."""
         preflight(self.sdk, build)
         self.build, self.build_lnc, self._target = build, build.lnc, None
-
-    def compile_buckets(self, model: torch.nn.Module, build, graphs_dir: Path, say: Callable[[str], None],
-                        plan: list, weights: Path | None) -> dict:
-        """Every planned bucket graph: cache hits copied, misses traced in parallel worker processes
-        (compile/neuron_workers.py)."""
-        from neuron_infer.compile.neuron_workers import compile_buckets  # noqa: PLC0415  (imports the builder)
-
-        return compile_buckets(self, model, build, graphs_dir, say, plan, weights)
 
     def pin_target(self, target: NeuronTarget) -> None:
         """Use `target` (a compile worker receives the platform and LNC its parent resolved)."""
@@ -114,7 +106,7 @@ class NeuronBackend:
         return self._target
 
     def compile_graph(self, module: torch.nn.Module, example_args: tuple, out_dir: Path, graph_name: str) -> dict:
-        """Trace one graph into out_dir through the NEFF cache (compile/neuron_cache.py): a cached graph is copied,
+        """Trace one graph into out_dir through the NEFF cache (backends/neuron/cache.py): a cached graph is copied,
         a missing one traced and stored. Metadata: files, compile_s, platform, lnc and "cache" (hit | miss | off)."""
         target = self.target()
         key = neff_key(module, example_args, graph_name, target.record(), self.compiler_args(), self.build)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from neuron_infer.runtime.sampling import sample_from_probs
+from neuron_infer.model.sampling import sample_from_probs
 
 PAD = -1
 

@@ -40,21 +40,22 @@ collectives are NxD's mappings `reduce_from_tensor_model_parallel_region` (after
 from __future__ import annotations
 
 import importlib
-import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from neuron_infer.compile.neuron import COMPILER_ARGS, import_sdk
-from neuron_infer.compile.neuron_platform import check_runtime, compile_env, resolve_target
-from neuron_infer.compile.neuron_support import preflight
+from neuron_infer.artifact.plan import GraphSpec, spec_graph_list
+from neuron_infer.artifact.plan import example_args as single_example_args
+from neuron_infer.artifact.weights import DTYPES, empty_model, quant_structure
 from neuron_infer.config import BuildConfig, ModelConfig
 from neuron_infer.errors import ArtifactError, BackendUnavailableError, ConfigError
+from neuron_infer.model.kv_cache import CacheShape
+from neuron_infer.model.llama import BucketStep
 from neuron_infer.model.nki_neuron import neuron_target
+from neuron_infer.model.op_tables import get_ops
 from neuron_infer.parallel.plan import ShardPlan
-from neuron_infer.runtime.engine import CacheShape, GraphSpec, planned_graphs
+from neuron_infer.parallel.rank import rank_layout
 
 NEURON_TP_NOTE = ("neuron tensor parallelism through neuronx-distributed ModelBuilder: one NEFF per graph, one "
                   "weight set per rank shared by every bucket, KV caches aliased on the device; not yet run on "
@@ -84,8 +85,6 @@ def import_nxd() -> Any:
 
 def nxd_ops(nxd: Any, kernels: str):
     """The op table of a Neuron rank: NxD's all-reduce and last-dim all-gather as the model's collectives."""
-    from neuron_infer.model.ops import get_ops
-
     m = nxd.parallel_layers.mappings
     return get_ops(kernels).with_collectives(m.reduce_from_tensor_model_parallel_region,
                                              m.gather_from_tensor_model_parallel_region)
@@ -131,11 +130,6 @@ class StepFactory:
     lnc: int
 
     def __call__(self) -> SPMDStep:
-        from neuron_infer.compile.quantize_step import quant_structure
-        from neuron_infer.compile.tp import rank_layout
-        from neuron_infer.compile.weights import empty_model
-        from neuron_infer.model.llama import BucketStep
-
         nxd = import_nxd()
         cfg, build = ModelConfig.from_dict(self.model), BuildConfig.from_dict(self.build)
         plan = ShardPlan.from_dict(self.plan)
@@ -174,8 +168,6 @@ class DeviceCacheShape(CacheShape):
 
 
 def cache_dtype(build: BuildConfig) -> torch.dtype:
-    from neuron_infer.compile.weights import DTYPES
-
     return torch.float8_e4m3fn if build.quant.kv_cache_dtype == "fp8" else DTYPES[build.dtype]
 
 
@@ -186,9 +178,7 @@ def rank_cache(cfg: ModelConfig, build: BuildConfig, plan: ShardPlan) -> DeviceC
 
 def example_args(build: BuildConfig, spec) -> tuple[torch.Tensor, ...]:
     """(input_ids, positions, logit_index, attend_rows [S], block_table [B, S/bs]) of one planned graph."""
-    from neuron_infer.compile.builder import example_args as single
-
-    ids, pos, _, _, idx, table = single(CacheShape(1, 2, 1, build.block_size, 1, torch.float32), spec)
+    ids, pos, _, _, idx, table = single_example_args(CacheShape(1, 2, 1, build.block_size, 1, torch.float32), spec)
     return (ids, pos, idx, torch.zeros(spec.attend, dtype=torch.int32), table)
 
 
@@ -201,49 +191,9 @@ def check_spmd(plan: ShardPlan) -> None:
                           "heads, KV heads and intermediate size evenly")
 
 
-def _no_checkpoint_loader() -> dict:
+def no_checkpoint_loader() -> dict:
     raise ArtifactError("neuron-infer shards the weights itself (weights/rank{r}.safetensors); ModelBuilder's "
                         "checkpoint_loader is not used")
-
-
-def compile_neuron_tp_graphs(root: Path, cfg: ModelConfig, build: BuildConfig, plan: ShardPlan, say,
-                             spec: tuple | None = None) -> dict:
-    """Trace every planned graph with one ModelBuilder over `plan.tp` NeuronCores into graphs/nxd_model.pt.
-    `spec`: (draft model or None, manifest speculation info) when the build speculates (neuron_tp_spec.py)."""
-    nxd = import_nxd()
-    check_spmd(plan)
-    sdk = import_sdk()
-    preflight(sdk, build, tp=plan.tp)   # `neuron-infer doctor`'s check, before anything is traced
-    target = resolve_target(sdk, build.lnc)
-    builder = nxd.trace.model_builder.ModelBuilder(
-        router=None, tp_degree=plan.tp, checkpoint_loader=_no_checkpoint_loader,
-        compiler_workdir=str(root / "graphs" / "nxd.workdir"), logical_nc_config=target.lnc)
-    specs, flags = planned_graphs(build), " ".join([*COMPILER_ARGS, *target.compiler_args()])
-
-    def factory_of(attend: int) -> StepFactory:
-        return StepFactory(cfg.to_dict(), build.to_dict(), plan.to_dict(), attend, target.lnc)
-
-    records = {g.name: {"kind": g.kind, "tokens": g.tokens, "attend": g.attend, "batch": g.batch} for g in specs}
-    if spec is not None and spec[0] is not None:  # a draft model: every key holds target shard + whole draft
-        from neuron_infer.compile.neuron_tp_spec import add_spec_keys
-
-        records |= add_spec_keys(nxd, builder, build, specs, factory_of, spec[1], flags)
-    else:
-        for g in specs:
-            builder.add(key=g.name, model_instance=model_instance(nxd, factory_of(g.attend)),
-                        example_inputs=[example_args(build, g)], compiler_args=flags)
-        if spec is not None:  # prompt lookup: the verify graphs are target graphs over K+1 tokens
-            records |= _add_verify_keys(nxd, builder, build, factory_of, flags)
-    say(f"neuronx-distributed: tracing {len(records)} graphs over {plan.tp} NeuronCores "
-        f"({target.platform}, LNC {target.lnc})")
-    t0 = time.perf_counter()
-    with compile_env(target):
-        traced = builder.trace(initialize_model_weights=False)
-    (root / "graphs").mkdir(parents=True, exist_ok=True)
-    torch.jit.save(traced, str(root / "graphs" / NXD_MODEL))
-    seconds = round(time.perf_counter() - t0, 3)
-    return {name: {**r, "files": [NXD_MODEL], "nxd_key": name, "trace_all_s": seconds, **target.record()}
-            for name, r in records.items()}
 
 
 def verify_example_args(build: BuildConfig, tokens: int, attend: int) -> tuple[torch.Tensor, ...]:
@@ -254,10 +204,8 @@ def verify_example_args(build: BuildConfig, tokens: int, attend: int) -> tuple[t
     return ids, pos, idx, rows, table
 
 
-def _add_verify_keys(nxd: Any, builder: Any, build: BuildConfig, factory_of, flags: str) -> dict:
+def add_verify_keys(nxd: Any, builder: Any, build: BuildConfig, factory_of, flags: str) -> dict:
     """Prompt lookup's verify graphs (no draft: plain SPMDStep keys) -> their graph records."""
-    from neuron_infer.compile.spec_builder import spec_graph_list
-
     records = {}
     for g in spec_graph_list(build, draft=False):
         builder.add(key=g.name, model_instance=model_instance(nxd, factory_of(g.attend)),
@@ -266,79 +214,8 @@ def _add_verify_keys(nxd: Any, builder: Any, build: BuildConfig, factory_of, fla
     return records
 
 
-def rank_weights(root: Path, manifest, plan: ShardPlan, rank: int) -> dict[str, torch.Tensor]:
-    """Rank r's weights named as the SPMD step's parameters (tied and quantized structure as at compile)."""
-    from neuron_infer.compile.quantize_step import quant_structure
-    from neuron_infer.compile.tp import rank_layout
-    from neuron_infer.compile.weights import empty_model, load_rank_weights
-
-    model = empty_model(manifest.model, manifest.build, rank_layout(plan.ranks[rank]))
-    quant_structure(model, manifest.build)
-    load_rank_weights(model, root / "weights" / f"rank{rank}.safetensors")
-    weights = {f"step.model.{k}": v for k, v in model.state_dict().items()}
-    if plan.ranks[rank].vocab_local != plan.ranks[rank].vocab_size:
-        weights[START] = torch.tensor(plan.ranks[rank].vocab_start, dtype=torch.int64)
-    if has_draft(manifest.build):  # the whole draft, the same on every rank
-        from neuron_infer.compile.neuron_tp_spec import draft_rank_weights
-
-        weights |= draft_rank_weights(root, manifest, model)
-    return weights
-
-
 def has_draft(build: BuildConfig) -> bool:
     return build.speculation is not None and not build.speculation.is_ngram
-
-
-def load_neuron_tp_engine(root: Path, manifest, plan: ShardPlan, spec_mode: str | None = None):
-    """An in-process Engine whose graphs run every rank on its NeuronCore (NxD drives the ranks); `.spec` as
-    `load_rank` gives it when the build speculates."""
-    from neuron_infer.runtime.engine import Engine
-
-    import_nxd()  # the NxD runtime classes the saved model needs
-    lnc = manifest.neuron_lnc  # one degree for every graph (ArtifactError otherwise)
-    check_runtime({} if lnc is None else {"lnc": lnc}, f"{root / 'graphs' / NXD_MODEL}")
-    try:
-        traced = torch.jit.load(str(root / "graphs" / NXD_MODEL))
-    except (RuntimeError, OSError) as e:
-        raise ArtifactError(f"cannot load the Neuron TP model from {root} ({e}); recompile") from e
-    weights = [rank_weights(root, manifest, plan, r) for r in range(plan.tp)]
-    traced.nxd_model.initialize(weights, torch.tensor([0], dtype=torch.int32))
-    del weights
-    build = manifest.build
-    role = None
-    if has_draft(build):
-        from neuron_infer.compile.neuron_tp_spec import role_tensor
-
-        role = role_tensor("target")
-    graphs = {spec.name: device_step(traced, spec.attend, role) for spec in planned_graphs(build)}
-    engine = Engine(graphs, build, rank_cache(manifest.model, build, plan), manifest.model.vocab_size)
-    if build.speculation is not None:
-        engine.spec = _device_speculation(traced, manifest, plan, engine, spec_mode)
-    return engine
-
-
-def _device_speculation(traced, manifest, plan: ShardPlan, engine, mode: str | None):
-    """The SpecEngine (draft model) or NgramSpec (prompt lookup) over the NxD model's speculation keys."""
-    from neuron_infer.compile.spec_builder import spec_graph_list
-    from neuron_infer.runtime.engine import Engine
-
-    build = manifest.build
-    if not has_draft(build):
-        from neuron_infer.runtime.ngram_spec import NgramSpec
-
-        if mode == "fused":
-            raise ArtifactError("prompt-lookup speculation (--draft-model ngram) runs the host loop only")
-        graphs = {g.name: verify_step(traced, g.attend) for g in spec_graph_list(build, draft=False)}
-        return NgramSpec(engine, graphs, build.speculation.length, build.speculation.ngram)
-    from neuron_infer.compile.neuron_tp_spec import DeviceSpecLayout, device_spec_graphs, draft_cache
-    from neuron_infer.runtime.spec_engine import SpecEngine
-
-    dcfg = ModelConfig.from_dict(manifest.extra["speculation"]["config"])
-    dgraphs, sgraphs = device_spec_graphs(traced, build, device_step)
-    draft = Engine(dgraphs, build, draft_cache(dcfg, build, plan.tp), dcfg.vocab_size)
-    layout = DeviceSpecLayout(engine.cache_shape, draft.cache_shape)
-    return SpecEngine(engine, draft, sgraphs, layout, build.speculation.length,
-                      mode or ("fused" if build.speculation.fused else "unfused"))
 
 
 def device_step(traced, attend: int, role: torch.Tensor | None = None):

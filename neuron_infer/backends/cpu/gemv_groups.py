@@ -19,7 +19,7 @@ from collections import defaultdict
 import torch
 from torch import fx
 
-from neuron_infer.compile import cpu_gemv
+from neuron_infer.backends.cpu import kernels as cpu_gemv
 
 aten = torch.ops.aten
 _SAME_VALUES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.clone.default,

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from neuron_infer import __version__
 from neuron_infer.config import BuildConfig, ModelConfig
 from neuron_infer.errors import ArtifactError, ConfigError
 from neuron_infer.output_dir import PARTIAL_MARKER, atomic_output
@@ -40,7 +41,6 @@ def package_versions() -> dict[str, str]:
     import torch
     import transformers
 
-    from neuron_infer import __version__
 
     return {"neuron_infer": __version__, "torch": torch.__version__, "transformers": transformers.__version__}
 

@@ -29,13 +29,25 @@ from typing import Any
 import torch
 from torch import nn
 
-from neuron_infer.compile.neuron_tp import K_OUT, V_OUT, DeviceCacheShape, StepFactory, example_args, model_instance
-from neuron_infer.compile.spec_builder import SpecGraph, spec_graph_list
+from neuron_infer.artifact.plan import GraphSpec, spec_graph_list
+from neuron_infer.artifact.weights import DRAFT_WEIGHTS, empty_model, load_draft_weights
+from neuron_infer.backends.neuron.tp import (
+    K_OUT,
+    V_OUT,
+    DeviceCacheShape,
+    StepFactory,
+    cache_dtype,
+    example_args,
+    model_instance,
+    rank_cache,
+)
 from neuron_infer.config import BuildConfig, ModelConfig, QuantConfig
+from neuron_infer.model.kv_cache import CacheShape
 from neuron_infer.model.llama import BucketStep, LlamaModel
 from neuron_infer.model.nki_neuron import neuron_target
-from neuron_infer.runtime.engine import CacheShape, GraphSpec
-from neuron_infer.runtime.spec_step import SpecCacheLayout, speculate, uniforms_width
+from neuron_infer.model.spec_step import SpecCacheLayout, speculate, uniforms_width
+from neuron_infer.parallel.plan import ShardPlan
+from neuron_infer.quant import apply_quantization
 
 ROLES = {"target": 1, "draft": 2, "fused_greedy": 3, "fused_sample": 4}  # role tensor length per role
 DK_OUT, DV_OUT = 3, 4  # output indices of the updated draft caches
@@ -95,9 +107,6 @@ class SpecStepFactory:
     k: int
 
     def __call__(self) -> SpecSPMDStep:
-        from neuron_infer.compile.neuron_tp import rank_cache
-        from neuron_infer.parallel.plan import ShardPlan
-
         t = self.target
         target_step = t()  # an SPMDStep of this bucket (imports NxD): the target shard, materialized as without a draft
         build = BuildConfig.from_dict(t.build)
@@ -116,12 +125,8 @@ class SpecStepFactory:
 
 def draft_skeleton(cfg: ModelConfig, build: BuildConfig, quant: str) -> LlamaModel:
     """The whole draft on the meta device with its quantized structure; plain ops: it runs no collectives."""
-    from neuron_infer.compile.weights import empty_model
-
     draft = empty_model(cfg, build)
     if quant != "none":
-        from neuron_infer.quant import apply_quantization
-
         apply_quantization(draft, QuantConfig(scheme=quant), structure_only=True)
     return draft
 
@@ -129,8 +134,6 @@ def draft_skeleton(cfg: ModelConfig, build: BuildConfig, quant: str) -> LlamaMod
 def draft_cache(cfg: ModelConfig, build: BuildConfig, tp: int) -> DeviceCacheShape:
     """The draft's device cache on every rank: all of its KV heads, the target's blocks (`tp` counts the replicas
     in nbytes)."""
-    from neuron_infer.compile.neuron_tp import cache_dtype
-
     return DeviceCacheShape(cfg.num_layers, build.default_kv_blocks, cfg.num_kv_heads, build.block_size,
                             cfg.head_dim, cache_dtype(build), tp)
 
@@ -139,15 +142,15 @@ def role_tensor(role: str) -> torch.Tensor:
     return torch.zeros(ROLES[role], dtype=torch.int32)  # [r]: names the graph for NxD's routing
 
 
-def graph_role(g: SpecGraph) -> str:
+def graph_role(g: GraphSpec) -> str:
     if g.role == "fused":
         return "fused_sample" if g.sample else "fused_greedy"
     return "target" if g.role == "verify" else "draft"
 
 
-def spec_example_args(build: BuildConfig, g: SpecGraph | GraphSpec) -> tuple[torch.Tensor, ...]:
+def spec_example_args(build: BuildConfig, g: GraphSpec) -> tuple[torch.Tensor, ...]:
     """Inputs of one key of a speculative build (see the module docstring)."""
-    if isinstance(g, GraphSpec):  # a plain target graph
+    if g.role in ("context", "tokengen"):  # a plain target graph
         ids, pos, idx, attend, table = example_args(build, g)
         return (ids, pos, idx, attend, role_tensor("target"), table)
     role, b = graph_role(g), g.batch
@@ -176,7 +179,7 @@ def add_spec_keys(nxd: Any, builder: Any, build: BuildConfig, plan_graphs: list[
         factory = SpecStepFactory(factory_of(g.attend), draft_cfg, quant, graph_role(g), k)
         builder.add(key=g.name, model_instance=model_instance(nxd, factory),
                     example_inputs=[spec_example_args(build, g)], compiler_args=compiler_args)
-        records[g.name] = {"kind": g.role, "tokens": g.tokens, "attend": g.attend, "batch": g.batch}
+        records[g.name] = {"kind": g.kind, "model": g.model, "tokens": g.tokens, "attend": g.attend, "batch": g.batch}
     for g in plan_graphs:  # the plain target graphs, as keys of the same speculative module
         factory = SpecStepFactory(factory_of(g.attend), draft_cfg, quant, "target", k)
         builder.add(key=g.name, model_instance=model_instance(nxd, factory),
@@ -186,8 +189,6 @@ def add_spec_keys(nxd: Any, builder: Any, build: BuildConfig, plan_graphs: list[
 
 def draft_rank_weights(root: Path, manifest, target: LlamaModel) -> dict[str, torch.Tensor]:
     """The draft's weights named as SpecSPMDStep parameters (the same on every rank)."""
-    from neuron_infer.compile.spec_builder import DRAFT_WEIGHTS, load_draft_weights
-
     info = manifest.extra["speculation"]
     draft = draft_skeleton(ModelConfig.from_dict(info["config"]), manifest.build, info["quant"]["scheme"])
     load_draft_weights(draft, target, root / DRAFT_WEIGHTS, info["shared"])

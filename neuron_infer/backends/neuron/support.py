@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from neuron_infer.compile.neuron_platform import LNC_ENV, PLATFORM_ENV, PLATFORM_LNC, platform_target
+from neuron_infer.backends.neuron.platform import LNC_ENV, PLATFORM_ENV, PLATFORM_LNC, platform_target, resolve_target
 from neuron_infer.errors import BackendUnavailableError
 
 DISTRIBUTIONS = ("torch-neuronx", "neuronx-cc", "neuronx-distributed", "nki")
@@ -91,8 +92,6 @@ class SupportReport:
 
 def installed_versions() -> dict[str, str | None]:
     """The installed version of each SDK distribution (None when absent), from the package metadata."""
-    from importlib import metadata  # noqa: PLC0415
-
     out: dict[str, str | None] = {}
     for dist in DISTRIBUTIONS:
         try:
@@ -206,7 +205,7 @@ def check(platform: str | None, platform_source: str, lnc: int | None, versions:
 
 
 def detect_platform(sdk: Any | None, itype: str | None) -> tuple[str | None, str]:
-    """(platform, where it came from): the override variable or torch-neuronx (compile/neuron_platform.py's
+    """(platform, where it came from): the override variable or torch-neuronx (backends/neuron/platform.py's
     `platform_target`, the one a compile uses), else the instance type."""
     if os.environ.get(PLATFORM_ENV, "").strip():
         return platform_target(sdk), PLATFORM_ENV
@@ -217,7 +216,7 @@ def detect_platform(sdk: Any | None, itype: str | None) -> tuple[str | None, str
 
 
 def resolved_lnc(platform: str | None, build_lnc: int | None) -> int | None:
-    """NEURON_LOGICAL_NC_CONFIG, then the build's lnc, then the platform default (compile/neuron_platform.py);
+    """NEURON_LOGICAL_NC_CONFIG, then the build's lnc, then the platform default (backends/neuron/platform.py);
     an unparsable value is reported as is by the check rather than raised here."""
     env = os.environ.get(LNC_ENV, "").strip()
     if env:
@@ -243,8 +242,6 @@ def machine_report(sdk: Any | None, *, build_lnc: int | None = None, kernels: st
 def preflight(sdk: Any, build, tp: int = 1) -> None:
     """Before `compile --target neuron`: the same check as `neuron-infer doctor`, raised as one error (the LNC
     resolution's own errors first, as the compile would raise them)."""
-    from neuron_infer.compile.neuron_platform import resolve_target  # noqa: PLC0415
-
     resolve_target(sdk, build.lnc)
     imported = ("torch-neuronx",) + (("neuronx-distributed",) if tp > 1 else ())
     machine_report(sdk, build_lnc=build.lnc, kernels=build.kernels, tp=tp, imported=imported).raise_if_unsupported()

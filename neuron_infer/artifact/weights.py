@@ -1,0 +1,142 @@
+"""Building a model from checkpoint tensors, and an artifact's weight files: one per rank, the draft's own."""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from neuron_infer.artifact.arena import ALIGN, pack_weights
+from neuron_infer.config import BuildConfig, ModelConfig, QuantConfig
+from neuron_infer.errors import ArtifactError
+from neuron_infer.model.llama import LlamaModel, LocalLayout
+from neuron_infer.model.op_tables import get_ops
+from neuron_infer.model.ops import Ops
+from neuron_infer.quant import apply_quantization, default_fp8_not_convert
+from neuron_infer.quant.tiled import tile_structure
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DRAFT_WEIGHTS = "weights/draft_rank0.safetensors"
+
+
+def empty_model(cfg: ModelConfig, build: BuildConfig, layout: LocalLayout | None = None,
+                ops: Ops | None = None) -> LlamaModel:
+    """A model skeleton on the meta device (no memory, no random init)."""
+    with torch.device("meta"):
+        return LlamaModel(cfg, layout, ops or get_ops(build.kernels), max_positions=build.max_length).eval()
+
+
+def build_float_model(cfg: ModelConfig, build: BuildConfig, state: dict[str, torch.Tensor],
+                      layout: LocalLayout | None = None, ops: Ops | None = None) -> LlamaModel:
+    """Model in the build dtype from (HF-named, already validated) tensors; tied head re-shared."""
+    model = empty_model(cfg, build, layout, ops)
+    dtype = DTYPES[build.dtype]
+    state = {k: v.to(dtype) for k, v in state.items()}
+    if cfg.tie_word_embeddings:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    model.load_state_dict(state, strict=True, assign=True)
+    model.tie_weights()
+    model.materialize_buffers()
+    return model
+
+
+def _shared_with_embedding(model: LlamaModel) -> bool:
+    head = getattr(model.lm_head, "weight", None)
+    return head is not None and head is model.model.embed_tokens.weight
+
+
+def save_rank_weights(model: LlamaModel, path: Path) -> int:
+    """Write this rank's parameters and persistent buffers once (a tied head is stored as the embedding only)."""
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if _shared_with_embedding(model):
+        state.pop("lm_head.weight")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(path))
+    return sum(t.numel() * t.element_size() for t in state.values())
+
+
+def read_packed(path: Path, what: str = "weights") -> dict[str, torch.Tensor]:
+    """A weights file's tensors, read one at a time into one huge-page block (artifact/arena.py): fewer TLB misses
+    when a decode step streams them all, and no second full copy of the weights while loading."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            names = list(f.keys())
+            capacity = path.stat().st_size + len(names) * ALIGN  # the file holds every tensor's bytes
+            return pack_weights(((k, f.get_tensor(k)) for k in names), capacity)
+    except (OSError, SafetensorError) as e:
+        raise ArtifactError(f"cannot read {what} {path} ({e}); recompile the model") from e
+
+
+def load_rank_weights(model: LlamaModel, path: Path) -> None:
+    """Fill a meta-device skeleton (already given its quantized structure) from a weights file."""
+    assign_state(model, read_packed(path), f"weights {path} do not match the model the manifest describes")
+
+
+def rank_model(cfg: ModelConfig, build: BuildConfig, path: Path, layout: LocalLayout | None = None,
+               ops: Ops | None = None) -> LlamaModel:
+    """One rank's model with the build's quantized structure, its weights read from `path`."""
+    model = empty_model(cfg, build, layout, ops)
+    quant_structure(model, build)
+    load_rank_weights(model, path)
+    return model
+
+
+def assign_state(model: LlamaModel, state: dict[str, torch.Tensor], mismatch: str) -> None:
+    """Fill a meta-device skeleton from `state` (strict); a tied plain head reuses the embedding tensor."""
+    plain_head = type(model.lm_head) is torch.nn.Linear
+    if model.cfg.tie_word_embeddings and plain_head and "lm_head.weight" not in state:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    try:
+        model.load_state_dict(state, strict=True, assign=True)
+    except RuntimeError as e:
+        raise ArtifactError(f"{mismatch}: {e}") from e
+    model.tie_weights()
+    model.materialize_buffers()
+
+
+# ---- the quantized structure of a build -----------------------------------------------------------------------
+def resolve_quant(qcfg: QuantConfig, num_layers: int) -> QuantConfig:
+    """Fill the scheme's default modules_to_not_convert (fp8: attention, first and last MLP, lm_head)."""
+    if qcfg.modules_to_not_convert is not None:
+        return qcfg
+    default = default_fp8_not_convert(num_layers) if qcfg.scheme == "fp8" else ()
+    return dataclasses.replace(qcfg, modules_to_not_convert=default)
+
+
+def quant_structure(model: LlamaModel, build: BuildConfig) -> None:
+    """Give a meta-device skeleton the quantized (and tiled) module structure of the build (before loading weights)."""
+    if build.quant.scheme != "none":
+        apply_quantization(model, resolve_quant(build.quant, model.cfg.num_layers), structure_only=True)
+    if build.quant.weight_tiling:
+        tile_structure(model)
+
+
+# ---- draft weights: stored once, tensors equal to the target's shared ---------------------------------------------
+def save_draft_weights(draft: LlamaModel, target: LlamaModel, path: Path,
+                       shareable: Callable[[str], bool] = lambda name: True) -> list[str]:
+    """Write the draft tensors that differ from the target's; return the names taken from the target. At tp > 1
+    `target` is rank 0's shard and `shareable` admits only tensors every rank holds whole (the norms)."""
+    tstate, shared, own = target.state_dict(), [], {}
+    for name, t in draft.state_dict().items():
+        ref = tstate.get(name) if shareable(name) else None
+        if ref is not None and ref.dtype == t.dtype and ref.shape == t.shape and torch.equal(ref, t):
+            shared.append(name)
+        else:
+            own[name] = t.contiguous()
+    tied = draft.lm_head.weight is draft.model.embed_tokens.weight if hasattr(draft.lm_head, "weight") else False
+    if tied and "lm_head.weight" in own:
+        own.pop("lm_head.weight")  # re-tied at load
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file(own, str(path))
+    return sorted(shared)
+
+
+def load_draft_weights(draft: LlamaModel, target: LlamaModel, path: Path, shared: list[str]) -> None:
+    """Fill a meta-device draft skeleton: its own file plus the target's tensors named in `shared` (same memory)."""
+    state = read_packed(path, "draft weights")
+    tstate = target.state_dict()
+    state.update({n: tstate[n] for n in shared})
+    assign_state(draft, state, f"draft weights {path} do not match the manifest's draft model")
