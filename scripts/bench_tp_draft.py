@@ -26,7 +26,7 @@ import torch
 from neuron_infer.artifact.plan import cache_shape
 from neuron_infer.artifact.weights import build_float_model
 from neuron_infer.checkpoint import load_checkpoint
-from neuron_infer.compile.tp import build_rank_model
+from neuron_infer.compile.tp import RankSet
 from neuron_infer.config import BuildConfig, ModelConfig
 from neuron_infer.model.llama import BucketStep
 from neuron_infer.parallel.launch import run_ranks
@@ -56,7 +56,7 @@ def rank_bench(ctx, draft_dir: str, dtype: str, steps: int, rounds: int) -> dict
     state = load_checkpoint(Path(draft_dir), cfg)
     whole = build_float_model(cfg, build, state)
     plan = ShardPlan.build(cfg, ctx.world_size)
-    shard, _ = build_rank_model(cfg, build, plan, ctx.rank, state, Path(draft_dir))
+    shard = RankSet(plan.tp, plan, "cpu-eager", None, False).float_model(cfg, build, state, ctx.rank)
     got = {"replicated": [], "sharded": []}
     for _ in range(rounds):
         got["replicated"].append(_time_steps(whole, build, steps))

@@ -1,4 +1,14 @@
-"""`compile`: checkpoint dir -> artifact dir (weights per rank, one graph per (sub-model, bucket), manifest last)."""
+"""`compile`: checkpoint dir -> artifact dir, one pipeline for every tp degree (tp = 1 is the case of one rank).
+
+    ARTIFACTS/
+      weights/rank{r}.safetensors   rank r's weights (its shard at tp > 1; quantized, tiled), stored once
+      graphs/...                    tp = 1: the rank's graphs; tp > 1: graphs/rank{r}/ (CPU), graphs/nxd_model.pt (Neuron)
+      tokenizer/                    the checkpoint's tokenizer files
+      manifest.json                 written last; at tp > 1 also the shard plan and the per-rank weight bytes
+
+Per rank: its float model (the whole checkpoint at tp = 1, its shard otherwise), quantized, its weights written,
+its graphs compiled (compile/graphs.py); the draft model (speculation) is built and saved once, with rank 0.
+"""
 from __future__ import annotations
 
 import sys
@@ -14,14 +24,14 @@ from neuron_infer.artifact.manifest import (
     package_versions,
     write_manifest,
 )
-from neuron_infer.artifact.weights import build_float_model, save_rank_weights
-from neuron_infer.backends import get_backend
+from neuron_infer.artifact.weights import save_rank_weights
+from neuron_infer.backends.neuron.tp_graphs import compile_neuron_tp_graphs
 from neuron_infer.checkpoint import check_tokenizer, checkpoint_fingerprint, load_checkpoint
 from neuron_infer.compile.graphs import compile_graphs
 from neuron_infer.compile.inputs import check_build_against_model, copy_tokenizer, source_dirs
 from neuron_infer.compile.quantize_step import quantize_model
-from neuron_infer.compile.spec_builder import compile_speculation
-from neuron_infer.compile.tp import compile_tp_model
+from neuron_infer.compile.spec_builder import compile_spec_graphs, prepare_speculation, speculation_extra
+from neuron_infer.compile.tp import RankSet, is_spec_graph
 from neuron_infer.config import BuildConfig, ModelConfig
 from neuron_infer.oserrors import check_output_location, writing_to
 
@@ -41,37 +51,54 @@ def compile_model(model_dir: str | Path, out_dir: str | Path, build: BuildConfig
     check_output_location(Path(out_dir))
     build = build.replace(kv_block_size=build.block_size)  # the manifest records the block size it was built with
     with writing_to(Path(out_dir)):
-        if build.tp_degree != 1:  # per-rank shards and graphs (neuron_infer.compile.tp)
-            return compile_tp_model(model_dir, out_dir, build, backend=backend, overwrite=overwrite, say=say)
-        return _compile_one_rank(model_dir, out_dir, build, backend, overwrite, say)
+        return _compile(Path(model_dir), Path(out_dir), build, backend, overwrite, say)
 
 
-def _compile_one_rank(model_dir: str | Path, out_dir: str | Path, build: BuildConfig, backend: str | None,
-                      overwrite: bool, say: Progress) -> Manifest:
+def _compile(model_dir: Path, out_dir: Path, build: BuildConfig, backend: str | None, overwrite: bool,
+             say: Progress) -> Manifest:
     t_start = time.perf_counter()
-    model_dir = Path(model_dir)
     cfg = ModelConfig.from_model_dir(model_dir)
     check_build_against_model(cfg, build)
     check_tokenizer(model_dir, cfg)
-    be = get_backend(backend or build.target)
-    if hasattr(be, "bind_build"):  # neuron: the build's logical-NeuronCore degree (backends/neuron/platform.py)
-        be.bind_build(build)
-    with atomic_directory(Path(out_dir), overwrite, source_dirs(model_dir, build)) as tmp:
+    ranks = RankSet.of(cfg, build, backend, say)  # the plan, the graph backend; refusals before any work
+    with atomic_directory(out_dir, overwrite, source_dirs(model_dir, build)) as tmp:
         state = load_checkpoint(model_dir, cfg)
-        model = build_float_model(cfg, build, state)
+        graphs, extra, spec = _write_ranks(cfg, build, ranks, state, model_dir, tmp, say)
+        if ranks.nxd:  # Neuron at tp > 1: one neuronx-distributed model holds every rank's graphs
+            graphs = compile_neuron_tp_graphs(tmp, cfg, build, ranks.plan, say, spec)
+        extra.update(ranks.extra(cfg, build, state))
         del state
-        extra = {"quant": quantize_model(model, build, model_dir)}
-        save_rank_weights(model, tmp / "weights" / "rank0.safetensors")
-        graphs = compile_graphs(model, build, be, tmp / "graphs", say, weights=tmp / "weights" / "rank0.safetensors")
-        if build.speculation is not None:
-            spec_graphs, spec_extra = compile_speculation(model_dir, cfg, build, model, be, tmp, say)
-            graphs.update(spec_graphs)
-            extra.update(spec_extra)
+        if spec is not None:
+            extra.update(speculation_extra(spec[1], build, [n for n, g in graphs.items() if is_spec_graph(g)]))
         copy_tokenizer(model_dir, tmp / "tokenizer")
         extra["compile_seconds"] = round(time.perf_counter() - t_start, 3)
-        manifest = Manifest(FORMAT_VERSION, package_versions(), be.name, cfg, build,
+        manifest = Manifest(FORMAT_VERSION, package_versions(), ranks.backend_name, cfg, build,
                             checkpoint_fingerprint(model_dir), graphs, hash_tree(tmp), extra)
         write_manifest(tmp, manifest)
     files = {g.get("graph", name) for name, g in graphs.items()}
-    say(f"compiled {len(files)} graph{'s' * (len(files) != 1)} into {out_dir} in {extra['compile_seconds']:.1f} s")
+    say(f"compiled {len(files)} graph{'s' * (len(files) != 1)}{ranks.times} into {out_dir} "
+        f"{ranks.weights_note(extra)}in {extra['compile_seconds']:.1f} s")
     return manifest
+
+
+def _write_ranks(cfg: ModelConfig, build: BuildConfig, ranks: RankSet, state: dict, model_dir: Path, tmp: Path,
+                 say: Progress) -> tuple[dict, dict, tuple | None]:
+    """Every rank's weight file and (with a per-rank graph backend) its graphs -> (graph records, manifest extra,
+    (draft model or None, speculation info) when the build speculates, else None). The draft is built and saved
+    once, with rank 0 (replicated: every rank runs the whole draft); its graphs join each rank's."""
+    graphs, quant, records, spec = {}, [], [], None
+    for r in range(ranks.tp):
+        model = ranks.float_model(cfg, build, state, r)
+        quant.append(quantize_model(model, build, model_dir))
+        weights = tmp / "weights" / f"rank{r}.safetensors"
+        records.append(ranks.weight_record(model, r, save_rank_weights(model, weights)))
+        if r == 0 and build.speculation is not None:
+            spec = prepare_speculation(model_dir, cfg, build, model, tmp, ranks.shareable)
+        if ranks.backend is not None:
+            rank_dir, rank_say = ranks.graphs_dir(tmp, r), ranks.rank_say(say, r)
+            mine = compile_graphs(model, build, ranks.backend, rank_dir, rank_say, weights=weights)
+            if spec is not None:
+                mine.update(compile_spec_graphs(model, spec[0], build, ranks.backend, rank_dir, rank_say))
+            graphs = ranks.merge_graphs(graphs, mine)
+        del model
+    return graphs, ranks.quant_extra(build, quant, records), spec

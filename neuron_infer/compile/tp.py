@@ -1,4 +1,5 @@
-"""`compile` at `tp_degree > 1`: one weight file and one graph directory per rank, the plan in the manifest.
+"""The ranks of a compile (compile/builder.py runs one pipeline over them): at tp > 1 one weight file and one graph
+directory per rank, the plan in the manifest.
 
     ARTIFACTS/
       weights/rank{r}.safetensors   rank r's shard only (shard_state_dict), quantized per rank when --quant is set
@@ -20,29 +21,16 @@ identical to tp = 1 when each rank's input slice is a multiple of 32.
 """
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from neuron_infer.artifact.manifest import (
-    FORMAT_VERSION,
-    Manifest,
-    atomic_directory,
-    hash_tree,
-    package_versions,
-    write_manifest,
-)
-from neuron_infer.artifact.weights import DTYPES, build_float_model, save_rank_weights
+from neuron_infer.artifact.weights import DTYPES, build_float_model
 from neuron_infer.backends import get_backend
 from neuron_infer.backends.neuron.tp import NEURON_TP_NOTE, import_nxd
-from neuron_infer.backends.neuron.tp_graphs import compile_neuron_tp_graphs
-from neuron_infer.checkpoint import check_tokenizer, checkpoint_fingerprint, load_checkpoint
-from neuron_infer.compile.graphs import compile_graphs
-from neuron_infer.compile.inputs import check_build_against_model, copy_tokenizer, source_dirs
-from neuron_infer.compile.quantize_step import quantize_model
-from neuron_infer.compile.spec_builder import compile_spec_graphs, prepare_speculation, speculation_extra
 from neuron_infer.config import BuildConfig, ModelConfig
 from neuron_infer.errors import ConfigError
 from neuron_infer.model.llama import LlamaModel
@@ -87,88 +75,9 @@ def full_sharded_bytes(cfg: ModelConfig, build: BuildConfig, state: dict[str, to
                if not _replicated(k) and not (tied_head and k == "lm_head.weight"))
 
 
-def build_rank_model(cfg: ModelConfig, build: BuildConfig, plan: ShardPlan, rank: int,
-                     state: dict[str, torch.Tensor], model_dir: Path) -> tuple[LlamaModel, dict]:
-    """Rank `rank`'s float model from the full checkpoint state, quantized when the build asks; (model, quant)."""
-    mine = shard_state_dict(state, cfg, plan, rank)
-    model = build_float_model(cfg, build, mine, rank_layout(plan.ranks[rank]), tp_ops(build.kernels))
-    del mine
-    return model, quantize_model(model, build, model_dir)
-
-
-def compile_tp_model(model_dir: str | Path, out_dir: str | Path, build: BuildConfig, *, backend: str | None = None,
-                     overwrite: bool = False, say: Progress = print) -> Manifest:
-    """Compile `model_dir` for `build.tp_degree` ranks into `out_dir` atomically; returns the manifest."""
-    t_start = time.perf_counter()
-    model_dir = Path(model_dir)
-    cfg = ModelConfig.from_model_dir(model_dir)
-    check_build_against_model(cfg, build)
-    check_tokenizer(model_dir, cfg)
-    plan = ShardPlan.build(cfg, build.tp_degree)  # rejects degrees the plan cannot express, before any work
-    if build.quant.scheme == "w8a8":
-        raise ConfigError("--quant w8a8 calibrates SmoothQuant scales on full-model activations, which a single rank "
-                          "does not see; compile w8a8 at --tp-degree 1 (or use int8/fp8/mxfp8/mxfp4 with TP)")
-    be_name = tp_backend_name(build, backend)
-    be, note = _tp_graph_builder(be_name, get_backend)
-    say(f"note: {note}")
-    say(f"tensor parallelism: {plan.summary()}")
-    with atomic_directory(Path(out_dir), overwrite, source_dirs(model_dir, build)) as tmp:
-        state = load_checkpoint(model_dir, cfg)
-        records, quant, graphs, spec = _write_ranks(cfg, build, plan, state, model_dir, tmp, be, say)
-        if be_name == "neuron":
-            graphs = compile_neuron_tp_graphs(tmp, cfg, build, plan, say, spec)
-        extra = {
-            "tp_plan": plan.to_dict(), "tp_rank_weights": records, "tp_backend_note": note,
-            "tp_full_sharded_bytes": full_sharded_bytes(cfg, build, state),
-            "quant": quant[0] if build.quant.scheme == "none" else {**quant[0], "per_rank": quant},
-        }
-        if build.speculation is not None:
-            extra.update(speculation_extra(spec[1], build, [n for n in graphs if _is_spec_graph(n)]))
-        del state
-        copy_tokenizer(model_dir, tmp / "tokenizer")
-        extra["compile_seconds"] = round(time.perf_counter() - t_start, 3)
-        manifest = Manifest(FORMAT_VERSION, package_versions(), be_name, cfg, build,
-                            checkpoint_fingerprint(model_dir), graphs, hash_tree(tmp), extra)
-        write_manifest(tmp, manifest)
-    per_rank = max(rec["bytes"] for rec in records)
-    say(f"compiled {len(graphs)} graphs x {plan.tp} ranks into {out_dir} ({per_rank / 2**20:.1f} MiB weights/rank) "
-        f"in {extra['compile_seconds']:.1f} s")
-    return manifest
-
-
-def _tp_graph_builder(be_name: str, get_backend) -> tuple[object | None, str]:
-    """(per-rank graph backend or None, note for the log and manifest)."""
-    if be_name == "neuron":
-        import_nxd()  # fail before any work when neuronx-distributed is absent
-        return None, NEURON_TP_NOTE
-    return get_backend(be_name), CPU_TP_NOTE
-
-
-def _write_ranks(cfg, build, plan, state, model_dir, tmp: Path, be, say: Progress
-                 ) -> tuple[list, list, dict, tuple | None]:
-    """Every rank's weight file (and, with a per-rank backend, its graphs): (byte records, quant reports, graphs,
-    (draft model or None, speculation info) when the build speculates, else None). The draft is built and saved
-    once (replicated: every rank runs the whole draft, see docs/speculation.md); its graphs join each rank's."""
-    records, quant, graphs, spec = [], [], {}, None
-    for r in range(plan.tp):
-        model, q = build_rank_model(cfg, build, plan, r, state, model_dir)
-        nbytes = save_rank_weights(model, tmp / "weights" / f"rank{r}.safetensors")
-        records.append(rank_weight_record(model, r, nbytes))
-        quant.append(q)
-        if r == 0 and build.speculation is not None:
-            spec = prepare_speculation(model_dir, cfg, build, model, tmp, _replicated)
-        if be is not None:
-            rank_say = (lambda m, r=r: say(f"rank {r}: {m}"))
-            graphs = _merge_graphs(graphs, compile_graphs(model, build, be, tmp / "graphs" / f"rank{r}", rank_say))
-            if spec is not None:
-                meta = compile_spec_graphs(model, spec[0], build, be, tmp / "graphs" / f"rank{r}", rank_say)
-                graphs = _merge_graphs(graphs, meta)
-        del model
-    return records, quant, graphs, spec
-
-
-def _is_spec_graph(name: str) -> bool:
-    return name.startswith(("draft_", "verify_", "fused_"))
+def is_spec_graph(record: dict) -> bool:
+    """A speculation graph's manifest record (the draft model's, a verify or a fused step)."""
+    return record.get("model") == "draft" or record.get("kind") in ("verify", "fused")
 
 
 def _merge_graphs(graphs: dict, rank_graphs: dict) -> dict:
@@ -178,3 +87,82 @@ def _merge_graphs(graphs: dict, rank_graphs: dict) -> dict:
         entry = graphs.setdefault(name, {k: meta[k] for k in shared if k in meta} | {"ranks": []})
         entry["ranks"].append({k: v for k, v in meta.items() if k not in shared})
     return graphs
+
+
+@dataclass(frozen=True)
+class RankSet:
+    """The ranks of a compile: tp = 1 is one rank holding the whole model; tp > 1 the shard plan's ranks, whose
+    graphs run eagerly on CPU or as one neuronx-distributed model on Neuron."""
+
+    tp: int
+    plan: ShardPlan | None  # None at tp = 1
+    backend_name: str
+    backend: Any  # the per-rank graph backend; None when neuronx-distributed compiles every rank at once
+    nxd: bool
+
+    @classmethod
+    def of(cls, cfg: ModelConfig, build: BuildConfig, backend: str | None, say: Progress) -> RankSet:
+        """The ranks of a build; unsupported combinations are refused here, before any work."""
+        if build.tp_degree == 1:
+            be = get_backend(backend or build.target)
+            if hasattr(be, "bind_build"):  # neuron: the build's logical-NeuronCore degree (backends/neuron/platform.py)
+                be.bind_build(build)
+            return cls(1, None, be.name, be, False)
+        plan = ShardPlan.build(cfg, build.tp_degree)  # rejects degrees the plan cannot express
+        if build.quant.scheme == "w8a8":
+            raise ConfigError("--quant w8a8 calibrates SmoothQuant scales on full-model activations, which a single "
+                              "rank does not see; compile w8a8 at --tp-degree 1 (or use int8/fp8/mxfp8/mxfp4 with TP)")
+        name = tp_backend_name(build, backend)
+        if name == "neuron":
+            import_nxd()  # fail before any work when neuronx-distributed is absent
+        say(f"note: {NEURON_TP_NOTE if name == 'neuron' else CPU_TP_NOTE}")
+        say(f"tensor parallelism: {plan.summary()}")
+        return cls(plan.tp, plan, name, None if name == "neuron" else get_backend(name), name == "neuron")
+
+    def float_model(self, cfg: ModelConfig, build: BuildConfig, state: dict[str, torch.Tensor],
+                    rank: int) -> LlamaModel:
+        """Rank `rank`'s float model from the full checkpoint state."""
+        if self.plan is None:
+            return build_float_model(cfg, build, state)
+        mine = shard_state_dict(state, cfg, self.plan, rank)
+        return build_float_model(cfg, build, mine, rank_layout(self.plan.ranks[rank]), tp_ops(build.kernels))
+
+    def shareable(self, name: str) -> bool:
+        """Tensors a draft may share with rank 0's model: all at tp = 1, the whole (replicated) norms otherwise."""
+        return self.plan is None or _replicated(name)
+
+    def graphs_dir(self, root: Path, rank: int) -> Path:
+        return root / "graphs" if self.plan is None else root / "graphs" / f"rank{rank}"
+
+    def rank_say(self, say: Progress, rank: int) -> Progress:
+        return say if self.plan is None else (lambda m: say(f"rank {rank}: {m}"))
+
+    def merge_graphs(self, graphs: dict, rank_graphs: dict) -> dict:
+        return rank_graphs if self.plan is None else _merge_graphs(graphs, rank_graphs)
+
+    def weight_record(self, model: LlamaModel, rank: int, nbytes: int) -> dict:
+        return rank_weight_record(model, rank, nbytes)
+
+    def quant_extra(self, build: BuildConfig, quant: list[dict], records: list[dict]) -> dict:
+        """The manifest's quantization record (per rank at tp > 1) and, at tp > 1, the weight bytes per rank."""
+        if self.plan is None:
+            return {"quant": quant[0]}
+        q = quant[0] if build.quant.scheme == "none" else {**quant[0], "per_rank": quant}
+        return {"quant": q, "tp_rank_weights": records}
+
+    def extra(self, cfg: ModelConfig, build: BuildConfig, state: dict[str, torch.Tensor]) -> dict:
+        """The manifest records of tensor parallelism: the plan, the backend note, the unsharded yardstick."""
+        if self.plan is None:
+            return {}
+        note = NEURON_TP_NOTE if self.nxd else CPU_TP_NOTE
+        return {"tp_plan": self.plan.to_dict(), "tp_backend_note": note,
+                "tp_full_sharded_bytes": full_sharded_bytes(cfg, build, state)}
+
+    @property
+    def times(self) -> str:
+        return "" if self.plan is None else f" x {self.tp} ranks"
+
+    def weights_note(self, extra: dict) -> str:
+        if self.plan is None:
+            return ""
+        return f"({max(r['bytes'] for r in extra['tp_rank_weights']) / 2**20:.1f} MiB weights/rank) "
