@@ -1,4 +1,5 @@
-"""`compile`: checkpoint dir -> artifact dir (weights per rank, one graph per (sub-model, bucket), manifest last)."""
+"""`compile`: checkpoint dir -> artifact dir (weights per rank; graphs per sub-model, one per shape class where the
+backend takes dynamic shapes (CPU), else one per bucket; manifest last)."""
 from __future__ import annotations
 
 import dataclasses
