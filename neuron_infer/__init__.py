@@ -1,4 +1,5 @@
-"""neuron-infer: compile Llama-family checkpoints into per-bucket graphs and generate from them.
+"""neuron-infer: compile Llama-family checkpoints into graphs (on a CPU one per phase, on Neuron one per bucket) and
+generate from them.
 
 Importing this package is cheap: torch, transformers and any Neuron SDK module are imported where they are used.
 Python API: `neuron_infer.api` (compile_model, load, generate).

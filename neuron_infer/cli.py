@@ -134,7 +134,8 @@ def _preset(kw: dict, embedded: bool):
 ))
 @click.version_option(package_name="neuron-infer")
 def cli() -> None:
-    """Compile Llama-family checkpoints into per-bucket graphs and generate from them."""
+    """Compile Llama-family checkpoints into graphs (on a CPU one per phase, on Neuron one per bucket) and generate
+    from them."""
 
 
 @cli.command("compile", epilog=examples(

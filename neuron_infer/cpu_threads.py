@@ -14,7 +14,7 @@ few tokens per second, while one thread keeps one core to itself and runs at ful
     use(n)                 a fixed count (--threads n, or OMP_NUM_THREADS in the environment): never re-evaluated
 
 The OpenMP wait policy is left at libgomp's default (spin, then sleep): threads are only added when their CPUs
-are free, where spinning is the fast choice; measurements in docs/performance-cpu.md.
+are free, where spinning is the fast choice (docs/cpu-backend.md, "Threads on a busy machine").
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from pathlib import Path
 
 from neuron_infer.errors import ConfigError
 
-PERIOD_S = 0.5  # how often tick() re-samples the load (one /proc/stat read: 0.15 ms measured on a loaded 2-CPU VM)
+PERIOD_S = 0.5  # how often tick() re-samples the load (one /proc/stat read; its cost: docs/cpu-backend.md)
 FIRST_WINDOW_S = 0.05  # the window of the first sample, taken at load
 SLACK = 0.25  # CPUs that others may keep busy before we give one up (background noise; see choose_threads)
 

@@ -75,7 +75,7 @@ _SHA_MEMO: dict[tuple[str, int, int], str] = {}
 
 
 def file_sha256(path: Path) -> str:
-    """sha256 of a file (memoized per process on path, size and mtime; ~0.15 s for the 98 MB GGUF)."""
+    """sha256 of a file (memoized per process on path, size and mtime: hashing the GGUF is not free)."""
     st = path.stat()
     key = (str(path), st.st_size, st.st_mtime_ns)
     if key not in _SHA_MEMO:

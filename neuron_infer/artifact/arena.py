@@ -1,11 +1,9 @@
 """Loaded weights in one block of memory backed by transparent huge pages (Linux), for faster decode on CPU.
 
-A batch-1 decode step streams every weight once. With 4 KiB pages the 269 MB of SmolLM2 span ~66,000 pages, one
-TLB miss each; in 2 MiB pages they span ~135. Measured on this 2-core machine (30-layer SmolLM2-shaped GEMV stack
-under Inductor, 8 interleaved rounds, same process): 7.36 ms with the weights in ordinary anonymous memory, 6.99 ms
-in huge pages. Where the kernel has transparent huge pages off, or `madvise` is unavailable, the block is ordinary
-memory and nothing else changes. Tensors are copied in one at a time as they are read, so loading needs the block
-plus one tensor, not twice the weights.
+A batch-1 decode step streams every weight once. With 4 KiB pages the 269 MB of SmolLM2 span ~66,000 pages, one TLB
+miss each; in 2 MiB pages they span ~135. Where the kernel has transparent huge pages off, or `madvise` is
+unavailable, the block is ordinary memory and nothing else changes. Tensors are copied in one at a time as they are
+read, so loading needs the block plus one tensor, not twice the weights.
 """
 from __future__ import annotations
 

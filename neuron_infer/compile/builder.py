@@ -7,7 +7,8 @@
       manifest.json                 written last; at tp > 1 also the shard plan and the per-rank weight bytes
 
 Per rank: its float model (the whole checkpoint at tp = 1, its shard otherwise), quantized, its weights written,
-its graphs compiled (compile/graphs.py); the draft model (speculation) is built and saved once, with rank 0.
+its graphs compiled (compile/graphs.py: one per shape class where the backend takes dynamic shapes (CPU), else one
+per bucket); the draft model (speculation) is built and saved once, with rank 0.
 """
 from __future__ import annotations
 

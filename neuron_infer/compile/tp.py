@@ -8,9 +8,8 @@ directory per rank, the plan in the manifest.
 
 CPU: rank graphs run eagerly (backend "cpu-eager", recorded in the manifest). The model's collectives are eager
 gloo calls (neuron_infer.parallel.launch) that count progress per rank, which is how a hung rank is named; a compiled
-graph would hide them. (A probe showed AOTInductor can compile torch's *functional* all_reduce over gloo on CPU —
-38 s for a one-matmul graph per rank on this 2-core host — so compiled CPU rank graphs are possible future work;
-they would also have to be compiled inside a live process group.)
+graph would hide them. (AOTInductor can compile torch's *functional* all_reduce over gloo on CPU, so compiled CPU
+rank graphs are possible; they would have to be compiled inside a live process group.)
 
 Quantization per rank: the compile quantization step (apply_quantization) runs on each rank's float shard. Column-parallel layers (q/k/v, gate/up,
 lm_head) have per-output-channel scales identical to tp = 1 (each output row is whole on one rank). Row-parallel

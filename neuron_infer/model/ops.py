@@ -106,7 +106,7 @@ def computed_once(t: torch.Tensor) -> torch.Tensor:
     """`t` itself (a same-layout view in eager); under Inductor, a fusion barrier: `t` is computed into its own
     buffer before the reductions that read it. Without it Inductor inlines cheap producers (RoPE, RMSNorm, the
     softmax normalisation) into the reduction loops that consume them, recomputing them for every output
-    element; the decode step spends ~9% less time with the barriers (README "CPU performance")."""
+    element."""
     return torch.as_strided(t, t.shape, t.stride())
 
 

@@ -188,8 +188,8 @@ def make_generator(seed: int | None) -> torch.Generator:
 
 def host_argmax(logits: torch.Tensor) -> torch.Tensor:
     """logits [..., V] -> ids [...] int64, torch.argmax's result (the first maximum; a NaN counts as the maximum).
-    fp32 CPU tensors go through NumPy, whose argmax took 17 us on a [7, 49152] verify block against PyTorch's 111 us
-    (3 vs 28 us on one row; 2-thread Zen 5 EPYC). Host code only: the graphs keep torch.argmax."""
+    fp32 CPU tensors go through NumPy, whose argmax is the quicker one at these sizes (docs/cpu-backend.md, "Host
+    loop"). Host code only: the graphs keep torch.argmax."""
     if logits.dtype != torch.float32 or logits.device.type != "cpu" or logits.shape[-1] == 0:
         return logits.argmax(-1)
     return torch.from_numpy(np.asarray(np.argmax(logits.detach().numpy(), axis=-1), dtype=np.int64))

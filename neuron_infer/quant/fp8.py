@@ -13,10 +13,9 @@ Bound: with v = w / scale (|v| <= 240, never clipped), |dequant - w| <= scale * 
 half an ulp of a 3-bit mantissa (relative 2**-4) for normals |v| >= 2**-6, half the subnormal step 2**-9 below.
 
 Forward dequantizes after the matmul as on Neuron: y = (x @ fp8_to(w, x.dtype)^T) * scale + bias. The fp8 -> float
-conversion is a bit-exact integer trick (on CPU a bit faster than torch's fp8 `.to()`: 6.1 vs 8.3 ms for 1.77M
-weights, 1 thread, busy machine). CPU has no FP8 GEMM worth using (torch._scaled_mm: 6.7 ms for 576x3072 at M=1),
-so FP8 on CPU is a numerics emulation of the Neuron path — ~25-100x slower than a bf16 GEMV (27 ms eager, 7 ms
-torch.compile'd vs 0.26 ms bf16 for 576->3072, measured); use int8 for CPU speed.
+conversion is a bit-exact integer trick. A CPU has no FP8 GEMM that streams fp8 weights the way the GEMV kernels
+stream bf16 and int8 ones (torch._scaled_mm is a GEMM), so FP8 on CPU is a numerics emulation of the Neuron path,
+far slower than bf16; use int8 for CPU speed.
 
 Saturation (direct casts, e.g. the KV cache): finite values are clamped to [-240, 240] before the RNE cast, so
 +-inf saturate to +-240 and in-range inputs never produce inf/NaN; NaN inputs stay NaN.

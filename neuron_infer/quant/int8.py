@@ -11,20 +11,15 @@ static row count M = prod(x.shape[:-1]) (never from data):
 * inside `base.few_rows_kernels` (the CPU backend's export, where the machine builds its int8 C GEMV
   kernel, backends/cpu/cpu_gemv_int8.cpp), bf16 inputs with M <= max_rows call fn(x [M, in], [q], [scale]) -> [M, out] bf16,
   which streams the int8 weights once for all rows (decode, batched decode, speculative verification);
-* M <= PACK_MAX_ROWS and in % 32 == 0: `torch._weight_int8pack_mm` (int8 weights streamed straight into the dot,
-  bf16 activations, fp32 accumulate) — ~2.5x faster than bf16 F.linear at batch-1 decode. It is a GEMV loop, so it
-  loses to a GEMM beyond ~8 rows, and it returns garbage (or crashes) when in % 32 != 0 (measured, torch 2.13).
-* otherwise: F.linear(x, q.to(x.dtype)) * scale (prefill; tails; every non-CPU device, where e.g. the Neuron
-  compiler sees TNX's "int8 weight, dequantize after the matmul" pattern).
-Measured at SmolLM2-135M shapes (1 thread, interleaved, min of 5): 576->3072 bf16 110 us vs int8pack 44 us;
-1536->576 65 vs 22 us; lm_head 576->49152 3.36 ms vs 1.59 ms; at M=128 int8pack is ~3x slower than bf16.
-Inside AOTInductor decode graphs (the CPU backend rewrites bf16 single-row linears as Inductor GEMVs, which are
-~2x faster than oneDNN's): a 2-layer SmolLM2-shaped model (hidden 576, vocab 49152), 1 thread, CPU time per
-decode token, min of 7 interleaved: bf16 3.74 ms, int8 (int8pack) 2.39 ms. An int8 GEMV written as int8->fp32
-multiply + sum for Inductor (16-wide blocks) was also measured: faster than int8pack in isolation at the vocab
-head (1.49 vs 1.98 ms), but 6.2-6.6 ms per token inside the graph (used for the head only or for every linear),
-so it is not used. Whole SmolLM2-135M, preset smollm2-cpu, 1 thread: bf16 75.3 vs int8 91.6 decode tok/s (1.22x,
-scripts/bench_quant.py).
+* M <= PACK_MAX_ROWS and in % 32 == 0 on CPU: `torch._weight_int8pack_mm` (int8 weights streamed straight into the
+  dot, bf16 activations, fp32 accumulate), for a one-row step outside the kernel (eager graphs, CPUs the kernel does
+  not serve): a decode step is bound by reading the weights, and this reads half the bytes of a bf16 weight without
+  a widened copy. It is a GEMV loop (each row streams the weights again, so a GEMM wins on many rows), it returns
+  garbage when in % 32 != 0, and AOTInductor graphs calling it with 4 rows crashed (torch 2.13), hence one row only;
+* otherwise: F.linear(x, q.to(x.dtype)) * scale (prefill, where the GEMM is bound by arithmetic rather than by the
+  weight bytes; tails; every non-CPU device, where e.g. the Neuron compiler sees TNX's "int8 weight, dequantize
+  after the matmul" pattern).
+Measured speeds of the kernel path: docs/performance.md.
 """
 from __future__ import annotations
 

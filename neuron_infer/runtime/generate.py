@@ -41,8 +41,8 @@ def gc_paused() -> Iterator[None]:
     """Pause Python's cyclic garbage collector for a generation loop (restored afterwards, also on errors).
 
     A decode step allocates a few Python objects, so every few hundred steps a collection walks all the objects
-    torch and transformers created at import (hundreds of thousands): a stall of milliseconds inside a step of
-    ~7 ms. The loop creates no reference cycles; reference counting frees its garbage at once.
+    torch and transformers created at import (hundreds of thousands): a stall of milliseconds inside a decode
+    step. The loop creates no reference cycles; reference counting frees its garbage at once.
     """
     was_enabled = gc.isenabled()
     gc.disable()

@@ -4,7 +4,7 @@
 // bf16, every sum in fp32 and the result rounded once to bf16 (round to nearest even). The kernel reads the cached
 // keys and values in place through the table: no gathered copy of a row's blocks is made.
 //
-// Called directly from AOTInductor-generated wrappers (a C shim); see neuron_infer/compile/cpu_gemv.py for the op,
+// Called directly from AOTInductor-generated wrappers (a C shim); see neuron_infer/backends/cpu/kernels.py for the op,
 // its PyTorch reference twin and how this file is built.
 //
 // Why: decode and verify attention read each cached key and value once for all the query rows of a KV head (the

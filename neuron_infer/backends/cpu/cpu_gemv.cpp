@@ -3,7 +3,7 @@
 // Tensor.to(torch.bfloat16)).
 //
 // Called directly from AOTInductor-generated wrappers (a "C shim": aot_inductor.custom_ops_to_c_shims); see
-// neuron_infer/compile/cpu_gemv.py for the op's definition, its PyTorch reference twin and how this file is built.
+// neuron_infer/backends/cpu/kernels.py for the op's definition, its PyTorch reference twin and how this file is built.
 //
 // Why: decode streams every weight once per step. Each weight row is loaded once for all R input rows, every row's
 // accumulators stay in registers, and the threads split the output columns: one OpenMP loop per call, over the

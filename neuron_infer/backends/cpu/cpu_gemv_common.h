@@ -17,8 +17,8 @@ namespace ni_gemv {
 
 // How far ahead of its reads each GEMV weight stream is prefetched. With the hardware prefetcher alone a thread
 // reading several weight streams stayed well below the memory's read rate (docs/cpu-backend.md, "Alternatives
-// measured slower"); 1 KB ahead kept too few lines in flight for the multi-row steps (on an AVX512-BF16 EPYC the
-// 8-layer bf16 7-token step took 1.2x the time, the int8 one-row step 1.1x; 1-4 KB timed, docs/performance.md).
+// measured slower"); 1 KB ahead kept too few lines in flight for the multi-row steps, which stalled on their weight
+// loads, and farther ahead than 2 KB was no faster.
 constexpr int64_t kPrefetchBytes = 2048;
 
 // Each of C weight streams prefetched kPrefetchBytes past its element i (call once per 64-byte line of the streams).
@@ -210,11 +210,10 @@ constexpr int kGroupRun = 1;
 // per group: width C (a std::integral_constant) with cs = h, or 1 (a last column) with cs = 0; the group writes its
 // result for row r (of R) and its column c to out[r * rs + c * cs_out]. With AVX-512 the groups of a run of up to
 // kGroupRun consecutive ones write into a stage, one 32-word row each (out = the row, rs = width, cs_out = 1), and
-// store_runs moves the run's results to y, consecutive groups' results being consecutive outputs: with each group
-// writing its results into y directly - C x R two-byte stores to as many cache lines (rows apart, and h columns
-// apart) per group - an 8-layer bf16 7-token step took 1.31-1.33x a one-token step's time, which streams the same
-// weights, against 1.03-1.07x with the runs (docs/performance.md, AVX512-BF16 CPU). Without AVX-512 the groups
-// write into y directly (out = y + j, rs = its row stride, cs_out = cs).
+// store_runs moves the run's results to y, consecutive groups' results being consecutive outputs, instead of each
+// group writing C x R two-byte stores to as many cache lines of y (rows apart, and h columns apart), which made a
+// step of several rows cost far more than a one-row step streaming the same weights (docs/cpu-backend.md, "Results
+// stored in runs"). Without AVX-512 the groups write into y directly (out = y + j, rs = its row stride, cs_out = cs).
 template <int C, int R, class F>
 void for_column_groups(const Gemv& g, F&& group) {
   int64_t first[kMaxMats + 1] = {0};

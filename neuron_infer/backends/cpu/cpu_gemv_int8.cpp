@@ -1,7 +1,7 @@
 // int8-weight GEMV for linears with 1-8 input rows: y[R, N] = (x[R, K] @ q[N, K]^T) * scale[N], x bf16, q int8,
 // scale bf16 (per output channel), the result rounded once to bf16 (round to nearest even).
 //
-// Called directly from AOTInductor-generated wrappers (a C shim); see neuron_infer/compile/cpu_gemv.py for the op,
+// Called directly from AOTInductor-generated wrappers (a C shim); see neuron_infer/backends/cpu/kernels.py for the op,
 // its PyTorch reference twin and how this file is built.
 //
 // Integer dot products on 16-bit activations. Each activation row is put on a power-of-two grid once per call:

@@ -4,7 +4,7 @@
 // The dot products are exact int32 sums and every float step is the reference's own (same operations, same
 // order), so the result is bit-identical to quant.smoothquant.w8a8_matmul.
 //
-// Called directly from AOTInductor-generated wrappers (a C shim); see neuron_infer/compile/cpu_gemv.py for the op,
+// Called directly from AOTInductor-generated wrappers (a C shim); see neuron_infer/backends/cpu/kernels.py for the op,
 // its PyTorch twin and how this file is built.
 //
 // Dot products, by the instruction set the library is built for:

@@ -1,7 +1,8 @@
-"""CPU backend: one AOTInductor package per (sub-model, bucket), weights shared by every graph.
+"""CPU backend: one AOTInductor package per (sub-model, shape class), weights shared by every graph.
 
-    compile: torch.export.export(step, example_args)                 static shapes (but the KV caches' block
-                                                                     count), in-place KV-cache writes kept
+    compile: torch.export.export(step, example_args, dynamic)        the shape class's dynamic dims and the KV
+                                                                     caches' block count, in-place KV-cache
+                                                                     writes kept
              -> run_decompositions(linear with few rows -> GEMV)     see `gemv_linear` below
              -> torch._inductor.aoti_compile_and_package(..., package_constants_in_so=False)
              -> graphs/<name>.pt2 (generated C++ kernels + wrapper .so, no weights), graphs/<name>.json and,
@@ -11,24 +12,22 @@
              -> load_constants({fqn: module tensor}, user_managed=True)   the graph reads the module's own tensors
 
 Why this design (measured with scripts/perf_cpu_backends.py; see docs/cpu-backend.md):
-- A graph is compiled ahead of time into a shared library, so `generate` never traces or compiles; loading a
-  package takes a few hundredths of a second.
+- A graph is compiled ahead of time into a shared library, so `generate` never traces or compiles.
 - Weights are not inside the package (`package_constants_in_so=False`): each .pt2 holds only code (a few MB) and
-  all bucket graphs point at the one copy of the weights the runtime already loaded. `user_managed=True` stores
+  all graphs point at the one copy of the weights the runtime already loaded. `user_managed=True` stores
   the tensor pointers, so the returned callable keeps those tensors alive.
 - Inductor freezing / max-autotune GEMM templates would prepack the weights into new constants that only exist
-  inside each package (one weight copy per bucket), so they are not used.
-- Batch-1 decode is bound by streaming the weights. oneDNN's bf16 GEMM at M=1 streams them at roughly a third of the
-  machine's bandwidth, so linear layers on few rows are rewritten at export; larger inputs (prefill) keep the GEMM. bf16
-  linears on 1-8 rows call the C kernel of cpu_gemv.cpp (each weight row loaded once for all rows: AVX512-BF16
+  inside each package (one weight copy per graph), so they are not used.
+- Batch-1 decode is bound by streaming the weights. oneDNN's bf16 GEMM at M=1 streams them at a fraction of the
+  machine's bandwidth, so linear layers on few rows are rewritten at export; larger inputs (prefill) keep the GEMM.
+  bf16 linears on 1-8 rows call the C kernel of cpu_gemv.cpp (each weight row loaded once for all rows: AVX512-BF16
   dot-product instructions, or bf16 widened to fp32 and FMAs on AVX-512 or AVX2), which the generated wrapper calls
-  directly (a C shim). Measured on the SmolLM2 decode step with AVX512-BF16 (scripts/perf_cpu_backends.py, 2 threads, 10
-  interleaved rounds): 6.47 ms with Inductor's reductions, 5.99 ms with the kernel; the AVX-512 and AVX2 numbers are in
-  docs/performance.md. Without AVX2 + FMA, and for fp32, a GEMV on at most `gemv_max_rows` rows is an fp32
-  multiply-and-sum that Inductor turns into a vectorised, row-parallel C++ reduction reading each weight once; with 2-5
-  rows each row gets its own reduction over the shared weight and Inductor fuses them into one pass. In a 30-layer
-  linear stack that reduction loses to the GEMM at 8 rows, hence at most 5 by default; the kernel keeps every row in
-  registers over one weight load, so it takes 1-8 rows regardless (CpuCompileOptions).
+  directly (a C shim); its step costs are in docs/performance.md. Without AVX2 + FMA, and for fp32, a GEMV on at most
+  `gemv_max_rows` rows is an fp32 multiply-and-sum that Inductor turns into a vectorised, row-parallel C++ reduction
+  reading each weight once; with 2-5 rows each row gets its own reduction over the shared weight and Inductor fuses
+  them into one pass. In a 30-layer linear stack that reduction loses to the GEMM at 8 rows, hence at most 5 by
+  default; the kernel keeps every row in registers over one weight load, so it takes 1-8 rows regardless
+  (CpuCompileOptions).
 - Inductor inlines cheap producers into the reductions that read them, so an RMSNorm in front of a GEMV (or RoPE
   in front of the attention scores) would be recomputed for every output row. `computed_once` (model/ops.py) makes
   the GEMV input, the scaled queries and the softmax probabilities buffers of their own, and the generated C++ may
@@ -419,7 +418,7 @@ def _load_package(package: Path, sha256: str) -> Any:
     try:
         # Loading compares the package's CPU ISA with this machine's. By default torch finds the machine's ISA by
         # compiling a probe per candidate ISA and dlopen-ing each in a child Python (3 g++ runs and 6 interpreters
-        # here; measured 1.6-3.3 s of a 4.4-6.7 s graph load on a busy 2-core machine). Nothing is compiled at
+        # here: seconds, most of a graph load). Nothing is compiled at
         # load, so the ISAs the CPU flags list are taken as usable (Linux clears the flags of ISAs the OS does not
         # enable); compiles run without this patch and probe for real.
         with torch._inductor.config.patch({"cpp.vec_isa_ok": True}):
