@@ -37,7 +37,8 @@ from neuron_infer.artifact.manifest import (
 )
 from neuron_infer.chat_template import render_chat
 from neuron_infer.checkpoint import generation_eos_ids
-from neuron_infer.config import BuildConfig, SamplingConfig
+from neuron_infer.compile.builder import compile_model  # noqa: F401  (re-exported)
+from neuron_infer.config import BuildConfig, SamplingConfig  # noqa: F401  (BuildConfig re-exported)
 from neuron_infer.errors import ArtifactError, NeuronInferError
 from neuron_infer.model.sampling import check_vocab
 from neuron_infer.presets import EMBEDDED_PRESET, default_artifact_dir, load_preset
@@ -184,7 +185,7 @@ class CompiledModel:
         return encode_prompt(self.tokenizer, prompt, chat)
 
     def generate_chat(self, messages: list[dict[str, str]], max_new_tokens: int = 64,
-                      sampling: SamplingConfig = SamplingConfig(), ignore_eos: bool = False,
+                      sampling: SamplingConfig = SamplingConfig(), ignore_eos: bool = False,  # noqa: B008
                       on_tokens: OnTokens | None = None, stop: tuple[str, ...] = (),
                       logprobs: int | None = None) -> GenerationOutput:
         """The assistant's next message after `messages` ([{"role": "system"|"user"|"assistant", "content"}])."""
@@ -193,7 +194,7 @@ class CompiledModel:
                                  logprobs=logprobs)
 
     def generate(self, prompts: list[str], max_new_tokens: int = 64,
-                 sampling: SamplingConfig = SamplingConfig(),
+                 sampling: SamplingConfig = SamplingConfig(),  # noqa: B008 (frozen, never mutated)
                  chat: bool = False, ignore_eos: bool = False, on_tokens: OnTokens | None = None,
                  stop: tuple[str, ...] = (), logprobs: int | None = None,
                  grammar: GrammarSpec | None = None) -> GenerationOutput:
@@ -214,7 +215,7 @@ class CompiledModel:
                                  grammar=grammar)
 
     def generate_ids(self, prompts: list[list[int]], max_new_tokens: int = 64,
-                     sampling: SamplingConfig = SamplingConfig(),
+                     sampling: SamplingConfig = SamplingConfig(),  # noqa: B008 (frozen, never mutated)
                      ignore_eos: bool = False, on_tokens: OnTokens | None = None,
                      collect_logits: bool = False, stop: tuple[str, ...] = (),
                      logprobs: int | None = None, grammar: GrammarSpec | None = None) -> GenerationOutput:

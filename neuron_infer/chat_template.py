@@ -73,7 +73,7 @@ def render_chat(tokenizer, messages: list[dict[str, str]]) -> str:
                                "working chat template") from None
     except MemoryError:
         raise NeuronInferError(f"{where}: the chat template ran out of memory") from None
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 (a template may raise anything: jinja errors, TypeError from its code)
         import jinja2
 
         if isinstance(e, jinja2.TemplateError) and type(e) is jinja2.TemplateError:  # raise_exception(message)

@@ -319,17 +319,17 @@ def plan_cmd(model, instance, tp_degree, quant, max_length, batch_size, lnc, as_
     click.echo(json.dumps(p.to_dict()) if as_json else render_capacity_text(p))
 
 
-from neuron_infer.cli_quantize import quantize_cmd
+from neuron_infer.cli_quantize import quantize_cmd  # noqa: E402  (kept torch-free at import)
 
 cli.add_command(quantize_cmd)
 
 import os
 
 from neuron_infer.capacity.presets import resolve_model
-from neuron_infer.cli_cache import cache_group
-from neuron_infer.cli_chat import chat_cmd
-from neuron_infer.cli_doctor import doctor_cmd
-from neuron_infer.cli_info import info_cmd
+from neuron_infer.cli_cache import cache_group  # noqa: E402
+from neuron_infer.cli_chat import chat_cmd  # noqa: E402
+from neuron_infer.cli_doctor import doctor_cmd  # noqa: E402
+from neuron_infer.cli_info import info_cmd  # noqa: E402
 from neuron_infer.config import ModelConfig, SamplingConfig
 from neuron_infer.embedded import default_model_dir
 from neuron_infer.presets import (

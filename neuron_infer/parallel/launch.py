@@ -304,7 +304,7 @@ def _rank_entry(rank: int, tp: int, port: int, worker_fn: Callable[..., Any], ar
         while (request := inbox.get()) is not None:
             out = value(request)
             results.put(("result", rank, _pack(out if rank == 0 else None)))
-    except BaseException as e:
+    except BaseException as e:  # noqa: BLE001 - everything goes back to the parent, named by rank
         results.put(("error", rank, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
     finally:
         if dist.is_initialized():

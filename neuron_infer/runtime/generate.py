@@ -57,7 +57,7 @@ def generate_ids(
     engine: Engine | SpecEngine,
     prompts: list[list[int]],
     max_new_tokens: int,
-    sampling: SamplingConfig = SamplingConfig(),
+    sampling: SamplingConfig = SamplingConfig(),  # noqa: B008 (frozen, never mutated)
     eos_ids: tuple[int, ...] = (),
     ignore_eos: bool = False,
     on_tokens: OnTokens | None = None,
@@ -65,7 +65,7 @@ def generate_ids(
     on_logits: Callable[[torch.Tensor], None] | None = None,
     stop: StopRule | None = None,
     logprobs: int | None = None,
-    options: RunOptions = RunOptions(),
+    options: RunOptions = RunOptions(),  # noqa: B008 (frozen)
     prompt_logprobs: int | None = None,
     grammar: Callable[[], object] | None = None,
 ) -> tuple[list[SequenceResult], Metrics]:

@@ -83,7 +83,7 @@ class Runner:
 
     def __init__(self, engine: Engine | SpecEngine, agree: Agree | None = None,
                  on_logits: Callable[[torch.Tensor], None] | None = None, keep_step_counts: bool = False,
-                 options: RunOptions = RunOptions()):
+                 options: RunOptions = RunOptions()):  # noqa: B008 (frozen)
         """engine: an Engine (speculating when it carries a draft, `engine.spec`) or a SpecEngine. options: prefix
         caching, chunked prefill and the speculation gate (with a draft model, speculate only while speculative steps
         are measured to pay, `SpecGate`, kept on the SpecEngine; off, every step that can speculate does: fixed-k

@@ -41,7 +41,7 @@ class SlotRunner:
     step."""
 
     def __init__(self, engine: Engine, spec: SpecEngine | None = None, agree: Agree | None = None,
-                 options: RunOptions = RunOptions()):
+                 options: RunOptions = RunOptions()):  # noqa: B008 (frozen)
         options = dataclasses.replace(options, prefix_caching=False)  # vLLM's block manager caches prefixes
         self.runner = Runner(spec if spec is not None else engine, agree, options=options)
         self.runner.scheduler.caller_blocks = True  # vLLM allocates every block
