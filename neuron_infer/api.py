@@ -51,6 +51,7 @@ from neuron_infer.runtime.metrics import Metrics, pooled
 from neuron_infer.runtime.options import RunOptions
 from neuron_infer.runtime.rank_group import RankGroup
 from neuron_infer.runtime.sequence import Sequence, StopRule, check_prompt, cut_at_stop
+from neuron_infer.runtime.speculation import Speculation, split
 from neuron_infer.text_input import check_text
 
 OnTokens = Callable[[list[list[int]]], None]
@@ -110,9 +111,11 @@ class CompiledModel:
     """A loaded artifact: tokenizer + engine (weights and compiled graphs), or, for a tensor-parallel CPU artifact,
     the rank group whose processes hold the shards (started at load; `close()` or `with` stops them)."""
 
-    def __init__(self, root: Path, manifest: Manifest, engine: Engine | None, tokenizer, group=None):
-        self.root, self.manifest, self.engine, self.tokenizer = root, manifest, engine, tokenizer
-        self.spec = engine.spec if engine is not None else None  # SpecEngine when compiled with --draft-model
+    def __init__(self, root: Path, manifest: Manifest, model: Engine | Speculation | None, tokenizer, group=None):
+        """model: what load_rank gave (None for a rank group); split into `engine` and `spec`, the speculation
+        strategy when compiled with --draft-model."""
+        self.root, self.manifest, self.tokenizer = root, manifest, tokenizer
+        self.engine, self.spec = split(model) if model is not None else (None, None)
         self.group = group  # runtime.rank_group.RankGroup for a tp > 1 CPU artifact, else None
         self.eos_ids = _eos_ids(manifest, tokenizer, root)
         self.options = RunOptions()  # prefix caching, chunked prefill, speculation gate (`load` sets them)
@@ -239,7 +242,7 @@ class CompiledModel:
             if got is None:
                 return GenerationOutput([], [])
             return GenerationOutput([self._text(_apply_stop(r, rule, sampling), rule) for r in got[0]], got[1])
-        res, m = generate_ids(self.engine, prompts, max_new_tokens, sampling, self.eos_ids, ignore_eos, on_tokens,
+        res, m = generate_ids(self.spec if self.spec is not None else self.engine, prompts, max_new_tokens, sampling, self.eos_ids, ignore_eos, on_tokens,
                               stop=rule, logprobs=logprobs, options=self.options, grammar=make_grammar)
         return GenerationOutput([self._text(r, rule) for r in res], [m])
 

@@ -48,8 +48,8 @@ def graph_call(model, name: str, position: int | None):
         sys.exit(f"error: graph name {name!r} is not <kind>[_b<B>]_t<T>_s<S>")
     engine = model.engine
     graphs = dict(engine.graphs)
-    if engine.spec is not None:
-        graphs.update(engine.spec.graphs)
+    if model.spec is not None:
+        graphs.update(model.spec.graphs)
     if name not in graphs:
         sys.exit(f"error: {model.root} has no graph {name!r}; it has {sorted(graphs)}")
     t, s, kind = int(m["t"]), int(m["s"]), m["kind"]

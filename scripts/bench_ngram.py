@@ -50,8 +50,7 @@ def eager_spec(a: argparse.Namespace) -> NgramSpec:
 
 
 def compiled_spec(artifact: str) -> NgramSpec:
-    target = load_rank(artifact)
-    spec, target.spec = target.spec, None  # the target alone decodes plain (an Engine with .spec would speculate)
+    spec = load_rank(artifact)  # the NgramSpec over the target (its .target decodes plain)
     if not isinstance(spec, NgramSpec) or spec.build.batch_size != 1:
         sys.exit(f"error: {artifact} is not a batch-size-1 artifact compiled with --draft-model ngram")
     return spec

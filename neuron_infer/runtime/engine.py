@@ -46,7 +46,6 @@ class Engine:
         self.k_cache, self.v_cache = cache.allocate()
         self.pool = BlockPool(cache.blocks, cache.block_size)
         self.slots: list[list[int]] = [self._stripe(r) for r in range(build.batch_size)]  # blocks of each slot
-        self.spec = None  # runtime.spec_engine.SpecEngine over this engine and a draft, set by the loader
 
     @property
     def min_table_width(self) -> int:

@@ -22,7 +22,7 @@ from neuron_infer.runtime.metrics import Metrics
 from neuron_infer.runtime.options import RunOptions
 from neuron_infer.runtime.runner import Agree, Runner
 from neuron_infer.runtime.sequence import Sequence, StopRule, check_prompt
-from neuron_infer.runtime.spec_engine import SpecEngine
+from neuron_infer.runtime.speculation import Speculation
 
 
 @dataclass
@@ -54,7 +54,7 @@ def gc_paused() -> Iterator[None]:
 
 
 def generate_ids(
-    engine: Engine | SpecEngine,
+    engine: Engine | Speculation,
     prompts: list[list[int]],
     max_new_tokens: int,
     sampling: SamplingConfig = SamplingConfig(),  # noqa: B008 (frozen, never mutated)
@@ -69,8 +69,8 @@ def generate_ids(
     prompt_logprobs: int | None = None,
     grammar: Callable[[], object] | None = None,
 ) -> tuple[list[SequenceResult], Metrics]:
-    """Generate up to `max_new_tokens` per prompt; speculative steps when the engine carries a draft model
-    (`engine.spec`) or is a SpecEngine, plain steps otherwise.
+    """Generate up to `max_new_tokens` per prompt; speculative steps when `engine` is a speculation strategy
+    (what load_rank gives for a speculative artifact: runtime/speculation.py), plain steps on an Engine.
 
     All sequences draw from one generator seeded with `sampling.seed`. `agree` maps sampled tokens to the tokens
     actually used (tensor parallelism: rank 0's choice, broadcast); `on_logits` sees the logits [n, V] of every

@@ -1,14 +1,16 @@
-"""The one artifact loader: `load_rank(artifact, rank) -> Engine`, used by every path that runs a compiled model.
+"""The one artifact loader: `load_rank(artifact, rank) -> Engine | Speculation`, used by every path that runs a
+compiled model.
 
-    engine = load_rank("artifacts/m")             # tp = 1 (CompiledModel.load)
-    engine = load_rank("artifacts/m-tp2", rank=1)  # one CPU rank process of a tensor-parallel artifact
+    model = load_rank("artifacts/m")             # tp = 1 (CompiledModel.load)
+    model = load_rank("artifacts/m-tp2", rank=1)  # one CPU rank process of a tensor-parallel artifact
 
 An Engine is one rank's graphs and KV cache. For a tensor-parallel CPU artifact each rank process (the rank group,
 or one vLLM worker per rank) loads only its own shard (weights/rank{r}.safetensors, graphs/rank{r}) and a cache of
 its local KV heads; a Neuron tensor-parallel artifact is loaded once in-process (neuronx-distributed drives every
-NeuronCore of the group). With a draft model compiled in, `engine.spec` is the SpecEngine over the target and draft
-(at tp > 1: this rank's target shard and the whole, replicated draft), with `--draft-model ngram` an NgramSpec;
-otherwise it is None.
+NeuronCore of the group). With a draft model compiled in, the loader returns the SpecEngine over the target and
+draft (at tp > 1: this rank's target shard and the whole, replicated draft), with `--draft-model ngram` an NgramSpec
+over the target: the speculation strategy a Runner steps (runtime/speculation.py), whose `.target` is the Engine.
+Engines are built here and nowhere else.
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ from neuron_infer.quant import apply_quantization
 from neuron_infer.runtime.engine import Engine, budget_blocks
 from neuron_infer.runtime.ngram_spec import NgramSpec
 from neuron_infer.runtime.spec_engine import SpecEngine
+from neuron_infer.runtime.speculation import Speculation
 
 
 def manifest_plan(manifest: Manifest, where: Path) -> ShardPlan:
@@ -48,10 +51,11 @@ def manifest_plan(manifest: Manifest, where: Path) -> ShardPlan:
 
 
 def load_rank(artifact: str | Path, rank: int = 0, manifest: Manifest | None = None, *,
-              spec_mode: str | None = None, kv_cache_gib: float | None = None) -> Engine:
-    """Rank `rank`'s Engine (weights, graphs, cache; `.spec` when a draft model is compiled in). `manifest`: the
-    caller's already verified manifest (read here, without re-hashing the files, when None). kv_cache_gib: this
-    rank's KV-cache budget (None: the build's batch_size sequences of max_length)."""
+              spec_mode: str | None = None, kv_cache_gib: float | None = None) -> Engine | Speculation:
+    """Rank `rank`'s model, what a Runner runs: its Engine (weights, graphs, cache), or, when the build speculates,
+    the speculation strategy over it (SpecEngine, NgramSpec; `.target` is the Engine). `manifest`: the caller's
+    already verified manifest (read here, without re-hashing the files, when None). kv_cache_gib: this rank's
+    KV-cache budget (None: the build's batch_size sequences of max_length)."""
     root = Path(artifact)
     manifest = manifest or read_manifest(root, verify_files=False)
     build, tp = manifest.build, manifest.build.tp_degree
@@ -76,9 +80,9 @@ def load_rank(artifact: str | Path, rank: int = 0, manifest: Manifest | None = N
     files = _graph_files(manifest, modules)
     engine = Engine(_load_graphs(manifest.backend, graphs_dir, modules, files), build, cache,
                     manifest.model.vocab_size, shape_classes=any(f != n for n, f in files.items()))
-    if build.speculation is not None:
-        engine.spec = load_speculation(root, manifest, model, engine, spec_mode, graphs_dir)
-    return engine
+    if build.speculation is None:
+        return engine
+    return load_speculation(root, manifest, model, engine, spec_mode, graphs_dir)
 
 
 def _graph_files(manifest: Manifest, modules: dict) -> dict[str, str]:
@@ -140,9 +144,10 @@ def assemble_spec(target_engine: Engine, draft: LlamaModel, graphs: dict, build:
     return SpecEngine(target_engine, draft_engine, sgraphs, layout, build.speculation.length, mode)
 
 
-def _load_neuron_tp(root: Path, manifest: Manifest, plan: ShardPlan, spec_mode: str | None) -> Engine:
-    """An in-process Engine whose graphs run every rank on its NeuronCore (NxD drives the ranks); `.spec` as for
-    any artifact when the build speculates. NOT YET RUN ON HARDWARE."""
+def _load_neuron_tp(root: Path, manifest: Manifest, plan: ShardPlan, spec_mode: str | None
+                    ) -> Engine | Speculation:
+    """An in-process Engine whose graphs run every rank on its NeuronCore (NxD drives the ranks), or the
+    speculation over it as for any artifact. NOT YET RUN ON HARDWARE."""
     build = manifest.build
     traced = neuron_tp.load_tp_model(root, manifest, plan)
     engine = Engine(neuron_tp.core_graphs(traced, build), build, rank_cache(manifest.model, build, plan),
@@ -151,15 +156,13 @@ def _load_neuron_tp(root: Path, manifest: Manifest, plan: ShardPlan, spec_mode: 
         return engine
     if build.speculation.is_ngram:
         _check_ngram_mode(root, spec_mode)
-        engine.spec = NgramSpec(engine, neuron_tp.verify_graphs(traced, build), build.speculation.length,
-                                build.speculation.ngram)
-        return engine
+        return NgramSpec(engine, neuron_tp.verify_graphs(traced, build), build.speculation.length,
+                         build.speculation.ngram)
     dcfg = ModelConfig.from_dict(manifest.extra["speculation"]["config"])
     dgraphs, sgraphs = device_spec_graphs(traced, build, neuron_tp.device_step)
     draft = Engine(dgraphs, build, draft_cache(dcfg, build, plan.tp), dcfg.vocab_size)
     layout = DeviceSpecLayout(engine.cache_shape, draft.cache_shape)
-    engine.spec = SpecEngine(engine, draft, sgraphs, layout, build.speculation.length, _spec_mode(build, spec_mode))
-    return engine
+    return SpecEngine(engine, draft, sgraphs, layout, build.speculation.length, _spec_mode(build, spec_mode))
 
 
 def eager_spec_engine(target: LlamaModel, draft: LlamaModel, build: BuildConfig, mode: str = "unfused"
@@ -178,8 +181,8 @@ def eager_ngram_spec(target: LlamaModel, build: BuildConfig) -> NgramSpec:
 
 
 def load_serving_rank(root: Path, rank: int, world_size: int, expect_checkpoint: Path | None = None,
-                      kv_cache_gib: float | None = None) -> tuple[Manifest, Engine]:
-    """Rank `rank`'s manifest and engine, for a long-lived process that already joined a group of `world_size`
+                      kv_cache_gib: float | None = None) -> tuple[Manifest, Engine | Speculation]:
+    """Rank `rank`'s manifest and model (load_rank), for a long-lived process that already joined a group of `world_size`
     ranks (one vLLM worker per rank; the model's collectives run on torch.distributed's default group)."""
     manifest = read_manifest(root, verify_files=True)
     if expect_checkpoint is not None:

@@ -33,6 +33,7 @@ from neuron_infer.model.verify import greedy_accept, speculative_verify
 from neuron_infer.runtime.buckets import pick_bucket
 from neuron_infer.runtime.engine import Engine
 from neuron_infer.runtime.ngram import RowView, SeqState, plan_step, propose
+from neuron_infer.runtime.sequence import plain_only
 from neuron_infer.runtime.step_clock import StepClock
 
 PRIOR_COST_RATIO = 1.3  # verify / plain step time assumed until both are measured
@@ -45,6 +46,7 @@ class NgramSpec:
     """Prompt-lookup speculation for the Runner: `plan` drafts, `verify_tokens` checks them."""
 
     mode = "ngram"
+    gate = None  # each sequence drafts while its own drafts pay (runtime/ngram.py)
 
     def __init__(self, target: Engine, graphs: dict, k: int, ngram_size: int):
         self.target, self.graphs, self.k, self.ngram_size = target, graphs, k, ngram_size
@@ -66,6 +68,30 @@ class NgramSpec:
         """A plain step through the target (timed for the cost ratio)."""
         with self.clock.timing("plain"):
             return self.target.decode_rows(rows, tokens, positions)
+
+    def step(self, run, scheduled: list, live: list) -> dict | None:
+        """A prompt-lookup step over the scheduled sequences (per-sequence drafts, any mix of sampling rules), or
+        None when no sequence drafts this step (the Runner takes a plain step). `run`: the Runner."""
+        rows = {s.row: s.tokens for s in live}
+        if (not self.can_speculate(rows) or not run.scheduler.has_room(live, self.k)
+                or any(plain_only(s) for s in scheduled)):
+            return None
+        drafts = self.plan(scheduled, run.agree)  # [] per sequence without a draft this step
+        if not any(drafts):
+            return None
+        logits = self.verify_logits(rows, {s.row: d for s, d in zip(scheduled, drafts)})  # [B, K+1, V]
+        u = torch.zeros(len(scheduled), accept_uniforms(self.k))  # [m, 2K+1]
+        for i, (s, d) in enumerate(zip(scheduled, drafts)):
+            if not s.sampling.greedy:  # each sequence draws from its own generator
+                u[i, : accept_uniforms(len(d))] = torch.rand(accept_uniforms(len(d)), generator=s.generator)
+        if run.agree is not None and not all(s.sampling.greedy for s in scheduled):
+            u = run.agree(u)
+        accepted = {}
+        for i, (s, d) in enumerate(zip(scheduled, drafts)):
+            toks = accept(logits[s.row], d, s.sampling, s.generator, u[i, : accept_uniforms(len(d))])
+            self.state(s).update(len(d), len(toks) - 1)
+            accepted[s] = (toks, len(d))
+        return run.emit_speculative(accepted)
 
     # ---- drafting --------------------------------------------------------------------------------------------
     def state(self, seq) -> SeqState:

@@ -44,13 +44,14 @@ from neuron_infer.runtime.generate import OnTokens, SequenceResult, generate_ids
 from neuron_infer.runtime.loader import load_rank, manifest_plan
 from neuron_infer.runtime.metrics import Metrics
 from neuron_infer.runtime.options import RunOptions
+from neuron_infer.runtime.speculation import Speculation
 
 GREEDY = SamplingConfig()  # temperature 0
 DEFAULT_OPTIONS = RunOptions()
 DEFAULT_TIMEOUT_S = 600.0  # a rank without a result this long after all ranks joined is reported as hung
 
 
-def tp_generate_ids(engine: Engine, prompts: list[list[int]], max_new_tokens: int, sampling: SamplingConfig = GREEDY,
+def tp_generate_ids(engine: Engine | Speculation, prompts: list[list[int]], max_new_tokens: int, sampling: SamplingConfig = GREEDY,
                     eos_ids: tuple[int, ...] = (), ignore_eos: bool = False, on_tokens: OnTokens | None = None,
                     collect_logits: bool = False, options: RunOptions = DEFAULT_OPTIONS
                     ) -> tuple[list[SequenceResult], Metrics, list[torch.Tensor]]:
@@ -75,7 +76,7 @@ def serve_rank(ctx, root: str, kv_cache_gib: float | None = None):
     return functools.partial(_serve_request, ctx, engine)
 
 
-def _serve_request(ctx, engine: Engine, request: dict) -> dict | None:
+def _serve_request(ctx, engine: Engine | Speculation, request: dict) -> dict | None:
     """One generate request on this rank's engine. Returns the payload on rank 0."""
     req = broadcast_object_from_rank0(request)  # rank 0's request everywhere (torchrun ranks parse their own argv)
     pids = all_gather_last_dim(torch.tensor([os.getpid()], dtype=torch.int64))  # [tp]

@@ -2,7 +2,8 @@
 
 Every caller drives this one runner: `generate_ids` (CompiledModel.generate: add every prompt, step until done),
 each tensor-parallel rank (fed identical decisions), and the vLLM worker (which maps vLLM's scheduler output onto
-it). A step produces 1 token per scheduled sequence, or 1..K+1 with a draft model (`engine.spec`).
+it). A step produces 1 token per scheduled sequence, or 1..K+1 when a speculation strategy (runtime/speculation.py)
+takes it.
 
 Slot contents per state, for a plain step (one token-generation graph over every batch slot):
     running, scheduled      its pending token's K/V is written at position len-1 (the real step)
@@ -51,13 +52,11 @@ reproducible even at tp = 1: its draft lengths, and so the uniforms it draws, fo
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from collections.abc import Callable
 
 import torch
 
 from neuron_infer.artifact.plan import graph_name
-from neuron_infer.config import SamplingConfig
 from neuron_infer.errors import NeuronInferError
 from neuron_infer.model.sampling import (
     draw_uniforms,
@@ -66,14 +65,12 @@ from neuron_infer.model.sampling import (
     token_history,
     token_logprobs,
 )
-from neuron_infer.model.spec_step import uniforms_width
 from neuron_infer.runtime.engine import Engine, take_rows
 from neuron_infer.runtime.metrics import Metrics
-from neuron_infer.runtime.ngram_spec import NgramSpec, accept, accept_uniforms
 from neuron_infer.runtime.options import RunOptions
 from neuron_infer.runtime.scheduler import Scheduler
 from neuron_infer.runtime.sequence import Sequence
-from neuron_infer.runtime.spec_engine import SpecEngine
+from neuron_infer.runtime.speculation import Speculation, split
 
 Agree = Callable[[torch.Tensor], torch.Tensor]  # a tensor drawn here -> rank 0's (same shape) on every rank
 
@@ -81,26 +78,25 @@ Agree = Callable[[torch.Tensor], torch.Tensor]  # a tensor drawn here -> rank 0'
 class Runner:
     """Runs steps over sequences that hold batch slots and cache blocks; counts what it did in `stats` (one Metrics)."""
 
-    def __init__(self, engine: Engine | SpecEngine, agree: Agree | None = None,
+    def __init__(self, model: Engine | Speculation, agree: Agree | None = None,
                  on_logits: Callable[[torch.Tensor], None] | None = None, keep_step_counts: bool = False,
                  options: RunOptions = RunOptions()):  # noqa: B008 (frozen)
-        """engine: an Engine (speculating when it carries a draft, `engine.spec`) or a SpecEngine. options: prefix
-        caching, chunked prefill and the speculation gate (with a draft model, speculate only while speculative steps
-        are measured to pay, `SpecGate`, kept on the SpecEngine; off, every step that can speculate does: fixed-k
-        experiments)."""
-        spec = engine if isinstance(engine, (SpecEngine, NgramSpec)) else engine.spec
-        self.engine = spec.target if spec is not None else engine
-        self.spec, self.agree, self.on_logits = spec, agree, on_logits
+        """model: an Engine (plain steps) or a speculation strategy over one (SpecEngine: a draft model; NgramSpec:
+        prompt lookup), which takes each step it can serve. options: prefix caching, chunked prefill and the
+        speculation gate (with a draft model, speculate only while speculative steps are measured to pay,
+        `SpecGate`, kept on the SpecEngine; off, every step that can speculate does: fixed-k experiments)."""
+        self.engine, self.spec = split(model)
+        self.agree, self.on_logits = agree, on_logits
         self.keep_step_counts = keep_step_counts  # per (step, sequence) emitted counts: bounded runs only
-        self.batch, self.max_length = engine.build.batch_size, engine.build.max_length
-        self.chunk = options.chunk_tokens(engine.build)  # 0: whole prompts
+        self.batch, self.max_length = self.engine.build.batch_size, self.engine.build.max_length
+        self.chunk = options.chunk_tokens(self.engine.build)  # 0: whole prompts
         pool = self.engine.pool
         pool.release_all()  # one runner drives an engine at a time: earlier runners' sequences are gone
         pool.prefix_caching = options.prefix_caching
         self.lookahead = self.spec.k if self.spec is not None else 0
         self.scheduler = Scheduler(self.batch, pool, self.lookahead, self.max_length)
         self.encoding: dict[Sequence, int] = {}  # admitted sequences still encoding -> positions encoded (in order)
-        self.gate = self.spec.gate if options.speculation_gate and isinstance(self.spec, SpecEngine) else None
+        self.gate = self.spec.gate if options.speculation_gate and self.spec is not None else None
         self.stats = Metrics()
         self.reset_stats()
 
@@ -220,19 +216,8 @@ class Runner:
         if longest > self.max_length:
             raise NeuronInferError(f"a request reached {longest} tokens, beyond the artifact's max_length="
                                    f"{self.max_length}; serve with --max-model-len <= {self.max_length}")
-        if isinstance(self.spec, NgramSpec):  # prompt lookup: per-sequence drafts, any mix of sampling rules
-            rows = {s.row: s.tokens for s in live}
-            lookup = (self.spec.can_speculate(rows) and self.scheduler.has_room(live, self.lookahead)
-                      and not any(_plain_only(s) for s in scheduled))
-            got = self._lookup(scheduled, rows) if lookup else None
-            return got if got is not None else self._plain(scheduled, live)
-        if self.spec is not None:
-            rule = _shared_rule(scheduled)
-            rows = {s.row: s.tokens for s in live}  # every live row: its real tokens are rewritten
-            room = self.scheduler.has_room(live, self.lookahead)  # the caller's blocks may end sooner
-            if rule is not None and self.spec.can_speculate(rows) and room and self._gate_open(scheduled):
-                return self._speculate(scheduled, rows, rule)
-        return self._plain(scheduled, live)
+        got = self.spec.step(self, scheduled, live) if self.spec is not None else None  # None: not this step
+        return got if got is not None else self._plain(scheduled, live)
 
     def _plain(self, scheduled: list[Sequence], live: list[Sequence]) -> dict[Sequence, list[int]]:
         self.stats.plain_steps += 1
@@ -240,8 +225,8 @@ class Runner:
         positions = torch.tensor([len(s) - 1 for s in live], dtype=torch.int64)  # [n] ... at their own slots
         rows = [s.row for s in live]
         # the smallest graph holding the live rows; a draft model's cache is left to `SpecEngine.catch_up`
-        decode = self.spec.decode_rows if isinstance(self.spec, NgramSpec) else self.engine.decode_rows  # (timed)
-        with self._timed("plain"):
+        decode = (self.spec if self.spec is not None else self.engine).decode_rows
+        with self.timed("plain"):
             logits = decode(rows, tokens, positions)  # [n, V]
         at = {s: i for i, s in enumerate(live)}
         return self._emit(scheduled, take_rows(logits, [at[s] for s in scheduled]))  # [m, V]
@@ -286,54 +271,13 @@ class Runner:
                     s.grammar.accept(t)
         return out
 
-    def _lookup(self, scheduled: list[Sequence], rows: dict[int, list[int]]) -> dict[Sequence, list[int]] | None:
-        """A prompt-lookup step (None: no sequence drafts this step, take a plain step)."""
-        drafts = self.spec.plan(scheduled, self.agree)  # [] per sequence without a draft this step
-        if not any(drafts):
-            return None
-        logits = self.spec.verify_logits(rows, {s.row: d for s, d in zip(scheduled, drafts)})  # [B, K+1, V]
-        u = torch.zeros(len(scheduled), accept_uniforms(self.spec.k))  # [m, 2K+1]
-        for i, (s, d) in enumerate(zip(scheduled, drafts)):
-            if not s.sampling.greedy:  # each sequence draws from its own generator
-                u[i, : accept_uniforms(len(d))] = torch.rand(accept_uniforms(len(d)), generator=s.generator)
-        if self.agree is not None and not all(s.sampling.greedy for s in scheduled):
-            u = self.agree(u)
+    def emit_speculative(self, accepted: dict[Sequence, tuple[list[int], int]]) -> dict[Sequence, list[int]]:
+        """A speculative step's tokens (sequence -> (accepted drafts and the bonus token, tokens drafted)): counted,
+        then appended under each sequence's stop rule."""
         st, out = self.stats, {}
         st.spec_steps += 1
-        for i, (s, d) in enumerate(zip(scheduled, drafts)):
-            toks = accept(logits[s.row], d, s.sampling, s.generator, u[i, : accept_uniforms(len(d))])
-            self.spec.state(s).update(len(d), len(toks) - 1)
-            st.drafted += len(d)
-            st.accepted += len(toks) - 1
-            if self.keep_step_counts:
-                st.emitted_per_step.append(len(toks))
-            out[s] = s.append(toks)
-        return out
-
-    def _speculate(self, scheduled: list[Sequence], rows: dict[int, list[int]], rule: SamplingConfig
-                   ) -> dict[Sequence, list[int]]:
-        k, u = self.spec.k, None
-        if not rule.greedy:  # each sequence draws its step's uniforms from its own generator
-            u = torch.zeros(self.batch, uniforms_width(k))  # [B, 3K+1]
-            for s in scheduled:
-                u[s.row] = torch.rand(u.shape[1], generator=s.generator)
-            if self.agree is not None:
-                u = self.agree(u)
-        t0 = self.gate.clock.timer() if self.gate is not None else 0.0
-        passes, missing = self.spec.catch_up(rows)  # timed apart: the gate weighs it only against probing
-        if self.gate is not None:
-            self.gate.record_catch_up(self.gate.clock.timer() - t0, missing)
-        self.stats.draft_catch_up += passes
-        with self._timed("spec"):
-            got = self.spec.step_tokens(rows, rule, u)
-        if self.gate is not None:
-            self.gate.record_spec(sum(len(got[s.row]) for s in scheduled) / len(scheduled))
-        st = self.stats
-        st.spec_steps += 1
-        out = {}
-        for s in scheduled:
-            toks = got[s.row]
-            st.drafted += k
+        for s, (toks, drafted) in accepted.items():
+            st.drafted += drafted
             st.accepted += len(toks) - 1
             if self.keep_step_counts:
                 st.emitted_per_step.append(len(toks))
@@ -341,7 +285,7 @@ class Runner:
         return out
 
     # ---- the speculation gate (draft models) ---------------------------------------------------------------------
-    def _gate_open(self, scheduled: list[Sequence]) -> bool:
+    def gate_open(self, scheduled: list[Sequence]) -> bool:
         """Whether this step, which could speculate, does: always without a gate or when a scheduled sequence
         samples with a seed (its random draws, and so its tokens, depend on the kind of each step: seeded output
         stays reproducible; greedy draws nothing); otherwise the gate's choice (rank 0's, `agree`d: each rank
@@ -357,7 +301,7 @@ class Runner:
             self.stats.gated_steps += 1
         return go
 
-    def _timed(self, kind: str) -> contextlib.AbstractContextManager:
+    def timed(self, kind: str) -> contextlib.AbstractContextManager:
         return self.gate.clock.timing(kind) if self.gate is not None else contextlib.nullcontext()
 
 
@@ -366,28 +310,3 @@ def _takes_logit_rows(engine: Engine, n: int, start: int) -> bool:
     nn.Module itself) does; a compiled graph has the static logit_index [1, 1] it was exported with."""
     t, s = engine.context_graph(n, start)
     return isinstance(engine.graphs.get(graph_name("context", t, s)), torch.nn.Module)
-
-
-def _shared_rule(seqs: list[Sequence]) -> SamplingConfig | None:
-    """The one sampling rule of the scheduled sequences (seed aside), or None when they differ or when a sequence
-    needs what only a plain step gives: logprobs (the host sees the logits of plain steps only), penalties (the
-    target distribution would depend on the tokens accepted earlier in the same block), min-p or logit_bias (the
-    compiled speculation graphs take temperature / top-k / top-p only), min_tokens while the output is shorter
-    (the stop ids are held back on the host) or a grammar's mask (structured output: the mask of each position
-    depends on the tokens before it, and the caller gives one per step)."""
-    if any(_plain_only(s) for s in seqs):
-        return None
-    rules = {(s.sampling.temperature, s.sampling.top_k, s.sampling.top_p) if not s.sampling.greedy else "greedy"
-             for s in seqs}
-    if len(rules) != 1:
-        return None
-    first = seqs[0].sampling
-    return SamplingConfig() if first.greedy else dataclasses.replace(first, seed=None)
-
-
-def _plain_only(s: Sequence) -> bool:
-    """Needs what only a plain step gives: logprobs, penalties, min-p, logit_bias, min_tokens not yet reached or a
-    grammar's mask (see _shared_rule)."""
-    c = s.sampling
-    return (s.logprobs is not None or c.penalized or c.min_p > 0 or bool(c.logit_bias)
-            or len(s.output) < c.min_tokens or s.allowed is not None or s.grammar is not None)

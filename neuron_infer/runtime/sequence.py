@@ -5,6 +5,7 @@ worker (which passes vLLM's own stop handling through: its sequences never stop 
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -147,3 +148,29 @@ class Sequence:
             if self.finish_reason is not None:
                 return tokens[: i + 1]
         return list(tokens)
+
+
+# ---- what a speculative step can serve ------------------------------------------------------------------------
+def shared_rule(seqs: list[Sequence]) -> SamplingConfig | None:
+    """The one sampling rule of the scheduled sequences (seed aside), or None when they differ or when a sequence
+    needs what only a plain step gives: logprobs (the host sees the logits of plain steps only), penalties (the
+    target distribution would depend on the tokens accepted earlier in the same block), min-p or logit_bias (the
+    compiled speculation graphs take temperature / top-k / top-p only), min_tokens while the output is shorter
+    (the stop ids are held back on the host) or a grammar's mask (structured output: the mask of each position
+    depends on the tokens before it, and the caller gives one per step)."""
+    if any(plain_only(s) for s in seqs):
+        return None
+    rules = {(s.sampling.temperature, s.sampling.top_k, s.sampling.top_p) if not s.sampling.greedy else "greedy"
+             for s in seqs}
+    if len(rules) != 1:
+        return None
+    first = seqs[0].sampling
+    return SamplingConfig() if first.greedy else dataclasses.replace(first, seed=None)
+
+
+def plain_only(s: Sequence) -> bool:
+    """Needs what only a plain step gives: logprobs, penalties, min-p, logit_bias, min_tokens not yet reached or a
+    grammar's mask (see shared_rule)."""
+    c = s.sampling
+    return (s.logprobs is not None or c.penalized or c.min_p > 0 or bool(c.logit_bias)
+            or len(s.output) < c.min_tokens or s.allowed is not None or s.grammar is not None)

@@ -37,6 +37,7 @@ from neuron_infer.model.sampling import params_tensor
 from neuron_infer.model.spec_step import SpecCacheLayout, speculate, uniforms_width, unpack
 from neuron_infer.runtime.buckets import pick_bucket
 from neuron_infer.runtime.engine import Engine
+from neuron_infer.runtime.sequence import shared_rule
 from neuron_infer.runtime.spec_gate import SpecGate
 
 MODES = ("fused", "unfused")
@@ -79,7 +80,7 @@ class SpecEngine:
         return pick_bucket(int(positions.max()) + self.k + 1, self.build.tokengen_bucket_list, "sequence",
                            "--max-length")
 
-    def step(self, last: torch.Tensor, prev: torch.Tensor, pos: torch.Tensor, sampling: SamplingConfig,
+    def step_all(self, last: torch.Tensor, prev: torch.Tensor, pos: torch.Tensor, sampling: SamplingConfig,
              u: torch.Tensor | None = None, mode: str | None = None) -> dict[str, torch.Tensor]:
         """One speculative step for every row. last/prev/pos [B]; u [B, 3K+1] uniforms (sampling) -> see unpack."""
         mode, k, s = mode or self.mode, self.k, self._bucket(pos)
@@ -164,6 +165,38 @@ class SpecEngine:
         with torch.inference_mode():
             self._draft_fn(s)(ids, pos, last)
 
+    def decode_rows(self, rows: list[int], tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """A plain step through the target; the draft's cache is left to `catch_up` before the next speculative
+        step."""
+        return self.target.decode_rows(rows, tokens, positions)
+
+    def step(self, run, scheduled: list, live: list) -> dict | None:
+        """A speculative step (K drafts, one verify) over every live row when the scheduled sequences share one
+        sampling rule, the step fits and the gate opens; else None (the Runner takes a plain step)."""
+        rule = shared_rule(scheduled)
+        rows = {s.row: s.tokens for s in live}  # every live row: its real tokens are rewritten
+        room = run.scheduler.has_room(live, self.k)  # the caller's blocks may end sooner
+        if rule is None or not self.can_speculate(rows) or not room or not run.gate_open(scheduled):
+            return None
+        u = None
+        if not rule.greedy:  # each sequence draws its step's uniforms from its own generator
+            u = torch.zeros(run.batch, uniforms_width(self.k))  # [B, 3K+1]
+            for s in scheduled:
+                u[s.row] = torch.rand(u.shape[1], generator=s.generator)
+            if run.agree is not None:
+                u = run.agree(u)
+        gate = run.gate
+        t0 = gate.clock.timer() if gate is not None else 0.0
+        passes, missing = self.catch_up(rows)  # timed apart: the gate weighs it only against probing
+        if gate is not None:
+            gate.record_catch_up(gate.clock.timer() - t0, missing)
+        run.stats.draft_catch_up += passes
+        with run.timed("spec"):
+            got = self.step_tokens(rows, rule, u)
+        if gate is not None:
+            gate.record_spec(sum(len(got[s.row]) for s in scheduled) / len(scheduled))
+        return run.emit_speculative({s: (got[s.row], self.k) for s in scheduled})
+
     def can_speculate(self, seqs: Mapping[int, Sequence[int]]) -> bool:
         """Whether a speculative step fits every row of `seqs` (row -> tokens, the last one not yet cached): the
         step writes positions p..p+K, so p + K + 1 <= max_length for the newest token's position p."""
@@ -181,7 +214,7 @@ class SpecEngine:
                                        "and its first generated token (prefill_row, then sample)")
             last[row], prev[row], pos[row] = seq[-1], seq[-2], len(seq) - 1
         self.catch_up(seqs)
-        res = self.step(last, prev, pos, sampling, u)
+        res = self.step_all(last, prev, pos, sampling, u)
         got = {row: res["tokens"][row, : int(res["counts"][row])].tolist() for row in seqs}
         for row, seq in seqs.items():  # the drafts written at len..len+K-2 were the accepted tokens, as far as they go
             self.drafted[row] = list(seq) + got[row][: min(len(got[row]) - 1, self.k - 1)]

@@ -31,7 +31,7 @@ from neuron_infer.runtime.engine import Engine
 from neuron_infer.runtime.options import RunOptions
 from neuron_infer.runtime.runner import Agree, Runner
 from neuron_infer.runtime.sequence import Sequence, StopRule, check_prompt
-from neuron_infer.runtime.spec_engine import SpecEngine
+from neuron_infer.runtime.speculation import Speculation
 
 NO_STOP = StopRule()  # vLLM decides when a request ends
 
@@ -40,7 +40,7 @@ class SlotRunner:
     """Maps request ids to Sequences and produces 1 (or, speculating, 1..K+1) tokens per scheduled request per
     step."""
 
-    def __init__(self, engine: Engine, spec: SpecEngine | None = None, agree: Agree | None = None,
+    def __init__(self, engine: Engine, spec: Speculation | None = None, agree: Agree | None = None,
                  options: RunOptions = RunOptions()):  # noqa: B008 (frozen)
         options = dataclasses.replace(options, prefix_caching=False)  # vLLM's block manager caches prefixes
         self.runner = Runner(spec if spec is not None else engine, agree, options=options)

@@ -49,6 +49,7 @@ from neuron_infer.config import SamplingConfig
 from neuron_infer.model.sampling import unpack_bitmask
 from neuron_infer.parallel.launch import broadcast_from_rank0, rank_threads
 from neuron_infer.runtime.loader import load_serving_rank
+from neuron_infer.runtime.speculation import split
 from neuron_infer.vllm_plugin.artifacts import (
     ensure_artifact,
     kv_cache_gib,
@@ -130,9 +131,10 @@ class NeuronInferWorker(WorkerBase):
             manifest, engine, spec = self.compiled.manifest, self.compiled.engine, self.compiled.spec
             self.runner = SlotRunner(engine, spec, options=run)
         else:  # this rank's shard (the group was initialised in init_device)
-            manifest, engine = load_serving_rank(Path(root), self.rank, self.tp, expect_checkpoint=expect,
-                                                 kv_cache_gib=gib)
-            self.runner = SlotRunner(engine, agree=broadcast_from_rank0, options=run)
+            manifest, model = load_serving_rank(Path(root), self.rank, self.tp, expect_checkpoint=expect,
+                                                kv_cache_gib=gib)
+            engine, spec = split(model)
+            self.runner = SlotRunner(engine, spec, agree=broadcast_from_rank0, options=run)
         self._kv_heads = -(-manifest.model.num_kv_heads // self.tp)  # equal on every rank: vLLM compares the specs
         build = manifest.build
         rank = f", rank {self.rank} of tp {self.tp}, {torch.get_num_threads()} threads" if self.runner.agree else ""

@@ -142,8 +142,8 @@ def rank_gated_tokens(ctx, root: str, prompts: list[list[int]], n: int, agree_ga
     from neuron_infer.runtime.options import RunOptions
     from tests.speculation.scripted_clock import Scripted
 
-    engine = load_rank(Path(root), ctx.rank)
-    Scripted(spec_cost=10.0 if ctx.rank == 0 else 1.0, probe_every=4).install(engine.spec)
+    engine = load_rank(Path(root), ctx.rank)  # the SpecEngine of this rank
+    Scripted(spec_cost=10.0 if ctx.rank == 0 else 1.0, probe_every=4).install(engine)
 
     def agree(t: torch.Tensor) -> torch.Tensor:
         return broadcast_from_rank0(t) if agree_gate or t.shape != (1,) else t

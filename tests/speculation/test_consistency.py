@@ -12,7 +12,7 @@ def test_after_a_rejection_continuing_equals_a_fresh_run_on_the_accepted_prefix(
     se = spec_engine(draft="layers1", k=5)
     first = int(se.prefill_row(0, PROMPT).argmax())
     p = len(PROMPT)
-    res = se.step(torch.tensor([first]), torch.tensor([PROMPT[-1]]), torch.tensor([p]), SamplingConfig())
+    res = se.step_all(torch.tensor([first]), torch.tensor([PROMPT[-1]]), torch.tensor([p]), SamplingConfig())
     c = int(res["counts"][0])
     assert c < 6  # a rejection happened: slots p+c.. of both caches hold rejected drafts
     accepted = res["tokens"][0, :c].tolist()

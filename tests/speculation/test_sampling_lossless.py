@@ -40,9 +40,9 @@ def draw_pairs(se, seed: int) -> torch.Tensor:
     p = len(PROMPT)
     out = []
     for _ in range(REPS):
-        r1 = se.step(full(LAST), full(PROMPT[-1]), full(p), SAMPLING, torch.rand(B, uniforms_width(K), generator=gen))
+        r1 = se.step_all(full(LAST), full(PROMPT[-1]), full(p), SAMPLING, torch.rand(B, uniforms_width(K), generator=gen))
         x1, x2 = r1["tokens"][:, 0], r1["tokens"][:, 1].clone()
-        r2 = se.step(x1, full(LAST), full(p + 1), SAMPLING, torch.rand(B, uniforms_width(K), generator=gen))
+        r2 = se.step_all(x1, full(LAST), full(p + 1), SAMPLING, torch.rand(B, uniforms_width(K), generator=gen))
         need = r1["counts"] == 1
         x2[need] = r2["tokens"][need, 0]
         out.append(torch.stack([x1, x2], dim=1))
