@@ -53,7 +53,7 @@ def summary_lines(root: Path, m, size: tuple[int, int], problem: str | None) -> 
     q = b.quant
     quant = q.scheme + (", tiled" if q.weight_tiling else "") + (f", kv cache {q.kv_cache_dtype}"
                                                                  if q.kv_cache_dtype != "auto" else "")
-    report = m.extra.get("quant") if isinstance(m.extra.get("quant"), dict) else {}
+    report = m.extra.quant
     if q.scheme != "none" and {"bytes_before", "bytes_after", "compression"} <= set(report):
         quant += (f" (linear weights {human_bytes(report['bytes_before'])} -> {human_bytes(report['bytes_after'])}, "
                   f"{report['compression']:.2f}x)")

@@ -135,9 +135,9 @@ def memory_row(root: Path) -> dict:
     from neuron_infer.artifact.manifest import read_manifest
 
     man = read_manifest(root, verify_files=False)
-    q = man.extra["quant"]
+    q = man.extra.quant
     return {"linear_bytes": q["bytes_after"], "file_bytes": (root / "weights" / "rank0.safetensors").stat().st_size,
-            "converted": len(q["converted"]), "kept": len(q["kept"]), "compile_s": man.extra.get("compile_seconds")}
+            "converted": len(q["converted"]), "kept": len(q["kept"]), "compile_s": man.extra.compile_seconds}
 
 
 def parse_args() -> argparse.Namespace:

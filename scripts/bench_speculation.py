@@ -57,8 +57,8 @@ def engine_for(target, draft, build: BuildConfig, backend: str, work: Path):
         be.compile_graph(step, example_args(cache_shape(target, build), spec), gdir, spec.name)
         core[spec.name] = be.load_graph(gdir, spec.name, step)
     engine = Engine(core, build, cache_shape(target, build), target.cfg.vocab_size)
-    _, extra = compile_speculation(MODEL_DIR, target.cfg, build, target, be, work, lambda m: None)
-    manifest = types.SimpleNamespace(build=build, extra=extra, backend=backend)
+    _, record = compile_speculation(MODEL_DIR, target.cfg, build, target, be, work, lambda m: None)
+    manifest = types.SimpleNamespace(build=build, extra=types.SimpleNamespace(speculation=record), backend=backend)
     return load_speculation(work, manifest, target, engine)
 
 

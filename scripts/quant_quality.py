@@ -125,7 +125,7 @@ def run_case(model_dir: Path, root: Path, scheme: str, ntc, windows, prompts: li
     logits = window_logits(model, windows)
     del model
     gen = CompiledModel.load(root).generate_ids(prompts, new_tokens, ignore_eos=True)
-    q = man.extra["quant"]
+    q = man.extra.quant
     return {"logits": logits, "greedy": [o.token_ids for o in gen.outputs], "linear_bytes": q["bytes_after"],
             "file_bytes": (root / "weights" / "rank0.safetensors").stat().st_size,
             "seconds": time.perf_counter() - t0}

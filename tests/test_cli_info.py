@@ -72,7 +72,7 @@ def test_a_quantized_tp2_artifact_shows_each_rank_and_the_compression(tiny_dirs,
     lines = dict(line.split(None, 1) for line in r.stdout.splitlines()[1:])
     sizes = [human_bytes((tmp_path / "a" / "weights" / f"rank{i}.safetensors").stat().st_size) for i in (0, 1)]
     assert lines["tp"] == f"2  (weights per rank: {sizes[0]}, {sizes[1]})"
-    report = read_manifest(tmp_path / "a").extra["quant"]
+    report = read_manifest(tmp_path / "a").extra.quant
     assert lines["quant"].startswith("int8 (linear weights") and f"{report['compression']:.2f}x" in lines["quant"]
 
 

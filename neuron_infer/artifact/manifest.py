@@ -20,11 +20,12 @@ import json
 import os
 import stat
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from neuron_infer import __version__
+from neuron_infer.artifact.records import ManifestExtra
 from neuron_infer.config import BuildConfig, ModelConfig
 from neuron_infer.errors import ArtifactError, ConfigError
 from neuron_infer.output_dir import PARTIAL_MARKER, atomic_output
@@ -63,7 +64,7 @@ class Manifest:
     checkpoint_fingerprint: str
     graphs: dict[str, dict[str, Any]]  # graph name -> backend metadata (files, T, S, compile seconds)
     files: dict[str, str]  # relative path -> sha256
-    extra: dict[str, Any] = field(default_factory=dict)  # feature records (tp plan, quant report, speculation)
+    extra: ManifestExtra  # feature records (quantization report, tp plan, speculation, compile time)
 
     @property
     def neuron_lnc(self) -> int | None:
@@ -83,7 +84,7 @@ class Manifest:
             "checkpoint_fingerprint": self.checkpoint_fingerprint,
             "graphs": self.graphs,
             "files": self.files,
-            "extra": self.extra,
+            "extra": self.extra.to_dict(),
         }
 
     @classmethod

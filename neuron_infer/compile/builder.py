@@ -25,16 +25,18 @@ from neuron_infer.artifact.manifest import (
     package_versions,
     write_manifest,
 )
+from neuron_infer.artifact.records import ManifestExtra
 from neuron_infer.artifact.weights import save_rank_weights
 from neuron_infer.backends.neuron.tp_graphs import compile_neuron_tp_graphs
 from neuron_infer.checkpoint import check_tokenizer, checkpoint_fingerprint, load_checkpoint
 from neuron_infer.compile.graphs import compile_graphs
 from neuron_infer.compile.inputs import check_build_against_model, copy_tokenizer, source_dirs
 from neuron_infer.compile.quantize_step import quantize_model
-from neuron_infer.compile.spec_builder import compile_spec_graphs, prepare_speculation, speculation_extra
+from neuron_infer.compile.spec_builder import compile_spec_graphs, prepare_speculation, speculation_record
 from neuron_infer.compile.tp import RankSet, is_spec_graph
 from neuron_infer.config import BuildConfig, ModelConfig
 from neuron_infer.oserrors import check_output_location, writing_to
+from neuron_infer.typed import parse_dataclass
 
 Progress = Callable[[str], None]
 
@@ -70,11 +72,12 @@ def _compile(model_dir: Path, out_dir: Path, build: BuildConfig, backend: str | 
         extra.update(ranks.extra(cfg, build, state))
         del state
         if spec is not None:
-            extra.update(speculation_extra(spec[1], build, [n for n, g in graphs.items() if is_spec_graph(g)]))
+            extra["speculation"] = speculation_record(spec[1], build, [n for n, g in graphs.items() if is_spec_graph(g)])
         copy_tokenizer(model_dir, tmp / "tokenizer")
         extra["compile_seconds"] = round(time.perf_counter() - t_start, 3)
         manifest = Manifest(FORMAT_VERSION, package_versions(), ranks.backend_name, cfg, build,
-                            checkpoint_fingerprint(model_dir), graphs, hash_tree(tmp), extra)
+                            checkpoint_fingerprint(model_dir), graphs, hash_tree(tmp),
+                            parse_dataclass(ManifestExtra, extra, "the manifest being written", "extra"))
         write_manifest(tmp, manifest)
     files = {g.get("graph", name) for name, g in graphs.items()}
     say(f"compiled {len(files)} graph{'s' * (len(files) != 1)}{ranks.times} into {out_dir} "

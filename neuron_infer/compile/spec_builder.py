@@ -20,7 +20,7 @@ Artifact additions:
     graphs/fused_{greedy,sample}_k{K}_s{S}                                        (--fused-speculation)
     (at tp > 1 under graphs/rank{r}/ on CPU: rank r's target shard with the whole draft, which has no collectives)
 With `--draft-model ngram` (prompt lookup) only the verify graphs are added: no draft weights, no draft graphs.
-    manifest.extra["speculation"]     draft config, quantization report, shared tensor names, graph names
+    manifest extra.speculation       draft config, quantization report, shared tensor names, graph names (SpeculationRecord)
 """
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from neuron_infer.artifact.plan import shape_class, spec_graph_list
+from neuron_infer.artifact.records import SpeculationRecord
 from neuron_infer.artifact.steps import speculation_modules
 from neuron_infer.artifact.weights import DRAFT_WEIGHTS, build_float_model, save_draft_weights
 from neuron_infer.checkpoint import load_checkpoint, load_tokenizer
@@ -41,6 +42,7 @@ from neuron_infer.errors import CheckpointError, ConfigError
 from neuron_infer.model.llama import LlamaModel
 from neuron_infer.progress import steps
 from neuron_infer.quant import apply_quantization
+from neuron_infer.typed import parse_dataclass
 
 Progress = Callable[[str], None]
 
@@ -147,17 +149,18 @@ def _compile_verify_classes(target: LlamaModel, build: BuildConfig, backend, gra
             for name, c in classes.items()}
 
 
-def speculation_extra(info: dict, build: BuildConfig, graph_names) -> dict:
-    """The manifest's extra["speculation"] entry."""
-    return {"speculation": {**info, "length": build.speculation.length, "fused": build.speculation.fused,
-                            "graphs": sorted(graph_names)}}
+def speculation_record(info: dict, build: BuildConfig, graph_names) -> SpeculationRecord:
+    """The manifest's record of the speculation (extra.speculation)."""
+    return parse_dataclass(SpeculationRecord, {**info, "length": build.speculation.length,
+                                               "fused": build.speculation.fused, "graphs": sorted(graph_names)},
+                           "the manifest being written", "extra.speculation")
 
 
 def compile_speculation(model_dir: Path, cfg: ModelConfig, build: BuildConfig, target: LlamaModel, backend,
-                        out_dir: Path, say: Progress) -> tuple[dict, dict]:
+                        out_dir: Path, say: Progress) -> tuple[dict, SpeculationRecord]:
     """tp = 1: build the draft, save its weights and compile the speculation graphs into `out_dir` (the artifact
-    being written). Returns (graphs metadata to merge into the manifest's graphs, {"speculation": ...} for extra).
+    being written). Returns (graphs metadata to merge into the manifest's graphs, the manifest's record).
     Prompt lookup (`--draft-model ngram`) compiles the verify graphs only: no draft, no draft weights."""
     draft, info = prepare_speculation(model_dir, cfg, build, target, out_dir)
     meta = compile_spec_graphs(target, draft, build, backend, out_dir / "graphs", say)
-    return meta, speculation_extra(info, build, meta)
+    return meta, speculation_record(info, build, meta)

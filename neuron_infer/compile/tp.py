@@ -4,7 +4,7 @@ directory per rank, the plan in the manifest.
     ARTIFACTS/
       weights/rank{r}.safetensors   rank r's shard only (shard_state_dict), quantized per rank when --quant is set
       graphs/rank{r}/...            rank r's step graphs (backend-specific files; none for cpu-eager)
-      manifest.json                 backend, extra["tp_plan"] (ShardPlan.to_dict()), extra["tp_rank_weights"]
+      manifest.json                 backend, extra.tp_plan (ShardPlan.to_dict()), extra.tp_rank_weights
 
 CPU: rank graphs run eagerly (backend "cpu-eager", recorded in the manifest). The model's collectives are eager
 gloo calls (neuron_infer.parallel.launch) that count progress per rank, which is how a hung rank is named; a compiled
@@ -39,7 +39,7 @@ from neuron_infer.parallel.shard import shard_state_dict
 
 Progress = Callable[[str], None]
 
-# The backend CPU rank graphs use, and why (also written to the manifest as extra["tp_backend_note"]).
+# The backend CPU rank graphs use, and why (also written to the manifest as extra.tp_backend_note).
 CPU_TP_BACKEND = "cpu-eager"
 CPU_TP_NOTE = ("tensor-parallel CPU ranks run their step graphs eagerly (cpu-eager): the gloo collectives between "
                "layers are eager calls that the launcher monitors per rank; compiled CPU rank graphs are not built")

@@ -24,7 +24,7 @@ from neuron_infer.backends import get_backend
 from neuron_infer.backends.neuron import tp_graphs as neuron_tp
 from neuron_infer.backends.neuron.tp import rank_cache
 from neuron_infer.backends.neuron.tp_spec import DeviceSpecLayout, device_spec_graphs, draft_cache
-from neuron_infer.config import BuildConfig, ModelConfig, QuantConfig
+from neuron_infer.config import BuildConfig, QuantConfig
 from neuron_infer.errors import ArtifactError
 from neuron_infer.model.llama import LlamaModel
 from neuron_infer.model.spec_step import SpecCacheLayout
@@ -39,7 +39,7 @@ from neuron_infer.runtime.speculation import Speculation
 
 def manifest_plan(manifest: Manifest, where: Path) -> ShardPlan:
     """The artifact's shard plan, checked against its model and build."""
-    d = manifest.extra.get("tp_plan")
+    d = manifest.extra.tp_plan
     if d is None:
         raise ArtifactError(f"{where}: manifest extra.tp_plan is missing for tp_degree={manifest.build.tp_degree}; "
                             "recompile the model")
@@ -115,7 +115,7 @@ def load_speculation(root: Path, manifest: Manifest, target: LlamaModel, target_
     """The SpecEngine of an artifact (mode: 'fused' if compiled with --fused-speculation, else 'unfused'), or the
     NgramSpec of a prompt-lookup artifact (`--draft-model ngram`; mode 'ngram', the host loop). `target`: this
     rank's target model; `graphs_dir`: this rank's graphs (root/graphs at tp = 1)."""
-    build, info = manifest.build, manifest.extra.get("speculation")
+    build, info = manifest.build, manifest.extra.speculation
     if info is None:
         raise ArtifactError(f"{root}: manifest extra.speculation is missing; recompile with --draft-model")
     graphs_dir = graphs_dir or Path(root) / "graphs"
@@ -124,10 +124,10 @@ def load_speculation(root: Path, manifest: Manifest, target: LlamaModel, target_
         graphs = _load_graphs(manifest.backend, graphs_dir, modules, _graph_files(manifest, modules))
         _check_ngram_mode(root, mode)
         return NgramSpec(target_engine, graphs, build.speculation.length, build.speculation.ngram)
-    draft = empty_model(ModelConfig.from_dict(info["config"]), build)  # whole on every rank: no collectives
-    if info["quant"]["scheme"] != "none":
-        apply_quantization(draft, QuantConfig(scheme=info["quant"]["scheme"]), structure_only=True)
-    load_draft_weights(draft, target, Path(root) / DRAFT_WEIGHTS, info["shared"])
+    draft = empty_model(info.config, build)  # whole on every rank: no collectives
+    if info.quant["scheme"] != "none":
+        apply_quantization(draft, QuantConfig(scheme=info.quant["scheme"]), structure_only=True)
+    load_draft_weights(draft, target, Path(root) / DRAFT_WEIGHTS, info.shared)
     modules = {name: module for name, (module, _) in speculation_modules(target, draft, build).items()}
     graphs = _load_graphs(manifest.backend, graphs_dir, modules)
     return assemble_spec(target_engine, draft, graphs, build, _spec_mode(build, mode))
@@ -158,7 +158,7 @@ def _load_neuron_tp(root: Path, manifest: Manifest, plan: ShardPlan, spec_mode: 
         _check_ngram_mode(root, spec_mode)
         return NgramSpec(engine, neuron_tp.verify_graphs(traced, build), build.speculation.length,
                          build.speculation.ngram)
-    dcfg = ModelConfig.from_dict(manifest.extra["speculation"]["config"])
+    dcfg = manifest.extra.speculation.config
     dgraphs, sgraphs = device_spec_graphs(traced, build, neuron_tp.device_step)
     draft = Engine(dgraphs, build, draft_cache(dcfg, build, plan.tp), dcfg.vocab_size)
     layout = DeviceSpecLayout(engine.cache_shape, draft.cache_shape)

@@ -108,7 +108,7 @@ class RankGroup:
         self.last_run: dict[str, Any] = {}  # pids and (optionally) logits of the last call, for tests/debugging
         self.procs: RankProcesses | None = None  # None under torchrun: each host launched its own share
         if not torchrun_env_present():
-            per_rank = max(r["bytes"] for r in manifest.extra.get("tp_rank_weights", [{"bytes": 0}]))
+            per_rank = max((r.bytes for r in manifest.extra.tp_rank_weights or ()), default=0)
             check_cpu_ranks(self.plan.tp, per_rank)
             self.procs = RankProcesses(serve_rank, self.plan.tp, (str(root), kv_cache_gib), timeout_s=self.timeout_s,
                                        start_timeout_s=self.start_timeout_s)

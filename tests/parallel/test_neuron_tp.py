@@ -55,7 +55,7 @@ def test_without_neuronx_distributed_the_compile_fails_before_any_work(ckpt, tmp
 def test_neuron_tp_through_the_double_equals_the_cpu_reference(ckpt, tmp_path, monkeypatch, tp, reference):
     nxd, _ = install(monkeypatch, tp)
     m = compile_model(ckpt, tmp_path / "n", BUILD.replace(target="neuron", tp_degree=tp), say=lambda m: None)
-    assert m.backend == "neuron" and "not yet run on hardware" in m.extra["tp_backend_note"]
+    assert m.backend == "neuron" and "not yet run on hardware" in m.extra.tp_backend_note
     got = CompiledModel.load(tmp_path / "n").generate_ids(IDS, 12, ignore_eos=True).outputs[0].token_ids
     assert got == reference
     routes = {c["route"] for name, c in nxd.calls if name == "NxDModel.forward"}

@@ -58,7 +58,7 @@ def test_neuron_tp2_speculation_through_the_double_equals_the_cpu_reference(ckpt
     nxd, _ = install(monkeypatch, 2)
     m = compile_model(ckpt, tmp_path / "n", BUILD.replace(target="neuron", tp_degree=2, speculation=SPECS[spec]),
                       say=lambda m: None)
-    assert set(m.extra["speculation"]["graphs"]) <= set(m.graphs)
+    assert set(m.extra.speculation.graphs) <= set(m.graphs)
     (trace,) = [c for name, c in nxd.calls if name == "ModelBuilder.trace"]
     assert sorted(trace["keys"]) == sorted(m.graphs)
     if spec == "ngram":                                     # no draft: the plain module, two aliased caches
@@ -99,9 +99,9 @@ def test_the_cs3_preset_compiles_through_the_double_at_tp64(cs3_like, tmp_path, 
     nxd, _ = install(monkeypatch, 64)
     m = compile_model(target, tmp_path / "cs3", build, say=lambda m: None)
     assert m.backend == "neuron" and m.build.quant.scheme == "fp8"
-    spec = m.extra["speculation"]
-    assert {"fused_greedy_k7_s12800", "fused_sample_k7_s12800", "verify_t8_s12800"} <= set(spec["graphs"])
-    assert {f"draft_context_t{t}_s{t}" for t in (2048, 4096, 10240, 12288)} <= set(spec["graphs"])
+    spec = m.extra.speculation
+    assert {"fused_greedy_k7_s12800", "fused_sample_k7_s12800", "verify_t8_s12800"} <= set(spec.graphs)
+    assert {f"draft_context_t{t}_s{t}" for t in (2048, 4096, 10240, 12288)} <= set(spec.graphs)
     (trace,) = [c for name, c in nxd.calls if name == "ModelBuilder.trace"]
     target_graphs = {g.name for g in planned_graphs(build)}  # context (prefix attends included) and tokengen
     assert target_graphs <= set(m.graphs) and "context_t2048_s12288" in target_graphs
@@ -110,6 +110,6 @@ def test_the_cs3_preset_compiles_through_the_double_at_tp64(cs3_like, tmp_path, 
     assert trace["aliases"] == {"k_cache": 1, "v_cache": 2, "draft_k_cache": 3, "draft_v_cache": 4}
     (builder,) = [c for name, c in nxd.calls if name == "ModelBuilder"]
     assert builder["tp_degree"] == 64 and builder["logical_nc_config"] == 2
-    assert len(m.extra["tp_rank_weights"]) == 64
+    assert len(m.extra.tp_rank_weights) == 64
     draft_cfg = json.loads((draft / "config.json").read_text())
-    assert spec["config"]["num_heads"] == draft_cfg["num_attention_heads"]  # the whole draft on every rank
+    assert spec.config.num_heads == draft_cfg["num_attention_heads"]  # the whole draft on every rank

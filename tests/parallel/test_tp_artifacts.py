@@ -30,18 +30,18 @@ def ckpts(tmp_path_factory):
 @pytest.mark.parametrize("name,tp", [("gqa", 2), ("gqa", 4), ("smol_like", 2), ("smol_like", 3), ("smol_like", 4)])
 def test_rank_files_hold_about_one_tp_th_of_the_sharded_parts(ckpts, tmp_path, name, tp):
     m = compile_model(ckpts[name], tmp_path / "a", BUILD.replace(tp_degree=tp), **QUIET)
-    cfg, plan = m.model, ShardPlan.from_dict(m.extra["tp_plan"])
-    assert plan == ShardPlan.build(cfg, tp) and m.backend == "cpu-eager" and "eagerly" in m.extra["tp_backend_note"]
+    cfg, plan = m.model, ShardPlan.from_dict(m.extra.tp_plan)
+    assert plan == ShardPlan.build(cfg, tp) and m.backend == "cpu-eager" and "eagerly" in m.extra.tp_backend_note
     files = sorted(p.name for p in (tmp_path / "a" / "weights").iterdir())
     assert files == [f"rank{r}.safetensors" for r in range(tp)]
     assert all((tmp_path / "a" / "graphs" / f"rank{r}").is_dir() for r in range(tp))
     counts = rank_param_counts(cfg, plan)
     expect = 4 * (counts["attention"] + counts["mlp"] + counts["embedding"] + counts["lm_head"])  # fp32
-    full = m.extra["tp_full_sharded_bytes"]
-    for rec in m.extra["tp_rank_weights"]:
-        assert rec["sharded_bytes"] == expect and rec["replicated_bytes"] == 4 * counts["norms"]
-        assert rec["bytes"] == (tmp_path / "a" / "weights" / f"rank{rec['rank']}.safetensors").stat().st_size - \
-            _header_bytes(tmp_path / "a" / "weights" / f"rank{rec['rank']}.safetensors")
+    full = m.extra.tp_full_sharded_bytes
+    for rec in m.extra.tp_rank_weights:
+        assert rec.sharded_bytes == expect and rec.replicated_bytes == 4 * counts["norms"]
+        assert rec.bytes == (tmp_path / "a" / "weights" / f"rank{rec.rank}.safetensors").stat().st_size - \
+            _header_bytes(tmp_path / "a" / "weights" / f"rank{rec.rank}.safetensors")
     ratio = expect * tp / full  # 1.0 = no padding or replication overhead
     print(f"{name} tp={tp} {plan.strategy}: {expect} B sharded/rank, full {full} B, tp*rank/full = {ratio:.3f}")
     # overhead is bounded by the plan: padded query slots, replicated KV heads and padded vocabulary rows only
@@ -71,8 +71,8 @@ def test_int8_per_rank_scales(ckpts, tmp_path):
     m1 = compile_model(ckpts["gqa"], tmp_path / "t1", BUILD.replace(quant=q), **QUIET)
     m2 = compile_model(ckpts["gqa"], tmp_path / "t2", BUILD.replace(quant=q, tp_degree=2), **QUIET)
     full = load_file(str(tmp_path / "t1" / "weights" / "rank0.safetensors"))
-    plan = ShardPlan.from_dict(m2.extra["tp_plan"])
-    assert m2.extra["quant"]["scheme"] == "int8" and len(m2.extra["quant"]["per_rank"]) == 2
+    plan = ShardPlan.from_dict(m2.extra.tp_plan)
+    assert m2.extra.quant["scheme"] == "int8" and len(m2.extra.quant["per_rank"]) == 2
     finer = 0
     for r in range(2):
         mine = load_file(str(tmp_path / "t2" / "weights" / f"rank{r}.safetensors"))
@@ -87,7 +87,7 @@ def test_int8_per_rank_scales(ckpts, tmp_path):
             assert bool((mine[key].float() <= full[key].float()).all()), key
             finer += int((mine[key].float() < full[key].float()).sum())
     assert finer > 0  # some row-parallel rows really are quantized more finely than at tp = 1
-    assert m1.extra["quant"]["scheme"] == "int8"
+    assert m1.extra.quant["scheme"] == "int8"
 
 
 def test_degrees_the_plan_cannot_express_fail_before_any_file_is_written(ckpts, tmp_path):

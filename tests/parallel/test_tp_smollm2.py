@@ -35,11 +35,11 @@ def smol(tmp_path_factory):
 def test_smollm2_tp_equals_tp1(smol, tp):
     model_dir, root, ids, ref_tokens, ref_logits = smol
     manifest = compile_model(model_dir, root / f"tp{tp}", BUILD.replace(tp_degree=tp), say=lambda m: None)
-    full = manifest.extra["tp_full_sharded_bytes"]
-    for rec in manifest.extra["tp_rank_weights"]:
-        print(f"SmolLM2 tp={tp} rank {rec['rank']}: {rec['bytes']} B ({rec['sharded_bytes']} sharded = "
-              f"{rec['sharded_bytes'] / full:.4f} of {full} B; {rec['replicated_bytes']} B norms)")
-        assert abs(rec["sharded_bytes"] * tp / full - 1) < 0.05  # padding/replication overhead (see the plan)
+    full = manifest.extra.tp_full_sharded_bytes
+    for rec in manifest.extra.tp_rank_weights:
+        print(f"SmolLM2 tp={tp} rank {rec.rank}: {rec.bytes} B ({rec.sharded_bytes} sharded = "
+              f"{rec.sharded_bytes / full:.4f} of {full} B; {rec.replicated_bytes} B norms)")
+        assert abs(rec.sharded_bytes * tp / full - 1) < 0.05  # padding/replication overhead (see the plan)
     with CompiledModel.load(root / f"tp{tp}") as m:  # the ranks stop at the end of the block
         out = m.generate_ids([ids], NEW, ignore_eos=True, collect_logits=True)
     diff = max((g - r).abs().max().item() for g, r in zip(m.group.last_run["logits"][0], ref_logits, strict=True))

@@ -100,12 +100,12 @@ def test_other_schemes_generate_within_bound(ckpts, floats, tmp_path, scheme):
     assert all(len(t) == NEW and all(0 <= i < 512 for i in t) for t in tokens)
     err = ((logits - ref).abs().max() / ref.abs().max()).item()
     assert 0 < err <= LOGIT_BOUND[scheme], err
-    assert man.extra["quant"]["scheme"] == scheme and len(man.extra["quant"]["converted"]) == 15
+    assert man.extra.quant["scheme"] == scheme and len(man.extra.quant["converted"]) == 15
     # the manifest's byte count is what the weights file holds for the linear layers (payload + scales)
-    assert man.extra["quant"]["bytes_after"] == _linear_bytes_in_file(tmp_path / "a" / "weights" / "rank0.safetensors")
+    assert man.extra.quant["bytes_after"] == _linear_bytes_in_file(tmp_path / "a" / "weights" / "rank0.safetensors")
     # vs fp32 linears: 32 / 8.25 (MXFP8), 32 / 4.25 (MXFP4) bits less the K padding of down_proj (200 -> 224);
     # w8a8: 4x less one fp32 scale per row (measured 3.80, 7.37, 3.85)
-    assert man.extra["quant"]["compression"] > {"mxfp8": 3.75, "mxfp4": 7.3, "w8a8": 3.8}[scheme]
+    assert man.extra.quant["compression"] > {"mxfp8": 3.75, "mxfp4": 7.3, "w8a8": 3.8}[scheme]
 
 
 def _linear_bytes_in_file(path) -> int:
@@ -120,7 +120,7 @@ def _linear_bytes_in_file(path) -> int:
 
 def test_manifest_bytes_and_compression(ckpts, tmp_path):
     man, _, _ = run(ckpts["fp32"], tmp_path / "a", scheme="int8", modules_to_not_convert=("lm_head",))
-    q = man.extra["quant"]
+    q = man.extra.quant
     assert q["kept"] == ["lm_head"] and len(q["converted"]) == 14
     assert q["bytes_after"] == _linear_bytes_in_file(tmp_path / "a" / "weights" / "rank0.safetensors")
     head = 512 * 96 * 4
@@ -140,7 +140,7 @@ def test_weight_tiling_same_tokens_and_tiled_files(ckpts, floats, tmp_path, sche
     man, logits, tokens = run(ckpts["fp32"], tmp_path / "tiled", scheme=scheme, weight_tiling=True)
     assert tokens == ref_tokens
     torch.testing.assert_close(logits, ref, rtol=0, atol=1e-5)  # fp32, logits O(1): summation order only
-    rec = man.extra["quant"]["weight_tiling"]
+    rec = man.extra.quant["weight_tiling"]
     assert len(rec["tiled"]) == 15 and rec["kept"] == []
     with safe_open(str(tmp_path / "tiled" / "weights" / "rank0.safetensors"), "pt") as f:
         shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118

@@ -45,13 +45,13 @@ def compile_and_load(model_dir, build, out, backend="cpu-eager"):
     for spec in planned_graphs(build):
         step = BucketStep(target, spec.attend)
         be.compile_graph(step, example_args(cache_shape(target, build), spec), gdir, spec.name)
-    meta, extra = compile_speculation(model_dir, cfg, build, target, be, out, lambda m: None)
+    meta, record = compile_speculation(model_dir, cfg, build, target, be, out, lambda m: None)
     _, target = fresh_target(model_dir, build)
     core = {s.name: be.load_graph(gdir, s.name, BucketStep(target, s.attend))
             for s in planned_graphs(build)}
     engine = Engine(core, build, cache_shape(target, build), cfg.vocab_size)
-    manifest = types.SimpleNamespace(build=build, extra=extra, backend=backend)
-    return meta, extra, load_speculation(out, manifest, target, engine)
+    manifest = types.SimpleNamespace(build=build, extra=types.SimpleNamespace(speculation=record), backend=backend)
+    return meta, record, load_speculation(out, manifest, target, engine)
 
 
 @pytest.mark.parametrize("spec, stored", [
@@ -60,9 +60,8 @@ def compile_and_load(model_dir, build, out, backend="cpu-eager"):
 ])
 def test_self_draft_artifact_round_trip(tiny_dirs, tmp_path, spec, stored):
     build = SMALL.replace(speculation=spec)
-    meta, extra, se = compile_and_load(tiny_dirs("gqa"), build, tmp_path)
-    info = extra["speculation"]
-    assert "model.embed_tokens.weight" in info["shared"] and "model.norm.weight" in info["shared"]
+    meta, info, se = compile_and_load(tiny_dirs("gqa"), build, tmp_path)
+    assert "model.embed_tokens.weight" in info.shared and "model.norm.weight" in info.shared
     own = (tmp_path / DRAFT_WEIGHTS).stat().st_size > 1024
     assert own == stored
     names = set(meta)

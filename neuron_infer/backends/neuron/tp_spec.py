@@ -189,9 +189,9 @@ def add_spec_keys(nxd: Any, builder: Any, build: BuildConfig, plan_graphs: list[
 
 def draft_rank_weights(root: Path, manifest, target: LlamaModel) -> dict[str, torch.Tensor]:
     """The draft's weights named as SpecSPMDStep parameters (the same on every rank)."""
-    info = manifest.extra["speculation"]
-    draft = draft_skeleton(ModelConfig.from_dict(info["config"]), manifest.build, info["quant"]["scheme"])
-    load_draft_weights(draft, target, root / DRAFT_WEIGHTS, info["shared"])
+    info = manifest.extra.speculation
+    draft = draft_skeleton(info.config, manifest.build, info.quant["scheme"])
+    load_draft_weights(draft, target, root / DRAFT_WEIGHTS, info.shared)
     return {f"draft.{k}": v for k, v in draft.state_dict().items()}
 
 
