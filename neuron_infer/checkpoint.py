@@ -8,6 +8,7 @@ Every problem raises `CheckpointError` naming the file or tensor and the fix.
 from __future__ import annotations
 
 import hashlib
+import re
 import struct
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -222,7 +223,63 @@ def scan_checkpoint(model_dir: str | Path) -> dict[str, TensorInfo]:
     return infos
 
 
+def check_weight_headers(model_dir: str | Path, cfg: ModelConfig) -> None:
+    """Compile-time check, from the safetensors headers only: the checkpoint holds exactly the tensors `cfg`
+    implies, with their shapes and a supported dtype (CheckpointError naming the config.json field otherwise)."""
+    _check_names(scan_checkpoint(model_dir), cfg, Path(model_dir))
+
+
+_LAYER = re.compile(r"model\.layers\.(\d{1,9})\.")
+
+
+def _size_fields(c: ModelConfig) -> tuple[tuple[str, str, int, int], ...]:
+    """(config.json field(s) as the message names them, a tensor whose shape shows them, its dimension, the value
+    config.json implies for it)."""
+    heads = f"num_attention_heads={c.num_heads} x head_dim={c.head_dim} ({c.num_heads * c.head_dim})"
+    kv_heads = f"num_key_value_heads={c.num_kv_heads} x head_dim={c.head_dim} ({c.num_kv_heads * c.head_dim})"
+    return (
+        (f"vocab_size={c.vocab_size}", "model.embed_tokens.weight", 0, c.vocab_size),
+        (f"hidden_size={c.hidden_size}", "model.embed_tokens.weight", 1, c.hidden_size),
+        (f"intermediate_size={c.intermediate_size}", "model.layers.0.mlp.gate_proj.weight", 0, c.intermediate_size),
+        (heads, "model.layers.0.self_attn.q_proj.weight", 0, c.num_heads * c.head_dim),
+        (kv_heads, "model.layers.0.self_attn.k_proj.weight", 0, c.num_kv_heads * c.head_dim),
+    )
+
+
+def layer_count(names: Iterable[str]) -> int:
+    """The decoder layers tensor `names` hold (one past the highest `model.layers.<i>.` index; 0 for none)."""
+    layers = {int(m.group(1)) for n in names if (m := _LAYER.match(n))}
+    return max(layers) + 1 if layers else 0
+
+
+def check_layer_count(names: Iterable[str], cfg: ModelConfig, model_dir: Path) -> None:
+    """config.json's num_hidden_layers must not exceed the decoder layers the weights (tensor `names`) hold."""
+    present = layer_count(names)
+    if cfg.num_layers > present:
+        raise CheckpointError(
+            f"{model_dir / 'config.json'}: num_hidden_layers={cfg.num_layers}, but the weights hold {present} "
+            "layer(s); config.json and the weights are from different models (fix num_hidden_layers or use the "
+            "config.json of these weights)"
+        )
+
+
+def _check_sizes(infos: dict[str, TensorInfo], cfg: ModelConfig, model_dir: Path) -> None:
+    """config.json's size fields bounded by the weights present, before anything is sized from them: a
+    num_hidden_layers or hidden_size the checkpoint does not hold is named at once (not after building the
+    expected names of 10^9 layers)."""
+    check_layer_count(infos, cfg, model_dir)
+    for fields, tensor, dim, implied in _size_fields(cfg):
+        shape = infos[tensor].shape if tensor in infos else ()
+        if len(shape) == 2 and shape[dim] != implied:
+            raise CheckpointError(
+                f"{model_dir / 'config.json'}: {fields}, but the weights have {shape[dim]} "
+                f"({tensor} is {list(shape)}); config.json and the weights are from different models (fix the "
+                "field or use the config.json of these weights)"
+            )
+
+
 def _check_names(infos: dict[str, TensorInfo], cfg: ModelConfig, model_dir: Path) -> None:
+    _check_sizes(infos, cfg, model_dir)
     expected = expected_shapes(cfg)
     allowed_extra = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
     missing = sorted(set(expected) - set(infos))

@@ -10,7 +10,7 @@ from typing import Callable
 
 import torch
 
-from neuron_infer.checkpoint import check_tokenizer, checkpoint_fingerprint, load_checkpoint
+from neuron_infer.checkpoint import check_tokenizer, check_weight_headers, checkpoint_fingerprint, load_checkpoint
 from neuron_infer.compile.artifact import FORMAT_VERSION, Manifest, atomic_directory, hash_tree, package_versions
 from neuron_infer.compile.artifact import write_manifest
 from neuron_infer.compile.graph_cache import cached_compile, cached_lookup, graph_key
@@ -215,6 +215,7 @@ def _compile_one_rank(model_dir: str | Path, out_dir: str | Path, build: BuildCo
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_model_dir(model_dir)
     check_build_against_model(cfg, build)
+    check_weight_headers(model_dir, cfg)
     check_tokenizer(model_dir, cfg)
     be = get_backend(backend or build.target)
     if hasattr(be, "bind_build"):  # neuron: the build's logical-NeuronCore degree (compile/neuron_platform.py)

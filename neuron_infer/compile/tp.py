@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from neuron_infer.checkpoint import check_tokenizer, checkpoint_fingerprint, load_checkpoint
+from neuron_infer.checkpoint import check_tokenizer, check_weight_headers, checkpoint_fingerprint, load_checkpoint
 from neuron_infer.compile.artifact import (
     FORMAT_VERSION,
     Manifest,
@@ -111,6 +111,7 @@ def compile_tp_model(model_dir: str | Path, out_dir: str | Path, build: BuildCon
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_model_dir(model_dir)
     check_build_against_model(cfg, build)
+    check_weight_headers(model_dir, cfg)
     check_tokenizer(model_dir, cfg)
     plan = ShardPlan.build(cfg, build.tp_degree)  # rejects degrees the plan cannot express, before any work
     if build.quant.scheme == "w8a8":

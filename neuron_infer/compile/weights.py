@@ -76,7 +76,9 @@ def assign_state(model: LlamaModel, state: dict[str, torch.Tensor], mismatch: st
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     try:
         model.load_state_dict(state, strict=True, assign=True)
-    except RuntimeError as e:
-        raise ArtifactError(f"{mismatch}: {e}") from e
+    except RuntimeError as e:  # torch's message spans lines: one line, shortened
+        detail = " ".join(str(e).split())
+        detail = detail if len(detail) <= 400 else detail[:397] + "..."
+        raise ArtifactError(f"{mismatch}: {detail}; recompile the model") from e
     model.tie_weights()
     model.materialize_buffers()

@@ -53,6 +53,8 @@ def load_rank(artifact: str | Path, rank: int = 0, manifest: Manifest | None = N
     build, tp = manifest.build, manifest.build.tp_degree
     if not 0 <= rank < tp:
         raise ArtifactError(f"{root}: rank {rank} does not exist in an artifact of tp_degree={tp}")
+    if not (tp > 1 and manifest.backend == "neuron"):  # no skeleton of more layers than the weights hold
+        _check_layers(manifest, root, root / "weights" / f"rank{rank}.safetensors")
     if tp == 1:
         model, graphs_dir = empty_model(manifest.model, build), root / "graphs"
     else:
@@ -72,12 +74,43 @@ def load_rank(artifact: str | Path, rank: int = 0, manifest: Manifest | None = N
                             "--kv-cache-gib applies to CPU artifacts")
     if kv_cache_gib is not None:
         cache = cache.with_blocks(budget_blocks(cache, kv_cache_gib))
+    _check_cache_fits(cache, root, build, kv_cache_gib)
     files = {name: manifest.graphs.get(name, {}).get("graph", name) for name in modules}  # shape classes: shared
     engine = Engine(_load_graphs(manifest.backend, graphs_dir, modules, files), build, cache,
                     manifest.model.vocab_size, shape_classes=any(f != n for n, f in files.items()))
     if build.speculation is not None:
         engine.spec = load_speculation(root, manifest, model, engine, spec_mode, graphs_dir)
     return engine
+
+
+def _check_layers(manifest: Manifest, root: Path, weights: Path) -> None:
+    """The manifest's num_layers must be the layers its weights file holds (read from the header only)."""
+    from neuron_infer.checkpoint import layer_count, read_header
+    from neuron_infer.errors import CheckpointError
+
+    try:
+        held = layer_count(read_header(weights)[2])
+    except (CheckpointError, OSError) as e:
+        raise ArtifactError(f"cannot read the weights of {root}: {e}; recompile the model") from e
+    if manifest.model.num_layers != held:
+        raise ArtifactError(f"{root}: manifest.json says model.num_layers={manifest.model.num_layers}, but {weights} "
+                            f"holds {held} layer(s); the manifest and the weights are from different compiles: "
+                            "recompile the model")
+
+
+def _check_cache_fits(cache, root: Path, build: BuildConfig, kv_cache_gib: float | None) -> None:
+    """The KV cache must fit the memory available now: an error line instead of the kernel's out-of-memory kill."""
+    import psutil
+
+    free = psutil.virtual_memory().available
+    if cache.nbytes() <= free:
+        return
+    what = (f"--kv-cache-gib {kv_cache_gib:g}" if kv_cache_gib is not None else
+            f"the compiled batch_size={build.batch_size} x max_length={build.max_length}")
+    raise ArtifactError(f"{root}: {what} needs a KV cache of {cache.nbytes() / 2**30:.1f} GiB, more than the "
+                        f"{free / 2**30:.1f} GiB of memory available on this machine now; give a smaller budget "
+                        "(--kv-cache-gib, or kv_cache_gib=), free memory, or recompile with a lower --batch-size or "
+                        "--max-length")
 
 
 def _load_graphs(backend: str, graphs_dir: Path, modules: dict, files: dict[str, str] | None = None) -> dict:
