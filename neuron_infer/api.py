@@ -32,6 +32,7 @@ from neuron_infer.compile.artifact import (
     check_files,
     load_verified_tokenizer,
     read_manifest,
+    verified_generation_config,
 )
 from neuron_infer.compile.builder import compile_model  # noqa: F401  (re-exported)
 from neuron_infer.config import BuildConfig, SamplingConfig  # noqa: F401  (BuildConfig re-exported)
@@ -94,8 +95,10 @@ def _eos_ids(manifest: Manifest, tokenizer, root: Path) -> tuple[int, ...]:
     ids = set(manifest.model.eos_token_ids)
     if tokenizer.eos_token_id is not None:
         ids.add(int(tokenizer.eos_token_id))
-    ids.update(generation_eos_ids(root / TOKENIZER_DIR / "generation_config.json", manifest.model.vocab_size,
-                                  "recompile the model", ArtifactError))
+    raw = verified_generation_config(root, manifest)  # read once: the bytes checked are the bytes parsed
+    if raw is not None:
+        ids.update(generation_eos_ids(root / TOKENIZER_DIR / "generation_config.json", manifest.model.vocab_size,
+                                      "recompile the model", ArtifactError, raw=raw))
     return tuple(sorted(ids))
 
 

@@ -19,7 +19,7 @@ import torch
 
 from neuron_infer.config import ModelConfig
 from neuron_infer.errors import CheckpointError, NeuronInferError
-from neuron_infer.typed import parse_json, read_json, show
+from neuron_infer.typed import json_from_bytes, parse_json, read_json, show
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -405,32 +405,36 @@ def checkpoint_fingerprint(model_dir: str | Path) -> str:
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
 
-def load_tokenizer(model_dir: str | Path, fix: str = "re-download the tokenizer files"):
+def load_tokenizer(model_dir: str | Path, fix: str = "re-download the tokenizer files", shown: Path | None = None):
     """The model directory's tokenizer, through `transformers.AutoTokenizer`, from local files only (`fix`: the
-    remedy an error names)."""
+    remedy an error names; `shown`: the directory messages and the tokenizer's name_or_path give, when the files
+    are read from a private copy of it)."""
     d = Path(model_dir)
+    shown = shown or d
     if not any((d / f).is_file() for f in _TOKENIZER_FILES):
         raise CheckpointError(
-            f"no tokenizer in {d}: expected one of {', '.join(_TOKENIZER_FILES)} (with tokenizer_config.json); "
+            f"no tokenizer in {shown}: expected one of {', '.join(_TOKENIZER_FILES)} (with tokenizer_config.json); "
             "download the tokenizer files of the model repository into the same directory"
         )
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(str(d), local_files_only=True)
+        tok = AutoTokenizer.from_pretrained(str(d), local_files_only=True)
     except Exception as e:  # tokenizers raises a bare Exception for malformed files
-        raise CheckpointError(
-            f"cannot load the tokenizer in {d} ({type(e).__name__}: {e}); {fix}"
-        ) from e
+        detail = " ".join(f"{type(e).__name__}: {e}".replace(str(d), str(shown)).split())
+        raise CheckpointError(f"cannot load the tokenizer in {shown} ({detail}); {fix}") from e
+    tok.name_or_path = str(shown)
+    return tok
 
 
-def generation_eos_ids(path: Path, vocab_size: int, fix: str, error: type[NeuronInferError] = CheckpointError
-                       ) -> tuple[int, ...]:
+def generation_eos_ids(path: Path, vocab_size: int, fix: str, error: type[NeuronInferError] = CheckpointError,
+                       raw: bytes | None = None) -> tuple[int, ...]:
     """The `eos_token_id` of a generation_config.json (absent or null: none; an id, or a list of ids, each in
-    0..vocab_size-1); anything else raises `error` naming the file and ending in `fix`."""
-    if not path.is_file():
+    0..vocab_size-1); anything else raises `error` naming the file and ending in `fix`. `raw`: the file's bytes,
+    already read (and verified) by the caller; the file is then not read again."""
+    if raw is None and not path.is_file():
         return ()
-    data = read_json(path, fix, error)
+    data = read_json(path, fix, error) if raw is None else json_from_bytes(raw, path, fix, error)
     eos = data.get("eos_token_id") if isinstance(data, dict) else data
     if not isinstance(data, dict):
         raise error(f"{path} holds {show(data)}, not a JSON object; {fix}")

@@ -265,6 +265,11 @@ def read_json(path: Path, fix: str, error: type[NeuronInferError] = ConfigError)
         raw = Path(path).read_bytes()
     except OSError as e:
         raise error(f"cannot read {path}: {e.strerror or e}; {fix}") from e
+    return json_from_bytes(raw, path, fix, error)
+
+
+def json_from_bytes(raw: bytes, path: Path | str, fix: str, error: type[NeuronInferError] = ConfigError) -> Any:
+    """`read_json` of bytes already read from `path` (e.g. the verified bytes of an artifact file)."""
     try:
         return parse_json(raw)
     except JsonLimitError as e:
