@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from neuron_infer.errors import ArtifactError
+from neuron_infer.errors import ArtifactError, NeuronInferError
 
 WORKER_BYTES = 3 << 30  # peak memory of one graph compile beyond the weights (SmolLM2 prefill graph: ~2.4 GiB)
 
@@ -123,7 +123,11 @@ def _main() -> None:
     c = job["class"]
     dynamic = {int(i): {int(d): tuple(v) for d, v in dims.items()} for i, dims in c["dynamic"].items()}
     cls = ShapeClass(c["name"], GraphSpec(**c["example"]), dynamic)
-    meta = compile_class(model, build, Path(job["graphs_dir"]), cls, job["key"])
+    try:
+        meta = compile_class(model, build, Path(job["graphs_dir"]), cls, job["key"])
+    except NeuronInferError as e:  # its one line is the last of stderr: the parent's error message
+        sys.stderr.write(f"{e}\n")
+        raise SystemExit(2) from None
     sys.stdout.write(json.dumps(meta) + "\n")
 
 
