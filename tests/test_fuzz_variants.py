@@ -77,3 +77,14 @@ def test_artifact_weights_of_the_wrong_kind(copy, capsys, dtype):
     save_file(state, weights)
     relist(copy)
     one_error(*cli([GENERATE[0], copy, *GENERATE[1:]], capsys), name, str(dtype))
+
+
+@pytest.mark.parametrize("overwrite", [[], ["--overwrite"]])
+def test_an_output_that_is_a_link_is_named_as_one(tiny_dirs, tmp_path, capsys, overwrite):
+    user = tmp_path / "user"
+    user.mkdir()
+    (user / "keep.txt").write_text("mine")
+    link = tmp_path / "out"
+    link.symlink_to(user)
+    one_error(*cli(["compile", tiny_dirs("gqa"), "-o", link, *TINY, *overwrite], capsys), "symbolic link", str(user))
+    assert link.is_symlink() and [p.name for p in user.iterdir()] == ["keep.txt"]
