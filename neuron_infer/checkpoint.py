@@ -229,20 +229,22 @@ def check_weight_headers(model_dir: str | Path, cfg: ModelConfig) -> None:
     _check_names(scan_checkpoint(model_dir), cfg, Path(model_dir))
 
 
-_LAYER = re.compile(r"model\.layers\.(\d{1,9})\.")
+_LAYER = re.compile(r"(?:model\.)?layers\.(\d{1,9})\.")  # without "model.": the name check's hint follows
 
 
-def _size_fields(c: ModelConfig) -> tuple[tuple[str, str, int, int], ...]:
-    """(config.json field(s) as the message names them, a tensor whose shape shows them, its dimension, the value
-    config.json implies for it)."""
+def _size_fields(c: ModelConfig) -> tuple[tuple[str, str, int, tuple[int, int]], ...]:
+    """(config.json field(s) as the message names them, a tensor whose shape shows them, the dimension that does,
+    the tensor's shape config.json implies)."""
     heads = f"num_attention_heads={c.num_heads} x head_dim={c.head_dim} ({c.num_heads * c.head_dim})"
     kv_heads = f"num_key_value_heads={c.num_kv_heads} x head_dim={c.head_dim} ({c.num_kv_heads * c.head_dim})"
+    h, q, kv = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
     return (
-        (f"vocab_size={c.vocab_size}", "model.embed_tokens.weight", 0, c.vocab_size),
-        (f"hidden_size={c.hidden_size}", "model.embed_tokens.weight", 1, c.hidden_size),
-        (f"intermediate_size={c.intermediate_size}", "model.layers.0.mlp.gate_proj.weight", 0, c.intermediate_size),
-        (heads, "model.layers.0.self_attn.q_proj.weight", 0, c.num_heads * c.head_dim),
-        (kv_heads, "model.layers.0.self_attn.k_proj.weight", 0, c.num_kv_heads * c.head_dim),
+        (f"vocab_size={c.vocab_size}", "model.embed_tokens.weight", 0, (c.vocab_size, h)),
+        (f"hidden_size={h}", "model.embed_tokens.weight", 1, (c.vocab_size, h)),
+        (f"intermediate_size={c.intermediate_size}", "model.layers.0.mlp.gate_proj.weight", 0,
+         (c.intermediate_size, h)),
+        (heads, "model.layers.0.self_attn.q_proj.weight", 0, (q, h)),
+        (kv_heads, "model.layers.0.self_attn.k_proj.weight", 0, (kv, h)),
     )
 
 
@@ -270,11 +272,12 @@ def _check_sizes(infos: dict[str, TensorInfo], cfg: ModelConfig, model_dir: Path
     check_layer_count(infos, cfg, model_dir)
     for fields, tensor, dim, implied in _size_fields(cfg):
         shape = infos[tensor].shape if tensor in infos else ()
-        if len(shape) == 2 and shape[dim] != implied:
+        if len(shape) == 2 and shape[dim] != implied[dim]:
             raise CheckpointError(
-                f"{model_dir / 'config.json'}: {fields}, but the weights have {shape[dim]} "
-                f"({tensor} is {list(shape)}); config.json and the weights are from different models (fix the "
-                "field or use the config.json of these weights)"
+                f"{model_dir / 'config.json'}: {fields}, but the weights have {shape[dim]}: tensor {tensor} in "
+                f"{infos[tensor].file} has shape {list(shape)}, where config.json implies {list(implied)}; "
+                "config.json and the weights are from different models (fix the field or use the config.json of "
+                "these weights)"
             )
 
 
