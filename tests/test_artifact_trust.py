@@ -179,6 +179,8 @@ HOSTILE = {
     "syntax error": "{% for %}",
     "division by zero": "{{ 1 / 0 }}",
     "raise_exception": "{{ raise_exception('System role not supported') }}",
+    "lorem ipsum": "{{ lipsum(n=1000000, min=100, max=100) }}",  # one call: the step budget never sees inside
+    "slow filter": "{{ ('x ' * 5000000)|wordwrap(1) }}",  # textwrap: seconds per MiB, inside one call
 }
 
 
@@ -190,8 +192,12 @@ def with_template(copy: Path, source: str) -> Path:
 
 @pytest.mark.parametrize("name", sorted(HOSTILE))
 def test_a_hostile_template_is_one_error_naming_the_file(copy, capsys, name):
+    from tests.test_fuzz_hostile import deadline
+
     with_template(copy, HOSTILE[name])
-    msg = one_error(*cli([GENERATE[0], copy, *GENERATE[1:]], capsys), "chat_template.jinja: the chat template")
+    with deadline(f"template {name}"):
+        code, lines = cli([GENERATE[0], copy, *GENERATE[1:]], capsys)
+    msg = one_error(code, lines, "chat_template.jinja: the chat template")
     if name == "raise_exception":
         assert msg.endswith("refused this conversation: System role not supported")
 
