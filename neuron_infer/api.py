@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable
+import reprlib
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Self
+from typing import Any, Self
 
 from neuron_infer import cpu_threads
 from neuron_infer.artifact.manifest import (
@@ -34,6 +35,7 @@ from neuron_infer.artifact.manifest import (
     check_files,
     load_verified_tokenizer,
     read_manifest,
+    verified_generation_config,
 )
 from neuron_infer.chat_template import render_chat
 from neuron_infer.checkpoint import generation_eos_ids
@@ -99,8 +101,10 @@ def _eos_ids(manifest: Manifest, tokenizer, root: Path) -> tuple[int, ...]:
     ids = set(manifest.model.eos_token_ids)
     if tokenizer.eos_token_id is not None:
         ids.add(int(tokenizer.eos_token_id))
-    ids.update(generation_eos_ids(root / TOKENIZER_DIR / "generation_config.json", manifest.model.vocab_size,
-                                  "recompile the model", ArtifactError))
+    raw = verified_generation_config(root, manifest)  # read once: the bytes checked are the bytes parsed
+    if raw is not None:
+        ids.update(generation_eos_ids(root / TOKENIZER_DIR / "generation_config.json", manifest.model.vocab_size,
+                                      "recompile the model", ArtifactError, raw=raw))
     return tuple(sorted(ids))
 
 
@@ -140,6 +144,8 @@ class CompiledModel:
         speculation_gate: with a draft model, take plain steps while speculative steps are measured not to pay
         (False: speculate on every step that can, e.g. to measure speculation at a fixed k; docs/speculation.md).
         """
+        if not isinstance(artifact_dir, str | os.PathLike):
+            raise NeuronInferError(f"artifact_dir must be a path (str or pathlib.Path), not {reprlib.repr(artifact_dir)}")
         options = RunOptions(prefix_caching, prefill_chunk, speculation_gate)  # checked before the slow load
         check_kv_cache_gib(kv_cache_gib)
         if threads is not None:
@@ -207,6 +213,7 @@ class CompiledModel:
         if isinstance(prompts, str) or not isinstance(prompts, list | tuple):
             raise NeuronInferError(f"prompts must be a list of strings, not {type(prompts).__name__} (for one prompt: "
                                    "[prompt])")
+        check_call_args(sampling, {"chat": chat, "ignore_eos": ignore_eos}, on_tokens)
         for i, p in enumerate(prompts):
             if not isinstance(p, str):
                 raise NeuronInferError(f"prompt {i} is a {type(p).__name__}, not a string")
@@ -228,6 +235,7 @@ class CompiledModel:
         structured output (a JSON schema, regex or choices, runtime/grammar.py; each output ends with EOS once the
         grammar is complete)."""
         check_generate_args(prompts, max_new_tokens, stop, logprobs)
+        check_call_args(sampling, {"ignore_eos": ignore_eos, "collect_logits": collect_logits}, on_tokens)
         rule = StopRule(stop_strings=tuple(stop), decode=self._decode)
         check_vocab(sampling, self.manifest.model.vocab_size)
         make_grammar = self._grammar(grammar, ignore_eos)
@@ -290,6 +298,7 @@ def encode_prompt(tokenizer, prompt: str, chat: bool = False) -> list[int]:
 def encode_chat(tokenizer, messages: list[dict[str, str]]) -> list[int]:
     """Token ids of a conversation through the chat template (rendered under limits: neuron_infer.chat_template),
     ending with the assistant's turn header."""
+    check_messages(messages)
     text = render_chat(tokenizer, messages)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
@@ -313,6 +322,29 @@ def check_generate_args(prompts, max_new_tokens, stop, logprobs) -> None:
                                if isinstance(stop, str) else f"stop={stop!r} must be a list of non-empty strings")
     if logprobs is not None and (not _is_int(logprobs) or logprobs < 0):
         raise NeuronInferError(f"logprobs={logprobs!r} must be None or an integer >= 0")
+
+
+def check_call_args(sampling, flags: dict[str, Any], on_tokens) -> None:
+    """The types of the other generate arguments: a SamplingConfig, true/false flags, a callable (or None)."""
+    if not isinstance(sampling, SamplingConfig):
+        raise NeuronInferError(f"sampling must be a SamplingConfig (e.g. SamplingConfig(temperature=0.7)), not "
+                               f"{type(sampling).__name__}")
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise NeuronInferError(f"{name}={value!r} must be True or False")
+    if on_tokens is not None and not callable(on_tokens):
+        raise NeuronInferError(f"on_tokens={on_tokens!r} must be a callable or None")
+
+
+def check_messages(messages) -> None:
+    """A conversation: a non-empty list of {"role": str, "content": str} dicts."""
+    if isinstance(messages, str) or not isinstance(messages, list | tuple) or not messages:
+        raise NeuronInferError('messages must be a non-empty list of {"role": ..., "content": ...} dicts, not '
+                               f"{reprlib.repr(messages)}")
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise NeuronInferError(f'messages[{i}] must be a dict with a string "role" and a string "content", not '
+                                   f"{reprlib.repr(m)}")
 
 
 def check_kv_cache_gib(gib) -> None:

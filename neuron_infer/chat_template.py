@@ -177,13 +177,26 @@ def _binop(operator: str, left: Any, right: Any) -> Any:
     return left % right
 
 
-def _bounded_filter(f):
+# Filters whose Python implementation spends seconds per MiB (textwrap, regular expressions over the whole text):
+# the time budget is checked between steps, not inside a call, so their input is bounded instead.
+SLOW_TEXT_FILTERS = frozenset({"wordwrap", "urlize", "striptags", "wordcount", "title", "indent"})
+MAX_SLOW_FILTER_CHARS = 1 << 20
+
+
+def _bounded_filter(f, name: str = ""):
     skip = 2 if getattr(f, "jinja_pass_arg", None) is not None else 1  # (context,) value: not arguments
 
     @functools.wraps(f)  # keeps jinja's pass_context / pass_eval_context marker
     def wrapper(*args, **kwargs):
         _step()
         _check_args(args[skip:], kwargs)
+        value = args[skip - 1] if len(args) >= skip else None
+        if name in SLOW_TEXT_FILTERS and isinstance(value, str) and len(value) > MAX_SLOW_FILTER_CHARS:
+            raise TemplateLimitError(f"applied {name} to {len(value)} characters (at most {MAX_SLOW_FILTER_CHARS})")
+        width = (args[skip:] or [kwargs.get("width", 4)])[0]
+        if name == "indent" and isinstance(value, str) and isinstance(width, int) and (
+                len(value) + max(width, 0) * (value.count("\n") + 1) > MAX_CHARS):  # each line gets `width` more
+            raise TemplateLimitError(f"built a value of more than {MAX_CHARS} items")
         return _check_size(f(*args, **kwargs))
 
     return wrapper
@@ -258,7 +271,8 @@ def _environment():
 
     env = Env(trim_blocks=True, lstrip_blocks=True, extensions=[GenerationTag, loopcontrols])
     env.filters["tojson"] = tojson
-    env.filters = {name: _bounded_filter(f) for name, f in env.filters.items()}
+    env.filters = {name: _bounded_filter(f, name) for name, f in env.filters.items()}
+    env.globals.pop("lipsum", None)  # lorem ipsum of up to 10^6 paragraphs in one call: no chat template uses it
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     return env

@@ -8,6 +8,7 @@ Every problem raises `CheckpointError` naming the file or tensor and the fix.
 from __future__ import annotations
 
 import hashlib
+import re
 import struct
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -19,7 +20,7 @@ from safetensors import SafetensorError, safe_open
 
 from neuron_infer.config import ModelConfig
 from neuron_infer.errors import CheckpointError, NeuronInferError
-from neuron_infer.typed import parse_json, read_json, show
+from neuron_infer.typed import json_from_bytes, parse_json, read_json, show
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -223,7 +224,66 @@ def scan_checkpoint(model_dir: str | Path) -> dict[str, TensorInfo]:
     return infos
 
 
+def check_weight_headers(model_dir: str | Path, cfg: ModelConfig) -> None:
+    """Compile-time check, from the safetensors headers only: the checkpoint holds exactly the tensors `cfg`
+    implies, with their shapes and a supported dtype (CheckpointError naming the config.json field otherwise)."""
+    _check_names(scan_checkpoint(model_dir), cfg, Path(model_dir))
+
+
+_LAYER = re.compile(r"(?:model\.)?layers\.(\d{1,9})\.")  # without "model.": the name check's hint follows
+
+
+def _size_fields(c: ModelConfig) -> tuple[tuple[str, str, int, tuple[int, int]], ...]:
+    """(config.json field(s) as the message names them, a tensor whose shape shows them, the dimension that does,
+    the tensor's shape config.json implies)."""
+    heads = f"num_attention_heads={c.num_heads} x head_dim={c.head_dim} ({c.num_heads * c.head_dim})"
+    kv_heads = f"num_key_value_heads={c.num_kv_heads} x head_dim={c.head_dim} ({c.num_kv_heads * c.head_dim})"
+    h, q, kv = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    return (
+        (f"vocab_size={c.vocab_size}", "model.embed_tokens.weight", 0, (c.vocab_size, h)),
+        (f"hidden_size={h}", "model.embed_tokens.weight", 1, (c.vocab_size, h)),
+        (f"intermediate_size={c.intermediate_size}", "model.layers.0.mlp.gate_proj.weight", 0,
+         (c.intermediate_size, h)),
+        (heads, "model.layers.0.self_attn.q_proj.weight", 0, (q, h)),
+        (kv_heads, "model.layers.0.self_attn.k_proj.weight", 0, (kv, h)),
+    )
+
+
+def layer_count(names: Iterable[str]) -> int:
+    """The decoder layers tensor `names` hold (one past the highest `model.layers.<i>.` index; 0 for none)."""
+    layers = {int(m.group(1)) for n in names if (m := _LAYER.match(n))}
+    return max(layers) + 1 if layers else 0
+
+
+def check_layer_count(names: Iterable[str], cfg: ModelConfig, model_dir: Path) -> None:
+    """config.json's num_hidden_layers must not exceed the decoder layers the weights (tensor `names`) hold."""
+    present = layer_count(names)
+    if cfg.num_layers > present:
+        raise CheckpointError(
+            f"{model_dir / 'config.json'}: num_hidden_layers={cfg.num_layers}, but the weights hold {present} "
+            "layer(s); config.json and the weights are from different models (fix num_hidden_layers or use the "
+            "config.json of these weights)"
+        )
+
+
+def _check_sizes(infos: dict[str, TensorInfo], cfg: ModelConfig, model_dir: Path) -> None:
+    """config.json's size fields bounded by the weights present, before anything is sized from them: a
+    num_hidden_layers or hidden_size the checkpoint does not hold is named at once (not after building the
+    expected names of 10^9 layers)."""
+    check_layer_count(infos, cfg, model_dir)
+    for fields, tensor, dim, implied in _size_fields(cfg):
+        shape = infos[tensor].shape if tensor in infos else ()
+        if len(shape) == 2 and shape[dim] != implied[dim]:
+            raise CheckpointError(
+                f"{model_dir / 'config.json'}: {fields}, but the weights have {shape[dim]}: tensor {tensor} in "
+                f"{infos[tensor].file} has shape {list(shape)}, where config.json implies {list(implied)}; "
+                "config.json and the weights are from different models (fix the field or use the config.json of "
+                "these weights)"
+            )
+
+
 def _check_names(infos: dict[str, TensorInfo], cfg: ModelConfig, model_dir: Path) -> None:
+    _check_sizes(infos, cfg, model_dir)
     expected = expected_shapes(cfg)
     allowed_extra = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
     missing = sorted(set(expected) - set(infos))
@@ -347,32 +407,36 @@ def checkpoint_fingerprint(model_dir: str | Path) -> str:
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
 
-def load_tokenizer(model_dir: str | Path, fix: str = "re-download the tokenizer files"):
+def load_tokenizer(model_dir: str | Path, fix: str = "re-download the tokenizer files", shown: Path | None = None):
     """The model directory's tokenizer, through `transformers.AutoTokenizer`, from local files only (`fix`: the
-    remedy an error names)."""
+    remedy an error names; `shown`: the directory messages and the tokenizer's name_or_path give, when the files
+    are read from a private copy of it)."""
     d = Path(model_dir)
+    shown = shown or d
     if not any((d / f).is_file() for f in _TOKENIZER_FILES):
         raise CheckpointError(
-            f"no tokenizer in {d}: expected one of {', '.join(_TOKENIZER_FILES)} (with tokenizer_config.json); "
+            f"no tokenizer in {shown}: expected one of {', '.join(_TOKENIZER_FILES)} (with tokenizer_config.json); "
             "download the tokenizer files of the model repository into the same directory"
         )
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(str(d), local_files_only=True)
+        tok = AutoTokenizer.from_pretrained(str(d), local_files_only=True)
     except Exception as e:  # tokenizers raises a bare Exception for malformed files
-        raise CheckpointError(
-            f"cannot load the tokenizer in {d} ({type(e).__name__}: {e}); {fix}"
-        ) from e
+        detail = " ".join(f"{type(e).__name__}: {e}".replace(str(d), str(shown)).split())
+        raise CheckpointError(f"cannot load the tokenizer in {shown} ({detail}); {fix}") from e
+    tok.name_or_path = str(shown)
+    return tok
 
 
-def generation_eos_ids(path: Path, vocab_size: int, fix: str, error: type[NeuronInferError] = CheckpointError
-                       ) -> tuple[int, ...]:
+def generation_eos_ids(path: Path, vocab_size: int, fix: str, error: type[NeuronInferError] = CheckpointError,
+                       raw: bytes | None = None) -> tuple[int, ...]:
     """The `eos_token_id` of a generation_config.json (absent or null: none; an id, or a list of ids, each in
-    0..vocab_size-1); anything else raises `error` naming the file and ending in `fix`."""
-    if not path.is_file():
+    0..vocab_size-1); anything else raises `error` naming the file and ending in `fix`. `raw`: the file's bytes,
+    already read (and verified) by the caller; the file is then not read again."""
+    if raw is None and not path.is_file():
         return ()
-    data = read_json(path, fix, error)
+    data = read_json(path, fix, error) if raw is None else json_from_bytes(raw, path, fix, error)
     eos = data.get("eos_token_id") if isinstance(data, dict) else data
     if not isinstance(data, dict):
         raise error(f"{path} holds {show(data)}, not a JSON object; {fix}")

@@ -134,6 +134,7 @@ def load_quantized_checkpoint(path: str | Path):
     from safetensors.torch import load_file
 
     from neuron_infer.artifact.weights import empty_model, quant_structure
+    from neuron_infer.checkpoint import check_layer_count, read_header
 
     root = Path(path)
     meta_file = root / CONFIG_FILE
@@ -144,7 +145,9 @@ def load_quantized_checkpoint(path: str | Path):
                               f"(no {CONFIG_FILE} with format {FORMAT!r} and a scheme)")
     bq = meta["build_quant"]
     build = BuildConfig(dtype=meta["dtype"], quant=QuantConfig(bq["scheme"], tuple(bq["modules_to_not_convert"])))
-    model = empty_model(ModelConfig.from_model_dir(root), build)
+    cfg = ModelConfig.from_model_dir(root)
+    check_layer_count(read_header(root / WEIGHTS_FILE)[2], cfg, root)  # before 10^9 empty layers are built
+    model = empty_model(cfg, build)
     quant_structure(model, build)
     state = load_file(str(root / WEIGHTS_FILE))
     if model.cfg.tie_word_embeddings and type(model.lm_head) is torch.nn.Linear:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -465,6 +466,8 @@ class SamplingConfig:
     logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
+        _normalize_numbers(self, ints=("top_k", "seed", "min_tokens"), floats=(
+            "temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"))
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
         if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or self.min_tokens < 0:
             raise ConfigError(f"min_tokens={self.min_tokens!r} must be an integer >= 0 (0 disables it)")
@@ -504,6 +507,20 @@ class SamplingConfig:
     @classmethod
     def from_dict(cls, d: Any, where: str = "sampling config") -> "SamplingConfig":
         return parse_dataclass(cls, d, where)
+
+
+def _normalize_numbers(obj: Any, ints: tuple[str, ...], floats: tuple[str, ...]) -> None:
+    """Each field of `ints` an integer (a NumPy integer becomes an int; a bool, 2.5 or "3" is refused; a None seed
+    stays None), each of `floats` a real number stored as float (a bool or a string is refused)."""
+    for name in ints + floats:
+        v = getattr(obj, name)
+        if v is None and name == "seed":  # the one optional field: None = nondeterministic
+            continue
+        want = numbers.Integral if name in ints else numbers.Real
+        if isinstance(v, bool) or not isinstance(v, want):
+            kind = "an integer" if name in ints else "a number"
+            raise ConfigError(f"{name}={v!r} must be {kind}, not {type(v).__name__}")
+        object.__setattr__(obj, name, int(v) if name in ints else float(v))
 
 
 MAX_LOGIT_BIAS = 100.0  # OpenAI's (and vLLM's) bound on one logit_bias value

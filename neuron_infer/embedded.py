@@ -31,7 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from neuron_infer.config import ModelConfig
-from neuron_infer.errors import CheckpointError
+from neuron_infer.errors import CheckpointError, ConfigError
 from neuron_infer.output_dir import PARTIAL_MARKER, apply_umask, is_marked, mark
 from neuron_infer.progress import stages
 
@@ -48,7 +48,11 @@ _STALE_TMP_S = 3600.0  # a .tmp-* build directory older than this belongs to a d
 def cache_dir() -> Path:
     """neuron-infer's cache root: `$NEURON_INFER_CACHE`, else `~/.cache/neuron-infer`."""
     env = os.environ.get(CACHE_ENV)
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "neuron-infer"
+    root = Path(env).expanduser() if env else Path.home() / ".cache" / "neuron-infer"
+    if os.path.lexists(root) and not root.is_dir():  # a file, or a link to nothing or to a file
+        what = "a symbolic link to nothing" if not root.exists() else "not a directory"
+        raise ConfigError(f"the cache {root} is {what}; point {CACHE_ENV} at a directory (it is created if missing)")
+    return root
 
 
 def find_gguf() -> Path:

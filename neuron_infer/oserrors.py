@@ -7,6 +7,8 @@ from __future__ import annotations
 import errno
 import os
 import re
+import shutil
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -86,3 +88,63 @@ def check_output_location(final: Path) -> None:
 
 def _read_only(path: Path) -> bool:
     return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+
+
+_LOW_SPACE = 256 << 20  # bytes: below this a failed compile or graph extraction is taken to be for lack of space
+_SPACE_WORDS = ("No space left on device", "Disk quota exceeded", "write callback failed", "os error 28")
+
+
+@contextmanager
+def scratch_tmpdir(what: str) -> Iterator[Path]:
+    """Run `what` (AOTInductor's compile or package loading) with TMPDIR pointed at a private directory, removed
+    afterwards whatever happens: the C++ compiler's temporaries and the extracted `aotinductor_*` folders never stay
+    behind. Torch's own compile cache (TORCHINDUCTOR_CACHE_DIR, by default torchinductor_<user> in the temporary
+    directory) is pinned first and kept: it is reused by later compiles. A failure while the temporary directory or
+    that cache lies on a (nearly) full file system becomes one ArtifactError saying which one is full and how to
+    point it elsewhere; other failures pass through unchanged."""
+    cache = _inductor_cache_dir()
+    base = tempfile.gettempdir()
+    try:
+        private = tempfile.mkdtemp(prefix="neuron-infer-scratch-", dir=base)
+    except OSError as e:
+        raise _space_error(what, base, cache, e) or e
+    saved_env, saved_module = os.environ.get("TMPDIR"), tempfile.tempdir
+    os.environ["TMPDIR"] = tempfile.tempdir = private
+    try:
+        yield Path(private)
+    except Exception as e:  # noqa: BLE001  (torch raises RuntimeError, CppCompileError, OSError...: all looked at)
+        raise _space_error(what, base, cache, e) or e
+    finally:
+        tempfile.tempdir = saved_module
+        if saved_env is None:
+            os.environ.pop("TMPDIR", None)
+        else:
+            os.environ["TMPDIR"] = saved_env
+        shutil.rmtree(private, ignore_errors=True)
+
+
+def _inductor_cache_dir() -> str | None:
+    try:
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+    except ImportError:
+        return None
+    return cache_dir()  # also fixes TORCHINDUCTOR_CACHE_DIR, so it does not follow TMPDIR into the private directory
+
+
+def _space_error(what: str, tmp: str, cache: str | None, e: BaseException) -> ArtifactError | None:
+    """An ArtifactError naming the full directory when `e` looks like a lack of space there, else None."""
+    def free(d: str) -> int:
+        try:
+            return shutil.disk_usage(d).free
+        except OSError:
+            return 1 << 62
+
+    said_space = any(w in str(e) for w in _SPACE_WORDS) or (
+        isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT))
+    tmp_fix = "point TMPDIR at a directory with room (e.g. `TMPDIR=/var/tmp neuron-infer ...`)"
+    cache_fix = "set TORCHINDUCTOR_CACHE_DIR to a directory with room"
+    for d, name, fix in ((tmp, "the temporary directory", tmp_fix), (cache, "torch's compile cache", cache_fix)):
+        if d is not None and (free(d) < _LOW_SPACE or (said_space and free(d) < 4 * _LOW_SPACE)):
+            return ArtifactError(f"{name} {d} is full ({free(d) / 2**20:.1f} MiB free on its file system) while "
+                                 f"{what}; free some space there, or {fix}")
+    return None

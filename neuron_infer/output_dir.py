@@ -96,7 +96,10 @@ def check_target(final: Path, overwrite: bool, owned: OwnedFiles, what: str) -> 
     """Accept a missing or empty `final`, or (with overwrite) a previous output of this kind holding only its files."""
     if not os.path.lexists(final):
         return
-    if final.is_symlink() or not final.is_dir():
+    if final.is_symlink():  # replacing it would replace the link, or write into a directory we did not create
+        raise ConfigError(f"{final} is a symbolic link (to {os.readlink(final)}); give -o the real directory "
+                          "path, or choose another -o directory")
+    if not final.is_dir():
         raise ConfigError(f"{final} exists and is not a directory; choose another -o directory")
     if not any(final.iterdir()):
         return

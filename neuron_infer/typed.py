@@ -233,13 +233,13 @@ class JsonLimitError(ValueError):
 
 def parse_json(raw: bytes | str) -> Any:
     """json.loads under bounds: at most MAX_JSON_BYTES, MAX_JSON_DEPTH levels and MAX_INT_DIGITS digits per
-    integer; past one, JsonLimitError (a ValueError) says which."""
+    integer, and no key twice in one object; past one, JsonLimitError (a ValueError) says which."""
     if len(raw) > MAX_JSON_BYTES:
         raise JsonLimitError(f"it is larger than {MAX_JSON_BYTES} bytes")
     if isinstance(raw, bytes | bytearray) and raw.startswith(b"\xef\xbb\xbf"):
         raise JsonLimitError("it starts with a UTF-8 byte order mark (BOM); save it as UTF-8 without a BOM")
     try:
-        value = json.loads(raw, parse_int=_bounded_int)
+        value = json.loads(raw, parse_int=_bounded_int, object_pairs_hook=_unique_keys)
     except RecursionError:
         raise JsonLimitError(f"it nests more than {MAX_JSON_DEPTH} levels deep") from None
     stack = [(value, 1)]
@@ -250,6 +250,17 @@ def parse_json(raw: bytes | str) -> Any:
                 raise JsonLimitError(f"it nests more than {MAX_JSON_DEPTH} levels deep")
             stack += [(x, depth + 1) for x in (v.values() if isinstance(v, dict) else v)]
     return value
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """An object whose keys are all different: JSON readers disagree on which of two equal keys counts (Python keeps
+    the last, others the first), so a file that says two things is refused instead of read one way."""
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        twice = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise JsonLimitError(f"it holds the key {twice!r} twice in one object")
+    return out
 
 
 def _bounded_int(text: str) -> int:
@@ -265,6 +276,11 @@ def read_json(path: Path, fix: str, error: type[NeuronInferError] = ConfigError)
         raw = Path(path).read_bytes()
     except OSError as e:
         raise error(f"cannot read {path}: {e.strerror or e}; {fix}") from e
+    return json_from_bytes(raw, path, fix, error)
+
+
+def json_from_bytes(raw: bytes, path: Path | str, fix: str, error: type[NeuronInferError] = ConfigError) -> Any:
+    """`read_json` of bytes already read from `path` (e.g. the verified bytes of an artifact file)."""
     try:
         return parse_json(raw)
     except JsonLimitError as e:

@@ -179,6 +179,8 @@ HOSTILE = {
     "syntax error": "{% for %}",
     "division by zero": "{{ 1 / 0 }}",
     "raise_exception": "{{ raise_exception('System role not supported') }}",
+    "lorem ipsum": "{{ lipsum(n=1000000, min=100, max=100) }}",  # one call: the step budget never sees inside
+    "slow filter": "{{ ('x ' * 5000000)|wordwrap(1) }}",  # textwrap: seconds per MiB, inside one call
 }
 
 
@@ -190,8 +192,12 @@ def with_template(copy: Path, source: str) -> Path:
 
 @pytest.mark.parametrize("name", sorted(HOSTILE))
 def test_a_hostile_template_is_one_error_naming_the_file(copy, capsys, name):
+    from tests.test_fuzz_hostile import deadline
+
     with_template(copy, HOSTILE[name])
-    msg = one_error(*cli([GENERATE[0], copy, *GENERATE[1:]], capsys), "chat_template.jinja: the chat template")
+    with deadline(f"template {name}"):
+        code, lines = cli([GENERATE[0], copy, *GENERATE[1:]], capsys)
+    msg = one_error(code, lines, "chat_template.jinja: the chat template")
     if name == "raise_exception":
         assert msg.endswith("refused this conversation: System role not supported")
 
@@ -236,3 +242,47 @@ def test_api_template_errors_are_neuron_infer_errors(art):
     tok.chat_template = HOSTILE["nested loops"]
     with pytest.raises(NeuronInferError, match="more than 2000000 steps"):
         encode_chat(tok, [{"role": "user", "content": "hi"}])
+
+
+def test_tokenizer_files_are_read_once_so_a_swap_after_the_check_is_never_used(copy, monkeypatch):
+    """An attacker who can write the artifact swaps the chat template and generation_config.json right after they
+    were verified (simulated: at the moment the tokenizer is built). What is used is either the verified content or
+    nothing (an error): never the swapped one."""
+    from neuron_infer import checkpoint
+
+    real = checkpoint.load_tokenizer
+    tok_dir = copy / "tokenizer"
+    original_template = (tok_dir / "chat_template.jinja").read_text()
+
+    def swap_then_load(*a, **k):
+        (tok_dir / "chat_template.jinja").write_text("SWAPPED {{ raise_exception('SWAPPED') }}")
+        (tok_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": 7}))
+        return real(*a, **k)
+
+    monkeypatch.setattr(checkpoint, "load_tokenizer", swap_then_load)
+    try:
+        model = CompiledModel.load(copy)
+    except ArtifactError as e:  # the generation config, read after the swap: refused, not used
+        assert "generation_config.json is corrupted" in str(e), e
+    else:
+        assert 7 not in model.eos_ids
+        assert model.tokenizer.chat_template == original_template
+
+
+def test_the_tokenizer_is_built_from_the_verified_bytes(copy, monkeypatch):
+    """Only the chat template is swapped after the check: the load succeeds with the verified template, and
+    messages name the artifact's tokenizer directory (not the private copy the bytes were loaded from)."""
+    from neuron_infer import checkpoint
+
+    real = checkpoint.load_tokenizer
+    template = copy / "tokenizer" / "chat_template.jinja"
+    original = template.read_text()
+
+    def swap_then_load(*a, **k):
+        template.write_text("SWAPPED")
+        return real(*a, **k)
+
+    monkeypatch.setattr(checkpoint, "load_tokenizer", swap_then_load)
+    model = CompiledModel.load(copy)
+    assert model.tokenizer.chat_template == original
+    assert Path(model.tokenizer.name_or_path) == copy / "tokenizer"

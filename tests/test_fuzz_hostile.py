@@ -266,6 +266,39 @@ def test_every_api_parameter(art):
                 m.generate_ids(**kw)
 
 
+SAMPLING = {"top_k": [2.5, "3", True], "seed": [1.5, True, "7"], "top_p": ["0.5"], "temperature": ["1", None],
+            "min_tokens": [1.5], "repetition_penalty": ["2"]}
+API_OTHER = {"sampling": [None, {"temperature": 0.0}], "chat": ["yes", 1], "ignore_eos": [1], "on_tokens": [5]}
+MESSAGES = ["hi", [], ["hi"], [{"role": "user"}], [{"role": "user", "content": 5}], [{"role": 5, "content": "x"}]]
+
+
+def test_api_types_beyond_the_prompts(art):
+    """Wrong types a Python caller can pass: a NeuronInferError naming the parameter, never a TypeError or
+    AttributeError from deep inside, and never a silently accepted 2.5 or True (a conversation given as a string
+    was rendered character by character)."""
+    import numpy as np
+
+    from neuron_infer.api import CompiledModel
+    from neuron_infer.config import SamplingConfig
+
+    for name, values in SAMPLING.items():
+        for value in values:
+            with pytest.raises(NeuronInferError, match=name):
+                SamplingConfig(**{name: value})
+    assert SamplingConfig(top_k=np.int64(3), temperature=np.float32(0.5)).top_k == 3  # NumPy numbers: converted
+    for bad in (5, None, ["a"]):
+        with pytest.raises(NeuronInferError, match="artifact_dir"):
+            CompiledModel.load(bad)
+    m = CompiledModel.load(art)
+    for name, values in API_OTHER.items():
+        for value in values:
+            with deadline(f"generate {name}={value!r}"), pytest.raises(NeuronInferError, match=name):
+                m.generate(["hi"], max_new_tokens=1, **{name: value})
+    for messages in MESSAGES:
+        with deadline(f"generate_chat {messages!r}"), pytest.raises(NeuronInferError, match="messages"):
+            m.generate_chat(messages, max_new_tokens=1)
+
+
 def test_json_logprobs_output_is_valid_json(art, capsys, monkeypatch):
     from neuron_infer import api
 

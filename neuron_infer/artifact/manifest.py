@@ -19,6 +19,7 @@ import hashlib
 import json
 import os
 import stat
+import tempfile
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -218,21 +219,48 @@ def check_files(root: Path, m: Manifest, under: str | None = None) -> None:
     """Every file under root (or under root/`under`) is a regular file listed in the manifest whose sha256 matches,
     and no entry is a symbolic link or special file: a load reads no unverified file, and nothing outside the
     artifact. `under`: one subdirectory, e.g. TOKENIZER_DIR, verified before its files are read."""
-    root = Path(root)
+    for rel in _listed(Path(root), m, under):
+        if _sha256_nofollow(Path(root) / rel) != m.files[rel]:
+            raise _corrupted(Path(root) / rel)
+
+
+def read_verified(root: Path, m: Manifest, under: str) -> dict[str, bytes]:
+    """The bytes of every file under root/`under` (the same refusals as `check_files`), each read once and
+    hashed: the bytes returned are the bytes verified, so a file swapped after the check is never used."""
+    return {rel: _read_checked(Path(root), m, rel) for rel in _listed(Path(root), m, under)}
+
+
+def _read_checked(root: Path, m: Manifest, rel: str) -> bytes:
+    try:
+        fd = os.open(root / rel, os.O_RDONLY | os.O_NOFOLLOW)  # a link put in its place is refused (ELOOP)
+        with os.fdopen(fd, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise ArtifactError(f"cannot read {root / rel}: {e.strerror or e}; recompile the model") from e
+    if hashlib.sha256(data).hexdigest() != m.files[rel]:
+        raise _corrupted(root / rel)
+    return data
+
+
+def _corrupted(path: Path) -> ArtifactError:
+    return ArtifactError(f"{path} is corrupted (sha256 differs from the manifest); recompile the model")
+
+
+def _listed(root: Path, m: Manifest, under: str | None) -> list[str]:
+    """The manifest's files under root/`under`, sorted, after checking that each is present and that the directory
+    holds no other entry (unlisted file, link, special file)."""
     top = root / under if under else root
     scope = f"{under}/" if under else ""
     present = set(_regular_files(root, top))
-    listed = {rel for rel in m.files if rel.startswith(scope)}
-    unlisted = sorted(present - listed)
+    listed = sorted(rel for rel in m.files if rel.startswith(scope))
+    unlisted = sorted(present - set(listed))
     if unlisted:
         raise ArtifactError(f"{root / unlisted[0]} is not listed in the manifest's files, so it cannot be verified "
                             "(an artifact is loaded only when every file is listed); recompile the model")
-    for rel in sorted(listed):
-        p = root / rel
+    for rel in listed:
         if rel not in present:
-            raise ArtifactError(f"{p} is missing from the artifact; recompile the model")
-        if _sha256_nofollow(p) != m.files[rel]:
-            raise ArtifactError(f"{p} is corrupted (sha256 differs from the manifest); recompile the model")
+            raise ArtifactError(f"{root / rel} is missing from the artifact; recompile the model")
+    return listed
 
 
 def _regular_files(root: Path, top: Path) -> list[str]:
@@ -273,11 +301,32 @@ def _sha256_nofollow(path: Path, chunk: int = 1 << 22) -> str:
 
 
 def load_verified_tokenizer(root: Path, manifest: Manifest):
-    """The artifact's tokenizer, its files (chat template, generation config) verified before any is read."""
+    """The artifact's tokenizer (its chat template included), built from the verified bytes of its files: each is
+    read once, hashed, and those bytes are what the tokenizer loads (from a private copy, removed at once)."""
     from neuron_infer.checkpoint import load_tokenizer
 
-    check_files(root, manifest, TOKENIZER_DIR)
-    return load_tokenizer(Path(root) / TOKENIZER_DIR, fix="recompile the model (its tokenizer files are damaged)")
+    files = read_verified(root, manifest, TOKENIZER_DIR)
+    shown = Path(root) / TOKENIZER_DIR
+    try:
+        with tempfile.TemporaryDirectory(prefix="neuron-infer-tokenizer-") as private:
+            for rel, data in files.items():
+                (Path(private) / rel.removeprefix(f"{TOKENIZER_DIR}/")).write_bytes(data)
+            return load_tokenizer(private, "recompile the model (its tokenizer files are damaged)", shown=shown)
+    except OSError as e:
+        raise ArtifactError(f"cannot copy the verified tokenizer files of {root} into the temporary directory "
+                            f"{tempfile.gettempdir()}: {e.strerror or e}; free space there, or point TMPDIR at "
+                            "another directory") from e
+
+
+def verified_generation_config(root: Path, manifest: Manifest) -> bytes | None:
+    """The verified bytes of the artifact's tokenizer/generation_config.json (None: it has none)."""
+    rel = f"{TOKENIZER_DIR}/generation_config.json"
+    if rel not in manifest.files:
+        if os.path.lexists(Path(root) / rel):
+            raise ArtifactError(f"{Path(root) / rel} is not listed in the manifest's files, so it cannot be "
+                                "verified; recompile the model")
+        return None
+    return _read_checked(Path(root), manifest, rel)
 
 
 def check_checkpoint(manifest: Manifest, root: Path, model_dir: Path) -> None:

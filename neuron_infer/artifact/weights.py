@@ -89,10 +89,20 @@ def assign_state(model: LlamaModel, state: dict[str, torch.Tensor], mismatch: st
     plain_head = type(model.lm_head) is torch.nn.Linear
     if model.cfg.tie_word_embeddings and plain_head and "lm_head.weight" not in state:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    skeleton = model.state_dict()  # assign=True adopts the stored dtype: integers where floats belong are refused
+    wrong = next((k for k, t in state.items() if k in skeleton and (
+        t.dtype.is_floating_point != skeleton[k].dtype.is_floating_point
+        or (not skeleton[k].dtype.is_floating_point and t.dtype != skeleton[k].dtype))), None)
+    if wrong is not None:
+        raise ArtifactError(f"{mismatch}: {wrong} is stored as {state[wrong].dtype}, where the model holds "
+                            f"{'a floating-point tensor' if skeleton[wrong].dtype.is_floating_point else skeleton[wrong].dtype}"
+                            "; recompile the model")
     try:
         model.load_state_dict(state, strict=True, assign=True)
-    except RuntimeError as e:
-        raise ArtifactError(f"{mismatch}: {e}") from e
+    except RuntimeError as e:  # torch's message spans lines: one line, shortened
+        detail = " ".join(str(e).split())
+        detail = detail if len(detail) <= 400 else detail[:397] + "..."
+        raise ArtifactError(f"{mismatch}: {detail}; recompile the model") from e
     model.tie_weights()
     model.materialize_buffers()
 

@@ -28,7 +28,7 @@ from neuron_infer.artifact.manifest import (
 from neuron_infer.artifact.records import ManifestExtra
 from neuron_infer.artifact.weights import save_rank_weights
 from neuron_infer.backends.neuron.tp_graphs import compile_neuron_tp_graphs
-from neuron_infer.checkpoint import check_tokenizer, checkpoint_fingerprint, load_checkpoint
+from neuron_infer.checkpoint import check_tokenizer, check_weight_headers, checkpoint_fingerprint, load_checkpoint
 from neuron_infer.compile.graphs import compile_graphs
 from neuron_infer.compile.inputs import check_build_against_model, copy_tokenizer, source_dirs
 from neuron_infer.compile.quantize_step import quantize_model
@@ -62,6 +62,7 @@ def _compile(model_dir: Path, out_dir: Path, build: BuildConfig, backend: str | 
     t_start = time.perf_counter()
     cfg = ModelConfig.from_model_dir(model_dir)
     check_build_against_model(cfg, build)
+    check_weight_headers(model_dir, cfg)
     check_tokenizer(model_dir, cfg)
     ranks = RankSet.of(cfg, build, backend, say)  # the plan, the graph backend; refusals before any work
     with atomic_directory(out_dir, overwrite, source_dirs(model_dir, build)) as tmp:

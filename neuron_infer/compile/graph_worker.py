@@ -12,6 +12,7 @@ from neuron_infer.artifact.weights import rank_model
 from neuron_infer.compile.graph_workers import all_cpus
 from neuron_infer.compile.graphs import compile_class
 from neuron_infer.config import BuildConfig, ModelConfig
+from neuron_infer.errors import NeuronInferError
 
 
 def worker_model(job: dict):
@@ -29,7 +30,11 @@ def main() -> None:
     c = job["class"]
     dynamic = {int(i): {int(d): tuple(v) for d, v in dims.items()} for i, dims in c["dynamic"].items()}
     cls = ShapeClass(c["name"], GraphSpec(**c["example"]), dynamic)
-    meta = compile_class(model, build, Path(job["graphs_dir"]), cls, job["key"])
+    try:
+        meta = compile_class(model, build, Path(job["graphs_dir"]), cls, job["key"])
+    except NeuronInferError as e:  # its one line is the last of stderr: the parent's error message
+        sys.stderr.write(f"{e}\n")
+        raise SystemExit(2) from None
     sys.stdout.write(json.dumps(meta) + "\n")
 
 

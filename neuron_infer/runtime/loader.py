@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import psutil
+
 from neuron_infer.artifact.manifest import Manifest, check_checkpoint, read_manifest
 from neuron_infer.artifact.plan import cache_shape
 from neuron_infer.artifact.steps import speculation_modules, step_modules
@@ -24,8 +26,9 @@ from neuron_infer.backends import get_backend
 from neuron_infer.backends.neuron import tp_graphs as neuron_tp
 from neuron_infer.backends.neuron.tp import rank_cache
 from neuron_infer.backends.neuron.tp_spec import DeviceSpecLayout, device_spec_graphs, draft_cache
+from neuron_infer.checkpoint import layer_count, read_header
 from neuron_infer.config import BuildConfig, QuantConfig
-from neuron_infer.errors import ArtifactError
+from neuron_infer.errors import ArtifactError, CheckpointError
 from neuron_infer.model.llama import LlamaModel
 from neuron_infer.model.spec_step import SpecCacheLayout
 from neuron_infer.parallel.plan import ShardPlan
@@ -61,6 +64,8 @@ def load_rank(artifact: str | Path, rank: int = 0, manifest: Manifest | None = N
     build, tp = manifest.build, manifest.build.tp_degree
     if not 0 <= rank < tp:
         raise ArtifactError(f"{root}: rank {rank} does not exist in an artifact of tp_degree={tp}")
+    if not (tp > 1 and manifest.backend == "neuron"):  # no skeleton of more layers than the weights hold
+        _check_layers(manifest, root, root / "weights" / f"rank{rank}.safetensors")
     if kv_cache_gib is not None and manifest.backend == "neuron":
         raise ArtifactError(f"{root}: Neuron graphs hold the KV cache of the compiled batch_size x max_length; "
                             "--kv-cache-gib applies to CPU artifacts")
@@ -77,6 +82,7 @@ def load_rank(artifact: str | Path, rank: int = 0, manifest: Manifest | None = N
     cache = cache_shape(model, build)
     if kv_cache_gib is not None:
         cache = cache.with_blocks(budget_blocks(cache, kv_cache_gib))
+    _check_cache_fits(cache, root, build, kv_cache_gib)
     files = _graph_files(manifest, modules)
     engine = Engine(_load_graphs(manifest.backend, graphs_dir, modules, files), build, cache,
                     manifest.model.vocab_size, shape_classes=any(f != n for n, f in files.items()))
@@ -88,6 +94,31 @@ def load_rank(artifact: str | Path, rank: int = 0, manifest: Manifest | None = N
 def _graph_files(manifest: Manifest, modules: dict) -> dict[str, str]:
     """The compiled graph serving each name (a shape-class graph serves several)."""
     return {name: manifest.graphs.get(name, {}).get("graph", name) for name in modules}
+
+
+def _check_layers(manifest: Manifest, root: Path, weights: Path) -> None:
+    """The manifest's num_layers must be the layers its weights file holds (read from the header only)."""
+    try:
+        held = layer_count(read_header(weights)[2])
+    except (CheckpointError, OSError) as e:
+        raise ArtifactError(f"cannot read the weights of {root}: {e}; recompile the model") from e
+    if manifest.model.num_layers != held:
+        raise ArtifactError(f"{root}: manifest.json says model.num_layers={manifest.model.num_layers}, but {weights} "
+                            f"holds {held} layer(s); the manifest and the weights are from different compiles: "
+                            "recompile the model")
+
+
+def _check_cache_fits(cache, root: Path, build: BuildConfig, kv_cache_gib: float | None) -> None:
+    """The KV cache must fit the memory available now: an error line instead of the kernel's out-of-memory kill."""
+    free = psutil.virtual_memory().available
+    if cache.nbytes() <= free:
+        return
+    what = (f"--kv-cache-gib {kv_cache_gib:g}" if kv_cache_gib is not None else
+            f"the compiled batch_size={build.batch_size} x max_length={build.max_length}")
+    raise ArtifactError(f"{root}: {what} needs a KV cache of {cache.nbytes() / 2**30:.1f} GiB, more than the "
+                        f"{free / 2**30:.1f} GiB of memory available on this machine now; give a smaller budget "
+                        "(--kv-cache-gib, or kv_cache_gib=), free memory, or recompile with a lower --batch-size or "
+                        "--max-length")
 
 
 def _load_graphs(backend: str, graphs_dir: Path, modules: dict, files: dict[str, str] | None = None) -> dict:

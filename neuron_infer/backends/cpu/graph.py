@@ -44,6 +44,7 @@ import contextlib
 import dataclasses
 import hashlib
 import json
+import logging
 import os
 import time
 import warnings
@@ -60,6 +61,7 @@ from neuron_infer.backends.cpu import kernels as cpu_gemv
 from neuron_infer.backends.cpu.gemv_groups import group_gemvs
 from neuron_infer.errors import ArtifactError, ConfigError
 from neuron_infer.model.ops import computed_once, few_rows_attention_kernel
+from neuron_infer.oserrors import scratch_tmpdir
 from neuron_infer.quant.base import few_rows_kernels
 from neuron_infer.shapes import known
 
@@ -286,14 +288,15 @@ class CpuBackend:
         t1 = time.perf_counter()
         package = out_dir / f"{graph_name}{PACKAGE_SUFFIX}"
         configs = dict(INDUCTOR_CONFIGS)
-        kernel = _gemv_kernel_file(program, out_dir, graph_name, self.options.kernel_isa())  # None: no C kernel
-        shims = {"aot_inductor.custom_ops_to_c_shims": cpu_gemv.C_SHIMS} if kernel else {}
-        with torch.inference_mode(False), torch.no_grad(), _all_cores(), _hide_torch_internal_warnings():
-            torch._inductor.aoti_compile_and_package(program, package_path=str(package),
-                                                     inductor_configs={**configs, **shims})
-        t2 = time.perf_counter()
+        with scratch_tmpdir(f"compiling graph {graph_name}"):  # g++ temporaries, extracted package: removed after
+            kernel = _gemv_kernel_file(program, out_dir, graph_name, self.options.kernel_isa())  # None: no C kernel
+            shims = {"aot_inductor.custom_ops_to_c_shims": cpu_gemv.C_SHIMS} if kernel else {}
+            with torch.inference_mode(False), torch.no_grad(), _all_cores(), _hide_torch_internal_warnings():
+                torch._inductor.aoti_compile_and_package(program, package_path=str(package),
+                                                         inductor_configs={**configs, **shims})
+            t2 = time.perf_counter()
+            needed = torch._inductor.aoti_load_package(str(package)).get_constant_fqns()
         tensors = module_tensors(module)
-        needed = torch._inductor.aoti_load_package(str(package)).get_constant_fqns()
         foreign = [f for f in needed if f not in tensors]
         if foreign:
             raise ConfigError(
@@ -420,9 +423,17 @@ def _load_package(package: Path, sha256: str) -> Any:
         # compiling a probe per candidate ISA and dlopen-ing each in a child Python (3 g++ runs and 6 interpreters
         # here: seconds, most of a graph load). Nothing is compiled at
         # load, so the ISAs the CPU flags list are taken as usable (Linux clears the flags of ISAs the OS does not
-        # enable); compiles run without this patch and probe for real.
-        with torch._inductor.config.patch({"cpp.vec_isa_ok": True}):
-            return torch._inductor.aoti_load_package(str(package))
+        # enable); compiles run without this patch and probe for real. The package is extracted into a private
+        # temporary directory, removed once its library is loaded (a full TMPDIR is named as such).
+        quiet = logging.getLogger("torch._inductor.package.package")  # its fallback's "outdated pt2 file" warning
+        level, _ = quiet.level, quiet.setLevel(logging.ERROR)
+        try:
+            with torch._inductor.config.patch({"cpp.vec_isa_ok": True}), scratch_tmpdir(f"loading graph {package}"):
+                return torch._inductor.aoti_load_package(str(package))
+        finally:
+            quiet.setLevel(level)
+    except ArtifactError:
+        raise
     except Exception as e:  # the loader raises RuntimeError, OSError or zip errors for damaged packages
         raise ArtifactError(f"compiled graph {package} cannot be loaded ({type(e).__name__}: {e}); "
                             "recompile the model") from e
