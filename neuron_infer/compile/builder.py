@@ -72,7 +72,7 @@ def example_args(cache: CacheShape, spec: GraphSpec) -> tuple[torch.Tensor, ...]
     k, v = cache.allocate()
     ids = torch.zeros(b, t, dtype=torch.int64)  # [B, T]
     pos = torch.arange(t, dtype=torch.int64).expand(b, t).contiguous()  # [B, T]
-    idx = torch.full((b, 1), t - 1, dtype=torch.int64)  # [B, 1]
+    idx = torch.full((b, spec.logit_rows), t - 1, dtype=torch.int64)  # [B, R] (R = 1 but for the prefill class)
     if spec.kind == "verify":
         idx = torch.arange(t, dtype=torch.int64).expand(b, t).contiguous()  # [B, T]
     table = torch.zeros(b, spec.attend // cache.block_size, dtype=torch.int64)  # [B, S/bs]

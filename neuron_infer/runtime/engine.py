@@ -35,6 +35,7 @@ class GraphSpec:
     attend: int  # S (positions visible)
     batch: int
     batch_bucket: bool = False  # a tokengen graph over b < batch_size sequences
+    logit_rows: int = 1  # width of the example logit_index (the prefill shape class: 2, its dynamic minimum)
 
     @property
     def name(self) -> str:
@@ -64,7 +65,7 @@ def planned_graphs(build: BuildConfig) -> list[GraphSpec]:
     return out
 
 
-TOKENS, BATCH = "tokens", "batch"  # dynamic-dim names
+TOKENS, BATCH, ROWS = "tokens", "batch", "rows"  # dynamic-dim names
 IDS, POSITIONS, LOGIT_INDEX, TABLE = 0, 1, 4, 5  # step arguments (compile/builder.py example_args)
 FEW_ROWS = 8  # rows up to which the CPU backend's GEMV kernels serve a linear (compile/cpu_gemv.py MAX_ROWS)
 
@@ -73,7 +74,8 @@ FEW_ROWS = 8  # rows up to which the CPU backend's GEMV kernels serve a linear (
 class ShapeClass:
     """One compiled graph that serves every planned graph of a class (CPU): `example` gives its example inputs and
     `dynamic` the dims left dynamic, {argument index: {dim: (name, min, max)}}. Prefill: one graph for any prompt
-    length (tokens 2..max_context_length) and any attended length; decode and verify: one graph per batch range
+    length (tokens 2..max_context_length), any attended length and 2..max_context_length logit rows (logit_index
+    [1, R]: the vocabulary head runs over the rows asked for, see Engine.prefill_row); decode and verify: one graph per batch range
     (1; 2..8; 9..batch_size, see _batch_range) for any attended length. Attended lengths are table widths of
     2..max_length/bs blocks (a shorter table is padded with the scratch block: its positions are masked)."""
 
@@ -99,8 +101,10 @@ def shape_class(spec: GraphSpec, build: BuildConfig) -> ShapeClass:
     if spec.kind == "context" and not spec.batch_bucket:
         tmax = build.max_context_length
         if tmax > 2:
-            dynamic.update({IDS: {1: (TOKENS, 2, tmax)}, POSITIONS: {1: (TOKENS, 2, tmax)}})
-        return ShapeClass("prefill", GraphSpec("context", min(tmax, 5), w_example * bs, spec.batch), dynamic)
+            dynamic.update({IDS: {1: (TOKENS, 2, tmax)}, POSITIONS: {1: (TOKENS, 2, tmax)},
+                            LOGIT_INDEX: {1: (ROWS, 2, tmax)}})
+        return ShapeClass("prefill", GraphSpec("context", min(tmax, 5), w_example * bs, spec.batch, logit_rows=2),
+                          dynamic)
     lo, hi = _batch_range(spec.batch, build.batch_size)
     if hi > lo:  # ids, positions, logit_index, table: [B, ...]
         for arg in (IDS, POSITIONS, LOGIT_INDEX, TABLE):
@@ -237,7 +241,8 @@ class Engine:
         """Encode prompt[start:end] at positions start.. into the blocks of `slot` (positions < start are already
         cached there; other slots untouched) -> logits [V] after its last token (the next-token logits when `end`
         is the prompt's end), or with `logit_rows` (indices into the piece) logits [len(logit_rows), V] after those
-        tokens. end - start must fit the largest context bucket."""
+        tokens. end - start must fit the largest context bucket. Shape-class graphs take at least 2 logit rows (a
+        dynamic size 1 would be specialised at export): a single row is asked for twice and read once."""
         end = len(prompt) if end is None else end
         n = end - start
         t, s = self.context_graph(n, start)
@@ -249,9 +254,12 @@ class Engine:
         ids[0, :n] = torch.tensor(prompt[start:end], dtype=torch.int64)
         positions = torch.arange(start, start + t, dtype=torch.int64).view(1, t)  # [1, T]
         rows = [n - 1] if logit_rows is None else list(logit_rows)
-        index = torch.tensor([rows], dtype=torch.int64)  # [1, n_logits]
-        logits = self._run(name, ids, positions, index, self.table([slot], s, self.min_table_width))[0]
-        return logits[0] if logit_rows is None else logits  # [V] or [n_logits, V]
+        want = len(rows)
+        if self.shape_classes and want < 2:
+            rows = rows * 2
+        index = torch.tensor([rows], dtype=torch.int64)  # [1, R]
+        logits = self._run(name, ids, positions, index, self.table([slot], s, self.min_table_width))[0]  # [R, V]
+        return logits[0] if logit_rows is None else logits[:want]  # [V] or [n_logits, V]
 
     def prefill(self, prompts: list[list[int]]) -> torch.Tensor:
         """Encode prompts into slots 0..n-1 of the static layout (`bind_stripes`) -> next-token logits [B, V] (idle
