@@ -1,6 +1,7 @@
 """Prompt logprobs from the prefill: every prompt token after the first scored by the logits of the position before
-it, against Hugging Face's fp32 log-softmax on the same tiny checkpoint; the one-row-per-call path of compiled graphs
-against the all-rows path of eager graphs; chunked prefill and the prefix cache.
+it, against Hugging Face's fp32 log-softmax on the same tiny checkpoint; the one-row-per-call path of static compiled
+graphs (Neuron) against the all-rows path of eager graphs (the compiled CPU prefill class takes all rows:
+tests/compile/test_shape_classes.py); chunked prefill and the prefix cache.
 
 Tolerance 1e-4 (absolute, logprobs), as tests/vllm/test_vllm_logprobs.py: both sides fp32, different kernels and
 summation orders (a paged KV cache and bucketed context graph vs HF's full-sequence forward); top-n ids and ranks
@@ -66,7 +67,8 @@ def test_prompt_logprobs_equal_hugging_face(model, hf):
 
 
 class OneRowGraph:
-    """A compiled context graph's contract: a callable (not an nn.Module) whose logit_index is [1, 1]."""
+    """A static compiled context graph's contract (Neuron): a callable (not an nn.Module) whose logit_index is
+    [1, 1]."""
 
     def __init__(self, module):
         self.module, self.calls = module, 0

@@ -32,7 +32,7 @@ from neuron_infer.errors import ArtifactError, ConfigError
 from neuron_infer.output_dir import PARTIAL_MARKER, atomic_output
 from neuron_infer.typed import parse_dataclass, parse_json, read_json
 
-FORMAT_VERSION = 3  # 2: block KV cache (build.kv_block_size); 3: manifest_sha256
+FORMAT_VERSION = 4  # 2: block KV cache (build.kv_block_size); 3: manifest_sha256; 4: prefill class logit rows [1, R]
 MANIFEST = "manifest.json"
 CHECKSUM = "manifest_sha256"  # the manifest's checksum of its own content (every other key)
 TOKENIZER_DIR = "tokenizer"

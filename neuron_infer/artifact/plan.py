@@ -34,6 +34,7 @@ class GraphSpec:
     batch_bucket: bool = False  # a tokengen graph over b < batch_size sequences
     model: str = "target"  # "target" | "draft" (speculation: the draft model alone)
     sample: bool = False  # fused: the sampling rule (else greedy)
+    logit_rows: int = 1  # width of the example logit_index (the prefill shape class: 2, its dynamic minimum)
 
     @property
     def name(self) -> str:
@@ -71,7 +72,7 @@ def planned_graphs(build: BuildConfig) -> list[GraphSpec]:
     return out
 
 
-TOKENS, BATCH = "tokens", "batch"  # dynamic-dim names
+TOKENS, BATCH, ROWS = "tokens", "batch", "rows"  # dynamic-dim names
 IDS, POSITIONS, LOGIT_INDEX, TABLE = 0, 1, 4, 5  # step arguments (example_args)
 FEW_ROWS = 8  # rows up to which the CPU backend's GEMV kernels serve a linear (backends/cpu/kernels.py MAX_ROWS)
 
@@ -80,7 +81,9 @@ FEW_ROWS = 8  # rows up to which the CPU backend's GEMV kernels serve a linear (
 class ShapeClass:
     """One compiled graph that serves every planned graph of a class (CPU): `example` gives its example inputs and
     `dynamic` the dims left dynamic, {argument index: {dim: (name, min, max)}}. Prefill: one graph for any prompt
-    length (tokens 2..max_context_length) and any attended length; decode and verify: one graph per batch range
+    length (tokens 2..max_context_length), any attended length and 2..max_context_length logit rows (logit_index
+    [1, R]: the vocabulary head runs over the rows asked for, see Engine.prefill_row); decode and verify: one graph
+    per batch range
     (1; 2..8; 9..batch_size, see _batch_range) for any attended length. Attended lengths are table widths of
     2..max_length/bs blocks (a shorter table is padded with the scratch block: its positions are masked)."""
 
@@ -106,8 +109,10 @@ def shape_class(spec: GraphSpec, build: BuildConfig) -> ShapeClass:
     if spec.kind == "context" and not spec.batch_bucket:
         tmax = build.max_context_length
         if tmax > 2:
-            dynamic.update({IDS: {1: (TOKENS, 2, tmax)}, POSITIONS: {1: (TOKENS, 2, tmax)}})
-        return ShapeClass("prefill", GraphSpec("context", min(tmax, 5), w_example * bs, spec.batch), dynamic)
+            dynamic.update({IDS: {1: (TOKENS, 2, tmax)}, POSITIONS: {1: (TOKENS, 2, tmax)},
+                            LOGIT_INDEX: {1: (ROWS, 2, tmax)}})
+        return ShapeClass("prefill", GraphSpec("context", min(tmax, 5), w_example * bs, spec.batch, logit_rows=2),
+                          dynamic)
     lo, hi = _batch_range(spec.batch, build.batch_size)
     if hi > lo:  # ids, positions, logit_index, table: [B, ...]
         for arg in (IDS, POSITIONS, LOGIT_INDEX, TABLE):
@@ -165,7 +170,7 @@ def example_args(cache: CacheShape, spec: GraphSpec) -> tuple[torch.Tensor, ...]
     k, v = cache.allocate()
     ids = torch.zeros(b, t, dtype=torch.int64)  # [B, T]
     pos = torch.arange(t, dtype=torch.int64).expand(b, t).contiguous()  # [B, T]
-    idx = torch.full((b, 1), t - 1, dtype=torch.int64)  # [B, 1]
+    idx = torch.full((b, spec.logit_rows), t - 1, dtype=torch.int64)  # [B, R] (R = 1 but for the prefill class)
     if spec.kind == "verify":
         idx = torch.arange(t, dtype=torch.int64).expand(b, t).contiguous()  # [B, T]
     table = torch.zeros(b, spec.attend // cache.block_size, dtype=torch.int64)  # [B, S/bs]

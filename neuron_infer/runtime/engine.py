@@ -110,7 +110,8 @@ class Engine:
         """Encode prompt[start:end] at positions start.. into the blocks of `slot` (positions < start are already
         cached there; other slots untouched) -> logits [V] after its last token (the next-token logits when `end`
         is the prompt's end), or with `logit_rows` (indices into the piece) logits [len(logit_rows), V] after those
-        tokens. end - start must fit the largest context bucket."""
+        tokens. end - start must fit the largest context bucket. Shape-class graphs take at least 2 logit rows (a
+        dynamic size 1 would be specialised at export): a single row is asked for twice and read once."""
         end = len(prompt) if end is None else end
         n = end - start
         t, s = self.context_graph(n, start)
@@ -122,9 +123,12 @@ class Engine:
         ids[0, :n] = torch.tensor(prompt[start:end], dtype=torch.int64)
         positions = torch.arange(start, start + t, dtype=torch.int64).view(1, t)  # [1, T]
         rows = [n - 1] if logit_rows is None else list(logit_rows)
-        index = torch.tensor([rows], dtype=torch.int64)  # [1, n_logits]
-        logits = self._run(name, ids, positions, index, self.table([slot], s, self.min_table_width))[0]
-        return logits[0] if logit_rows is None else logits  # [V] or [n_logits, V]
+        want = len(rows)
+        if self.shape_classes and want < 2:
+            rows = rows * 2
+        index = torch.tensor([rows], dtype=torch.int64)  # [1, R]
+        logits = self._run(name, ids, positions, index, self.table([slot], s, self.min_table_width))[0]  # [R, V]
+        return logits[0] if logit_rows is None else logits[:want]  # [V] or [n_logits, V]
 
     def prefill(self, prompts: list[list[int]]) -> torch.Tensor:
         """Encode prompts into slots 0..n-1 of the static layout (`bind_stripes`) -> next-token logits [B, V] (idle

@@ -175,9 +175,10 @@ class Runner:
         """Encode seq.tokens[start:stop] and record the prompt logprobs it yields (the logits after position p
         score prompt token p+1; raw log-softmax, as the sample logprobs) -> logits [V] after its last token.
 
-        The vocabulary head runs over every position of the piece only for such sequences: eager graphs take all
-        the piece's rows as `logit_index` in one call; compiled graphs take the one row they were exported with, so
-        the piece is encoded once per row (each call writes the same K/V again)."""
+        The vocabulary head runs over every position of the piece only for such sequences: eager graphs and the
+        compiled prefill shape class take all the piece's rows as `logit_index` in one call; static compiled graphs
+        (Neuron) take the one row they were exported with, so there the piece is encoded once per row (each call
+        writes the same K/V again)."""
         rows = list(range(stop - start))
         if _takes_logit_rows(self.engine, len(rows), start):
             logits = encode(seq.row, seq.tokens, start, stop, logit_rows=rows)  # [n, V]
@@ -307,6 +308,7 @@ class Runner:
 
 def _takes_logit_rows(engine: Engine, n: int, start: int) -> bool:
     """Whether the context graph encoding n tokens from `start` takes any number of logit rows: an eager graph (the
-    nn.Module itself) does; a compiled graph has the static logit_index [1, 1] it was exported with."""
+    nn.Module itself) and the prefill shape class (logit_index [1, R], R dynamic) do; a static compiled graph has
+    the logit_index [1, 1] it was exported with."""
     t, s = engine.context_graph(n, start)
-    return isinstance(engine.graphs.get(graph_name("context", t, s)), torch.nn.Module)
+    return engine.shape_classes or isinstance(engine.graphs.get(graph_name("context", t, s)), torch.nn.Module)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -69,6 +69,17 @@ def run_options(options: Mapping[str, Any]) -> RunOptions:
     are measured not to pay (docs/speculation.md). Prefix caching and the prefill chunks are vLLM's to decide (its
     block manager drives the engine's cache, `prefix_caching`; SlotRunner turns the engine's own off)."""
     return RunOptions(speculation_gate=_flag(options, "speculation_gate", True))
+
+
+def step_tokens(budget: int, vllm_defaults: Iterable[int], chunked_prefill: bool, max_num_seqs: int,
+                build: BuildConfig) -> int:
+    """vLLM's step budget for this build: left at one of vLLM's defaults (`vllm_defaults`) with chunked prefill on,
+    the runtime's prefill chunk (`RunOptions.chunk_tokens`; at least max_num_seqs, which vLLM requires), so that
+    each step encodes at most that many prompt tokens and vLLM reports the requests it admitted right after it;
+    otherwise `budget` as given (the user's choice; without chunked prefill vLLM needs whole prompts)."""
+    if not chunked_prefill or budget not in set(vllm_defaults):
+        return budget
+    return min(budget, max(RunOptions().chunk_tokens(build), max_num_seqs))
 
 
 def prefix_caching(options: Mapping[str, Any]) -> bool | None:

@@ -7,6 +7,12 @@ Neuron backend, while vLLM itself only sees a CPU host. Hooks used:
                            block manager drives the engine's KV cache, with its prefix caching and chunked
                            prefill, see docs/vllm.md); early validation of the artifact/build against vLLM's limits
   validate_request         refuses request features the runner does not implement (HTTP 400 with the reason)
+Step budget: vLLM publishes its scheduler stats (running and waiting requests, KV-cache use: `/metrics`) once per
+step, when the step's output returns, so a step that encodes many prompts at once reports the requests it admitted
+only when all of them are encoded. Left at vLLM's CPU default (2048 tokens per step, 4096 offline, times the ranks),
+`--max-num-batched-tokens` becomes the runtime's prefill chunk (`RunOptions.chunk_tokens`: the largest context
+bucket <= 256 tokens, at least --max-num-seqs) with chunked prefill on: each step encodes at most that many prompt
+tokens and reports right after it. Any other value the user passes is kept.
 Sample logprobs are the raw log-softmax of the logits (vLLM's default --logprobs-mode raw_logprobs); other modes
 are refused at startup.
 
@@ -24,6 +30,7 @@ from typing import Any
 
 import vllm
 from vllm.exceptions import VLLMValidationError
+from vllm.logger import init_logger
 from vllm.platforms.cpu import CpuPlatform
 
 from neuron_infer.artifact.manifest import read_manifest
@@ -35,9 +42,11 @@ from neuron_infer.vllm_plugin.artifacts import (
     plugin_options,
     prefix_caching,
     ranks_in_one_process,
+    step_tokens,
 )
 from neuron_infer.vllm_plugin.params import UnsupportedRequestError, check_request
 
+logger = init_logger("vllm.neuron_infer.platform")
 WORKER_CLASS = "neuron_infer.vllm_plugin.worker.NeuronInferWorker"
 BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
 RAW_LOGPROBS = "raw_logprobs"  # vLLM's default logprobs_mode: what the runtime's Runner computes
@@ -55,6 +64,20 @@ def engine_args(vllm_config: Any) -> EngineArgs:
     return EngineArgs(model=str(mc.model), dtype=str(mc.dtype).removeprefix("torch."),
                       max_model_len=int(mc.max_model_len), max_num_seqs=int(vllm_config.scheduler_config.max_num_seqs),
                       tensor_parallel_size=int(vllm_config.parallel_config.tensor_parallel_size))
+
+
+def apply_step_budget(vllm_config: Any, build: Any) -> None:
+    """vLLM's step budget (`--max-num-batched-tokens`) -> `step_tokens` (see the module docstring)."""
+    from vllm.engine.arg_utils import EngineArgs as VllmEngineArgs
+
+    sched = vllm_config.scheduler_config
+    defaults = VllmEngineArgs.get_batch_defaults(int(vllm_config.parallel_config.world_size))[0].values()
+    budget = step_tokens(int(sched.max_num_batched_tokens), defaults, bool(sched.enable_chunked_prefill),
+                         int(sched.max_num_seqs), build)
+    if budget != sched.max_num_batched_tokens:
+        sched.max_num_batched_tokens = budget
+        logger.info("neuron-infer: step budget %d prompt tokens (--max-num-batched-tokens): vLLM reports each "
+                    "step's running and waiting requests and KV-cache use when the step returns", budget)
 
 
 class NeuronInferPlatform(CpuPlatform):
@@ -98,6 +121,7 @@ class NeuronInferPlatform(CpuPlatform):
             build = default_build(args, options.get("neuron_infer_build"))  # fails early on a bad dtype/override
             backend = options.get("neuron_infer_backend") or build.target  # what the plugin will compile with
         cls.max_prompt_len = build.max_context_length
+        apply_step_budget(vllm_config, build)
         if ranks_in_one_process(backend, build):
             par.distributed_executor_backend = "uni"  # one worker drives the whole group (see artifacts.py)
         elif args.tensor_parallel_size > 1 and BIND_ENV not in os.environ:

@@ -11,6 +11,7 @@ from neuron_infer.artifact.plan import planned_graphs, shape_class
 from neuron_infer.cache import prunable, remove, scan
 from neuron_infer.compile.builder import compile_model
 from neuron_infer.config import BuildConfig
+from neuron_infer.runtime.generate import generate_ids
 from neuron_infer.runtime.loader import load_rank
 
 # fp32, buckets that force a block size of 16: prompts of 1..48 tokens, 5 context buckets, 3 decode buckets
@@ -141,3 +142,41 @@ def test_prompt_lookup_verify_class_is_lossless(tiny_dirs, tmp_path, monkeypatch
     out = spec.generate_ids([prompt], 60, ignore_eos=True)
     assert out.outputs[0].token_ids == want
     assert out.metrics[0].spec_steps > 0 and out.metrics[0].accepted > 0  # the verify graph ran and drafts passed
+
+
+class CountingGraph:
+    """A compiled graph, counting its calls and recording each call's logit_index shape."""
+
+    def __init__(self, graph):
+        self.graph, self.shapes = graph, []
+
+    def __call__(self, ids, pos, k, v, logit_index, table):
+        self.shapes.append(tuple(logit_index.shape))
+        return self.graph(ids, pos, k, v, logit_index, table)
+
+
+def _scored(artifact, prompt, n=3):
+    """Prompt logprobs of `prompt` from `artifact` -> (records, logit_index shapes of its context-graph calls)."""
+    engine = load_rank(artifact)
+    counted = {name: CountingGraph(g) for name, g in engine.graphs.items() if name.startswith("context")}
+    engine.graphs = {**engine.graphs, **counted}
+    got, _ = generate_ids(engine, [prompt], 1, prompt_logprobs=n, ignore_eos=True)
+    return got[0], [s for g in counted.values() for s in g.shapes]
+
+
+def test_prompt_logprobs_take_every_row_in_one_prefill_call(compiled):
+    """The prefill class takes logit_index [1, R] (R >= 2 dynamic): a scored prompt's logits at all its positions
+    come from one graph call, a normal prefill asks for its last row twice (R = 2). fp32, compiled vs eager: the
+    logits differ by summation order (test_prefill_of_any_length_equals_eager), so logprobs within 1e-4 of a
+    log-softmax over logits of scale ~1-10 (HF parity of the eager path: tests/test_prompt_logprobs.py)."""
+    prompt = [(11 * i + 4) % 500 for i in range(40)]
+    got, shapes = _scored(compiled["root"] / "a", prompt)
+    want, _ = _scored(compiled["root"] / "e", prompt)
+    assert shapes == [(1, 40)]  # one call, every position's row
+    assert [r["token_id"] for r in got.prompt_logprobs] == prompt[1:]
+    for a, b in zip(got.prompt_logprobs, want.prompt_logprobs, strict=True):
+        assert a["rank"] == b["rank"] and [i for i, _ in a["top"]] == [i for i, _ in b["top"]]
+        assert a["logprob"] == pytest.approx(b["logprob"], abs=1e-4)
+    assert got.token_ids == want.token_ids
+    _, plain = _scored(compiled["root"] / "a", prompt, n=None)
+    assert plain == [(1, 2)]  # the last row, twice

@@ -25,6 +25,7 @@ from neuron_infer.vllm_plugin.artifacts import (
     prefix_caching,
     ranks_in_one_process,
     run_options,
+    step_tokens,
 )
 from neuron_infer.vllm_plugin.logprobs import logprobs_arrays, prompt_logprobs_arrays
 from neuron_infer.vllm_plugin.params import (
@@ -194,6 +195,21 @@ def test_artifact_must_cover_engine_limits():
         check_against_engine(build, EngineArgs("/m", "bfloat16", 256, 8), "art")
     with pytest.raises(ConfigError, match="--tensor-parallel-size 1"):
         check_against_engine(build, EngineArgs("/m", "bfloat16", 256, 4, tensor_parallel_size=2), "art")
+
+
+def test_step_budget_replaces_vllms_default_only():
+    """vLLM's default budget becomes the runtime's prefill chunk (largest context bucket <= 256, at least
+    max_num_seqs); a budget the user chose, or one without chunked prefill, stays."""
+    build = BuildConfig(batch_size=4, max_length=1024, max_context_length=512)  # buckets 128, 256, 512
+    defaults = (2048, 4096)
+    assert RunOptions().chunk_tokens(build) == 256
+    assert step_tokens(2048, defaults, True, 4, build) == 256
+    assert step_tokens(4096, defaults, True, 4, build) == 256
+    assert step_tokens(2048, defaults, True, 300, build) == 300  # vLLM requires budget >= max_num_seqs
+    assert step_tokens(1000, defaults, True, 4, build) == 1000  # the user's choice
+    assert step_tokens(2048, defaults, False, 4, build) == 2048  # no chunked prefill: whole prompts per step
+    small = BuildConfig(batch_size=4, max_length=128, max_context_length=64)
+    assert step_tokens(2048, defaults, True, 4, small) == 64
 
 
 def test_cache_key_changes_with_every_input():
