@@ -19,8 +19,7 @@ from neuron_infer.model.sampling import (
     token_history,
     unpack_bitmask,
 )
-from neuron_infer.runtime.runner import _shared_rule
-from neuron_infer.runtime.sequence import Sequence, StopRule
+from neuron_infer.runtime.sequence import Sequence, StopRule, shared_rule
 from tests.test_cli_generate_io import run_main
 from tests.test_penalties import np_reference as penalties_reference
 from tests.tiny_artifact import compile_tiny
@@ -139,9 +138,9 @@ def test_held_ids_are_eos_unless_ignored_or_given():
 def test_logit_bias_and_min_tokens_take_plain_steps_under_speculation():
     def seqs(c, out=()):
         return [Sequence(i, [1], c, StopRule(9), torch.Generator(), output=list(out)) for i in range(2)]
-    assert _shared_rule(seqs(SamplingConfig(logit_bias={2: 1.0}))) is None
-    assert _shared_rule(seqs(SamplingConfig(min_tokens=2), [5])) is None  # 1 < 2 generated
-    assert _shared_rule(seqs(SamplingConfig(min_tokens=2), [5, 5])) is not None  # reached: speculation resumes
+    assert shared_rule(seqs(SamplingConfig(logit_bias={2: 1.0}))) is None
+    assert shared_rule(seqs(SamplingConfig(min_tokens=2), [5])) is None  # 1 < 2 generated
+    assert shared_rule(seqs(SamplingConfig(min_tokens=2), [5, 5])) is not None  # reached: speculation resumes
 
 
 # ---- through the API and the CLI on a tiny artifact ----------------------------------------------------------------
@@ -214,7 +213,7 @@ def test_a_mask_restricts_greedy_and_sampled_rows_and_clears_after_one_token():
     assert set(toks.tolist()) == {3, 7}  # both allowed tokens drawn, nothing else
     s = Sequence(0, [1], SamplingConfig(), StopRule(), torch.Generator())
     s.allowed = allowed
-    assert _shared_rule([s]) is None  # a constrained sequence takes plain steps
+    assert shared_rule([s]) is None  # a constrained sequence takes plain steps
 
 
 def test_slot_runner_applies_a_mask_to_one_step(model):

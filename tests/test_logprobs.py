@@ -9,8 +9,7 @@ from neuron_infer.api import CompiledModel
 from neuron_infer.config import SamplingConfig
 from neuron_infer.model.sampling import make_generator
 from neuron_infer.runtime.generate import generate_ids
-from neuron_infer.runtime.runner import _shared_rule
-from neuron_infer.runtime.sequence import Sequence, StopRule
+from neuron_infer.runtime.sequence import Sequence, StopRule, shared_rule
 from tests.test_cli_generate_io import run_main
 from tests.tiny_artifact import compile_tiny
 
@@ -80,5 +79,5 @@ def test_a_sequence_asking_for_logprobs_takes_plain_steps():
     def mk(lp):
         return Sequence(0, [1], SamplingConfig(), StopRule(4), make_generator(0), logprobs=lp)
 
-    assert _shared_rule([mk(None), mk(None)]) is not None
-    assert _shared_rule([mk(None), mk(2)]) is None
+    assert shared_rule([mk(None), mk(None)]) is not None
+    assert shared_rule([mk(None), mk(2)]) is None

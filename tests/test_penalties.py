@@ -7,8 +7,7 @@ import torch
 from neuron_infer.config import SamplingConfig
 from neuron_infer.errors import ConfigError
 from neuron_infer.model.sampling import processed_probs, rows_params, sample_rows, token_history
-from neuron_infer.runtime.runner import _shared_rule
-from neuron_infer.runtime.sequence import Sequence, StopRule
+from neuron_infer.runtime.sequence import Sequence, StopRule, shared_rule
 
 V = 12
 CONFIGS = [SamplingConfig(temperature=0.7, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.25),
@@ -83,6 +82,6 @@ def test_bad_penalty_values_are_refused(field, value):
                                SamplingConfig(temperature=1.0, min_p=0.1), SamplingConfig(presence_penalty=0.3)])
 def test_penalties_and_min_p_take_plain_steps_under_speculation(c):
     seqs = [Sequence(i, [1], c, StopRule(4), torch.Generator()) for i in range(2)]
-    assert _shared_rule(seqs) is None
+    assert shared_rule(seqs) is None
     plain = [Sequence(i, [1], SamplingConfig(temperature=1.0), StopRule(4), torch.Generator()) for i in range(2)]
-    assert _shared_rule(plain) is not None
+    assert shared_rule(plain) is not None
