@@ -20,7 +20,7 @@ from typing import Callable
 
 import psutil
 
-from neuron_infer.cpu_threads import usable_cpus
+from neuron_infer import cpu_threads
 from neuron_infer.errors import ArtifactError
 
 WORKER_BYTES = 3 << 30  # peak memory of one graph compile beyond the weights (SmolLM2 prefill graph: ~2.4 GiB)
@@ -32,7 +32,7 @@ def worker_count(jobs: int, weight_bytes: int, compile_bytes: int = WORKER_BYTES
     vLLM worker binds itself to its cores, and its compile workers run while it waits (`all_cpus`)."""
 
     by_memory = psutil.virtual_memory().available // (compile_bytes + weight_bytes)
-    return max(1, min(jobs, usable_cpus(affinity=set(range(os.cpu_count() or 1))), by_memory))
+    return max(1, min(jobs, cpu_threads.usable_cpus(affinity=set(range(os.cpu_count() or 1))), by_memory))
 
 
 def all_cpus() -> None:
