@@ -9,7 +9,6 @@ one graph per bucket (Neuron: its NEFF cache and workers, compile/neuron_workers
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import time
 from pathlib import Path
 from typing import Callable
@@ -83,9 +82,9 @@ def _compile_buckets(model, build, backend, graphs_dir: Path, say: Progress, pla
 def compile_classes(model, build, backend, graphs_dir: Path, say: Progress, classes: list[ShapeClass],
                     weights: Path | None = None) -> dict[str, dict]:
     """Shape-class graphs: cache hits copied, misses compiled (in worker processes when there are several)."""
-    shape, out, misses, digest = cache_shape(model, build), {}, [], weights_digest(model)
+    shape, out, misses = cache_shape(model, build), {}, []
     for cls in classes:
-        key = class_key(model, build, backend, shape, cls, digest)
+        key = class_key(model, build, backend, shape, cls)
         t0 = time.perf_counter()
         meta = cached_lookup(key, graphs_dir)
         if meta is None:
@@ -101,27 +100,14 @@ def compile_classes(model, build, backend, graphs_dir: Path, say: Progress, clas
     return out
 
 
-def weights_digest(model: torch.nn.Module) -> str:
-    """sha256 over the model's tensors (names, shapes, dtypes and bytes). A compiled graph may hold values derived
-    from the weights as constants (packed or folded at export), so a graph is reused only for the same weights."""
-    h = hashlib.sha256()
-    for name, t in sorted(model.state_dict().items()):
-        data = t.detach().to("cpu").contiguous().view(-1)
-        h.update(f"{name}\0{list(t.shape)}\0{t.dtype}\0".encode())
-        h.update(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"")
-    return h.hexdigest()
-
-
-def class_key(model: LlamaModel, build: BuildConfig, backend, shape: CacheShape, cls: ShapeClass,
-              digest: str | None = None) -> str:
-    """The compile-cache key of a shape-class graph (backends/graph_cache.py says what it covers); `digest`: the
-    model's weights_digest when already computed."""
+def class_key(model: LlamaModel, build: BuildConfig, backend, shape: CacheShape, cls: ShapeClass) -> str:
+    """The compile-cache key of a shape-class graph (backends/graph_cache.py says what it covers). The weights' values
+    are not part of it: a graph holds code only and reads the module's own tensors at load."""
     step, args = BucketStep(model, cls.example.attend), example_args(shape, cls.example)
     tensors = {k: [list(t.shape), str(t.dtype)] for k, t in step.state_dict(keep_vars=True).items()}
     return graph_key({"backend": backend.cache_key(), "model": model.cfg.to_dict(), "build": build.to_dict(),
                       "class": cls.name, "example": dataclasses.asdict(cls.example), "dynamic": cls.dynamic,
-                      "args": [[list(a.shape), str(a.dtype)] for a in args], "tensors": tensors,
-                      "weights": digest or weights_digest(model)})
+                      "args": [[list(a.shape), str(a.dtype)] for a in args], "tensors": tensors})
 
 
 def compile_class(model: LlamaModel, build: BuildConfig, graphs_dir: Path, cls: ShapeClass, key: str,
