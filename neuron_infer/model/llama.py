@@ -142,9 +142,9 @@ class Attention(nn.Module):
         # x [B, T, H]; positions [B, T]; k_cache/v_cache [L, N, Hkv, bs, D] whole block caches, updated in place at
         # `layer` (writing through the 5-D tensor, not a per-layer view, keeps compiled graphs free of cache copies).
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.h, self.d).transpose(1, 2)  # [B, Hq, T, D]
-        k = self.k_proj(x).view(b, t, self.hkv, self.d).transpose(1, 2)  # [B, Hkv, T, D]
-        v = self.v_proj(x).view(b, t, self.hkv, self.d).transpose(1, 2)  # [B, Hkv, T, D]
+        q = self.ops.linear(self.q_proj, x).view(b, t, self.h, self.d).transpose(1, 2)  # [B, Hq, T, D]
+        k = self.ops.linear(self.k_proj, x).view(b, t, self.hkv, self.d).transpose(1, 2)  # [B, Hkv, T, D]
+        v = self.ops.linear(self.v_proj, x).view(b, t, self.hkv, self.d).transpose(1, 2)  # [B, Hkv, T, D]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         li = torch.full((1, 1, 1), layer, dtype=torch.int64, device=x.device)  # [1, 1, 1]
         hi = torch.arange(self.hkv, device=x.device).view(1, self.hkv, 1)  # [1, Hkv, 1]
@@ -153,7 +153,7 @@ class Attention(nn.Module):
         v_cache.index_put_(idx, to_cache_dtype(v, v_cache.dtype))
         o = self._attend(q, k_cache[layer], v_cache[layer], slots.table, positions)  # [B, Hq, T, D]
         o = o.transpose(1, 2).reshape(b, t, self.h * self.d)  # [B, T, Hq*D]
-        return self.ops.all_reduce(self.o_proj(o))  # row-parallel: partial sums over ranks
+        return self.ops.all_reduce(self.ops.linear(self.o_proj, o))  # row-parallel: partial sums over ranks
 
     def _attend(self, q, kc, vc, table, positions):
         # kc, vc [N, Hkv, bs, D]: the layer's blocks; table [B, W]: each row's, in position order
@@ -175,7 +175,7 @@ class MLP(nn.Module):
         self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ops.all_reduce(self.ops.mlp(x, self.gate_proj, self.up_proj, self.down_proj))
+        return self.ops.all_reduce(self.ops.mlp(x, self.gate_proj, self.up_proj, self.down_proj, self.ops.linear))
 
 
 class Block(nn.Module):
@@ -269,7 +269,7 @@ class LlamaModel(nn.Module):
         x = self.model.norm(x)
         idx = logit_index.unsqueeze(-1).expand(-1, -1, x.shape[-1])  # [B, n, H]
         x = torch.gather(x, 1, idx)  # [B, n, H]
-        logits = self.ops.all_gather_vocab(self.lm_head(x).float())  # [B, n, V_padded]
+        logits = self.ops.all_gather_vocab(self.ops.linear(self.lm_head, x).float())  # [B, n, V_padded]
         return logits[..., : self.layout.vocab_size]
 
 

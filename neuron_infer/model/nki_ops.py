@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from neuron_infer.model import nki_neuron
-from neuron_infer.model.ops import Ops, gather_blocks, mlp_ref
+from neuron_infer.model.ops import Ops, call_linear, gather_blocks, mlp_ref
 from neuron_infer.quant.fp8 import FP8Linear
 from neuron_infer.quant.mx import MXLinear
 from neuron_infer.quant.tiled import TiledLinear
@@ -172,16 +172,17 @@ def _kernel_kind(mods) -> str | None:
     return None
 
 
-def mlp(x, gate, up, down):
-    """down(silu(gate(x)) * up(x)) [B, T, H] through the fused kernel, or `mlp_ref` for unsupported modules."""
+def mlp(x, gate, up, down, linear=call_linear):
+    """down(silu(gate(x)) * up(x)) [B, T, H] through the fused kernel, or `mlp_ref` (with the table's `linear`) for
+    unsupported modules."""
     mods = (gate, up, down)
     kind = _kernel_kind(mods)
     if kind is None:
-        return mlp_ref(x, gate, up, down)
+        return mlp_ref(x, gate, up, down, linear)
     launcher = nki_neuron.active()
     if launcher is not None:                                         # tracing for the neuron target
         if kind == "mx":                                             # host-packed MX layout: not in a graph
-            return mlp_ref(x, gate, up, down)
+            return mlp_ref(x, gate, up, down, linear)
         return nki_neuron.mlp(launcher, kind, x, gate, up, down)
     if kind == "mx":
         h = torch.nn.functional.silu(mx_linear(x, gate)) * mx_linear(x, up)   # [B, T, I]

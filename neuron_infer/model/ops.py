@@ -1,18 +1,20 @@
 """Op dispatch: the few ops the Llama block calls, chosen once from `BuildConfig.kernels`.
 
-The block never branches on kernels; it calls `ops.attention(...)`, `ops.mlp(...)`, `ops.rms_norm(...)`.
-`reference` ops are plain PyTorch and are the oracle for every other implementation (NKI kernels plug in here).
+The block never branches on kernels; it calls `ops.attention(...)`, `ops.mlp(...)`, `ops.rms_norm(...)`,
+`ops.linear(...)`. `reference` ops are plain PyTorch and are the oracle for every other implementation. Kernels
+reach a model only through its op table: the NKI kernels are the `nki` table; a backend that compiles with kernels
+of its own traces the model with its table in place (`tables_replaced`; the CPU backend's is backends/cpu/ops.py).
 Collectives (`all_reduce`, `all_gather_vocab`) are identity for a single rank and are bound by the TP runtime.
 """
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from neuron_infer.shapes import known
 
@@ -29,30 +31,10 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
 # SmolLM2's G = 3) land here: Inductor turns the reductions into one vectorised pass over the cached keys and one
 # over the values, and every query row is reduced in the same order whatever the number of rows, so a verify pass
 # computes what one-token steps compute, bit for bit (docs/cpu-backend.md, "Batch invariance"; a verify pass through
-# SDPA differed in the last bits). The CPU backend replaces the reductions with its attention kernel where it
-# applies (backends/cpu/cpu_attention.cpp, same property; `few_rows_attention_kernel`). Prefill keeps SDPA beyond 64 rows:
+# SDPA differed in the last bits). A backend's op table may serve this case with a kernel of its own (the CPU
+# backend's attention kernel, backends/cpu/ops.py, has the same property). Prefill keeps SDPA beyond 64 rows:
 # its flash kernel tiles the T x S work, where the reductions would re-read K/V per query row.
 FEW_QUERY_ROWS = 64
-
-# attention(q, k_cache, v_cache, table, positions) -> out, and the test whether it takes (q, k_cache, v_cache): a
-# backend's kernel for the few-row case while that backend exports (`few_rows_attention_kernel`), reading the block
-# caches in place; the gather and the reductions below are its reference.
-FewRowsAttention = tuple[Callable[..., torch.Tensor], Callable[..., bool]]
-_few_rows_kernel: FewRowsAttention | None = None
-
-
-@contextlib.contextmanager
-def few_rows_attention_kernel(kernel: FewRowsAttention | None) -> Iterator[None]:
-    """While active, attention on at most FEW_QUERY_ROWS query rows (GQA groups folded: q_to_kv None) calls
-    kernel[0](q, k_cache, v_cache, table, positions) when kernel[1](q, k_cache, v_cache) accepts the operands (dtypes
-    and shapes are static at export)."""
-    global _few_rows_kernel
-    saved = _few_rows_kernel
-    _few_rows_kernel = kernel
-    try:
-        yield
-    finally:
-        _few_rows_kernel = saved
 
 
 def gather_blocks(cache: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
@@ -75,9 +57,6 @@ def attention_ref(
 ) -> torch.Tensor:  # [B, Hq, T, D]
     """Causal GQA attention over the blocks each row's table names: key j is visible to a query at position p iff
     j <= p."""
-    if (q_to_kv is None and known(q.shape[2] <= FEW_QUERY_ROWS) and _few_rows_kernel is not None
-            and _few_rows_kernel[1](q, k_cache, v_cache)):
-        return _few_rows_kernel[0](q, k_cache, v_cache, table, positions)
     k = gather_blocks(k_cache, table).to(q.dtype)  # [B, Hkv, S, D]
     v = gather_blocks(v_cache, table).to(q.dtype)  # [B, Hkv, S, D]
     return sequence_attention(q, k, v, q_to_kv, positions)
@@ -119,9 +98,16 @@ def few_rows_attention(q, k, v, visible):
     return out.to(q.dtype)
 
 
-def mlp_ref(x: torch.Tensor, gate: torch.nn.Module, up: torch.nn.Module, down: torch.nn.Module) -> torch.Tensor:
-    """SwiGLU: down(silu(gate(x)) * up(x)). Projections may be quantized modules (see neuron_infer.quant)."""
-    return down(F.silu(gate(x)) * up(x))
+def call_linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The reference linear op: the module's own forward (a float nn.Linear or a quantized scheme's module)."""
+    return module(x)
+
+
+def mlp_ref(x: torch.Tensor, gate: nn.Module, up: nn.Module, down: nn.Module,
+            linear: Callable[[nn.Module, torch.Tensor], torch.Tensor] = call_linear) -> torch.Tensor:
+    """SwiGLU: down(silu(gate(x)) * up(x)), each projection applied by the table's `linear` op. Projections may be
+    quantized modules (see neuron_infer.quant)."""
+    return linear(down, F.silu(linear(gate, x)) * linear(up, x))
 
 
 def _identity(t: torch.Tensor) -> torch.Tensor:
@@ -139,9 +125,29 @@ class Ops:
     gqa_fold: bool = False
     rms_norm: Callable[..., torch.Tensor] = rms_norm_ref
     attention: Callable[..., torch.Tensor] = attention_ref
+    # mlp(x, gate, up, down, linear): the block passes the table's own `linear`, so a backend's linear kernels
+    # serve the MLP projections too
     mlp: Callable[..., torch.Tensor] = mlp_ref
+    # linear(module, x [..., in]) -> [..., out]: every projection of the model (q/k/v/o, the MLP's, the head)
+    linear: Callable[[nn.Module, torch.Tensor], torch.Tensor] = call_linear
     all_reduce: Callable[[torch.Tensor], torch.Tensor] = field(default=_identity)
     all_gather_vocab: Callable[[torch.Tensor], torch.Tensor] = field(default=_identity)
 
     def with_collectives(self, all_reduce: Callable, all_gather_vocab: Callable) -> "Ops":
         return replace(self, all_reduce=all_reduce, all_gather_vocab=all_gather_vocab)
+
+
+@contextlib.contextmanager
+def tables_replaced(module: nn.Module, change: Callable[[Ops], Ops]) -> Iterator[None]:
+    """While active, every submodule of `module` that holds an op table holds change(table) instead: how a backend
+    traces a model with its kernels (backends/cpu/ops.py) while the model itself keeps the table it was built with
+    (the eager model stays the reference)."""
+    held = [(m, m.ops) for m in module.modules() if isinstance(getattr(m, "ops", None), Ops)]
+    changed: dict[int, Ops] = {}
+    try:
+        for m, ops in held:
+            m.ops = changed.setdefault(id(ops), change(ops))
+        yield
+    finally:
+        for m, ops in held:
+            m.ops = ops

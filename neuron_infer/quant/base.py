@@ -17,9 +17,7 @@ state dict like parameters do.
 """
 from __future__ import annotations
 
-import contextlib
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Mapping
 from typing import ClassVar
 
 import torch
@@ -27,34 +25,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from neuron_infer.errors import ConfigError
-from neuron_infer.shapes import known
 
 ACT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-FewRowsKernel = Callable[[torch.Tensor, list[torch.Tensor], list[torch.Tensor]], torch.Tensor]
-_few_rows: dict[str, tuple[FewRowsKernel, int]] = {}  # scheme -> (kernel, max rows) while a backend exports
-
-
-@contextlib.contextmanager
-def few_rows_kernels(kernels: Mapping[str, FewRowsKernel | None], max_rows: int) -> Iterator[None]:
-    """While active, a linear of scheme S on bf16 CPU inputs of <= max_rows rows calls
-    kernels[S](x [M, in], [weight], [weight_scale]) -> [M, out] bf16 (a None entry: no kernel for S)."""
-    global _few_rows
-    saved = _few_rows
-    _few_rows = {scheme: (fn, max_rows) for scheme, fn in kernels.items() if fn is not None}
-    try:
-        yield
-    finally:
-        _few_rows = saved
-
-
-def few_rows_kernel(scheme: str, x: torch.Tensor, weight: torch.Tensor) -> FewRowsKernel | None:
-    """The kernel for a linear of `scheme` on x [M, in] (dtype static at export, rows known to fit), or None."""
-    entry = _few_rows.get(scheme)
-    if entry is None or not known(x.shape[0] <= entry[1]) or x.dtype != torch.bfloat16 or weight.device.type != "cpu":
-        return None
-    return entry[0]
-
 
 def check_act_dtype(scheme: str, act_dtype: torch.dtype) -> None:
     """Activation (compute) dtypes every scheme supports; anything else is a configuration error."""

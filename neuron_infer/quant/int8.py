@@ -8,18 +8,18 @@ Bound: |dequant - w| <= scale / 2 per element (round to nearest; no clipping bec
 
 Forward = the scale is applied after the matmul (as on Neuron): y = (x @ q^T) * scale + bias. Chosen from the
 static row count M = prod(x.shape[:-1]) (never from data):
-* inside `base.few_rows_kernels` (the CPU backend's export, where the machine builds its int8 C GEMV
-  kernel, backends/cpu/cpu_gemv_int8.cpp), bf16 inputs with M <= max_rows call fn(x [M, in], [q], [scale]) -> [M, out] bf16,
-  which streams the int8 weights once for all rows (decode, batched decode, speculative verification);
 * bf16 inputs, M <= PACK_MAX_ROWS and in % 32 == 0 on CPU: `torch._weight_int8pack_mm` (int8 weights streamed
   straight into the dot, bf16 activations, fp32 accumulate; an fp32 model's activations are not rounded to bf16),
-  for a one-row step outside the kernel (eager graphs, CPUs the kernel does
-  not serve): a decode step is bound by reading the weights, and this reads half the bytes of a bf16 weight without
-  a widened copy. It is a GEMV loop (each row streams the weights again, so a GEMM wins on many rows), it returns
-  garbage when in % 32 != 0, and AOTInductor graphs calling it with 4 rows crashed (torch 2.13), hence one row only;
+  for a one-row step (eager, and graphs compiled where the C kernel is not built): a decode step is bound by reading
+  the weights, and this reads half the bytes of a bf16 weight without a widened copy. It is a GEMV loop (each row
+  streams the weights again, so a GEMM wins on many rows), it returns garbage when in % 32 != 0, and AOTInductor
+  graphs calling it with 4 rows crashed (torch 2.13), hence one row only;
 * otherwise: F.linear(x, q.to(x.dtype)) * scale (prefill, where the GEMM is bound by arithmetic rather than by the
   weight bytes; tails; every non-CPU device, where e.g. the Neuron compiler sees TNX's "int8 weight, dequantize
   after the matmul" pattern).
+In graphs the CPU backend compiles, its op table (backends/cpu/ops.py) gives int8 linears on 1-8 bf16 rows to the C
+kernel backends/cpu/cpu_gemv_int8.cpp instead, which streams the int8 weights once for all rows (decode, batched
+decode, speculative verification).
 Measured speeds of the kernel path: docs/performance.md.
 """
 from __future__ import annotations
@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from neuron_infer.quant.base import QuantizedLinear, check_float_linear, few_rows_kernel, per_channel_absmax
+from neuron_infer.quant.base import QuantizedLinear, check_float_linear, per_channel_absmax
 from neuron_infer.shapes import known
 
 QMAX = 127
@@ -90,10 +90,7 @@ class Int8Linear(QuantizedLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)  # [M, in]
-        kernel = few_rows_kernel(self.scheme, x2, self.weight)
-        if kernel is not None:
-            y = kernel(x2.contiguous(), [self.weight], [self.weight_scale])  # [M, out] bf16
-        elif x2.dtype == torch.bfloat16 and self.use_pack(x2.shape[0]):  # fp32 activations stay fp32
+        if x2.dtype == torch.bfloat16 and self.use_pack(x2.shape[0]):  # fp32 activations stay fp32
             y = torch._weight_int8pack_mm(x2.to(torch.bfloat16), self.weight, self.weight_scale)  # [M, out] bf16
         else:
             y = F.linear(x2, self.weight.to(x.dtype)) * self.weight_scale.to(x.dtype)  # [M, out]

@@ -12,9 +12,9 @@ Pipeline (Xiao et al., SmoothQuant; our own implementation):
      weight        int8    [out, in]  per output channel, scale = absmax / 127 (bound: scale / 2 per element)
      weight_scale  float32 [out]
    forward: per-token dynamic int8 activations (row scale = max|x_row| / 127, RNE, clamp +-127), exact int32
-   accumulation, then y = acc * x_scale * w_scale (+ bias): `w8a8_matmul` (`torch._int_mm`), or, inside the CPU
-   backend's export on 1-8 bf16 rows, the C kernel backends/cpu/cpu_gemv_w8a8.cpp (VNNI where the CPU has it), which
-   computes the same values bit for bit.
+   accumulation, then y = acc * x_scale * w_scale (+ bias): `w8a8_matmul` (`torch._int_mm`). In graphs the CPU
+   backend compiles, its op table (backends/cpu/ops.py) gives linears on 1-8 bf16 rows to the C kernel
+   backends/cpu/cpu_gemv_w8a8.cpp (VNNI where the CPU has it), which computes the same values bit for bit.
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from torch import nn
 from neuron_infer.config import QuantConfig
 from neuron_infer.errors import ConfigError
 from neuron_infer.quant import apply_quantization
-from neuron_infer.quant.base import QuantizedLinear, check_float_linear, few_rows_kernel, per_channel_absmax
+from neuron_infer.quant.base import QuantizedLinear, check_float_linear, per_channel_absmax
 
 QMAX = 127
 _EPS = 1e-5  # floor for absmax values so all-zero channels get a finite smoothing factor
@@ -81,11 +81,7 @@ class W8A8Linear(QuantizedLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)  # [M, in]
-        kernel = few_rows_kernel(self.scheme, x2, self.weight)
-        if kernel is not None:
-            y = kernel(x2.contiguous(), [self.weight], [self.weight_scale])  # [M, out]
-        else:
-            y = w8a8_matmul(x2.contiguous(), self.weight, self.weight_scale)  # [M, out]
+        y = w8a8_matmul(x2.contiguous(), self.weight, self.weight_scale)  # [M, out]
         if self.bias is not None:
             y = y + self.bias.to(x.dtype)
         return y.reshape(*lead, self.out_features)  # [..., out]

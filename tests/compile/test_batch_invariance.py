@@ -30,6 +30,7 @@ from neuron_infer.checkpoint import load_checkpoint
 from neuron_infer.config import ModelConfig, QuantConfig
 from neuron_infer.embedded import default_model_dir
 from neuron_infer.model.llama import BucketStep, LlamaModel
+from neuron_infer.model.ops import Ops
 from neuron_infer.quant import apply_quantization
 from neuron_infer.quant.int8 import Int8Linear
 from neuron_infer.quant.smoothquant import W8A8Linear
@@ -56,9 +57,10 @@ class SameWeightsOnFirstRows(torch.nn.Module):
             lin.weight.copy_(torch.randn(N, K))
             lin.weight[:, :EDGE] = lin.weight[:, K - EDGE:] = 1.0  # the weights of rows_input's cancelling pairs
         self.lin = {"bf16": lin, "int8": Int8Linear.from_linear(lin), "w8a8": W8A8Linear.from_linear(lin)}[scheme]
+        self.ops = Ops(name="reference")  # the CPU backend traces with its table: kernel calls
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:  # x [8, K] -> 8 results [r, N]
-        return tuple(self.lin(x[:r]) for r in range(1, ROWS + 1))
+        return tuple(self.ops.linear(self.lin, x[:r]) for r in range(1, ROWS + 1))
 
 
 def rows_input() -> torch.Tensor:

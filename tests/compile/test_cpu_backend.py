@@ -3,7 +3,7 @@
 One module-scoped compile of a tiny fp32 model (a context graph of one sequence and a token-generation graph over
 two, both through block tables) serves
 every test; it takes ~20-40 s on 2 cores. Tolerance: fp32 logits within 1e-4 absolute of eager. The compiled graph
-sums in another order (Inductor's vectorised reductions, the GEMV rewrite of one-row linears), so results differ
+sums in another order (Inductor's vectorised reductions, the op table's GEMVs for one-row linears), so results differ
 by float reassociation only; logits here are O(1), where fp32 reassociation error is ~1e-6.
 """
 from __future__ import annotations
@@ -22,8 +22,8 @@ import torch.nn.functional as F
 from torch._inductor.utils import run_and_get_code
 
 from neuron_infer.backends import get_backend
-from neuron_infer.backends.cpu import graph as cpu
-from neuron_infer.backends.cpu.graph import CpuBackend, CpuCompileOptions, gemv_linear
+from neuron_infer.backends.cpu import ops as cpu_ops
+from neuron_infer.backends.cpu.graph import CpuBackend, CpuCompileOptions
 from neuron_infer.config import ModelConfig
 from neuron_infer.errors import ArtifactError, ConfigError
 from neuron_infer.model.llama import BucketStep, LlamaModel
@@ -100,32 +100,35 @@ def test_registry_returns_cpu_backend():
     assert isinstance(get_backend("cpu"), CpuBackend)
 
 
-def test_gemv_linear_matches_linear():
+def test_cpu_linear_op_matches_the_module():
+    """The CPU op table's linear without C kernels: GEMV reductions for float linears on at most 5 rows, the
+    module's own forward beyond (fp32 reassociation only)."""
     torch.manual_seed(0)
-    w, b = torch.randn(70, 96), torch.randn(70)
-    lin = gemv_linear(max_rows=5)
-    # one row (GEMV), 2 and 4 rows (one reduction per row), 5 rows in a [5, 1] lead, six rows (matmul)
-    for shape in [(1, 1, 96), (2, 96), (2, 2, 96), (5, 1, 96), (2, 3, 96)]:
-        x = torch.randn(*shape)
-        torch.testing.assert_close(lin(x, w, b), F.linear(x, w, b), atol=1e-5, rtol=1e-5)  # fp32 reassociation
-        torch.testing.assert_close(lin(x, w), F.linear(x, w), atol=1e-5, rtol=1e-5)
+    lin = cpu_ops.cpu_linear(max_rows=5, available=())
+    for bias in (True, False):
+        m = torch.nn.Linear(96, 70, bias=bias)
+        # one row (GEMV), 2 and 4 rows (one reduction per row), 5 rows in a [5, 1] lead, six rows (the module)
+        for shape in [(1, 1, 96), (2, 96), (2, 2, 96), (5, 1, 96), (2, 3, 96)]:
+            x = torch.randn(*shape)
+            torch.testing.assert_close(lin(m, x), m(x), atol=1e-5, rtol=1e-5)  # fp32 reassociation
 
 
 def test_few_row_gemv_compiles_to_the_same_values():
     """Inductor fuses the per-row reductions; the compiled form must still equal the definition (fp32)."""
     torch.manual_seed(1)
     w, x = torch.randn(70, 96), torch.randn(4, 1, 96)
-    got = torch.compile(gemv_linear(max_rows=5), fullgraph=True)(x, w)
+    got = torch.compile(lambda x, w: cpu_ops.gemv_reductions(x, w, None, 4), fullgraph=True)(x, w)
     torch.testing.assert_close(got, F.linear(x, w), atol=1e-5, rtol=1e-5)
 
 
 def _gemv_loop_code(monkeypatch, barrier: bool) -> str:
     """Inductor's C++ for RMSNorm -> one-row GEMV [70, 96]: the text of the loop over the 70 output rows."""
     if not barrier:
-        monkeypatch.setattr(cpu, "computed_once", lambda t: t)
+        monkeypatch.setattr(cpu_ops, "computed_once", lambda t: t)
     torch.manual_seed(0)
     x, w, nw = torch.randn(1, 1, 96), torch.randn(70, 96), torch.randn(96)
-    fn = torch.compile(lambda x, w, nw: cpu.gemv_linear(5)(rms_norm_ref(x, nw, 1e-5), w), fullgraph=True)
+    fn = torch.compile(lambda x, w, nw: cpu_ops.gemv_reductions(rms_norm_ref(x, nw, 1e-5), w, None, 1),
+                       fullgraph=True)
     got, (code,) = run_and_get_code(fn, x, w, nw)
     torch.testing.assert_close(got, F.linear(rms_norm_ref(x, nw, 1e-5), w), atol=1e-5, rtol=1e-5)
     start = code.index("x0<static_cast<int64_t>(70L)")

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from neuron_infer.backends.cpu import graph as cpu
 from neuron_infer.backends.cpu import kernels as cpu_gemv
 from neuron_infer.backends.cpu.graph import CpuCompileOptions
+from neuron_infer.model.ops import Ops
 
 needs_kernel = pytest.mark.skipif(not cpu_gemv.supported(), reason="this CPU has no AVX2 + FMA")
 
@@ -22,7 +22,8 @@ def lin(n: int, k: int) -> torch.nn.Linear:
 
 
 class Block(torch.nn.Module):
-    """q/k/v-like and gate/up-like linears on one normed input, a linear on another input, five on a third."""
+    """q/k/v-like and gate/up-like linears on one normed input, a linear on another input, five on a third, applied
+    through an op table (the CPU backend traces them with its own: kernel calls)."""
 
     def __init__(self):
         super().__init__()
@@ -31,14 +32,16 @@ class Block(torch.nn.Module):
         self.out = lin(32, 48)
         self.five = torch.nn.ModuleList([lin(8 + i, 32) for i in range(5)])
         self.late = lin(12, 32)
+        self.ops = Ops(name="reference")
         self.to(torch.bfloat16)
 
     def forward(self, x: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, ...]:
         xn = x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True)).to(x.dtype)  # [B, T, 32]
-        q, k, v = (lin(xn) for lin in self.qkv)
-        o = self.out(q)  # reads q, not xn: its own call
-        five = [lin(h) for lin in self.five]
-        late = F.linear(xn, self.late.weight * 2)  # its weight is computed after the q/k/v call: not merged
+        q, k, v = (self.ops.linear(lin, xn) for lin in self.qkv)
+        o = self.ops.linear(self.out, q)  # reads q, not xn: its own call
+        five = [self.ops.linear(lin, h) for lin in self.five]
+        # its weight is computed after the q/k/v call: not merged
+        late = cpu_gemv.gemv_bf16(xn.reshape(-1, 32), [self.late.weight * 2]).view(*xn.shape[:-1], 12)
         return (o, k + 1, v, late, *five)
 
 

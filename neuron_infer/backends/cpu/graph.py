@@ -1,9 +1,10 @@
 """CPU backend: one AOTInductor package per (sub-model, shape class), weights shared by every graph.
 
-    compile: torch.export.export(step, example_args, dynamic)        the shape class's dynamic dims and the KV
-                                                                     caches' block count, in-place KV-cache
-                                                                     writes kept
-             -> run_decompositions(linear with few rows -> GEMV)     see `gemv_linear` below
+    compile: torch.export.export(step, example_args, dynamic)        traced with the CPU op table (ops.py: the
+                                                                     C kernels, few-row GEMVs); the shape class's
+                                                                     dynamic dims and the KV caches' block count,
+                                                                     in-place KV-cache writes kept
+             -> group_gemvs                                          kernel calls sharing an input: one call
              -> torch._inductor.aoti_compile_and_package(..., package_constants_in_so=False)
              -> graphs/<name>.pt2 (generated C++ kernels + wrapper .so, no weights), graphs/<name>.json and,
                 when the graph calls C kernels, graphs/<name>.gemv.so (cpu_gemv*.cpp, cpu_attention.cpp, built with
@@ -19,7 +20,8 @@ Why this design (measured with scripts/perf_cpu_backends.py; see docs/cpu-backen
 - Inductor freezing / max-autotune GEMM templates would prepack the weights into new constants that only exist
   inside each package (one weight copy per graph), so they are not used.
 - Batch-1 decode is bound by streaming the weights. oneDNN's bf16 GEMM at M=1 streams them at a fraction of the
-  machine's bandwidth, so linear layers on few rows are rewritten at export; larger inputs (prefill) keep the GEMM.
+  machine's bandwidth, so the CPU op table (ops.py) traces linear layers on few rows as GEMVs; larger inputs
+  (prefill) keep the GEMM.
   bf16 linears on 1-8 rows call the C kernel of cpu_gemv.cpp (each weight row loaded once for all rows: AVX512-BF16
   dot-product instructions, or bf16 widened to fp32 and FMAs on AVX-512 or AVX2), which the generated wrapper calls
   directly (a C shim); its step costs are in docs/performance.md. Without AVX2 + FMA, and for fp32, a GEMV on at most
@@ -33,8 +35,8 @@ Why this design (measured with scripts/perf_cpu_backends.py; see docs/cpu-backen
   the GEMV input, the scaled queries and the softmax probabilities buffers of their own, and the generated C++ may
   fuse multiply-adds (INDUCTOR_CONFIGS).
 - bf16 attention over few query rows (decode, speculative verify) calls the C kernel of cpu_attention.cpp where the
-  CPU has AVX2 + FMA: each cached key and value is widened once for all query rows of a KV head and only the keys a
-  row sees are read; elsewhere it is model/ops.py's reductions, its reference.
+  CPU has AVX2 + FMA (the op table's attention): each cached key and value is widened once for all query rows of a
+  KV head and only the keys a row sees are read; elsewhere it is model/ops.py's reductions, its reference.
 - The KV caches are graph inputs mutated in place (index_put_); AOTInductor applies the mutation to the caller's
   tensors, so no cache is returned or copied by the runtime.
 """
@@ -59,11 +61,10 @@ import torch
 from neuron_infer import cpu_threads
 from neuron_infer.backends.cpu import kernels as cpu_gemv
 from neuron_infer.backends.cpu.gemv_groups import group_gemvs
+from neuron_infer.backends.cpu.ops import cpu_ops
 from neuron_infer.errors import ArtifactError, ConfigError
-from neuron_infer.model.ops import computed_once, few_rows_attention_kernel
+from neuron_infer.model.ops import tables_replaced
 from neuron_infer.oserrors import scratch_tmpdir
-from neuron_infer.quant.base import few_rows_kernels
-from neuron_infer.shapes import known
 
 GRAPH_FORMAT = "aotinductor-pt2"
 # Weights stay outside the package (shared by every graph); the generated C++ may contract a * b + c into one
@@ -82,9 +83,9 @@ SIDECAR_SUFFIX = ".json"
 class CpuCompileOptions:
     """How the CPU backend compiles a graph.
 
-    gemv_max_rows: linear layers whose input has at most this many rows (product of the leading dims) and that no
-        C kernel takes become GEMV reductions Inductor generates; 0 keeps every linear a GEMM call (no C kernel
-        either). Default 5: the fused reductions lose to the GEMM at 8 rows.
+    gemv_max_rows: float linear layers (nn.Linear) whose input has at most this many rows (product of the leading
+        dims) and that no C kernel takes become GEMV reductions Inductor generates (ops.py); 0 keeps every linear a
+        GEMM call (no C kernel either). Default 5: the fused reductions lose to the GEMM at 8 rows.
     gemv_kernel: bf16 linears on 1-8 bf16 rows (cpu_gemv.MAX_ROWS) call the bf16 C kernel (cpu_gemv.cpp: AVX512-BF16
         or AVX2 + FMA) where the CPU has AVX2 + FMA, int8 linears (quant.int8) on 1-8 bf16 rows the int8 C kernel
         (cpu_gemv_int8.cpp, AVX512-VNNI, AVX-512, AVX-VNNI or AVX2) and w8a8 linears (quant.smoothquant) the w8a8 one
@@ -130,38 +131,6 @@ class CpuCompileOptions:
         return "int8" in cpu_gemv.kernels_for(self.kernel_isa())
 
 
-def gemv_linear(max_rows: int, kernel: bool = False) -> Callable[..., torch.Tensor]:
-    """A decomposition of aten.linear: GEMVs for inputs with <= max_rows rows, else x @ w.T (+ b).
-
-    kernel: bf16 x bf16 linears of at most cpu_gemv.MAX_ROWS rows become calls of the C kernel (cpu_gemv), also
-        beyond max_rows (the kernel streams the weights once for all its rows; see CpuCompileOptions).
-    """
-
-    def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        rows = x.numel() // x.shape[-1]  # a dynamic size in a prefill graph: no few-row path is known to apply
-        if kernel and known(rows <= cpu_gemv.MAX_ROWS) and x.dtype == weight.dtype == torch.bfloat16:
-            # [R, K] x [N, K] -> [R, N]; contiguous() is free for parameters, a copy only for computed views
-            y = cpu_gemv.gemv_bf16(x.reshape(rows, x.shape[-1]).contiguous(), [weight.contiguous()])
-            y = y.view(*x.shape[:-1], weight.shape[0])
-        elif known(rows == 1):
-            # [..., 1, K] * [N, K] -> sum over K -> [..., N]; accumulate in fp32 like the GEMM does. The input is
-            # computed once into an fp32 buffer, so the loop over the weights does not redo its producer (RMSNorm,
-            # residual add) and its bf16 -> fp32 conversion for every output row.
-            y = (computed_once(x.float()).unsqueeze(-2) * weight.float()).sum(-1).to(x.dtype)
-        elif known(rows <= max_rows):
-            # One reduction per row over the same weight: Inductor fuses reductions with identical loops, so each
-            # weight row is read once for all rows (x [R, K] * w [N, K] broadcast as one [R, N, K] product would
-            # loop over R outside and stream the weights R times).
-            xr, wf = computed_once(x.reshape(rows, x.shape[-1]).float()), weight.float()  # [R, K], [N, K]
-            y = torch.stack([(wf * xr[r]).sum(-1) for r in range(rows)])  # [R, N]
-            y = y.view(*x.shape[:-1], weight.shape[0]).to(x.dtype)
-        else:
-            y = torch.matmul(x, weight.t())  # [..., K] @ [K, N] -> [..., N]
-        return y if bias is None else y + bias
-
-    return linear
-
-
 def module_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter and buffer of `module` by fully qualified name, tied tensors under each of their names."""
     out = dict(module.named_parameters(remove_duplicate=False))
@@ -189,41 +158,18 @@ def _dynamic_shapes(module: torch.nn.Module, args: tuple, dynamic: Dynamic | Non
     return tuple({d: made[spec[0]] for d, spec in dims[i].items()} if i in dims else None for i in range(len(args)))
 
 
-def _export_linears(module: torch.nn.Module, example_args: tuple, options: CpuCompileOptions,
-                    dynamic: Dynamic | None = None) -> torch.export.ExportedProgram:
-    """Export `module`; linear layers on few rows (known at export) become GEMV reductions. Shape conditions export
+def _export(module: torch.nn.Module, example_args: tuple, options: CpuCompileOptions,
+            dynamic: Dynamic | None = None) -> torch.export.ExportedProgram:
+    """Export `module` traced with the CPU op table (backends/cpu/ops.py: the C kernels and the few-row GEMV
+    reductions), then merge kernel calls that share an input (backends/cpu/gemv_groups.py). Shape conditions export
     cannot prove for every size in the dynamic ranges become run-time asserts instead of export errors."""
+    isa = options.kernel_isa()
     # Export records in-place cache writes only outside inference mode; inference tensors are cloned out of it.
-    with torch.inference_mode(False), torch.no_grad():
+    with (torch.inference_mode(False), torch.no_grad(),
+          tables_replaced(module, lambda table: cpu_ops(table, options.gemv_max_rows, isa))):
         args = tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in example_args)
         program = torch.export.export(module, args, dynamic_shapes=_dynamic_shapes(module, args, dynamic),
                                       strict=False, prefer_deferred_runtime_asserts_over_guards=True)
-        if options.gemv_max_rows == 0 or not _few_row_linears(program, max(options.gemv_max_rows, cpu_gemv.MAX_ROWS)):
-            return program  # Inductor applies its own decompositions when it compiles (no second trace)
-        # Only linear is rewritten here; every other op is left to Inductor's lowering choices.
-        linear = gemv_linear(options.gemv_max_rows, options.uses_kernel)
-        return program.run_decompositions({torch.ops.aten.linear.default: linear})
-
-
-def _few_row_linears(program: torch.export.ExportedProgram, max_rows: int) -> bool:
-    """Whether a linear of the program has an input known to have at most max_rows rows (a prefill graph's linears,
-    on a dynamic row count, have none: rewriting them would only trace the program a second time)."""
-    for node in program.graph.nodes:
-        if node.target is torch.ops.aten.linear.default:
-            x = node.args[0].meta["val"]
-            if known(x.numel() // x.shape[-1] <= max_rows):
-                return True
-    return False
-
-
-def _export(module: torch.nn.Module, example_args: tuple, options: CpuCompileOptions,
-            dynamic: Dynamic | None = None) -> torch.export.ExportedProgram:
-    """Export `module`; int8 and w8a8 linears on few rows call their C kernels (when this machine builds them), and
-    kernel calls that share an input are merged (backends/cpu/gemv_groups.py)."""
-    kernels = {"int8": cpu_gemv.gemv_int8, "w8a8": cpu_gemv.gemv_w8a8} if options.uses_int8_kernel else {}
-    attention = (cpu_gemv.attention, cpu_gemv.attention_fits) if options.uses_kernel else None
-    with few_rows_kernels(kernels, cpu_gemv.INT8_MAX_ROWS), few_rows_attention_kernel(attention):
-        program = _export_linears(module, example_args, options, dynamic)
     group_gemvs(program.graph_module)  # linears sharing an input: one kernel call
     return program
 
