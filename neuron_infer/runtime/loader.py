@@ -158,7 +158,7 @@ def load_speculation(root: Path, manifest: Manifest, target: LlamaModel, target_
     draft = empty_model(info.config, build)  # whole on every rank: no collectives
     if info.quant["scheme"] != "none":
         apply_quantization(draft, QuantConfig(scheme=info.quant["scheme"]), structure_only=True)
-    load_draft_weights(draft, target, Path(root) / DRAFT_WEIGHTS, info.shared)
+    load_draft_weights(draft, target, Path(root) / DRAFT_WEIGHTS, info.shared, build, info.quant["scheme"])
     modules = {name: module for name, (module, _) in speculation_modules(target, draft, build).items()}
     graphs = _load_graphs(manifest.backend, graphs_dir, modules)
     return assemble_spec(target_engine, draft, graphs, build, _spec_mode(build, mode))
