@@ -105,8 +105,7 @@ def rank_model(cfg: ModelConfig, build: BuildConfig, path: Path, layout: LocalLa
                ops: Ops | None = None) -> LlamaModel:
     """One rank's model with the build's quantized structure, its weights read from `path` (whose header is
     checked first: names, dtypes and shapes)."""
-    check_stored(path, stored_layout(cfg, build, layout, ops), "weights", build,
-                 optional={"lm_head.weight"} if cfg.tie_word_embeddings else set())
+    check_stored(path, stored_layout(cfg, build, layout, ops), "weights", build)
     model = empty_model(cfg, build, layout, ops)
     quant_structure(model, build)
     load_rank_weights(model, path)
@@ -118,31 +117,35 @@ def stored_layout(cfg: ModelConfig, build: BuildConfig, layout: LocalLayout | No
     """What a weights file of this build holds: every tensor's dtype tag and shape. The compile builds the float
     model in the build dtype and then quantizes it, so a skeleton in the build dtype given the build's quantized
     structure (or, for a draft, its `draft_quant` scheme) has the stored dtypes: quantized weights and their
-    scales keep the dtypes their scheme gives them, every other tensor has the build dtype."""
+    scales keep the dtypes their scheme gives them, every other tensor has the build dtype. A head tied to the
+    embedding is not stored (the load re-ties it; a stored one would be replaced silently, so it is refused)."""
     model = empty_model(cfg, build, layout, ops).to(DTYPES[build.dtype])  # meta: no memory
     if draft_quant is None:
         quant_structure(model, build)
     elif draft_quant != "none":
         apply_quantization(model, QuantConfig(scheme=draft_quant), structure_only=True)
-    return {k: (TAGS.get(t.dtype, str(t.dtype)), tuple(t.shape)) for k, t in model.state_dict().items()}
+    model.tie_weights()
+    state = model.state_dict()
+    if _shared_with_embedding(model):
+        state.pop("lm_head.weight")
+    return {k: (TAGS.get(t.dtype, str(t.dtype)), tuple(t.shape)) for k, t in state.items()}
 
 
 def _tag(tag: str) -> str:
     return f"{_NAMES[tag]} ({tag})" if tag in _NAMES else repr(tag)
 
 
-def check_stored(path: Path, expected: Stored, what: str, build: BuildConfig, optional: set[str] = frozenset()
-                 ) -> None:
+def check_stored(path: Path, expected: Stored, what: str, build: BuildConfig) -> None:
     """Refuse, from the safetensors header alone (no tensor data is read), a weights file whose tensor names,
-    dtypes or shapes differ from `expected` (`optional`: names it may leave out). A file rewritten with other
-    weights of the same names and shapes (fp16 for fp32, say) is named here, before any graph runs."""
+    dtypes or shapes differ from `expected`. A file rewritten with other weights of the same names and shapes
+    (fp16 for fp32, say) is named here, before any graph runs."""
     try:
         header = read_header(path)[2]
     except (CheckpointError, OSError) as e:
         raise ArtifactError(f"cannot read {what} {path}: {e}; recompile the model") from e
     stored = {k: v for k, v in header.items() if k != "__metadata__"}
     mismatch = f"{what} {path} do not match the model the manifest describes"
-    unknown, missing = sorted(set(stored) - set(expected)), sorted(set(expected) - set(stored) - set(optional))
+    unknown, missing = sorted(set(stored) - set(expected)), sorted(set(expected) - set(stored))
     if unknown or missing:
         names = [f"{len(names)} {kind} tensor(s) (first {names[0]})"
                  for kind, names in (("missing", missing), ("unexpected", unknown)) if names]
@@ -217,12 +220,11 @@ def load_draft_weights(draft: LlamaModel, target: LlamaModel, path: Path, shared
     `shared` (same memory). The file's header is checked first against the draft the manifest describes."""
     tstate = target.state_dict()
     expected = stored_layout(draft.cfg, build, draft_quant=quant)
-    foreign = next((n for n in shared if n not in tstate or n not in expected), None)
+    foreign = next((n for n in shared if n not in tstate or n not in draft.state_dict()), None)
     if foreign is not None:
         raise ArtifactError(f"{path}: the manifest's extra.speculation.shared names {foreign!r}, which the target and "
                             "the draft do not both hold; recompile the model")
-    optional = {"lm_head.weight"} if draft.cfg.tie_word_embeddings else set()
-    check_stored(path, {k: v for k, v in expected.items() if k not in shared}, "draft weights", build, optional)
+    check_stored(path, {k: v for k, v in expected.items() if k not in shared}, "draft weights", build)
     state = read_packed(path, "draft weights")
     state.update({n: tstate[n] for n in shared})
     assign_state(draft, state, f"draft weights {path} do not match the manifest's draft model")
