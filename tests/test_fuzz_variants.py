@@ -157,3 +157,26 @@ def test_an_output_that_is_a_link_is_named_as_one(tiny_dirs, tmp_path, capsys, o
     link.symlink_to(user)
     one_error(*cli(["compile", tiny_dirs("gqa"), "-o", link, *TINY, *overwrite], capsys), "symbolic link", str(user))
     assert link.is_symlink() and [p.name for p in user.iterdir()] == ["keep.txt"]
+
+
+def test_a_weights_file_swapped_after_its_header_check(art, tmp_path, capsys, monkeypatch):
+    """The tensors read are checked again as they are read: a file swapped between the header check and the read
+    (fp16 weights) is refused as well."""
+    from safetensors.torch import load_file, save_file
+
+    from neuron_infer.artifact import weights
+
+    swapped = tmp_path / "swapped.safetensors"
+    state = load_file(art / "weights" / "rank0.safetensors")
+    state[DOWN] = state[DOWN].half()
+    save_file(state, swapped)
+    real = weights.Expected.check_header
+
+    def check_then_swap(self, path, what):
+        real(self, path, what)
+        shutil.copyfile(swapped, path)
+
+    root = tmp_path / "a"
+    shutil.copytree(art, root)
+    monkeypatch.setattr(weights.Expected, "check_header", check_then_swap)
+    one_error(*cli([GENERATE[0], root, *GENERATE[1:]], capsys), DOWN, "torch.float16")

@@ -29,7 +29,6 @@ _NAMES = {tag: str(dtype) for dtype, tag in TAGS.items()}
 # the bit pattern of every non-finite value of a float8 dtype (torch.isfinite has no float8 kernel): e4m3fn has
 # NaN only (exponent and mantissa all ones), e5m2 has inf and NaN (exponent all ones)
 _F8_NONFINITE = {torch.float8_e4m3fn: 0x7F, torch.float8_e5m2: 0x7C}
-Stored = dict[str, tuple[str, tuple[int, ...]]]  # tensor name -> (safetensors dtype tag, shape)
 
 
 def empty_model(cfg: ModelConfig, build: BuildConfig, layout: LocalLayout | None = None,
@@ -68,57 +67,58 @@ def save_rank_weights(model: LlamaModel, path: Path) -> int:
     return sum(t.numel() * t.element_size() for t in state.values())
 
 
-def read_packed(path: Path, what: str = "weights") -> dict[str, torch.Tensor]:
+def read_packed(path: Path, what: str = "weights", expected: Expected | None = None) -> dict[str, torch.Tensor]:
     """A weights file's tensors, read one at a time into one huge-page block (artifact/arena.py): fewer TLB misses
-    when a decode step streams them all, and no second full copy of the weights while loading. A floating-point
-    tensor holding NaN or an infinity is refused, checked as it is copied in (while its bytes are in cache)."""
+    when a decode step streams them all, and no second full copy of the weights while loading. Each tensor is
+    checked as it is copied in (its bytes still in cache): the name, dtype and shape `expected` gives it, and no NaN
+    or infinity in a floating-point tensor."""
+    def check(name: str, t: torch.Tensor) -> None:
+        if expected is not None:
+            expected.check(path, what, name, TAGS.get(t.dtype, str(t.dtype)), tuple(t.shape))
+        if not _finite(t):
+            raise ArtifactError(f"{what} {path}: tensor {name} holds NaN or infinite values (a model built from it "
+                                "answers garbage); the file is damaged or was edited: recompile the model")
+
     try:
         with safe_open(str(path), framework="pt") as f:
             names = list(f.keys())
             capacity = path.stat().st_size + len(names) * ALIGN  # the file holds every tensor's bytes
-            out = pack_weights(((k, f.get_tensor(k)) for k in names), capacity, check=_finite(path, what))
+            out = pack_weights(((k, f.get_tensor(k)) for k in names), capacity, check=check)
     except (OSError, SafetensorError) as e:
         raise ArtifactError(f"cannot read {what} {path} ({e}); recompile the model") from e
     return out
 
 
-def _finite(path: Path, what: str) -> Callable[[str, torch.Tensor], None]:
-    def check(name: str, t: torch.Tensor) -> None:
-        if t.dtype in _F8_NONFINITE:
-            bits = _F8_NONFINITE[t.dtype]
-            bad = bool(((t.view(torch.uint8) & bits) == bits).any())
-        else:  # a finite sum proves every element finite (NaN and inf propagate); only an overflowing sum of
-            # finite values needs the element-wise check. One reduction: about 1/10 the time of isfinite().all()
-            bad = t.dtype.is_floating_point and not bool(torch.isfinite(t.sum())) and not bool(torch.isfinite(t).all())
-        if bad:
-            raise ArtifactError(f"{what} {path}: tensor {name} holds NaN or infinite values (a model built from it "
-                                "answers garbage); the file is damaged or was edited: recompile the model")
-    return check
-
-
-def load_rank_weights(model: LlamaModel, path: Path) -> None:
-    """Fill a meta-device skeleton (already given its quantized structure) from a weights file."""
-    assign_state(model, read_packed(path), f"weights {path} do not match the model the manifest describes")
+def _finite(t: torch.Tensor) -> bool:
+    """Whether a tensor holds no NaN or infinity (integer tensors: always)."""
+    if t.dtype in _F8_NONFINITE:  # torch.isfinite has no float8 kernel: the bit patterns
+        bits = _F8_NONFINITE[t.dtype]
+        return not bool(((t.view(torch.uint8) & bits) == bits).any())
+    # a finite sum proves every element finite (NaN and inf propagate); only an overflowing sum of finite values
+    # needs the element-wise check. One reduction: about 1/10 the time of isfinite().all()
+    return not t.dtype.is_floating_point or bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all())
 
 
 def rank_model(cfg: ModelConfig, build: BuildConfig, path: Path, layout: LocalLayout | None = None,
                ops: Ops | None = None) -> LlamaModel:
-    """One rank's model with the build's quantized structure, its weights read from `path` (whose header is
-    checked first: names, dtypes and shapes)."""
-    check_stored(path, stored_layout(cfg, build, layout, ops), "weights", build)
+    """One rank's model with the build's quantized structure, its weights read from `path`: the file's header is
+    checked first (names, dtypes and shapes), and each tensor again as it is read."""
+    expected = Expected(stored_layout(cfg, build, layout, ops), build)
+    expected.check_header(path, "weights")
     model = empty_model(cfg, build, layout, ops)
     quant_structure(model, build)
-    load_rank_weights(model, path)
+    assign_state(model, read_packed(path, "weights", expected),
+                 f"weights {path} do not match the model the manifest describes")
     return model
 
 
 def stored_layout(cfg: ModelConfig, build: BuildConfig, layout: LocalLayout | None = None, ops: Ops | None = None,
-                  draft_quant: str | None = None) -> Stored:
-    """What a weights file of this build holds: every tensor's dtype tag and shape. The compile builds the float
-    model in the build dtype and then quantizes it, so a skeleton in the build dtype given the build's quantized
-    structure (or, for a draft, its `draft_quant` scheme) has the stored dtypes: quantized weights and their
-    scales keep the dtypes their scheme gives them, every other tensor has the build dtype. A head tied to the
-    embedding is not stored (the load re-ties it; a stored one would be replaced silently, so it is refused)."""
+                  draft_quant: str | None = None) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """What a weights file of this build holds: tensor name -> (safetensors dtype tag, shape). The compile builds
+    the float model in the build dtype and then quantizes it, so a skeleton in the build dtype given the build's
+    quantized structure (or, for a draft, its `draft_quant` scheme) has the stored dtypes: quantized weights and
+    their scales keep the dtypes their scheme gives them, every other tensor has the build dtype. A head tied to
+    the embedding is not stored (the load re-ties it; a stored one would be replaced silently, so it is refused)."""
     model = empty_model(cfg, build, layout, ops).to(DTYPES[build.dtype])  # meta: no memory
     if draft_quant is None:
         quant_structure(model, build)
@@ -135,30 +135,45 @@ def _tag(tag: str) -> str:
     return f"{_NAMES[tag]} ({tag})" if tag in _NAMES else repr(tag)
 
 
-def check_stored(path: Path, expected: Stored, what: str, build: BuildConfig) -> None:
-    """Refuse, from the safetensors header alone (no tensor data is read), a weights file whose tensor names,
-    dtypes or shapes differ from `expected`. A file rewritten with other weights of the same names and shapes
-    (fp16 for fp32, say) is named here, before any graph runs."""
-    try:
-        header = read_header(path)[2]
-    except (CheckpointError, OSError) as e:
-        raise ArtifactError(f"cannot read {what} {path}: {e}; recompile the model") from e
-    stored = {k: v for k, v in header.items() if k != "__metadata__"}
-    mismatch = f"{what} {path} do not match the model the manifest describes"
-    unknown, missing = sorted(set(stored) - set(expected)), sorted(set(expected) - set(stored))
-    if unknown or missing:
-        names = [f"{len(names)} {kind} tensor(s) (first {names[0]})"
-                 for kind, names in (("missing", missing), ("unexpected", unknown)) if names]
-        raise ArtifactError(f"{mismatch}: {' and '.join(names)}; recompile the model")
-    for name, entry in stored.items():
-        tag, shape = expected[name]
-        if entry["dtype"] != tag:
-            raise ArtifactError(f"{mismatch}: tensor {name} is stored as {_tag(entry['dtype'])}, where a "
-                                f"{build.dtype} build with quantization {build.quant.scheme} holds {_tag(tag)}; "
+@dataclasses.dataclass(frozen=True)
+class Expected:
+    """The tensors a weights file must hold (`layout`, from stored_layout) for `build`, and the checks against it."""
+
+    layout: dict[str, tuple[str, tuple[int, ...]]]
+    build: BuildConfig
+
+    def check_header(self, path: Path, what: str) -> None:
+        """Refuse, from the safetensors header alone (no tensor data is read), a file whose tensor names, dtypes or
+        shapes differ: a file rewritten with other weights of the same names and shapes (fp16 for fp32, say) is
+        named here, before any graph runs."""
+        try:
+            header = read_header(path)[2]
+        except (CheckpointError, OSError) as e:
+            raise ArtifactError(f"cannot read {what} {path}: {e}; recompile the model") from e
+        stored = {k: v for k, v in header.items() if k != "__metadata__"}
+        missing = sorted(set(self.layout) - set(stored))
+        if missing:
+            raise ArtifactError(f"{_mismatch(what, path)}: {len(missing)} missing tensor(s) (first {missing[0]}); "
                                 "recompile the model")
-        if tuple(entry["shape"]) != shape:
-            raise ArtifactError(f"{mismatch}: tensor {name} has shape {list(entry['shape'])}, where the manifest's "
-                                f"model implies {list(shape)}; recompile the model")
+        for name, entry in stored.items():
+            self.check(path, what, name, entry["dtype"], tuple(entry["shape"]))
+
+    def check(self, path: Path, what: str, name: str, tag: str, shape: tuple[int, ...]) -> None:
+        """One stored tensor's name, dtype tag and shape."""
+        if name not in self.layout:
+            raise ArtifactError(f"{_mismatch(what, path)}: unexpected tensor {name}; recompile the model")
+        want_tag, want_shape = self.layout[name]
+        if tag != want_tag:
+            raise ArtifactError(f"{_mismatch(what, path)}: tensor {name} is stored as {_tag(tag)}, where a "
+                                f"{self.build.dtype} build with quantization {self.build.quant.scheme} holds "
+                                f"{_tag(want_tag)}; recompile the model")
+        if shape != want_shape:
+            raise ArtifactError(f"{_mismatch(what, path)}: tensor {name} has shape {list(shape)}, where the "
+                                f"manifest's model implies {list(want_shape)}; recompile the model")
+
+
+def _mismatch(what: str, path: Path) -> str:
+    return f"{what} {path} do not match the model the manifest describes"
 
 
 def assign_state(model: LlamaModel, state: dict[str, torch.Tensor], mismatch: str) -> None:
@@ -219,12 +234,13 @@ def load_draft_weights(draft: LlamaModel, target: LlamaModel, path: Path, shared
     """Fill a meta-device draft skeleton (quantized with `quant`): its own file plus the target's tensors named in
     `shared` (same memory). The file's header is checked first against the draft the manifest describes."""
     tstate = target.state_dict()
-    expected = stored_layout(draft.cfg, build, draft_quant=quant)
+    layout = stored_layout(draft.cfg, build, draft_quant=quant)
     foreign = next((n for n in shared if n not in tstate or n not in draft.state_dict()), None)
     if foreign is not None:
         raise ArtifactError(f"{path}: the manifest's extra.speculation.shared names {foreign!r}, which the target and "
                             "the draft do not both hold; recompile the model")
-    check_stored(path, {k: v for k, v in expected.items() if k not in shared}, "draft weights", build)
-    state = read_packed(path, "draft weights")
+    own = Expected({k: v for k, v in layout.items() if k not in shared}, build)
+    own.check_header(path, "draft weights")
+    state = read_packed(path, "draft weights", own)
     state.update({n: tstate[n] for n in shared})
     assign_state(draft, state, f"draft weights {path} do not match the manifest's draft model")
