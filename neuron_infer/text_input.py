@@ -97,7 +97,7 @@ def _check_kind(fd: int, what: str) -> None:
     if not (stat.S_ISREG(mode) or _is_stdin(fd)):
         if not stat.S_ISFIFO(mode):
             kind = next((name for test, name in _NOT_REGULAR if test(mode)), "not a regular file")
-            raise NeuronInferError(f"{what} is {kind}; give a text file, or pipe the text into stdin")
+            raise NeuronInferError(f"{what}: it is {kind}; give a text file, or pipe the text into stdin")
         _wait_for_writer(fd, what)
     os.set_blocking(fd, True)
 
@@ -116,5 +116,5 @@ def _wait_for_writer(fd: int, what: str) -> None:
     poller = select.poll()
     poller.register(fd, select.POLLIN)
     if not poller.poll(PIPE_WAIT_S * 1000):
-        raise NeuronInferError(f"{what} is a named pipe (FIFO) that nothing wrote to within {PIPE_WAIT_S:g} s; start "
-                               "the program that writes to it first, or give a text file")
+        raise NeuronInferError(f"{what}: it is a named pipe (FIFO) that nothing wrote to within {PIPE_WAIT_S:g} s; "
+                               "start the program that writes to it first, or give a text file")
