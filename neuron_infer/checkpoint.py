@@ -448,16 +448,25 @@ def generation_eos_ids(path: Path, vocab_size: int, fix: str, error: type[Neuron
     return tuple(ids)
 
 
-def check_tokenizer(model_dir: str | Path, cfg: ModelConfig) -> None:
-    """Compile-time check: the checkpoint has a tokenizer, none of its ids is past the embedding's rows, and its
-    generation_config.json (copied into the artifact) names valid EOS ids."""
-    generation_eos_ids(Path(model_dir) / "generation_config.json", cfg.vocab_size,
-                       "fix its eos_token_id or remove the file")
-    tok = load_tokenizer(model_dir)
+def check_tokenizer(tokenizer_dir: str | Path, cfg: ModelConfig, shown: Path | None = None) -> None:
+    """Compile-time check of the tokenizer files in `tokenizer_dir` (the copies that go into the artifact; `shown`:
+    the checkpoint directory they were copied from, which messages name): a tokenizer is there, none of its ids is
+    past the embedding's rows, and generation_config.json names valid EOS ids."""
+    d = Path(tokenizer_dir)
+    shown = Path(shown or d)
+    generation = d / "generation_config.json"
+    if generation.is_file():  # the bytes of the copy, named as the checkpoint's file
+        generation_eos_ids(shown / generation.name, cfg.vocab_size, "fix its eos_token_id or remove the file",
+                           raw=generation.read_bytes())
+    check_vocab(load_tokenizer(d, shown=shown), cfg.vocab_size, shown, "config.json vocab_size",
+                "use the tokenizer files that belong to this model")
+
+
+def check_vocab(tok, vocab_size: int, shown: Path, field: str, fix: str,
+                error: type[NeuronInferError] = CheckpointError) -> None:
+    """Refuse a tokenizer with an id (added tokens included) that the model's `vocab_size` has no embedding row for:
+    a prompt holding it would index past the embedding."""
     top = max(tok.get_vocab().values(), default=-1) + 1
-    if top > cfg.vocab_size:
-        raise CheckpointError(
-            f"the tokenizer in {model_dir} has token ids up to {top - 1}, but config.json vocab_size="
-            f"{cfg.vocab_size}: ids >= {cfg.vocab_size} have no embedding row; use the tokenizer files that belong "
-            "to this model"
-        )
+    if top > vocab_size:
+        raise error(f"the tokenizer in {shown} has token ids up to {top - 1}, but {field}={vocab_size}: ids >= "
+                    f"{vocab_size} have no embedding row; {fix}")

@@ -108,7 +108,7 @@ def stable_text(tokenizer, ids: list[int], stop: tuple[str, ...] = ()) -> str:
     if not stop:
         return text
     text = cut_at_stop(text, stop)
-    held = max((n for s in stop for n in range(1, len(s)) if text.endswith(s[:n])), default=0)
+    held = max((n for s in stop for n in range(1, min(len(s), len(text) + 1)) if text.endswith(s[:n])), default=0)
     return text[: len(text) - held]
 
 

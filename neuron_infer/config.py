@@ -112,9 +112,10 @@ class ModelConfig:
             )
         if not (self.rms_norm_eps > 0 and self.rope_theta > 0):
             raise ConfigError(f"rms_norm_eps={self.rms_norm_eps} and rope_theta={self.rope_theta} must be > 0")
-        if any(t < 0 for t in (*self.eos_token_ids, self.bos_token_id or 0)):
+        if any(not 0 <= t < self.vocab_size for t in (*self.eos_token_ids, self.bos_token_id or 0)):
             raise ConfigError(f"token ids bos_token_id={self.bos_token_id}, eos_token_ids={self.eos_token_ids} "
-                              "must be >= 0")
+                              f"must be in 0..{self.vocab_size - 1} (vocab_size={self.vocab_size}: an id past it "
+                              "has no embedding row, and an EOS id the model cannot emit never stops a sequence)")
         if self.head_dim % 2:
             raise ConfigError(f"head_dim={self.head_dim} must be even for rotary embeddings")
 

@@ -5,6 +5,9 @@ becomes a lone surrogate U+DC80..U+DCFF, which no tokenizer accepts. Both checks
 """
 from __future__ import annotations
 
+import os
+import select
+import stat
 from pathlib import Path
 
 from neuron_infer.errors import NeuronInferError
@@ -25,14 +28,33 @@ def check_text(text: str, what: str) -> str:
     return text
 
 
+PIPE_WAIT_S = 10.0  # how long a named pipe may stay without a writer before the read is given up
+_NOT_REGULAR = ((stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"),
+                (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
 def read_text_file(path: str | Path, what: str) -> str:
     """The contents of a UTF-8 text file; a missing, binary or non-UTF-8 file raises NeuronInferError starting with
-    `what` (which names the file, e.g. "--prompt-file prompts.txt")."""
+    `what` (which names the file, e.g. "--prompt-file prompts.txt").
+
+    Read: a regular file; stdin under any name (`/dev/stdin`); a pipe or named pipe (FIFO) once a writer has
+    written to it (`<(command)`), waiting at most PIPE_WAIT_S for that: the file is opened without blocking, since
+    opening a FIFO that no process writes to waits forever. Refused: a device (/dev/zero, a terminal other than
+    stdin), a directory, a socket."""
     try:
-        with open(path, "rb") as f:
-            raw = read_bounded(f, what)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as e:
         raise NeuronInferError(f"{what}: cannot read it ({e.strerror or e})") from e
+    try:
+        _check_kind(fd, what)
+    except BaseException:
+        os.close(fd)
+        raise
+    with os.fdopen(fd, "rb") as f:
+        try:
+            raw = read_bounded(f, what)
+        except OSError as e:
+            raise NeuronInferError(f"{what}: cannot read it ({e.strerror or e})") from e
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -67,3 +89,32 @@ def check_size(label: str, prompt: str, max_context_length: int) -> None:
         raise NeuronInferError(f"{label} has {len(prompt)} characters: it cannot fit max_context_length="
                                f"{max_context_length} tokens (at most {MAX_CHARS_PER_TOKEN} characters per token are "
                                "counted); shorten it or recompile with a larger --max-context-length")
+
+
+def _check_kind(fd: int, what: str) -> None:
+    """Refuse what read_text_file does not read; wait for a pipe's writer; leave `fd` blocking."""
+    mode = os.fstat(fd).st_mode
+    if not (stat.S_ISREG(mode) or _is_stdin(fd)):
+        if not stat.S_ISFIFO(mode):
+            kind = next((name for test, name in _NOT_REGULAR if test(mode)), "not a regular file")
+            raise NeuronInferError(f"{what}: it is {kind}; give a text file, or pipe the text into stdin")
+        _wait_for_writer(fd, what)
+    os.set_blocking(fd, True)
+
+
+def _is_stdin(fd: int) -> bool:
+    """Whether `fd` is the file stdin reads (/dev/stdin, /proc/self/fd/0): read like stdin, whatever it is."""
+    try:
+        mine, stdin = os.fstat(fd), os.fstat(0)
+    except OSError:
+        return False
+    return (mine.st_dev, mine.st_ino) == (stdin.st_dev, stdin.st_ino)
+
+
+def _wait_for_writer(fd: int, what: str) -> None:
+    """Return once the pipe `fd` has data or its writer closed it (the read then ends); raise after PIPE_WAIT_S."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    if not poller.poll(PIPE_WAIT_S * 1000):
+        raise NeuronInferError(f"{what}: it is a named pipe (FIFO) that nothing wrote to within {PIPE_WAIT_S:g} s; "
+                               "start the program that writes to it first, or give a text file")

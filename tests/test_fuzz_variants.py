@@ -4,6 +4,7 @@ link to nothing, weights of the wrong kind in an artifact whose manifest was rew
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 from neuron_infer.artifact.manifest import MANIFEST, seal
+from neuron_infer.errors import NeuronInferError
 from tests.test_fuzz_hostile import run
 from tests.test_user_errors import TINY, cli, one_error
 from tests.tiny_artifact import compile_tiny, relist
@@ -65,18 +67,85 @@ def test_a_cache_root_that_is_not_a_directory(tmp_path, capsys, monkeypatch, roo
     assert not target.exists() or target.read_text() == "mine"
 
 
-@pytest.mark.parametrize("dtype", [torch.int8, torch.bool])
-def test_artifact_weights_of_the_wrong_kind(copy, capsys, dtype):
-    """An integer tensor where the model holds floats (manifest rewritten to match): one error naming the tensor."""
+def rewrite_weights(root: Path, edit) -> Path:
+    """Edit an artifact's weights in place and rewrite its manifest to match (a consistent, hostile edit)."""
     from safetensors.torch import load_file, save_file
 
-    weights = copy / "weights" / "rank0.safetensors"
+    weights = root / "weights" / "rank0.safetensors"
     state = load_file(weights)
-    name = "model.layers.0.mlp.down_proj.weight"
-    state[name] = state[name].to(dtype)
+    edit(state)
     save_file(state, weights)
-    relist(copy)
-    one_error(*cli([GENERATE[0], copy, *GENERATE[1:]], capsys), name, str(dtype))
+    relist(root)
+    return weights
+
+
+def fail_on_graph_run(monkeypatch):
+    """A step graph that runs fails the test: the refusal must come at load, before any graph runs."""
+    from neuron_infer.runtime.engine import Engine
+
+    def run(*_a, **_k):
+        raise AssertionError("a graph ran before the weights were refused")
+
+    monkeypatch.setattr(Engine, "_run", run)
+
+
+DOWN = "model.layers.0.mlp.down_proj.weight"
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.bool, torch.float16, torch.bfloat16, torch.float64,
+                                   torch.int32, torch.uint8])
+def test_artifact_weights_of_another_dtype(copy, capsys, monkeypatch, dtype):
+    """fp32 artifact, one tensor rewritten as `dtype` (same name and shape, manifest rewritten to match): one error at
+    load naming the tensor and both dtypes, from the file's header, before any graph runs."""
+    from neuron_infer.api import CompiledModel
+
+    rewrite_weights(copy, lambda s: s.__setitem__(DOWN, s[DOWN].to(dtype)))
+    fail_on_graph_run(monkeypatch)
+    one_error(*cli([GENERATE[0], copy, *GENERATE[1:]], capsys), DOWN, str(dtype), "torch.float32", "recompile")
+    with pytest.raises(NeuronInferError, match=DOWN):
+        CompiledModel.load(copy)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_a_whole_fp32_artifact_rewritten_in_half_precision(copy, capsys, dtype):
+    rewrite_weights(copy, lambda s: s.update({k: v.to(dtype) for k, v in s.items()}))
+    one_error(*cli([GENERATE[0], copy, *GENERATE[1:]], capsys), ".weight is stored as", str(dtype), "torch.float32")
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+@pytest.mark.parametrize("name", [DOWN, "model.embed_tokens.weight", "model.norm.weight"])
+def test_nan_or_inf_artifact_weights_are_refused_at_load(copy, capsys, name, bad):
+    def edit(state):
+        state[name].view(-1)[5] = bad
+
+    rewrite_weights(copy, edit)
+    one_error(*cli([GENERATE[0], copy, *GENERATE[1:]], capsys), name, "NaN or infinite", "recompile")
+
+
+def test_huge_finite_weights_still_load(copy, capsys):
+    """Values whose sum overflows (the finiteness check's fast path) are finite: the element-wise check accepts them."""
+    def edit(state):
+        state[DOWN].view(-1)[:4] = 3e38
+
+    rewrite_weights(copy, edit)
+    code, lines = cli([GENERATE[0], copy, *GENERATE[1:]], capsys)
+    assert code == 0, lines
+
+
+@pytest.mark.parametrize("edit", ["missing", "extra", "shape"])
+def test_artifact_weights_with_other_names_or_shapes(copy, capsys, edit):
+    def change(state):
+        if edit == "missing":
+            del state["model.layers.1.input_layernorm.weight"]
+        elif edit == "extra":
+            state["model.rotary.weight"] = torch.ones(96)
+        else:
+            state[DOWN] = state[DOWN][:, :-1].contiguous()
+
+    rewrite_weights(copy, change)
+    words = {"missing": ["missing", "model.layers.1.input_layernorm.weight"],
+             "extra": ["unexpected", "model.rotary.weight"], "shape": [DOWN, "shape"]}[edit]
+    one_error(*cli([GENERATE[0], copy, *GENERATE[1:]], capsys), *words)
 
 
 @pytest.mark.parametrize("overwrite", [[], ["--overwrite"]])
@@ -88,3 +157,26 @@ def test_an_output_that_is_a_link_is_named_as_one(tiny_dirs, tmp_path, capsys, o
     link.symlink_to(user)
     one_error(*cli(["compile", tiny_dirs("gqa"), "-o", link, *TINY, *overwrite], capsys), "symbolic link", str(user))
     assert link.is_symlink() and [p.name for p in user.iterdir()] == ["keep.txt"]
+
+
+def test_a_weights_file_swapped_after_its_header_check(art, tmp_path, capsys, monkeypatch):
+    """The tensors read are checked again as they are read: a file swapped between the header check and the read
+    (fp16 weights) is refused as well."""
+    from safetensors.torch import load_file, save_file
+
+    from neuron_infer.artifact import weights
+
+    swapped = tmp_path / "swapped.safetensors"
+    state = load_file(art / "weights" / "rank0.safetensors")
+    state[DOWN] = state[DOWN].half()
+    save_file(state, swapped)
+    real = weights.Expected.check_header
+
+    def check_then_swap(self, path, what):
+        real(self, path, what)
+        shutil.copyfile(swapped, path)
+
+    root = tmp_path / "a"
+    shutil.copytree(art, root)
+    monkeypatch.setattr(weights.Expected, "check_header", check_then_swap)
+    one_error(*cli([GENERATE[0], root, *GENERATE[1:]], capsys), DOWN, "torch.float16")

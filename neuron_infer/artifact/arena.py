@@ -8,7 +8,7 @@ read, so loading needs the block plus one tensor, not twice the weights.
 from __future__ import annotations
 
 import mmap
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -19,9 +19,11 @@ def _aligned(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-def pack_weights(tensors: Iterable[tuple[str, torch.Tensor]], capacity: int) -> dict[str, torch.Tensor]:
+def pack_weights(tensors: Iterable[tuple[str, torch.Tensor]], capacity: int,
+                 check: Callable[[str, torch.Tensor], None] | None = None) -> dict[str, torch.Tensor]:
     """Copy (name, CPU tensor) pairs, consumed one by one, into one huge-page-advised anonymous mapping of
-    `capacity` bytes -> {name: tensor} with the same shapes, dtypes and values.
+    `capacity` bytes -> {name: tensor} with the same shapes, dtypes and values. `check(name, copy)` runs on each
+    copy as soon as it is made (its bytes still in cache) and may raise.
 
     Each tensor starts on an ALIGN boundary, so `capacity` must cover the sum of the sizes rounded up to ALIGN
     (pages never written cost no memory). The returned tensors are views of the mapping and keep it alive.
@@ -38,6 +40,8 @@ def pack_weights(tensors: Iterable[tuple[str, torch.Tensor]], capacity: int) -> 
                              "byte block; pass a capacity that covers every tensor rounded up to ALIGN")
         view = raw[offset: offset + size].view(t.dtype).view(t.shape)
         view.copy_(t)
+        if check is not None:
+            check(name, view)
         out[name] = view
         offset += _aligned(size)
     return out

@@ -89,7 +89,7 @@ class Manifest:
         }
 
     @classmethod
-    def from_dict(cls, d: Any, where: str) -> "Manifest":
+    def from_dict(cls, d: Any, where: str) -> Manifest:
         """Every field type-checked (neuron_infer.typed); a problem raises ArtifactError naming the field."""
         version = d.get("format_version") if isinstance(d, dict) else FORMAT_VERSION
         if version != FORMAT_VERSION:  # checked first: another format may have other fields
@@ -170,6 +170,10 @@ def parse_manifest(data: Any, where: str) -> Manifest:
     manifest = Manifest.from_dict(data, where)
     for rel in manifest.files:
         _check_entry(rel, where)
+    if manifest.build.max_length > manifest.model.max_position_embeddings:  # the compile refuses such a build
+        raise ArtifactError(f"{where}: build.max_length={manifest.build.max_length} exceeds the model's "
+                            f"model.max_position_embeddings={manifest.model.max_position_embeddings}; the manifest is "
+                            "damaged or was edited: recompile the model")
     return manifest
 
 
@@ -303,19 +307,22 @@ def _sha256_nofollow(path: Path, chunk: int = 1 << 22) -> str:
 def load_verified_tokenizer(root: Path, manifest: Manifest):
     """The artifact's tokenizer (its chat template included), built from the verified bytes of its files: each is
     read once, hashed, and those bytes are what the tokenizer loads (from a private copy, removed at once)."""
-    from neuron_infer.checkpoint import load_tokenizer
+    from neuron_infer.checkpoint import check_vocab, load_tokenizer
 
     files = read_verified(root, manifest, TOKENIZER_DIR)
     shown = Path(root) / TOKENIZER_DIR
+    fix = "recompile the model (its tokenizer files are damaged)"
     try:
         with tempfile.TemporaryDirectory(prefix="neuron-infer-tokenizer-") as private:
             for rel, data in files.items():
                 (Path(private) / rel.removeprefix(f"{TOKENIZER_DIR}/")).write_bytes(data)
-            return load_tokenizer(private, "recompile the model (its tokenizer files are damaged)", shown=shown)
+            tok = load_tokenizer(private, fix, shown=shown)
     except OSError as e:
         raise ArtifactError(f"cannot copy the verified tokenizer files of {root} into the temporary directory "
                             f"{tempfile.gettempdir()}: {e.strerror or e}; free space there, or point TMPDIR at "
                             "another directory") from e
+    check_vocab(tok, manifest.model.vocab_size, shown, "the manifest's model.vocab_size", fix, ArtifactError)
+    return tok
 
 
 def verified_generation_config(root: Path, manifest: Manifest) -> bytes | None:

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from neuron_infer.artifact.manifest import (
     FORMAT_VERSION,
@@ -63,9 +63,10 @@ def _compile(model_dir: Path, out_dir: Path, build: BuildConfig, backend: str | 
     cfg = ModelConfig.from_model_dir(model_dir)
     check_build_against_model(cfg, build)
     check_weight_headers(model_dir, cfg)
-    check_tokenizer(model_dir, cfg)
     ranks = RankSet.of(cfg, build, backend, say)  # the plan, the graph backend; refusals before any work
     with atomic_directory(out_dir, overwrite, source_dirs(model_dir, build)) as tmp:
+        copy_tokenizer(model_dir, tmp / "tokenizer")  # copied first, then the copies checked: what the artifact holds
+        check_tokenizer(tmp / "tokenizer", cfg, shown=model_dir)
         state = load_checkpoint(model_dir, cfg)
         graphs, extra, spec = _write_ranks(cfg, build, ranks, state, model_dir, tmp, say)
         if ranks.nxd:  # Neuron at tp > 1: one neuronx-distributed model holds every rank's graphs
@@ -74,7 +75,6 @@ def _compile(model_dir: Path, out_dir: Path, build: BuildConfig, backend: str | 
         del state
         if spec is not None:
             extra["speculation"] = speculation_record(spec[1], build, [n for n, g in graphs.items() if is_spec_graph(g)])
-        copy_tokenizer(model_dir, tmp / "tokenizer")
         extra["compile_seconds"] = round(time.perf_counter() - t_start, 3)
         manifest = Manifest(FORMAT_VERSION, package_versions(), ranks.backend_name, cfg, build,
                             checkpoint_fingerprint(model_dir), graphs, hash_tree(tmp),

@@ -9,7 +9,7 @@ import psutil
 
 from neuron_infer.compile.spec_builder import check_speculation
 from neuron_infer.config import BuildConfig, ModelConfig
-from neuron_infer.errors import ConfigError
+from neuron_infer.errors import CheckpointError, ConfigError
 from neuron_infer.parallel.plan import ShardPlan
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -48,7 +48,13 @@ def source_dirs(model_dir: Path, build: BuildConfig) -> list[Path]:
 
 
 def copy_tokenizer(model_dir: Path, dst: Path) -> None:
+    """Copy the checkpoint's tokenizer files into `dst` (the artifact's tokenizer/, which is checked after the copy:
+    a file changed in the checkpoint during the compile never reaches the artifact unchecked)."""
     dst.mkdir(parents=True, exist_ok=True)
     for name in TOKENIZER_FILES:
-        if (Path(model_dir) / name).is_file():
-            shutil.copy2(Path(model_dir) / name, dst / name)
+        src = Path(model_dir) / name
+        if src.is_file():
+            try:
+                shutil.copy2(src, dst / name)  # refuses a FIFO or device swapped in after is_file (SpecialFileError)
+            except shutil.SpecialFileError as e:
+                raise CheckpointError(f"cannot copy the tokenizer file {src}: {e}; give a regular file") from e

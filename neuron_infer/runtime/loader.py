@@ -19,7 +19,7 @@ from pathlib import Path
 import psutil
 
 from neuron_infer.artifact.manifest import Manifest, check_checkpoint, read_manifest
-from neuron_infer.artifact.plan import cache_shape
+from neuron_infer.artifact.plan import cache_shape, planned_graphs, shape_class, spec_graph_list
 from neuron_infer.artifact.steps import speculation_modules, step_modules
 from neuron_infer.artifact.weights import DRAFT_WEIGHTS, empty_model, load_draft_weights, rank_model
 from neuron_infer.backends import get_backend
@@ -83,7 +83,7 @@ def load_rank(artifact: str | Path, rank: int = 0, manifest: Manifest | None = N
     if kv_cache_gib is not None:
         cache = cache.with_blocks(budget_blocks(cache, kv_cache_gib))
     _check_cache_fits(cache, root, build, kv_cache_gib)
-    files = _graph_files(manifest, modules)
+    files = _graph_files(manifest, modules, root)
     engine = Engine(_load_graphs(manifest.backend, graphs_dir, modules, files), build, cache,
                     manifest.model.vocab_size, shape_classes=any(f != n for n, f in files.items()))
     if build.speculation is None:
@@ -91,9 +91,23 @@ def load_rank(artifact: str | Path, rank: int = 0, manifest: Manifest | None = N
     return load_speculation(root, manifest, model, engine, spec_mode, graphs_dir)
 
 
-def _graph_files(manifest: Manifest, modules: dict) -> dict[str, str]:
-    """The compiled graph serving each name (a shape-class graph serves several)."""
-    return {name: manifest.graphs.get(name, {}).get("graph", name) for name in modules}
+def _graph_files(manifest: Manifest, modules: dict, root: Path) -> dict[str, str]:
+    """The compiled graph serving each name (a shape-class graph serves several): the name's own graph, or the
+    shape class the plan puts it in; a manifest naming any other graph (one of other shapes, whose calls would fail
+    or answer for other inputs) is refused."""
+    build = manifest.build
+    specs = planned_graphs(build) + (spec_graph_list(build, not build.speculation.is_ngram)
+                                     if build.speculation is not None else [])
+    classes = {g.name: shape_class(g, build).name for g in specs if g.kind != "fused"}
+    files = {}
+    for name in modules:
+        file = manifest.graphs.get(name, {}).get("graph", name)
+        if file not in (name, classes.get(name)):
+            raise ArtifactError(f"{Path(root) / 'manifest.json'}: graphs.{name}.graph={file!r} is not a graph that serves {name} "
+                                f"({name!r} or {classes.get(name, name)!r}); the manifest is damaged or was edited: "
+                                "recompile the model")
+        files[name] = file
+    return files
 
 
 def _check_layers(manifest: Manifest, root: Path, weights: Path) -> None:
@@ -152,13 +166,13 @@ def load_speculation(root: Path, manifest: Manifest, target: LlamaModel, target_
     graphs_dir = graphs_dir or Path(root) / "graphs"
     if build.speculation.is_ngram:  # prompt lookup: the target's verify graphs only
         modules = {name: module for name, (module, _) in speculation_modules(target, None, build).items()}
-        graphs = _load_graphs(manifest.backend, graphs_dir, modules, _graph_files(manifest, modules))
+        graphs = _load_graphs(manifest.backend, graphs_dir, modules, _graph_files(manifest, modules, root))
         _check_ngram_mode(root, mode)
         return NgramSpec(target_engine, graphs, build.speculation.length, build.speculation.ngram)
     draft = empty_model(info.config, build)  # whole on every rank: no collectives
     if info.quant["scheme"] != "none":
         apply_quantization(draft, QuantConfig(scheme=info.quant["scheme"]), structure_only=True)
-    load_draft_weights(draft, target, Path(root) / DRAFT_WEIGHTS, info.shared)
+    load_draft_weights(draft, target, Path(root) / DRAFT_WEIGHTS, info.shared, build, info.quant["scheme"])
     modules = {name: module for name, (module, _) in speculation_modules(target, draft, build).items()}
     graphs = _load_graphs(manifest.backend, graphs_dir, modules)
     return assemble_spec(target_engine, draft, graphs, build, _spec_mode(build, mode))

@@ -191,7 +191,7 @@ def draft_rank_weights(root: Path, manifest, target: LlamaModel) -> dict[str, to
     """The draft's weights named as SpecSPMDStep parameters (the same on every rank)."""
     info = manifest.extra.speculation
     draft = draft_skeleton(info.config, manifest.build, info.quant["scheme"])
-    load_draft_weights(draft, target, root / DRAFT_WEIGHTS, info.shared)
+    load_draft_weights(draft, target, root / DRAFT_WEIGHTS, info.shared, manifest.build, info.quant["scheme"])
     return {f"draft.{k}": v for k, v in draft.state_dict().items()}
 
 
