@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -60,14 +61,40 @@ def save_rank_weights(model: LlamaModel, path: Path) -> int:
 
 def read_packed(path: Path, what: str = "weights") -> dict[str, torch.Tensor]:
     """A weights file's tensors, read one at a time into one huge-page block (artifact/arena.py): fewer TLB misses
-    when a decode step streams them all, and no second full copy of the weights while loading."""
+    when a decode step streams them all, and no second full copy of the weights while loading. The decoder layers'
+    tensors are laid out stacked (`stacked_order`)."""
     try:
         with safe_open(str(path), framework="pt") as f:
             names = list(f.keys())
+            specs = {k: (tuple(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype()) for k in names}
+            order, follow = stacked_order(specs)
             capacity = path.stat().st_size + len(names) * ALIGN  # the file holds every tensor's bytes
-            return pack_weights(((k, f.get_tensor(k)) for k in names), capacity)
+            return pack_weights(((k, f.get_tensor(k)) for k in order), capacity, follow)
     except (OSError, SafetensorError) as e:
         raise ArtifactError(f"cannot read {what} {path} ({e}); recompile the model") from e
+
+
+_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
+
+
+def stacked_order(specs: dict[str, tuple]) -> tuple[list[str], frozenset[str]]:
+    """The order tensors are packed in -> (names, the names packed right after the previous one).
+
+    `specs`: name -> (shape, dtype). For every suffix that each of the L decoder layers holds as
+    `model.layers.{i}.<suffix>` with one shape and dtype, layers 0..L-1 follow each other without a gap: together
+    one contiguous [L, ...] block, so each layer's tensor is block[i] and the stack is a view (LlamaModel.stack_layers,
+    which the CPU backend's looped layer stack reads). Other tensors keep their own aligned place, in file order."""
+    by_suffix: dict[str, dict[int, str]] = {}
+    for name in specs:
+        m = _LAYER.fullmatch(name)
+        if m:
+            by_suffix.setdefault(m.group(2), {})[int(m.group(1))] = name
+    layers = 1 + max((i for per in by_suffix.values() for i in per), default=-1)
+    runs = [[per[i] for i in range(layers)] for per in by_suffix.values()
+            if layers > 1 and sorted(per) == list(range(layers)) and len({specs[n] for n in per.values()}) == 1]
+    stacked = {n for run in runs for n in run}
+    order = [n for n in specs if n not in stacked] + [n for run in runs for n in run]
+    return order, frozenset(n for run in runs for n in run[1:])
 
 
 def load_rank_weights(model: LlamaModel, path: Path) -> None:

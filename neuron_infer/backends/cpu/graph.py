@@ -63,6 +63,7 @@ from neuron_infer.backends.cpu import kernels as cpu_gemv
 from neuron_infer.backends.cpu.gemv_groups import group_gemvs
 from neuron_infer.backends.cpu.ops import cpu_ops
 from neuron_infer.errors import ArtifactError, ConfigError
+from neuron_infer.model.llama import LlamaModel
 from neuron_infer.model.ops import tables_replaced
 from neuron_infer.oserrors import scratch_tmpdir
 
@@ -131,6 +132,14 @@ class CpuCompileOptions:
         return "int8" in cpu_gemv.kernels_for(self.kernel_isa())
 
 
+def stack_layers(module: torch.nn.Module) -> None:
+    """Give every model in `module` its stacked layer weights where they lie stacked in memory (LlamaModel.stack_layers:
+    views, no copy): its layers are then traced as one loop, and the graph binds the stacked views by name."""
+    for m in module.modules():
+        if isinstance(m, LlamaModel):
+            m.stack_layers()
+
+
 def module_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter and buffer of `module` by fully qualified name, tied tensors under each of their names."""
     out = dict(module.named_parameters(remove_duplicate=False))
@@ -164,6 +173,7 @@ def _export(module: torch.nn.Module, example_args: tuple, options: CpuCompileOpt
     reductions), then merge kernel calls that share an input (backends/cpu/gemv_groups.py). Shape conditions export
     cannot prove for every size in the dynamic ranges become run-time asserts instead of export errors."""
     isa = options.kernel_isa()
+    stack_layers(module)
     # Export records in-place cache writes only outside inference mode; inference tensors are cloned out of it.
     with (torch.inference_mode(False), torch.no_grad(),
           tables_replaced(module, lambda table: cpu_ops(table, options.gemv_max_rows, isa))):
@@ -264,6 +274,7 @@ class CpuBackend:
         """Load `<graph_name>.pt2` and point it at `module`'s tensors (checked against the sidecar first)."""
         package = Path(out_dir) / f"{graph_name}{PACKAGE_SUFFIX}"
         sidecar = _read_sidecar(Path(out_dir) / f"{graph_name}{SIDECAR_SUFFIX}")
+        stack_layers(module)
         tensors = module_tensors(module)
         constants = {}
         for fqn, (shape, dtype) in sidecar["constants"].items():
