@@ -300,7 +300,8 @@ class CpuBackend:
 def _gemv_kernel_file(program: torch.export.ExportedProgram, out_dir: Path, graph_name: str,
                       isa: str | None) -> dict | None:
     """Build the C GEMV kernels a graph calls next to it and load them (the compile test-loads the graph)."""
-    targets = {node.target for node in program.graph.nodes}
+    targets = {node.target for gm in program.graph_module.modules() if isinstance(gm, torch.fx.GraphModule)
+               for node in gm.graph.nodes}  # the outer graph and its subgraphs (the looped layers' body)
     kernels = tuple(k for k, op in cpu_gemv.KERNEL_OPS.items() if op in targets)
     if not kernels:
         return None
