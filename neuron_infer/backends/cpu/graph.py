@@ -180,7 +180,9 @@ def _export(module: torch.nn.Module, example_args: tuple, options: CpuCompileOpt
         args = tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in example_args)
         program = torch.export.export(module, args, dynamic_shapes=_dynamic_shapes(module, args, dynamic),
                                       strict=False, prefer_deferred_runtime_asserts_over_guards=True)
-    group_gemvs(program.graph_module)  # linears sharing an input: one kernel call
+    for gm in program.graph_module.modules():  # the outer graph and its subgraphs (the looped layers' body)
+        if isinstance(gm, torch.fx.GraphModule):
+            group_gemvs(gm)  # linears sharing an input: one kernel call
     return program
 
 
