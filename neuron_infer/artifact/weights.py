@@ -74,6 +74,14 @@ def read_packed(path: Path, what: str = "weights") -> dict[str, torch.Tensor]:
         raise ArtifactError(f"cannot read {what} {path} ({e}); recompile the model") from e
 
 
+def pack_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """In-memory tensors laid out as read_packed lays out a file's (one huge-page block, decoder layers stacked),
+    copied one at a time."""
+    order, follow = stacked_order({k: (tuple(t.shape), t.dtype) for k, t in state.items()})
+    capacity = sum(t.numel() * t.element_size() + ALIGN for t in state.values())
+    return pack_weights(((k, state[k]) for k in order), capacity, follow)
+
+
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 
 

@@ -39,6 +39,10 @@ Why this design (measured with scripts/perf_cpu_backends.py; see docs/cpu-backen
   KV head and only the keys a row sees are read; elsewhere it is model/ops.py's reductions, its reference.
 - The KV caches are graph inputs mutated in place (index_put_); AOTInductor applies the mutation to the caller's
   tensors, so no cache is returned or copied by the runtime.
+- The decoder layers are traced as one while_loop over the stacked per-layer weights where the loaded model has them
+  (`stack_layers`, model/llama.py LayerStack): export and Inductor handle one layer instead of L (compile time), and
+  the graph binds the stacked views, which share the loaded memory. Kernel calls and GEMV groups are found in the
+  loop body as in the outer graph.
 """
 from __future__ import annotations
 
