@@ -201,6 +201,10 @@ def stacked_layer_tensors(layers: nn.ModuleList) -> dict[str, torch.Tensor] | No
     states = [layer.state_dict(keep_vars=True) for layer in layers]
     if any(s != shapes[0] for s in shapes) or any(list(st) != list(states[0]) for st in states):
         return None
+    derived = [{k: b for k, b in layer.named_buffers() if k not in states[0]} for layer in layers]  # e.g. q_to_kv
+    if any(d.keys() != derived[0].keys() or not all(torch.equal(b, derived[0][k]) for k, b in d.items())
+           for d in derived):
+        return None  # the loop reads layer 0's non-persistent buffers for every layer
     out = {}
     for suffix, first in states[0].items():
         ts = [st[suffix].detach() for st in states]
@@ -262,11 +266,11 @@ class LayerStack(nn.Module):
             args = (h, cos, sin, positions, k_cache, v_cache, j, CacheSlots(block, offset, table))
             return i + 1, torch.func.functional_call(first, ts, args)
 
-        i0 = torch.zeros((), dtype=torch.int64, device=x.device)
+        carried = (torch.zeros((), dtype=torch.int64, device=x.device), x)  # (layer index, hidden state [B, T, H])
         inputs = (cos, sin, positions, k_cache, v_cache, slots.block, slots.offset, slots.table,
                   *fixed.values(), *stacked.values())
-        # the caches (inputs 5 and 6 of carried + additional) are written in place by every layer
-        _, h = while_loop_op(cond, body, (i0, x), inputs, mutated_arg_indices="5,6")
+        caches = ",".join(str(len(carried) + i) for i in (3, 4))  # every layer writes the caches in place
+        _, h = while_loop_op(cond, body, carried, inputs, mutated_arg_indices=caches)
         return h
 
 
