@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._higher_order_ops.while_loop import while_loop_op
 
 from neuron_infer.config import ModelConfig
 from neuron_infer.model.op_tables import get_ops
@@ -246,8 +247,6 @@ class LayerStack(nn.Module):
         directly with every tensor the body reads as an input (no closure), so the body is traced in the graph's own
         shape environment: its dynamic sizes keep their declared ranges (shapes.known decides the same paths as in
         an unrolled trace)."""
-        from torch._higher_order_ops.while_loop import while_loop_op
-
         n, first = len(layers), layers[0]
         stacked = {suffix: getattr(self, name) for name, suffix in self.suffixes.items()}  # suffix -> [L, ...]
         own = {**dict(first.named_parameters()), **dict(first.named_buffers())}
