@@ -182,4 +182,6 @@ def test_a_verify_pass_computes_what_one_token_steps_compute(tmp_path, model, is
         for name, count in (("t1", 1), (f"t{T}", T)):
             k, v = start_cache(step)
             assert backend.compile_graph(step, args(k, v, 0, count), tmp_path, name)["gemv_kernel"]
+            # a looped graph binds the stacked layer weights, an unrolled one each layer's
+            assert ("layer_stack" in (tmp_path / f"{name}.json").read_text()) == model.endswith("-looped")
     run_check("tests.compile.test_batch_invariance", "check_steps", str(tmp_path), model)
