@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -69,9 +70,9 @@ def save_rank_weights(model: LlamaModel, path: Path) -> int:
 
 def read_packed(path: Path, what: str = "weights", expected: Expected | None = None) -> dict[str, torch.Tensor]:
     """A weights file's tensors, read one at a time into one huge-page block (artifact/arena.py): fewer TLB misses
-    when a decode step streams them all, and no second full copy of the weights while loading. Each tensor is
-    checked as it is copied in (its bytes still in cache): the name, dtype and shape `expected` gives it, and no NaN
-    or infinity in a floating-point tensor."""
+    when a decode step streams them all, and no second full copy of the weights while loading. The decoder layers'
+    tensors are laid out stacked (`stacked_order`). Each tensor is checked as it is copied in (its bytes still in
+    cache): the name, dtype and shape `expected` gives it, and no NaN or infinity in a floating-point tensor."""
     def check(name: str, t: torch.Tensor) -> None:
         if expected is not None:
             expected.check(path, what, name, TAGS.get(t.dtype, str(t.dtype)), tuple(t.shape))
@@ -82,8 +83,10 @@ def read_packed(path: Path, what: str = "weights", expected: Expected | None = N
     try:
         with safe_open(str(path), framework="pt") as f:
             names = list(f.keys())
+            specs = {k: (tuple(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype()) for k in names}
+            order, follow = stacked_order(specs)
             capacity = path.stat().st_size + len(names) * ALIGN  # the file holds every tensor's bytes
-            out = pack_weights(((k, f.get_tensor(k)) for k in names), capacity, check=check)
+            out = pack_weights(((k, f.get_tensor(k)) for k in order), capacity, follow, check)
     except (OSError, SafetensorError) as e:
         raise ArtifactError(f"cannot read {what} {path} ({e}); recompile the model") from e
     return out
@@ -97,6 +100,37 @@ def _finite(t: torch.Tensor) -> bool:
     # a finite sum proves every element finite (NaN and inf propagate); only an overflowing sum of finite values
     # needs the element-wise check. One reduction: about 1/10 the time of isfinite().all()
     return not t.dtype.is_floating_point or bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all())
+
+
+def pack_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """In-memory tensors laid out as read_packed lays out a file's (one huge-page block, decoder layers stacked),
+    copied one at a time."""
+    order, follow = stacked_order({k: (tuple(t.shape), t.dtype) for k, t in state.items()})
+    capacity = sum(t.numel() * t.element_size() + ALIGN for t in state.values())
+    return pack_weights(((k, state[k]) for k in order), capacity, follow)
+
+
+_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
+
+
+def stacked_order(specs: dict[str, tuple]) -> tuple[list[str], frozenset[str]]:
+    """The order tensors are packed in -> (names, the names packed right after the previous one).
+
+    `specs`: name -> (shape, dtype). For every suffix that each of the L decoder layers holds as
+    `model.layers.{i}.<suffix>` with one shape and dtype, layers 0..L-1 follow each other without a gap: together
+    one contiguous [L, ...] block, so each layer's tensor is block[i] and the stack is a view (LlamaModel.stack_layers,
+    which the CPU backend's looped layer stack reads). Other tensors keep their own aligned place, in file order."""
+    by_suffix: dict[str, dict[int, str]] = {}
+    for name in specs:
+        m = _LAYER.fullmatch(name)
+        if m:
+            by_suffix.setdefault(m.group(2), {})[int(m.group(1))] = name
+    layers = 1 + max((i for per in by_suffix.values() for i in per), default=-1)
+    runs = [[per[i] for i in range(layers)] for per in by_suffix.values()
+            if layers > 1 and sorted(per) == list(range(layers)) and len({specs[n] for n in per.values()}) == 1]
+    stacked = {n for run in runs for n in run}
+    order = [n for n in specs if n not in stacked] + [n for run in runs for n in run]
+    return order, frozenset(n for run in runs for n in run[1:])
 
 
 def rank_model(cfg: ModelConfig, build: BuildConfig, path: Path, layout: LocalLayout | None = None,

@@ -81,7 +81,7 @@ def _compile_buckets(model, build, backend, graphs_dir: Path, say: Progress, pla
 
 def compile_classes(model, build, backend, graphs_dir: Path, say: Progress, classes: list[ShapeClass],
                     weights: Path | None = None) -> dict[str, dict]:
-    """Shape-class graphs: cache hits copied, misses compiled (in worker processes when there are several)."""
+    """Shape-class graphs: cache hits copied, misses compiled (in worker processes when the weights file is given)."""
     shape, out, misses = cache_shape(model, build), {}, []
     for cls in classes:
         key = class_key(model, build, backend, shape, cls)
@@ -92,7 +92,9 @@ def compile_classes(model, build, backend, graphs_dir: Path, say: Progress, clas
         else:
             out[cls.name] = {**meta, "seconds": round(time.perf_counter() - t0, 3)}
             say(f"{cls.name}: compiled graph reused from the compile cache")
-    if len(misses) > 1 and weights is not None and backend.name == "cpu":
+    # in workers even when one graph is missing: a worker's model, rebuilt from the weights file, holds its layers
+    # stacked, so its graph runs them as one loop (docs/cpu-backend.md), compiled in a fraction of the time
+    if misses and weights is not None and backend.name == "cpu":
         out.update(compile_in_workers(misses, weights, model.cfg, build, graphs_dir, say))
         return out
     for cls, key in steps(misses, "compiling", say, lambda j: f"{j[0].name} ({backend.name})", unit="graph"):

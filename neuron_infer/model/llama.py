@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._higher_order_ops.while_loop import while_loop_op
 
 from neuron_infer.config import ModelConfig
 from neuron_infer.model.op_tables import get_ops
@@ -151,7 +152,7 @@ class Attention(nn.Module):
         idx = (li, slots.block.unsqueeze(1), hi, slots.offset.unsqueeze(1))  # cache[layer, blk[b,t], h, off[b,t]]
         k_cache.index_put_(idx, to_cache_dtype(k, k_cache.dtype))
         v_cache.index_put_(idx, to_cache_dtype(v, v_cache.dtype))
-        o = self._attend(q, k_cache[layer], v_cache[layer], slots.table, positions)  # [B, Hq, T, D]
+        o = self._attend(q, k_cache.select(0, layer), v_cache.select(0, layer), slots.table, positions)  # [B, Hq, T, D]
         o = o.transpose(1, 2).reshape(b, t, self.h * self.d)  # [B, T, Hq*D]
         return self.ops.all_reduce(self.ops.linear(self.o_proj, o))  # row-parallel: partial sums over ranks
 
@@ -189,6 +190,87 @@ class Block(nn.Module):
     def forward(self, x, cos, sin, positions, k_cache, v_cache, layer: int, slots: CacheSlots):
         h = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, k_cache, v_cache, layer, slots)
         return h + self.mlp(self.post_attention_layernorm(h))
+
+
+def stacked_layer_tensors(layers: nn.ModuleList) -> dict[str, torch.Tensor] | None:
+    """{suffix: [L, ...] view} of the layers' parameters and persistent buffers when every layer has the same module
+    structure and each suffix's L tensors lie back to back in one storage (layer i's tensor == view[i], no copy);
+    None otherwise (e.g. layers quantized differently, or tensors allocated one by one)."""
+    if len(layers) < 2 or any(t.device.type != "cpu" for t in layers[0].state_dict(keep_vars=True).values()):
+        return None
+    shapes = [[(n, type(m)) for n, m in layer.named_modules()] for layer in layers]
+    states = [layer.state_dict(keep_vars=True) for layer in layers]
+    if any(s != shapes[0] for s in shapes) or any(list(st) != list(states[0]) for st in states):
+        return None
+    derived = [{k: b for k, b in layer.named_buffers() if k not in states[0]} for layer in layers]  # e.g. q_to_kv
+    if any(d.keys() != derived[0].keys() or not all(torch.equal(b, derived[0][k]) for k, b in d.items())
+           for d in derived):
+        return None  # the loop reads layer 0's non-persistent buffers for every layer
+    out = {}
+    for suffix, first in states[0].items():
+        ts = [st[suffix].detach() for st in states]
+        nbytes = first.numel() * first.element_size()
+        if not first.is_contiguous() or any(
+                t.shape != first.shape or t.dtype != first.dtype or not t.is_contiguous()
+                or t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+                or t.data_ptr() != first.data_ptr() + i * nbytes for i, t in enumerate(ts)):
+            return None
+        out[suffix] = ts[0].as_strided((len(ts), *first.shape), (first.numel(), *first.stride()),
+                                       ts[0].storage_offset())  # [L, ...]
+    return out
+
+
+class LayerStack(nn.Module):
+    """The decoder layers' weights as [L, ...] views (non-persistent buffers: graph constants a backend binds by
+    name, never saved), and the loop that runs layer 0's own forward with layer j's weights for j = 0..L-1."""
+
+    def __init__(self):
+        super().__init__()
+        self.suffixes: dict[str, str] = {}  # buffer name -> the layer's tensor name ("self_attn.q_proj.weight")
+
+    @property
+    def ready(self) -> bool:
+        return bool(self.suffixes)
+
+    def fill(self, stacked: dict[str, torch.Tensor] | None) -> None:
+        for name in self.suffixes:
+            delattr(self, name)
+        self.suffixes = {}
+        for suffix, t in (stacked or {}).items():
+            name = suffix.replace(".", "__")
+            self.register_buffer(name, t, persistent=False)
+            self.suffixes[name] = suffix
+
+    def run(self, layers: nn.ModuleList, x, cos, sin, positions, k_cache, v_cache, slots: CacheSlots):
+        """The layers as one while_loop: its body, layer 0's forward through functional_call with its tensors replaced
+        by the stacked views at the loop index, is traced once whatever the number of layers. The operator is called
+        directly with every tensor the body reads as an input (no closure), so the body is traced in the graph's own
+        shape environment: its dynamic sizes keep their declared ranges (shapes.known decides the same paths as in
+        an unrolled trace)."""
+        n, first = len(layers), layers[0]
+        stacked = {suffix: getattr(self, name) for name, suffix in self.suffixes.items()}  # suffix -> [L, ...]
+        own = {**dict(first.named_parameters()), **dict(first.named_buffers())}
+        fixed = {k: t for k, t in own.items() if k not in stacked}  # e.g. the head map q_to_kv: equal in every layer
+        names = (*fixed, *stacked)
+
+        def cond(i, h, *inputs):
+            return i < n
+
+        def body(i, h, cos, sin, positions, k_cache, v_cache, block, offset, table, *tensors):
+            j = i.item()  # the layer index: an unbacked integer of the traced graph
+            torch._check(j >= 0)
+            torch._check(j < n)
+            ts = dict(zip(names, tensors))
+            ts.update({k: ts[k].select(0, j) for k in stacked})  # layer j's tensors: views, no copy
+            args = (h, cos, sin, positions, k_cache, v_cache, j, CacheSlots(block, offset, table))
+            return i + 1, torch.func.functional_call(first, ts, args)
+
+        carried = (torch.zeros((), dtype=torch.int64, device=x.device), x)  # (layer index, hidden state [B, T, H])
+        inputs = (cos, sin, positions, k_cache, v_cache, slots.block, slots.offset, slots.table,
+                  *fixed.values(), *stacked.values())
+        caches = ",".join(str(len(carried) + i) for i in (3, 4))  # every layer writes the caches in place
+        _, h = while_loop_op(cond, body, carried, inputs, mutated_arg_indices=caches)
+        return h
 
 
 class VocabEmbedding(nn.Module):
@@ -235,7 +317,14 @@ class LlamaModel(nn.Module):
         cos, sin = rope_tables(self.inv_freq, self.max_positions)
         self.register_buffer("rope_cos", cos, persistent=False)  # [P, D] fp32
         self.register_buffer("rope_sin", sin, persistent=False)  # [P, D] fp32
+        self.layer_stack = LayerStack()  # empty until stack_layers finds the layers' weights stacked in memory
         self.tie_weights()
+
+    def stack_layers(self) -> bool:
+        """Expose the decoder layers' weights as [L, ...] views (LayerStack) when they lie stacked in memory (as
+        artifact/weights.py loads them): no copy. -> whether the layers can run as one loop."""
+        self.layer_stack.fill(stacked_layer_tensors(self.model.layers))
+        return self.layer_stack.ready
 
     def tie_weights(self) -> None:
         """Share the embedding with the (unquantized) head when the checkpoint ties them."""
@@ -264,8 +353,11 @@ class LlamaModel(nn.Module):
         rope_pos = positions.clamp(max=self.max_positions - 1)  # [B, T] padding tokens may sit past the table
         cos = F.embedding(rope_pos, self.rope_cos).unsqueeze(1).to(x.dtype)  # [B, 1, T, D]
         sin = F.embedding(rope_pos, self.rope_sin).unsqueeze(1).to(x.dtype)  # [B, 1, T, D]
-        for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, positions, k_cache, v_cache, i, slots)
+        if self.ops.loop_layers and self.layer_stack.ready:
+            x = self.layer_stack.run(self.model.layers, x, cos, sin, positions, k_cache, v_cache, slots)
+        else:
+            for i, layer in enumerate(self.model.layers):
+                x = layer(x, cos, sin, positions, k_cache, v_cache, i, slots)
         x = self.model.norm(x)
         idx = logit_index.unsqueeze(-1).expand(-1, -1, x.shape[-1])  # [B, n, H]
         x = torch.gather(x, 1, idx)  # [B, n, H]

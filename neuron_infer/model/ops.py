@@ -130,6 +130,9 @@ class Ops:
     mlp: Callable[..., torch.Tensor] = mlp_ref
     # linear(module, x [..., in]) -> [..., out]: every projection of the model (q/k/v/o, the MLP's, the head)
     linear: Callable[[nn.Module, torch.Tensor], torch.Tensor] = call_linear
+    # The decoder layers run as one loop over their stacked weights (LlamaModel.stack_layers) where the model has
+    # them: a compiler then traces and lowers one layer instead of every layer (the CPU backend's table sets it).
+    loop_layers: bool = False
     all_reduce: Callable[[torch.Tensor], torch.Tensor] = field(default=_identity)
     all_gather_vocab: Callable[[torch.Tensor], torch.Tensor] = field(default=_identity)
 

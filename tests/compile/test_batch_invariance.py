@@ -10,7 +10,8 @@ each token, exactly the logits a one-token step computes there: in bf16 a differ
   every token and the KV cache written), for a tiny GQA model (3 query heads per KV head, so 18 folded query rows;
   head dim 32, so attention runs the attention kernel)
   in bf16 at every ISA level and with int8 and w8a8 weights at the best one, and for the first 5 layers of the
-  embedded SmolLM2-135M-Instruct in bf16: its real activations showed a residual sum that one graph rounded to bf16
+  embedded SmolLM2-135M-Instruct in bf16, with its layers unrolled and as one loop (test_layer_loop.py): its real
+  activations showed a residual sum that one graph rounded to bf16
   before an RMSNorm read it and the other did not (Inductor fused them differently; backends/cpu/graph.py makes it round every
   bf16 op's result as eager does), which the random-weight models did not show.
 Each compiled graph runs in its own process (fresh_process.py: libraries of different ISA levels export the same
@@ -36,6 +37,7 @@ from neuron_infer.quant.int8 import Int8Linear
 from neuron_infer.quant.smoothquant import W8A8Linear
 from tests.compile.fresh_process import run_check
 from tests.compile.test_cpu_backend import tiny_model
+from tests.compile.test_layer_loop import restacked
 
 # ISA levels per kernel (a level the CPU lacks is skipped; the VNNI levels build the bf16 kernel as the level below)
 KERNEL_ISAS = {"bf16": ("avx512-bf16", "avx512", "avx2"), "int8": ("avx512-vnni", "avx512", "avx2-vnni", "avx2"),
@@ -106,6 +108,10 @@ def step_model(model: str) -> BucketStep:
     SmolLM2-135M-Instruct in bf16, whose real activations (|x| up to ~150, where a bf16 step is 1) expose a value
     that is rounded in one graph and not in the other (a residual sum read by an RMSNorm), which random weights did
     not."""
+    if model.endswith("-looped"):  # weights laid out as the runtime loads them: the layers run as one loop
+        step = step_model(model.removesuffix("-looped"))
+        restacked(step.model)
+        return step
     if model == "smollm2":
         return BucketStep(smollm2_layers(SMOLLM2_LAYERS), S)
     tiny = tiny_model(**GQA)
@@ -164,7 +170,7 @@ def check_steps(out: str, model: str) -> None:
 
 
 STEP_CASES = [("bf16", isa) for isa in KERNEL_ISAS["bf16"] if cpu_gemv.has_isa(isa)]
-STEP_CASES += [(model, "auto") for model in ("int8", "w8a8", "smollm2")]
+STEP_CASES += [(model, "auto") for model in ("int8", "w8a8", "smollm2", "smollm2-looped")]
 
 
 @needs_kernel
@@ -176,4 +182,6 @@ def test_a_verify_pass_computes_what_one_token_steps_compute(tmp_path, model, is
         for name, count in (("t1", 1), (f"t{T}", T)):
             k, v = start_cache(step)
             assert backend.compile_graph(step, args(k, v, 0, count), tmp_path, name)["gemv_kernel"]
+            # a looped graph binds the stacked layer weights, an unrolled one each layer's
+            assert ("layer_stack" in (tmp_path / f"{name}.json").read_text()) == model.endswith("-looped")
     run_check("tests.compile.test_batch_invariance", "check_steps", str(tmp_path), model)

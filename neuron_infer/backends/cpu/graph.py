@@ -39,6 +39,10 @@ Why this design (measured with scripts/perf_cpu_backends.py; see docs/cpu-backen
   KV head and only the keys a row sees are read; elsewhere it is model/ops.py's reductions, its reference.
 - The KV caches are graph inputs mutated in place (index_put_); AOTInductor applies the mutation to the caller's
   tensors, so no cache is returned or copied by the runtime.
+- The decoder layers are traced as one while_loop over the stacked per-layer weights where the loaded model has them
+  (`stack_layers`, model/llama.py LayerStack): export and Inductor handle one layer instead of L (compile time), and
+  the graph binds the stacked views, which share the loaded memory. Kernel calls and GEMV groups are found in the
+  loop body as in the outer graph.
 """
 from __future__ import annotations
 
@@ -63,6 +67,7 @@ from neuron_infer.backends.cpu import kernels as cpu_gemv
 from neuron_infer.backends.cpu.gemv_groups import group_gemvs
 from neuron_infer.backends.cpu.ops import cpu_ops
 from neuron_infer.errors import ArtifactError, ConfigError
+from neuron_infer.model.llama import LlamaModel
 from neuron_infer.model.ops import tables_replaced
 from neuron_infer.oserrors import scratch_tmpdir
 
@@ -131,6 +136,14 @@ class CpuCompileOptions:
         return "int8" in cpu_gemv.kernels_for(self.kernel_isa())
 
 
+def stack_layers(module: torch.nn.Module) -> None:
+    """Give every model in `module` its stacked layer weights where they lie stacked in memory (LlamaModel.stack_layers:
+    views, no copy): its layers are then traced as one loop, and the graph binds the stacked views by name."""
+    for m in module.modules():
+        if isinstance(m, LlamaModel):
+            m.stack_layers()
+
+
 def module_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter and buffer of `module` by fully qualified name, tied tensors under each of their names."""
     out = dict(module.named_parameters(remove_duplicate=False))
@@ -164,13 +177,16 @@ def _export(module: torch.nn.Module, example_args: tuple, options: CpuCompileOpt
     reductions), then merge kernel calls that share an input (backends/cpu/gemv_groups.py). Shape conditions export
     cannot prove for every size in the dynamic ranges become run-time asserts instead of export errors."""
     isa = options.kernel_isa()
+    stack_layers(module)
     # Export records in-place cache writes only outside inference mode; inference tensors are cloned out of it.
     with (torch.inference_mode(False), torch.no_grad(),
           tables_replaced(module, lambda table: cpu_ops(table, options.gemv_max_rows, isa))):
         args = tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in example_args)
         program = torch.export.export(module, args, dynamic_shapes=_dynamic_shapes(module, args, dynamic),
                                       strict=False, prefer_deferred_runtime_asserts_over_guards=True)
-    group_gemvs(program.graph_module)  # linears sharing an input: one kernel call
+    for gm in program.graph_module.modules():  # the outer graph and its subgraphs (the looped layers' body)
+        if isinstance(gm, torch.fx.GraphModule):
+            group_gemvs(gm)  # linears sharing an input: one kernel call
     return program
 
 
@@ -264,6 +280,7 @@ class CpuBackend:
         """Load `<graph_name>.pt2` and point it at `module`'s tensors (checked against the sidecar first)."""
         package = Path(out_dir) / f"{graph_name}{PACKAGE_SUFFIX}"
         sidecar = _read_sidecar(Path(out_dir) / f"{graph_name}{SIDECAR_SUFFIX}")
+        stack_layers(module)
         tensors = module_tensors(module)
         constants = {}
         for fqn, (shape, dtype) in sidecar["constants"].items():
@@ -289,7 +306,8 @@ class CpuBackend:
 def _gemv_kernel_file(program: torch.export.ExportedProgram, out_dir: Path, graph_name: str,
                       isa: str | None) -> dict | None:
     """Build the C GEMV kernels a graph calls next to it and load them (the compile test-loads the graph)."""
-    targets = {node.target for node in program.graph.nodes}
+    targets = {node.target for gm in program.graph_module.modules() if isinstance(gm, torch.fx.GraphModule)
+               for node in gm.graph.nodes}  # the outer graph and its subgraphs (the looped layers' body)
     kernels = tuple(k for k, op in cpu_gemv.KERNEL_OPS.items() if op in targets)
     if not kernels:
         return None

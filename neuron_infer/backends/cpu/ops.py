@@ -43,8 +43,8 @@ def cpu_ops(table: Ops, max_rows: int, isa: str | None) -> Ops:
     available = kernels.kernels_for(isa)
     linear = cpu_linear(max_rows, available)
     if table.attention is attention_ref and "attn" in available:
-        return replace(table, linear=linear, attention=attention)
-    return replace(table, linear=linear)
+        return replace(table, linear=linear, attention=attention, loop_layers=True)
+    return replace(table, linear=linear, loop_layers=True)
 
 
 def cpu_linear(max_rows: int, available: tuple[str, ...]) -> Linear:
@@ -79,7 +79,12 @@ def few_row_linear(max_rows: int, kernel: bool) -> Callable[..., torch.Tensor]:
             return y if bias is None else y + bias
         if max_rows and known(rows <= max_rows):
             return gemv_reductions(x, weight, bias, rows)
-        return F.linear(x, weight, bias)
+        if bias is None or x.dim() == 2:
+            return F.linear(x, weight, bias)
+        # F.linear's own flattening (C++) sizes the flattened rows with the example's value inside a while_loop
+        # body (the looped layer stack), so it is written out: the same addmm on the same [R, K] rows
+        y = torch.addmm(bias, x.reshape(rows, x.shape[-1]), weight.t())  # [R, N]
+        return y.view(*x.shape[:-1], weight.shape[0])  # [..., N]
 
     return linear
 
