@@ -24,7 +24,7 @@ from neuron_infer.config import BuildConfig, QuantConfig
 from neuron_infer.errors import NeuronInferError
 from tests.test_fuzz_hostile import DEADLINE_S, cli_out, deadline, run
 from tests.test_user_errors import TINY, cli, one_error
-from tests.tiny_artifact import compile_tiny, relist
+from tests.tiny_artifact import compile_tiny, relist, rewrite_weights
 
 SMALL = {"max_context_length": 64, "max_length": 96, "context_buckets": (64,), "tokengen_buckets": (96,)}
 
@@ -105,17 +105,6 @@ def test_a_graph_entry_naming_another_graph(arts, tmp_path, capsys):
 
 def first(state: dict, test) -> str:
     return next(k for k in sorted(state) if test(k, state[k]))
-
-
-def rewrite_weights(root: Path, edit) -> Path:
-    from safetensors.torch import load_file, save_file
-
-    path = root / "weights" / "rank0.safetensors"
-    state = load_file(path)
-    edit(state)
-    save_file(state, path)
-    relist(root)
-    return root
 
 
 def _int8_as_fp32(s):

@@ -15,7 +15,7 @@ from neuron_infer.artifact.manifest import MANIFEST, seal
 from neuron_infer.errors import NeuronInferError
 from tests.test_fuzz_hostile import run
 from tests.test_user_errors import TINY, cli, one_error
-from tests.tiny_artifact import compile_tiny, relist
+from tests.tiny_artifact import compile_tiny, rewrite_weights
 
 GENERATE = ["generate", "--prompt", "hi", "--max-new-tokens", "1"]
 
@@ -65,18 +65,6 @@ def test_a_cache_root_that_is_not_a_directory(tmp_path, capsys, monkeypatch, roo
         one_error(*cli(args, capsys), str(path), "NEURON_INFER_CACHE")
     assert path.is_symlink() or path.read_text() == "mine"
     assert not target.exists() or target.read_text() == "mine"
-
-
-def rewrite_weights(root: Path, edit) -> Path:
-    """Edit an artifact's weights in place and rewrite its manifest to match (a consistent, hostile edit)."""
-    from safetensors.torch import load_file, save_file
-
-    weights = root / "weights" / "rank0.safetensors"
-    state = load_file(weights)
-    edit(state)
-    save_file(state, weights)
-    relist(root)
-    return weights
 
 
 def fail_on_graph_run(monkeypatch):

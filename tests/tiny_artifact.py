@@ -26,3 +26,16 @@ def relist(root: Path) -> None:
     m = json.loads((root / MANIFEST).read_text())
     m["files"] = hash_tree(root)
     (root / MANIFEST).write_text(json.dumps(seal(m)))
+
+
+def rewrite_weights(root: Path, edit) -> Path:
+    """Edit an artifact's rank-0 weights in place with edit(state dict) and rewrite its manifest to match (a
+    consistent, hostile edit that the hashes then match) -> root."""
+    from safetensors.torch import load_file, save_file
+
+    path = root / "weights" / "rank0.safetensors"
+    state = load_file(path)
+    edit(state)
+    save_file(state, path)
+    relist(root)
+    return root
