@@ -17,9 +17,10 @@ static row count M = prod(x.shape[:-1]) (never from data):
 * otherwise: F.linear(x, q.to(x.dtype)) * scale (prefill, where the GEMM is bound by arithmetic rather than by the
   weight bytes; tails; every non-CPU device, where e.g. the Neuron compiler sees TNX's "int8 weight, dequantize
   after the matmul" pattern).
-In graphs the CPU backend compiles, its op table (backends/cpu/ops.py) gives int8 linears on 1-8 bf16 rows to the C
-kernel backends/cpu/cpu_gemv_int8.cpp instead, which streams the int8 weights once for all rows (decode, batched
-decode, speculative verification).
+In graphs the CPU backend compiles, its op table (backends/cpu/ops.py) gives int8 linears on bf16 rows to the C
+kernel backends/cpu/cpu_gemv_int8.cpp instead: on 1-8 rows (decode, batched decode, speculative verification) it
+streams the int8 weights once for all rows; on more (prefill) it computes int8 x int16 dot products in blocks of rows
+that share each weight block while it is in cache, with no widened copy of the weights.
 Measured speeds of the kernel path: docs/performance.md.
 """
 from __future__ import annotations

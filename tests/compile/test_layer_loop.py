@@ -162,3 +162,38 @@ def test_looped_decode_with_c_kernels_equals_eager(tmp_path, scheme):
         want = step(args[0], args[1], ke, ve, args[4], args[5]).float()
     assert got.abs().max() > 0
     torch.testing.assert_close(got, want, atol=BF16_TOL * want.abs().max().item(), rtol=0)
+
+
+@needs_kernel
+def test_int8_prefill_runs_the_kernel_at_any_token_count(tmp_path):
+    """An int8 bf16 prefill graph (its token count dynamic, traced at 5): the loop body calls the int8 kernel for
+    every linear (q/k/v and gate/up merged), and at 3, 13 and 29 tokens (the kernel's GEMV, and its GEMM in blocks
+    of rows past 8) the logits and the caches written equal the eager model's within BF16_TOL."""
+    model = restacked(apply_quantization_to(tiny_model(num_layers=LAYERS, head_dim=32).to(torch.bfloat16), "int8"))
+    step = BucketStep(model, ATTEND)
+
+    def args(t: int) -> tuple:
+        ids, pos, k, v, idx, table = _prefill_args(model, t)
+        return ids, pos, k.to(torch.bfloat16), v.to(torch.bfloat16), idx, table
+
+    with torch.inference_mode():
+        program = _export(step, args(5), CpuCompileOptions(), dynamic=PREFILL_DYNAMIC)
+        body = [n.target for gm in program.graph_module.modules() if isinstance(gm, torch.fx.GraphModule)
+                and gm is not program.graph_module for n in gm.graph.nodes]
+        assert _while_loops(program) == 1 and body.count(cpu_gemv.OPS["int8"]) == 4
+        CpuBackend().compile_graph(step, args(5), tmp_path, "prefill", dynamic=PREFILL_DYNAMIC)
+        graph = CpuBackend().load_graph(tmp_path, "prefill", step)
+        for t in (3, 13, 29):
+            ids, pos, k, v, idx, table = args(t)
+            ke, ve = k.clone(), v.clone()
+            got = graph(ids, pos, k, v, idx, table).float()
+            want = step(ids, pos, ke, ve, idx, table).float()
+            assert got.abs().max() > 0 and k.abs().sum() > 0
+            torch.testing.assert_close(got, want, atol=BF16_TOL * want.abs().max().item(), rtol=0)
+            for c, ce in ((k, ke), (v, ve)):
+                torch.testing.assert_close(c.float(), ce.float(), atol=BF16_TOL * ce.abs().max().item(), rtol=0)
+
+
+def apply_quantization_to(model: LlamaModel, scheme: str) -> LlamaModel:
+    apply_quantization(model, QuantConfig(scheme=scheme))
+    return model

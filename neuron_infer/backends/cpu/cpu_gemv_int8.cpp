@@ -1,4 +1,4 @@
-// int8-weight GEMV for linears with 1-8 input rows: y[R, N] = (x[R, K] @ q[N, K]^T) * scale[N], x bf16, q int8,
+// int8-weight GEMV/GEMM for linears on any number of input rows: y[R, N] = (x[R, K] @ q[N, K]^T) * scale[N], x bf16, q int8,
 // scale bf16 (per output channel), the result rounded once to bf16 (round to nearest even).
 //
 // Called directly from AOTInductor-generated wrappers (a C shim); see neuron_infer/backends/cpu/kernels.py for the op,
@@ -18,6 +18,11 @@
 // serves all rows and each row costs one instruction per 32 (AVX-512) or two per 16 (AVX2) products.
 // Not 8-bit activations (vpdpbusd): that is the w8a8 scheme (cpu_gemv_w8a8.cpp), an error of up to 1/254 of the
 // row's largest per element.
+// Rows: 1-8 (decode, batched decode, verification) in one pass over the weights (gemv_rows); more (prefill) in blocks
+// of kBlockRows inside each thread's column groups (gemm_rows): a group's C weight rows are read from memory once per
+// panel of kPanelRows rows and serve every block from L1, so a prefill computes int8 x int16 dot products at the
+// instruction's rate instead of widening every weight to bf16 for a GEMM. Each output is the same integer sum
+// whatever the row count, so a row's result does not depend on the rows computed with it.
 //
 // Dot products, by the instruction set the library is built for:
 //   AVX512-VNNI  vpdpwssd: 32 int16 products summed pairwise into 16 int32 lanes per instruction.
@@ -31,6 +36,7 @@
 #include <immintrin.h>
 #include <omp.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -169,7 +175,58 @@ void gemv_rows(const int16_t* xi, int64_t kp, const float* xs, const Gemv& g) {
 using Kernel = void (*)(const int16_t*, int64_t, const float*, const Gemv&);
 constexpr Kernel kKernels[] = {nullptr,       gemv_rows<1>, gemv_rows<2>, gemv_rows<3>, gemv_rows<4>,
                                gemv_rows<5>, gemv_rows<6>, gemv_rows<7>, gemv_rows<8>};
-constexpr int64_t kMaxRows = 8;
+constexpr int64_t kMaxRows = 8;  // rows gemv_rows takes; more go to gemm_rows
+
+// The GEMM's register block: kBlockRows rows x kGemmCols columns of accumulators (AVX-512: 8 x 3 = 24 of 32 vector
+// registers, AVX2: 6 x 2 = 12 of 16), and its panel: the rows a pass over a thread's weights serves (their int16
+// grids, kPanelRows x K x 2 bytes, stay in L2 while every group of the share is read).
+#if defined(__AVX512BW__)
+constexpr int kBlockRows = 8;
+#else
+constexpr int kBlockRows = 6;
+#endif
+constexpr int kGemmCols = kCols<kBlockRows>;
+constexpr int64_t kPanelRows = 256;
+
+using Block = void (*)(const int16_t*, int64_t, const float*, const int8_t*, int64_t, const uint16_t*, int64_t,
+                       int64_t, int64_t, uint16_t*, int64_t, int64_t);
+template <int C>
+constexpr Block kBlocks[] = {nullptr, group<1, C>, group<2, C>, group<3, C>, group<4, C>,
+                             group<5, C>, group<6, C>, group<7, C>, group<8, C>};
+
+// R > kMaxRows rows. The groups of every matrix (kGemmCols columns j, j + h, ..., as in ni_gemv::for_column_groups,
+// and the n % C last columns alone) are split evenly between the threads; per panel of rows, each thread runs its
+// groups in order, and per group every block of at most kBlockRows rows (sizes differing by at most one) while the
+// group's weight rows are in L1. Results go straight to y (rows ntot apart).
+void gemm_rows(const int16_t* xi, int64_t kp, const float* xs, const Gemv& g) {
+  constexpr int C = kGemmCols;
+  int64_t first[ni_gemv::kMaxMats + 1] = {0};
+  for (int64_t m = 0; m < g.mats; m++) first[m + 1] = first[m] + g.n[m] / C + g.n[m] % C;
+  const int64_t total = first[g.mats];
+#pragma omp parallel
+  {
+    const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num();
+    const int64_t begin = total * tid / nt, end = total * (tid + 1) / nt;
+    for (int64_t p0 = 0; p0 < g.r; p0 += kPanelRows) {
+      const int64_t rows = std::min(kPanelRows, g.r - p0), blocks = (rows + kBlockRows - 1) / kBlockRows;
+      for (int64_t t = begin; t < end; t++) {
+        int64_t m = 0;
+        while (t >= first[m + 1]) m++;
+        const int64_t i = t - first[m], h = g.n[m] / C;
+        const bool wide = i < h;
+        const int64_t j = wide ? i : C * h + (i - h), cs = wide ? h : 0;
+        const int8_t* q = static_cast<const int8_t*>(g.w[m]);
+        const uint16_t* sc = static_cast<const uint16_t*>(g.scale[m]);
+        for (int64_t b = 0; b < blocks; b++) {
+          const int64_t r0 = p0 + rows * b / blocks, r1 = p0 + rows * (b + 1) / blocks;
+          const Block block = (wide ? kBlocks<C> : kBlocks<1>)[r1 - r0];
+          block(xi + r0 * kp, kp, xs + r0, q, g.w_stride[m], sc, g.k, j, cs, g.y + r0 * g.ntot + g.off[m] + j, g.ntot,
+                cs);
+        }
+      }
+    }
+  }
+}
 
 // The grid step's exponent for a row of largest magnitude `peak` (finite): the smallest e >= -120 (2^-e stays a
 // normal float) with peak * 2^-e <= kGridMax.
@@ -252,23 +309,27 @@ float quantize_row(const uint16_t* x, int64_t k, int16_t* out) {
 
 extern "C" {
 
-// x [R, K] bf16, qs[m] [N_m, K] int8, scales[m] [N_m] bf16 (m < n_mats <= 4, the linears sharing x) -> *ret0 = new
+// x [R, K] bf16 (any R >= 1), qs[m] [N_m, K] int8, scales[m] [N_m] bf16 (m < n_mats <= 4, the linears sharing x) -> *ret0 = new
 // [R, N_0 + ... ] bf16 tensor, the matrices' results side by side. AOTI_TORCH_FAILURE on any other input (the
 // generated wrapper turns that into a RuntimeError).
-AOTITorchError aoti_torch_cpu_ni_gemv_int8_v5(AtenTensorHandle x, const AtenTensorHandle* qs, int64_t n_mats,
+AOTITorchError aoti_torch_cpu_ni_gemv_int8_v6(AtenTensorHandle x, const AtenTensorHandle* qs, int64_t n_mats,
                                               const AtenTensorHandle* scales, int64_t n_scales,
                                               AtenTensorHandle* ret0) {
   Gemv g;
-  if (!gemv_operands(x, qs, n_mats, scales, n_scales, aoti_torch_dtype_int8(), aoti_torch_dtype_bfloat16(), kMaxRows,
-                     &g))
+  if (!gemv_operands(x, qs, n_mats, scales, n_scales, aoti_torch_dtype_int8(), aoti_torch_dtype_bfloat16(),
+                     std::numeric_limits<int64_t>::max(), &g))
     return AOTI_TORCH_FAILURE;
   // The activations on their grids once per call, for every matrix (R x K int16s), in rows of whole steps: the
   // values past K only meet the K tail's zero weights.
   const int64_t kp = (g.k + kStep - 1) / kStep * kStep;
   int16_t* xi = ni_gemv::scratch<int16_t>(static_cast<size_t>(g.r * kp));
-  float xs[kMaxRows];
+  float* xs = ni_gemv::scratch<float, 3>(static_cast<size_t>(g.r));
+#pragma omp parallel for if (g.r > kMaxRows)
   for (int64_t i = 0; i < g.r; i++) xs[i] = quantize_row(g.x + i * g.x_stride, g.k, xi + i * kp);
-  kKernels[g.r](xi, kp, xs, g);
+  if (g.r <= kMaxRows)
+    kKernels[g.r](xi, kp, xs, g);
+  else
+    gemm_rows(xi, kp, xs, g);
   *ret0 = g.out;
   return AOTI_TORCH_SUCCESS;
 }

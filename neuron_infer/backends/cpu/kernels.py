@@ -1,10 +1,11 @@
 """The C kernels of the CPU backend (GEMV, few-row attention): custom ops, their PyTorch twins, and the C library
 AOTInductor calls.
 
-    export:   the linears on 1-8 rows that share one input x [R, K] (q/k/v, gate/up; any other linear alone: a
-              group of one, see backends/cpu/gemv_groups.py) -> one call, the results side by side [R, N_0 + N_1 + ...]:
+    export:   the linears that share one input x [R, K] (q/k/v, gate/up; any other linear alone: a group of one, see
+              backends/cpu/gemv_groups.py) on 1-8 rows (bf16, w8a8) or any number of rows (int8) -> one call, the
+              results side by side [R, N_0 + N_1 + ...]:
                   bf16  torch.ops.neuron_infer.ni_gemv_bf16_v7(x, [w_0, ...])                 w_m [N_m, K] bf16
-                  int8  torch.ops.neuron_infer.ni_gemv_int8_v5(x, [q_0, ...], [s_0, ...])     q_m int8, s_m [N_m]
+                  int8  torch.ops.neuron_infer.ni_gemv_int8_v6(x, [q_0, ...], [s_0, ...])     q_m int8, s_m [N_m]
                   w8a8  torch.ops.neuron_infer.ni_gemv_w8a8_v2(x, [q_0, ...], [s_0, ...])
               attention over the cached keys for at most ops.FEW_QUERY_ROWS query rows per KV head (decode,
               verify; bf16, head dim a multiple of 32 up to 256) -> one call per layer (cpu_attention.cpp), reading
@@ -12,7 +13,7 @@ AOTInductor calls.
                   attn  torch.ops.neuron_infer.ni_attn_v2(q, k, v, table, positions)
                         q [B, H, R, D], k and v [N, H, bs, D], table [B, W], positions [B, R]
     compile:  aot_inductor.custom_ops_to_c_shims = C_SHIMS: the generated wrapper calls the C functions
-              aoti_torch_cpu_ni_gemv_bf16_v7, ..._int8_v5, ..._w8a8_v2 (cpu_gemv*.cpp), ..._attn_v2
+              aoti_torch_cpu_ni_gemv_bf16_v7, ..._int8_v6, ..._w8a8_v2 (cpu_gemv*.cpp), ..._attn_v2
               (cpu_attention.cpp) directly - no dispatcher
     build:    the sources a graph calls -> <graph>.gemv.so next to the graph (g++, the compiler Inductor uses),
               for one ISA level (ISAS); the level is recorded and checked against the CPU at load
@@ -25,7 +26,7 @@ of the same values, times the int8 scale, rounded once to bf16; for w8a8 the sch
 and exact integer matmul (quant.smoothquant.w8a8_matmul), which its kernel reproduces bit for bit. The version
 suffix is part of the C symbol and must change with the kernel's contract (arguments, result, numerics, rows
 accepted): the first library loaded in a process serves every graph calling that symbol, so two libraries under
-one name must be interchangeable (1-8 rows and up to MAX_GROUP matrices, on every ISA level).
+one name must be interchangeable (the rows each accepts and up to MAX_GROUP matrices, on every ISA level).
 Every kernel has a path for every ISA level: the bf16 one uses AVX512-BF16 dot products at that level and AVX2 +
 FMA (bf16 widened to fp32) below it; the int8 and w8a8 ones AVX512-VNNI (int8: vpdpwssd on 16-bit activations,
 w8a8: vpdpbusd) at the avx512-vnni and avx512-bf16 levels, their 256-bit VEX forms (AVX-VNNI) at avx2-vnni, int16
@@ -53,11 +54,11 @@ from neuron_infer.model.ops import few_rows_attention, gather_blocks
 from neuron_infer.quant.smoothquant import w8a8_matmul
 
 MAX_ROWS = 8  # the bf16 C kernel is instantiated for 1..8 input rows
-INT8_MAX_ROWS = 8  # the int8 and w8a8 C kernels for 1..8
+W8A8_MAX_ROWS = 8  # the w8a8 C kernel for 1..8; the int8 one takes any number (blocks of 8 beyond 8: prefill)
 SOURCES = {"bf16": Path(__file__).with_name("cpu_gemv.cpp"), "int8": Path(__file__).with_name("cpu_gemv_int8.cpp"),
            "w8a8": Path(__file__).with_name("cpu_gemv_w8a8.cpp"), "attn": Path(__file__).with_name("cpu_attention.cpp")}
 LIB_SUFFIX = ".gemv.so"
-_SYMBOLS = {"bf16": "aoti_torch_cpu_ni_gemv_bf16_v7", "int8": "aoti_torch_cpu_ni_gemv_int8_v5",
+_SYMBOLS = {"bf16": "aoti_torch_cpu_ni_gemv_bf16_v7", "int8": "aoti_torch_cpu_ni_gemv_int8_v6",
             "w8a8": "aoti_torch_cpu_ni_gemv_w8a8_v2", "attn": "aoti_torch_cpu_ni_attn_v2"}
 # ISA levels, highest first: the /proc/cpuinfo flags each needs and the compiler flags it is built with. Every CPU
 # with AVX512-BF16 has AVX512-VNNI (Cooper Lake, Sapphire Rapids, Zen 4 and later), so that level includes it.
@@ -84,7 +85,7 @@ def gemv_bf16(x: torch.Tensor, ws: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat([x.float() @ w.float().t() for w in ws], -1).to(torch.bfloat16)
 
 
-@torch.library.custom_op("neuron_infer::ni_gemv_int8_v5", mutates_args=())
+@torch.library.custom_op("neuron_infer::ni_gemv_int8_v6", mutates_args=())
 def gemv_int8(x: torch.Tensor, qs: list[torch.Tensor], scales: list[torch.Tensor]) -> torch.Tensor:
     """x [R, K] bf16, qs[m] [N_m, K] int8, scales[m] [N_m] bf16 -> the (x @ q.T) * scale side by side [R, sum N_m]
     bf16 (fp32 math, one rounding). The reference: dequantize-then-matmul, the per-channel scale applied after the
@@ -138,7 +139,7 @@ C_SHIMS = {
     torch.ops.neuron_infer.ni_gemv_bf16_v7.default: [
         (f"AOTITorchError {_SYMBOLS['bf16']}(AtenTensorHandle x, const AtenTensorHandle* ws, int64_t ws_len_, "
          "AtenTensorHandle* ret0)")],
-    torch.ops.neuron_infer.ni_gemv_int8_v5.default: [
+    torch.ops.neuron_infer.ni_gemv_int8_v6.default: [
         f"AOTITorchError {_SYMBOLS['int8']}(AtenTensorHandle x, {_LISTS}, AtenTensorHandle* ret0)"],
     torch.ops.neuron_infer.ni_gemv_w8a8_v2.default: [
         f"AOTITorchError {_SYMBOLS['w8a8']}(AtenTensorHandle x, {_LISTS}, AtenTensorHandle* ret0)"],
@@ -146,7 +147,7 @@ C_SHIMS = {
         (f"AOTITorchError {_SYMBOLS['attn']}(AtenTensorHandle q, AtenTensorHandle k, AtenTensorHandle v, "
          "AtenTensorHandle table, AtenTensorHandle positions, AtenTensorHandle* ret0)")],
 }
-OPS = {"bf16": torch.ops.neuron_infer.ni_gemv_bf16_v7.default, "int8": torch.ops.neuron_infer.ni_gemv_int8_v5.default,
+OPS = {"bf16": torch.ops.neuron_infer.ni_gemv_bf16_v7.default, "int8": torch.ops.neuron_infer.ni_gemv_int8_v6.default,
        "w8a8": torch.ops.neuron_infer.ni_gemv_w8a8_v2.default}
 MAX_GROUP = 4  # weight matrices per call (the C kernels' kMaxMats)
 KERNEL_OPS = {**OPS, "attn": torch.ops.neuron_infer.ni_attn_v2.default}  # every op a graph's library may provide
