@@ -1,6 +1,8 @@
-// bf16 GEMV for linears with 1-8 input rows (decode steps, batched steps, speculative verification):
-// y[R, N] = x[R, K] @ w[N, K]^T, fp32 accumulation, the result rounded once to bf16 (round to nearest even, like
-// Tensor.to(torch.bfloat16)).
+// bf16 GEMV/GEMM for linears on any number of input rows: y[R, N] = x[R, K] @ w[N, K]^T, fp32 accumulation, the
+// result rounded once to bf16 (round to nearest even, like Tensor.to(torch.bfloat16)). 1-8 rows (decode steps,
+// batched steps, speculative verification): gemv_rows, below. Up to ni_gemv::kGemmMaxRows (short prompts):
+// gemm_rows, the same accumulators in blocks of rows inside each thread's column groups, so each group's weight rows
+// are read from memory once and serve every block from L1. Past it, ATen's GEMM (ni_gemv::aten_mm), faster there.
 //
 // Called directly from AOTInductor-generated wrappers (a "C shim": aot_inductor.custom_ops_to_c_shims); see
 // neuron_infer/backends/cpu/kernels.py for the op's definition, its PyTorch reference twin and how this file is built.
@@ -29,8 +31,12 @@
 #include <immintrin.h>
 #include <omp.h>
 
+#include <algorithm>
+#include <array>
 #include <cstdint>
 #include <cstring>
+#include <limits>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -281,8 +287,86 @@ using Kernel = void (*)(const Act&, const Gemv&);
 constexpr Kernel kKernels[] = {nullptr,       gemv_rows<1>, gemv_rows<2>, gemv_rows<3>, gemv_rows<4>,
                                gemv_rows<5>, gemv_rows<6>, gemv_rows<7>, gemv_rows<8>};
 
+// The GEMM's register block: kBlockRows rows x kGemmCols weight rows of accumulators (AVX-512: 8 x 3 = 24 of 32
+// vector registers; AVX2: 5 x 2 = 10 of 16).
+#if defined(__AVX512F__)
+constexpr int kBlockRows = 8;
+#else
+constexpr int kBlockRows = 5;
+#endif
+constexpr int kGemmCols = kCols<kBlockRows>;
+
+// One group's results straight into y: out[r * rs + c * cs_out] (finish's AVX-512 form writes a stage row).
+template <int R, int C>
+inline void finish_to(const V::F (&acc)[C][R], uint16_t* out, int64_t rs, int64_t cs_out) {
+#if defined(__AVX512BW__)
+  alignas(64) uint16_t stage[32];
+  finish<R, C>(acc, stage, 0, 0);
+  for (int s = 0; s < C * R; s++) out[s / C * rs + s % C * cs_out] = stage[s];
+#else
+  finish<R, C>(acc, out, rs, cs_out);
+#endif
+}
+
+// R rows (a block) times the C weight rows j, j + cs, ... of matrix m, into y at out (rows g.ntot apart).
+template <int R, int C>
+void block(const Act& a, const Gemv& g, int64_t m, int64_t j, int64_t cs, uint16_t* out) {
+  V::F acc[C][R];
+  accumulate<R, C>(a, static_cast<const uint16_t*>(g.w[m]), g.w_stride[m], g.k, j, cs, acc);
+  finish_to<R, C>(acc, out, g.ntot, cs);
+}
+
+using Block = void (*)(const Act&, const Gemv&, int64_t, int64_t, int64_t, uint16_t*);
+template <int C, int... R>
+constexpr std::array<Block, sizeof...(R) + 1> blocks_of(std::integer_sequence<int, R...>) {
+  return {nullptr, block<R + 1, C>...};
+}
+template <int C>
+constexpr auto kBlocks = blocks_of<C>(std::make_integer_sequence<int, kBlockRows>{});
+
+// The row blocks of a GEMM over r rows: at most kBlockRows rows each, sizes differing by at most one -> block b is
+// rows [start[b], start[b + 1]).
+std::vector<int64_t> row_blocks(int64_t r) {
+  const int64_t n = (r + kBlockRows - 1) / kBlockRows;
+  std::vector<int64_t> start;
+  for (int64_t b = 0; b <= n; b++) start.push_back(r * b / n);
+  return start;
+}
+
+// kMaxRows < R <= ni_gemv::kGemmMaxRows rows: the groups of every matrix (as ni_gemv::for_column_groups forms them,
+// width kGemmCols) split evenly between the threads; each thread runs its groups in order and, per group, every
+// block of rows while the group's weight rows are in L1. acts[b]: block b's activations.
+void gemm_rows(const std::vector<Act>& acts, const std::vector<int64_t>& start, const Gemv& g) {
+  constexpr int C = kGemmCols;
+  int64_t first[ni_gemv::kMaxMats + 1] = {0};
+  for (int64_t m = 0; m < g.mats; m++) first[m + 1] = first[m] + g.n[m] / C + g.n[m] % C;
+  const int64_t total = first[g.mats];
+#pragma omp parallel
+  {
+    const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num();
+    const int64_t end = total * (tid + 1) / nt;
+    for (int64_t t = total * tid / nt; t < end; t++) {
+      int64_t m = 0;
+      while (t >= first[m + 1]) m++;
+      const int64_t i = t - first[m], h = g.n[m] / C;
+      const bool wide = i < h;
+      const int64_t j = wide ? i : C * h + (i - h), cs = wide ? h : 0;
+      for (size_t b = 0; b < acts.size(); b++) {
+        const int64_t r0 = start[b], rows = start[b + 1] - r0;
+        (wide ? kBlocks<C> : kBlocks<1>)[rows](acts[b], g, m, j, cs, g.y + r0 * g.ntot + g.off[m] + j);
+      }
+    }
+  }
+}
+
 #ifdef __AVX512BF16__
-void run(const Gemv& g) { kKernels[g.r](Act{g.x, g.x_stride}, g); }
+void run(const Gemv& g) {
+  if (g.r <= kMaxRows) return kKernels[g.r](Act{g.x, g.x_stride}, g);
+  const std::vector<int64_t> start = row_blocks(g.r);
+  std::vector<Act> acts;
+  for (size_t b = 0; b + 1 < start.size(); b++) acts.push_back(Act{g.x + start[b] * g.x_stride, g.x_stride});
+  gemm_rows(acts, start, g);
+}
 #else
 // x [R, K] bf16 rows `xs` apart -> fp32 blocks of kBlock, block-major: block b of row r at (b R + r) kBlock (one
 // pointer and constant offsets reach every row's block), each as its even then its odd elements; zero beyond k up to
@@ -296,8 +380,17 @@ std::vector<float> widen_rows(const uint16_t* x, int64_t xs, int64_t r, int64_t 
 }
 
 void run(const Gemv& g) {
-  const std::vector<float> xf = widen_rows(g.x, g.x_stride, g.r, g.k);  // R x K floats, a few KB, once per call
-  kKernels[g.r](Act{xf.data()}, g);
+  if (g.r <= kMaxRows) {
+    const std::vector<float> xf = widen_rows(g.x, g.x_stride, g.r, g.k);  // R x K floats, a few KB, once per call
+    return kKernels[g.r](Act{xf.data()}, g);
+  }
+  const std::vector<int64_t> start = row_blocks(g.r);  // each block widened on its own (block-major in it), once
+  std::vector<std::vector<float>> xf(start.size() - 1);
+  for (size_t b = 0; b < xf.size(); b++)
+    xf[b] = widen_rows(g.x + start[b] * g.x_stride, g.x_stride, start[b + 1] - start[b], g.k);
+  std::vector<Act> acts;
+  for (const auto& v : xf) acts.push_back(Act{v.data()});
+  gemm_rows(acts, start, g);
 }
 #endif
 
@@ -305,15 +398,21 @@ void run(const Gemv& g) {
 
 extern "C" {
 
-// x [R, K] bf16, ws[m] [N_m, K] bf16 (m < n_mats <= 4, the linears sharing x) -> *ret0 = new [R, N_0 + ... ] bf16
+// x [R, K] bf16 (any R >= 1), ws[m] [N_m, K] bf16 (m < n_mats <= 4, the linears sharing x) -> *ret0 = new [R, N_0 + ... ] bf16
 // tensor, the matrices' results side by side. AOTI_TORCH_FAILURE on any other input (the generated wrapper turns
 // that into a RuntimeError).
-AOTITorchError aoti_torch_cpu_ni_gemv_bf16_v7(AtenTensorHandle x, const AtenTensorHandle* ws, int64_t n_mats,
+AOTITorchError aoti_torch_cpu_ni_gemv_bf16_v8(AtenTensorHandle x, const AtenTensorHandle* ws, int64_t n_mats,
                                               AtenTensorHandle* ret0) {
   Gemv g;
   const int32_t bf16 = aoti_torch_dtype_bfloat16();
-  if (!gemv_operands(x, ws, n_mats, nullptr, 0, bf16, bf16, kMaxRows, &g)) return AOTI_TORCH_FAILURE;
-  run(g);
+  if (!gemv_operands(x, ws, n_mats, nullptr, 0, bf16, bf16, std::numeric_limits<int64_t>::max(), &g))
+    return AOTI_TORCH_FAILURE;
+  if (g.r <= ni_gemv::kGemmMaxRows) {
+    run(g);
+  } else if (!ni_gemv::aten_mm(x, ws, g)) {
+    aoti_torch_delete_tensor_object(g.out);
+    return AOTI_TORCH_FAILURE;
+  }
   *ret0 = g.out;
   return AOTI_TORCH_SUCCESS;
 }

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <torch/csrc/inductor/aoti_torch/c/shim.h>
+#include <torch/csrc/inductor/aoti_torch/generated/c_shim_cpu.h>
 #include <immintrin.h>
 #include <omp.h>
 
@@ -172,6 +173,28 @@ inline bool gemv_operands(AtenTensorHandle x, const AtenTensorHandle* ws, int64_
   void* yd = nullptr;
   if (!new_bf16_matrix(g->r, g->ntot, &g->out, &yd)) return false;
   g->y = static_cast<uint16_t*>(yd);
+  return true;
+}
+
+// Rows past which ATen's GEMM (oneDNN, packed bf16 weights) beats the kernels' own blocks (gemm_rows): measured with
+// the SmolLM2 prefill graph at one and two threads (docs/cpu-backend.md, "Prefill linears").
+constexpr int64_t kGemmMaxRows = 64;
+
+// y[:, off_m : off_m + N_m] = x @ ws[m]^T for every matrix of g, through ATen's mm_out on views: ws[m] [N_m, K] bf16
+// with unit stride in K, read as w^T by swapping its strides (_reinterpret_tensor adds its offset argument to the
+// tensor's own storage offset: the looped layer stack's weights are views of stacked ones).
+inline bool aten_mm(AtenTensorHandle x, const AtenTensorHandle* ws, const Gemv& g) {
+  for (int64_t m = 0; m < g.mats; m++) {
+    const int64_t wsz[2] = {g.k, g.n[m]}, wst[2] = {1, g.w_stride[m]};
+    const int64_t ysz[2] = {g.r, g.n[m]}, yst[2] = {g.ntot, 1};
+    AtenTensorHandle wt = nullptr, ym = nullptr;
+    const bool ok = !aoti_torch__reinterpret_tensor(ws[m], 2, wsz, wst, 0, &wt) &&
+                    !aoti_torch__reinterpret_tensor(g.out, 2, ysz, yst, g.off[m], &ym) &&
+                    !aoti_torch_cpu_mm_out(ym, x, wt);
+    if (wt != nullptr) aoti_torch_delete_tensor_object(wt);
+    if (ym != nullptr) aoti_torch_delete_tensor_object(ym);
+    if (!ok) return false;
+  }
   return true;
 }
 

@@ -18,11 +18,12 @@
 // serves all rows and each row costs one instruction per 32 (AVX-512) or two per 16 (AVX2) products.
 // Not 8-bit activations (vpdpbusd): that is the w8a8 scheme (cpu_gemv_w8a8.cpp), an error of up to 1/254 of the
 // row's largest per element.
-// Rows: 1-8 (decode, batched decode, verification) in one pass over the weights (gemv_rows); more (prefill) in blocks
-// of kBlockRows inside each thread's column groups (gemm_rows): a group's C weight rows are read from memory once per
-// panel of kPanelRows rows and serve every block from L1, so a prefill computes int8 x int16 dot products at the
-// instruction's rate instead of widening every weight to bf16 for a GEMM. Each output is the same integer sum
-// whatever the row count, so a row's result does not depend on the rows computed with it.
+// Rows: 1-8 (decode, batched decode, verification) in one pass over the weights (gemv_rows); 9 to kGemmMaxRows
+// (prefill) in blocks of kBlockRows inside each thread's column groups (gemm_rows): a group's C weight rows are read
+// from memory once and serve every block from L1, so a prompt computes int8 x int16 dot
+// products at the instruction's rate instead of widening every weight to bf16 for a GEMM. Up to kGemmMaxRows each
+// output is the same integer sum whatever the row count, so a row's result does not depend on the rows computed
+// with it. Past it (long prompts), widened_mm: the weights widened once per call and ATen's GEMM, faster there.
 //
 // Dot products, by the instruction set the library is built for:
 //   AVX512-VNNI  vpdpwssd: 32 int16 products summed pairwise into 16 int32 lanes per instruction.
@@ -178,15 +179,13 @@ constexpr Kernel kKernels[] = {nullptr,       gemv_rows<1>, gemv_rows<2>, gemv_r
 constexpr int64_t kMaxRows = 8;  // rows gemv_rows takes; more go to gemm_rows
 
 // The GEMM's register block: kBlockRows rows x kGemmCols columns of accumulators (AVX-512: 8 x 3 = 24 of 32 vector
-// registers, AVX2: 6 x 2 = 12 of 16), and its panel: the rows a pass over a thread's weights serves (their int16
-// grids, kPanelRows x K x 2 bytes, stay in L2 while every group of the share is read).
+// registers, AVX2: 6 x 2 = 12 of 16).
 #if defined(__AVX512BW__)
 constexpr int kBlockRows = 8;
 #else
 constexpr int kBlockRows = 6;
 #endif
 constexpr int kGemmCols = kCols<kBlockRows>;
-constexpr int64_t kPanelRows = 256;
 
 using Block = void (*)(const int16_t*, int64_t, const float*, const int8_t*, int64_t, const uint16_t*, int64_t,
                        int64_t, int64_t, uint16_t*, int64_t, int64_t);
@@ -194,35 +193,33 @@ template <int C>
 constexpr Block kBlocks[] = {nullptr, group<1, C>, group<2, C>, group<3, C>, group<4, C>,
                              group<5, C>, group<6, C>, group<7, C>, group<8, C>};
 
-// R > kMaxRows rows. The groups of every matrix (kGemmCols columns j, j + h, ..., as in ni_gemv::for_column_groups,
-// and the n % C last columns alone) are split evenly between the threads; per panel of rows, each thread runs its
-// groups in order, and per group every block of at most kBlockRows rows (sizes differing by at most one) while the
-// group's weight rows are in L1. Results go straight to y (rows ntot apart).
+// kMaxRows < R <= ni_gemv::kGemmMaxRows rows. The groups of every matrix (kGemmCols columns j, j + h, ..., as in
+// ni_gemv::for_column_groups, and the n % C last columns alone) are split evenly between the threads; each thread runs
+// its groups in order and, per group, every block of at most kBlockRows rows (sizes differing by at most one) while
+// the group's weight rows are in L1 (the rows' int16 grids, at most 64 x K x 2 bytes, stay in L2). Results go
+// straight to y (rows ntot apart).
 void gemm_rows(const int16_t* xi, int64_t kp, const float* xs, const Gemv& g) {
   constexpr int C = kGemmCols;
   int64_t first[ni_gemv::kMaxMats + 1] = {0};
   for (int64_t m = 0; m < g.mats; m++) first[m + 1] = first[m] + g.n[m] / C + g.n[m] % C;
-  const int64_t total = first[g.mats];
+  const int64_t total = first[g.mats], blocks = (g.r + kBlockRows - 1) / kBlockRows;
 #pragma omp parallel
   {
     const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num();
-    const int64_t begin = total * tid / nt, end = total * (tid + 1) / nt;
-    for (int64_t p0 = 0; p0 < g.r; p0 += kPanelRows) {
-      const int64_t rows = std::min(kPanelRows, g.r - p0), blocks = (rows + kBlockRows - 1) / kBlockRows;
-      for (int64_t t = begin; t < end; t++) {
-        int64_t m = 0;
-        while (t >= first[m + 1]) m++;
-        const int64_t i = t - first[m], h = g.n[m] / C;
-        const bool wide = i < h;
-        const int64_t j = wide ? i : C * h + (i - h), cs = wide ? h : 0;
-        const int8_t* q = static_cast<const int8_t*>(g.w[m]);
-        const uint16_t* sc = static_cast<const uint16_t*>(g.scale[m]);
-        for (int64_t b = 0; b < blocks; b++) {
-          const int64_t r0 = p0 + rows * b / blocks, r1 = p0 + rows * (b + 1) / blocks;
-          const Block block = (wide ? kBlocks<C> : kBlocks<1>)[r1 - r0];
-          block(xi + r0 * kp, kp, xs + r0, q, g.w_stride[m], sc, g.k, j, cs, g.y + r0 * g.ntot + g.off[m] + j, g.ntot,
-                cs);
-        }
+    const int64_t end = total * (tid + 1) / nt;
+    for (int64_t t = total * tid / nt; t < end; t++) {
+      int64_t m = 0;
+      while (t >= first[m + 1]) m++;
+      const int64_t i = t - first[m], h = g.n[m] / C;
+      const bool wide = i < h;
+      const int64_t j = wide ? i : C * h + (i - h), cs = wide ? h : 0;
+      const int8_t* q = static_cast<const int8_t*>(g.w[m]);
+      const uint16_t* sc = static_cast<const uint16_t*>(g.scale[m]);
+      for (int64_t b = 0; b < blocks; b++) {
+        const int64_t r0 = g.r * b / blocks, r1 = g.r * (b + 1) / blocks;
+        const Block block = (wide ? kBlocks<C> : kBlocks<1>)[r1 - r0];
+        block(xi + r0 * kp, kp, xs + r0, q, g.w_stride[m], sc, g.k, j, cs, g.y + r0 * g.ntot + g.off[m] + j, g.ntot,
+              cs);
       }
     }
   }
@@ -305,6 +302,37 @@ float quantize_row(const uint16_t* x, int64_t k, int16_t* out) {
   return std::ldexp(1.0f, e);
 }
 
+// More than ni_gemv::kGemmMaxRows rows: each matrix widened to bf16 (exact: |q| <= 128) and multiplied by ATen's
+// GEMM, then each output times its column's scale and rounded again: y = bf16(bf16(x @ q^T) * scale), the int8
+// module's own forward (quant/int8.py), where the GEMM's packed bf16 weights beat gemm_rows.
+bool widened_mm(AtenTensorHandle x, const Gemv& g) {
+  AtenTensorHandle wide[ni_gemv::kMaxMats] = {};
+  bool ok = true;
+  for (int64_t m = 0; m < g.mats && ok; m++) {
+    const int64_t sizes[2] = {g.n[m], g.k};
+    void* data = nullptr;
+    ok = ni_gemv::new_bf16_tensor(2, sizes, &wide[m], &data);
+    if (!ok) break;
+    const int8_t* q = static_cast<const int8_t*>(g.w[m]);
+    uint16_t* w = static_cast<uint16_t*>(data);
+#pragma omp parallel for
+    for (int64_t n = 0; n < g.n[m]; n++)
+      for (int64_t i = 0; i < g.k; i++) w[n * g.k + i] = to_bf16(static_cast<float>(q[n * g.w_stride[m] + i]));
+  }
+  ok = ok && ni_gemv::aten_mm(x, wide, g);
+  for (AtenTensorHandle t : wide)
+    if (t != nullptr) aoti_torch_delete_tensor_object(t);
+  if (!ok) return false;
+#pragma omp parallel for
+  for (int64_t r = 0; r < g.r; r++)
+    for (int64_t m = 0; m < g.mats; m++) {
+      const uint16_t* sc = static_cast<const uint16_t*>(g.scale[m]);
+      uint16_t* y = g.y + r * g.ntot + g.off[m];
+      for (int64_t n = 0; n < g.n[m]; n++) y[n] = to_bf16(from_bf16(y[n]) * from_bf16(sc[n]));
+    }
+  return true;
+}
+
 }  // namespace
 
 extern "C" {
@@ -319,6 +347,14 @@ AOTITorchError aoti_torch_cpu_ni_gemv_int8_v6(AtenTensorHandle x, const AtenTens
   if (!gemv_operands(x, qs, n_mats, scales, n_scales, aoti_torch_dtype_int8(), aoti_torch_dtype_bfloat16(),
                      std::numeric_limits<int64_t>::max(), &g))
     return AOTI_TORCH_FAILURE;
+  if (g.r > ni_gemv::kGemmMaxRows) {
+    if (widened_mm(x, g)) {
+      *ret0 = g.out;
+      return AOTI_TORCH_SUCCESS;
+    }
+    aoti_torch_delete_tensor_object(g.out);
+    return AOTI_TORCH_FAILURE;
+  }
   // The activations on their grids once per call, for every matrix (R x K int16s), in rows of whole steps: the
   // values past K only meet the K tail's zero weights.
   const int64_t kp = (g.k + kStep - 1) / kStep * kStep;

@@ -4,7 +4,7 @@ AOTInductor calls.
     export:   the linears that share one input x [R, K] (q/k/v, gate/up; any other linear alone: a group of one, see
               backends/cpu/gemv_groups.py) on 1-8 rows (bf16, w8a8) or any number of rows (int8) -> one call, the
               results side by side [R, N_0 + N_1 + ...]:
-                  bf16  torch.ops.neuron_infer.ni_gemv_bf16_v7(x, [w_0, ...])                 w_m [N_m, K] bf16
+                  bf16  torch.ops.neuron_infer.ni_gemv_bf16_v8(x, [w_0, ...])                 w_m [N_m, K] bf16
                   int8  torch.ops.neuron_infer.ni_gemv_int8_v6(x, [q_0, ...], [s_0, ...])     q_m int8, s_m [N_m]
                   w8a8  torch.ops.neuron_infer.ni_gemv_w8a8_v2(x, [q_0, ...], [s_0, ...])
               attention over the cached keys for at most ops.FEW_QUERY_ROWS query rows per KV head (decode,
@@ -13,7 +13,7 @@ AOTInductor calls.
                   attn  torch.ops.neuron_infer.ni_attn_v2(q, k, v, table, positions)
                         q [B, H, R, D], k and v [N, H, bs, D], table [B, W], positions [B, R]
     compile:  aot_inductor.custom_ops_to_c_shims = C_SHIMS: the generated wrapper calls the C functions
-              aoti_torch_cpu_ni_gemv_bf16_v7, ..._int8_v6, ..._w8a8_v2 (cpu_gemv*.cpp), ..._attn_v2
+              aoti_torch_cpu_ni_gemv_bf16_v8, ..._int8_v6, ..._w8a8_v2 (cpu_gemv*.cpp), ..._attn_v2
               (cpu_attention.cpp) directly - no dispatcher
     build:    the sources a graph calls -> <graph>.gemv.so next to the graph (g++, the compiler Inductor uses),
               for one ISA level (ISAS); the level is recorded and checked against the CPU at load
@@ -58,7 +58,7 @@ W8A8_MAX_ROWS = 8  # the w8a8 C kernel for 1..8; the int8 one takes any number (
 SOURCES = {"bf16": Path(__file__).with_name("cpu_gemv.cpp"), "int8": Path(__file__).with_name("cpu_gemv_int8.cpp"),
            "w8a8": Path(__file__).with_name("cpu_gemv_w8a8.cpp"), "attn": Path(__file__).with_name("cpu_attention.cpp")}
 LIB_SUFFIX = ".gemv.so"
-_SYMBOLS = {"bf16": "aoti_torch_cpu_ni_gemv_bf16_v7", "int8": "aoti_torch_cpu_ni_gemv_int8_v6",
+_SYMBOLS = {"bf16": "aoti_torch_cpu_ni_gemv_bf16_v8", "int8": "aoti_torch_cpu_ni_gemv_int8_v6",
             "w8a8": "aoti_torch_cpu_ni_gemv_w8a8_v2", "attn": "aoti_torch_cpu_ni_attn_v2"}
 # ISA levels, highest first: the /proc/cpuinfo flags each needs and the compiler flags it is built with. Every CPU
 # with AVX512-BF16 has AVX512-VNNI (Cooper Lake, Sapphire Rapids, Zen 4 and later), so that level includes it.
@@ -78,7 +78,7 @@ def _fake(x: torch.Tensor, ws: list[torch.Tensor], *_: object) -> torch.Tensor:
     return x.new_empty(x.shape[0], sum(w.shape[0] for w in ws))
 
 
-@torch.library.custom_op("neuron_infer::ni_gemv_bf16_v7", mutates_args=())
+@torch.library.custom_op("neuron_infer::ni_gemv_bf16_v8", mutates_args=())
 def gemv_bf16(x: torch.Tensor, ws: list[torch.Tensor]) -> torch.Tensor:
     """x [R, K] bf16, ws[m] [N_m, K] bf16 -> [x @ ws[0].T, x @ ws[1].T, ...] side by side [R, sum N_m] bf16 (fp32
     accumulation, one rounding). The reference."""
@@ -136,7 +136,7 @@ def attention_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
 
 _LISTS = "const AtenTensorHandle* qs, int64_t qs_len_, const AtenTensorHandle* scales, int64_t scales_len_"
 C_SHIMS = {
-    torch.ops.neuron_infer.ni_gemv_bf16_v7.default: [
+    torch.ops.neuron_infer.ni_gemv_bf16_v8.default: [
         (f"AOTITorchError {_SYMBOLS['bf16']}(AtenTensorHandle x, const AtenTensorHandle* ws, int64_t ws_len_, "
          "AtenTensorHandle* ret0)")],
     torch.ops.neuron_infer.ni_gemv_int8_v6.default: [
@@ -147,7 +147,7 @@ C_SHIMS = {
         (f"AOTITorchError {_SYMBOLS['attn']}(AtenTensorHandle q, AtenTensorHandle k, AtenTensorHandle v, "
          "AtenTensorHandle table, AtenTensorHandle positions, AtenTensorHandle* ret0)")],
 }
-OPS = {"bf16": torch.ops.neuron_infer.ni_gemv_bf16_v7.default, "int8": torch.ops.neuron_infer.ni_gemv_int8_v6.default,
+OPS = {"bf16": torch.ops.neuron_infer.ni_gemv_bf16_v8.default, "int8": torch.ops.neuron_infer.ni_gemv_int8_v6.default,
        "w8a8": torch.ops.neuron_infer.ni_gemv_w8a8_v2.default}
 MAX_GROUP = 4  # weight matrices per call (the C kernels' kMaxMats)
 KERNEL_OPS = {**OPS, "attn": torch.ops.neuron_infer.ni_attn_v2.default}  # every op a graph's library may provide
