@@ -27,13 +27,15 @@ from tests.compile.test_cpu_gemv_int8 import QuantLinears
 
 ISAS = [isa for isa in ("avx512-vnni", "avx512", "avx2-vnni", "avx2") if cpu_gemv.has_isa(isa)]
 needs_kernel = pytest.mark.skipif(not ISAS, reason="this CPU has neither AVX-512 nor AVX2")
-# (R, N, K), rows 1..8. K: whole 64-byte VNNI steps (64, 576), 32- and 16-element steps only (96, 48, 80), tails of
+# (R, N, K), rows 1..8 (the GEMV). K: whole 64-byte VNNI steps (64, 576), 32- and 16-element steps only (96, 48, 80), tails of
 # every step size (100, 600, 200, 1544, 40, 31, 17) and K below one step (5, 20). Column groups (AVX-512: 4 weight
 # rows per pass at 1-5 rows, 2 at 6-8; AVX2: 4 at 1-2, 2 at 3-5, 1 at 6-8; AVX-VNNI: 4 at 1, 3 at 2, 2 at 3-4, 1 at
 # 5-8): N a multiple of the group, N leaving 1-3 single columns, N below the group. K = 32: one AVX-VNNI step.
+# More rows (the GEMM: blocks of up to 8 rows x 2 weight rows with AVX-512, 5 x 2 with AVX2, 4 x 2 with AVX-VNNI):
+# 9, 25 and 17 rows with N leaving a single column, 70 rows with a K tail.
 SHAPES = [(1, 70, 64), (2, 33, 96), (3, 17, 100), (4, 130, 600), (5, 48, 576), (6, 9, 1544), (7, 40, 5),
           (8, 65, 200), (1, 257, 31), (2, 3, 48), (5, 37, 40), (1, 7, 20), (4, 1, 80), (3, 7, 48), (6, 2, 64),
-          (7, 5, 17), (2, 8, 32), (2, 2, 33)]
+          (7, 5, 17), (2, 8, 32), (2, 2, 33), (9, 70, 64), (25, 37, 600), (17, 131, 1544), (70, 33, 100)]
 
 
 def W8A8Linears() -> QuantLinears:
@@ -103,7 +105,7 @@ def test_graph_calls_the_c_function_not_the_dispatcher(linears):
     with zipfile.ZipFile(linears[0] / "lin.pt2") as z:
         wrapper = "".join(z.read(n).decode() for n in z.namelist() if n.endswith("wrapper.cpp"))
     calls = len(SHAPES) + SHARED_CALLS
-    assert wrapper.count("aoti_torch_cpu_ni_gemv_w8a8_v2(") == calls + 1  # the calls and the declaration
+    assert wrapper.count("aoti_torch_cpu_ni_gemv_w8a8_v3(") == calls + 1  # the calls and the declaration
     assert "proxy_executor_call_function" not in wrapper and "_int_mm" not in wrapper
 
 
@@ -112,7 +114,7 @@ def _calls(options: CpuCompileOptions) -> int:
     return sum(node.target is cpu_gemv.OPS["w8a8"] for node in program.graph.nodes)
 
 
-def test_rows_1_to_8_call_the_kernel_and_cpus_without_avx2_keep_the_module_matmul(monkeypatch):
+def test_every_row_count_calls_the_kernel_and_cpus_without_avx2_keep_the_module_matmul(monkeypatch):
     assert _calls(CpuCompileOptions(gemv_kernel=False)) == 0
     if ISAS:
         calls = len(SHAPES) + SHARED_CALLS

@@ -1,4 +1,5 @@
-// W8A8 GEMV for linears with 1-8 input rows (quant.smoothquant: int8 weights, int8 activations per token):
+// W8A8 GEMV/GEMM for linears on any number of input rows (quant.smoothquant: int8 weights, int8 activations per
+// token):
 //   xq[r], s[r] = the row's int8 quantization (s = max|x_r| / 127, q = round_half_even(x / s), clamped to +-127)
 //   y[r, n]     = bf16((float(xq[r] . q[n]) * s[r]) * scale[n])        x bf16 [R, K], q int8 [N, K], scale fp32 [N]
 // The dot products are exact int32 sums and every float step is the reference's own (same operations, same
@@ -16,6 +17,9 @@
 //                bias compensation.
 //   AVX2         weights widened to int16, vpmaddwd at 256 bits: 16 products per step.
 // No sum can overflow int32 (|q|, |xq| <= 127; K < 2^17 even for the largest 4-product sums).
+// Rows: 1-8 (decode, batched decode, verification) in one pass over the weights (gemv_rows); more (prefill) in blocks
+// of kBlockRows inside each thread's column groups (gemm_rows), a group's weight rows read from memory once and
+// serving every block from L1. The sums are exact, so every row's result is the reference's whatever the row count.
 #include "cpu_gemv_common.h"
 
 #include <immintrin.h>
@@ -25,6 +29,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 
 namespace {
 
@@ -168,7 +173,54 @@ void gemv_rows(const Act* xa, int64_t kp, const float* xs, const Gemv& g) {
 using Kernel = void (*)(const Act*, int64_t, const float*, const Gemv&);
 constexpr Kernel kKernels[] = {nullptr,       gemv_rows<1>, gemv_rows<2>, gemv_rows<3>, gemv_rows<4>,
                                gemv_rows<5>, gemv_rows<6>, gemv_rows<7>, gemv_rows<8>};
-constexpr int64_t kMaxRows = 8;
+constexpr int64_t kMaxRows = 8;  // rows gemv_rows takes; more go to gemm_rows
+
+// The GEMM's register block: kBlockRows rows x kGemmCols weight rows (kCols at that row count).
+#if defined(__AVX512F__)
+constexpr int kBlockRows = 8;
+#elif defined(__AVXVNNI__)
+constexpr int kBlockRows = 4;
+#else
+constexpr int kBlockRows = 5;
+#endif
+constexpr int kGemmCols = kCols<kBlockRows>;
+
+using Block = void (*)(const Act*, int64_t, const float*, const int8_t*, int64_t, const float*, int64_t, int64_t,
+                       int64_t, uint16_t*, int64_t, int64_t);
+template <int C>
+constexpr Block kBlocks[] = {nullptr, group<1, C>, group<2, C>, group<3, C>, group<4, C>,
+                             group<5, C>, group<6, C>, group<7, C>, group<8, C>};
+
+// R > kMaxRows rows. The groups of every matrix (kGemmCols columns j, j + h, ..., as in ni_gemv::for_column_groups,
+// and the n % C last columns alone) are split evenly between the threads; each thread runs its groups in order and,
+// per group, every block of at most kBlockRows rows (sizes differing by at most one) while the group's weight rows
+// are in L1. Results go straight to y (rows ntot apart).
+void gemm_rows(const Act* xa, int64_t kp, const float* xs, const Gemv& g) {
+  constexpr int C = kGemmCols;
+  int64_t first[ni_gemv::kMaxMats + 1] = {0};
+  for (int64_t m = 0; m < g.mats; m++) first[m + 1] = first[m] + g.n[m] / C + g.n[m] % C;
+  const int64_t total = first[g.mats], blocks = (g.r + kBlockRows - 1) / kBlockRows;
+#pragma omp parallel
+  {
+    const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num();
+    const int64_t end = total * (tid + 1) / nt;
+    for (int64_t t = total * tid / nt; t < end; t++) {
+      int64_t m = 0;
+      while (t >= first[m + 1]) m++;
+      const int64_t i = t - first[m], h = g.n[m] / C;
+      const bool wide = i < h;
+      const int64_t j = wide ? i : C * h + (i - h), cs = wide ? h : 0;
+      const int8_t* q = static_cast<const int8_t*>(g.w[m]);
+      const float* sc = static_cast<const float*>(g.scale[m]);
+      for (int64_t b = 0; b < blocks; b++) {
+        const int64_t r0 = g.r * b / blocks, r1 = g.r * (b + 1) / blocks;
+        const Block block = (wide ? kBlocks<C> : kBlocks<1>)[r1 - r0];
+        block(xa + r0 * kp, kp, xs + r0, q, g.w_stride[m], sc, g.k, j, cs, g.y + r0 * g.ntot + g.off[m] + j, g.ntot,
+              cs);
+      }
+    }
+  }
+}
 
 // One row's per-token quantization, the reference's operations in fp32: s = max(max|x| / 127, FLT_MIN),
 // q = clamp(round_half_even(x / s), -127, 127) (IEEE division, as torch's), stored as q + kActBias.
@@ -226,23 +278,27 @@ float quantize_row(const uint16_t* x, int64_t k, Act* out) {
 
 extern "C" {
 
-// x [R, K] bf16, qs[m] [N_m, K] int8, scales[m] [N_m] fp32 (m < n_mats <= 4, the linears sharing x) -> *ret0 = new
+// x [R, K] bf16 (any R >= 1), qs[m] [N_m, K] int8, scales[m] [N_m] fp32 (m < n_mats <= 4, the linears sharing x) -> *ret0 = new
 // [R, N_0 + ... ] bf16 tensor, the matrices' results side by side. AOTI_TORCH_FAILURE on any other input (the
 // generated wrapper turns that into a RuntimeError).
-AOTITorchError aoti_torch_cpu_ni_gemv_w8a8_v2(AtenTensorHandle x, const AtenTensorHandle* qs, int64_t n_mats,
+AOTITorchError aoti_torch_cpu_ni_gemv_w8a8_v3(AtenTensorHandle x, const AtenTensorHandle* qs, int64_t n_mats,
                                               const AtenTensorHandle* scales, int64_t n_scales,
                                               AtenTensorHandle* ret0) {
   Gemv g;
-  if (!gemv_operands(x, qs, n_mats, scales, n_scales, aoti_torch_dtype_int8(), aoti_torch_dtype_float32(), kMaxRows,
-                     &g))
+  if (!gemv_operands(x, qs, n_mats, scales, n_scales, aoti_torch_dtype_int8(), aoti_torch_dtype_float32(),
+                     std::numeric_limits<int64_t>::max(), &g))
     return AOTI_TORCH_FAILURE;
   // The activations quantized once per call, for every matrix (R x K bytes or int16s), in rows of whole steps: the
   // values past K only meet the K tail's zero weights (in the sums and in the VNNI compensation).
   const int64_t kp = (g.k + kStep - 1) / kStep * kStep;
   Act* xa = ni_gemv::scratch<Act>(static_cast<size_t>(g.r * kp));
-  float xs[kMaxRows];
+  float* xs = ni_gemv::scratch<float, 3>(static_cast<size_t>(g.r));
+#pragma omp parallel for if (g.r > kMaxRows)
   for (int64_t i = 0; i < g.r; i++) xs[i] = quantize_row(g.x + i * g.x_stride, g.k, xa + i * kp);
-  kKernels[g.r](xa, kp, xs, g);
+  if (g.r <= kMaxRows)
+    kKernels[g.r](xa, kp, xs, g);
+  else
+    gemm_rows(xa, kp, xs, g);
   *ret0 = g.out;
   return AOTI_TORCH_SUCCESS;
 }

@@ -91,12 +91,12 @@ class CpuCompileOptions:
     gemv_max_rows: float linear layers (nn.Linear) whose input has at most this many rows (product of the leading
         dims) and that no C kernel takes become GEMV reductions Inductor generates (ops.py); 0 keeps every linear a
         GEMM call (no C kernel either). Default 5: the fused reductions lose to the GEMM at 8 rows.
-    gemv_kernel: bf16 linears on 1-8 bf16 rows (cpu_gemv.MAX_ROWS) call the bf16 C kernel (cpu_gemv.cpp: AVX512-BF16
-        or AVX2 + FMA) where the CPU has AVX2 + FMA, int8 linears (quant.int8) on 1-8 bf16 rows the int8 C kernel
-        (cpu_gemv_int8.cpp, AVX512-VNNI, AVX-512, AVX-VNNI or AVX2) and w8a8 linears (quant.smoothquant) the w8a8 one
-        (cpu_gemv_w8a8.cpp, the same levels), all regardless of gemv_max_rows (> 0): a kernel streams the
-        weights once for all 8 rows at any ISA level, and beyond 5 rows the only alternative is the GEMM, slow in
-        bf16 without AVX512-BF16. Elsewhere, and for fp32, GEMVs are the reductions above. With it, bf16 attention
+    gemv_kernel: bf16 linears on bf16 rows call the bf16 C kernel (cpu_gemv.cpp: AVX512-BF16 or AVX2 + FMA) where
+        the CPU has AVX2 + FMA, int8 linears (quant.int8) on bf16 rows the int8 C kernel (cpu_gemv_int8.cpp,
+        AVX512-VNNI, AVX-512, AVX-VNNI or AVX2) and w8a8 linears (quant.smoothquant) the w8a8 one (cpu_gemv_w8a8.cpp,
+        the same levels), any row count and regardless of gemv_max_rows (> 0): on 1-8 rows a kernel streams the
+        weights once for all rows, on more (prefill) it computes blocks of rows per weight block in cache (bf16 and
+        int8 past 64 rows: ATen's GEMM, called from the kernel). Elsewhere, and for fp32, GEMVs are the reductions above. With it, bf16 attention
         on at most ops.FEW_QUERY_ROWS query rows calls the attention kernel (cpu_attention.cpp).
     gemv_isa: the highest ISA level the C kernels may use ("auto": the best this CPU has; "avx512-vnni", "avx512",
         "avx2-vnni" or "avx2" force it down, e.g. to build and test the paths of CPUs without AVX512-BF16 or VNNI;

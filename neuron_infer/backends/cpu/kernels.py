@@ -2,18 +2,18 @@
 AOTInductor calls.
 
     export:   the linears that share one input x [R, K] (q/k/v, gate/up; any other linear alone: a group of one, see
-              backends/cpu/gemv_groups.py) on 1-8 rows (bf16, w8a8) or any number of rows (int8) -> one call, the
-              results side by side [R, N_0 + N_1 + ...]:
+              backends/cpu/gemv_groups.py) on any number of rows R -> one call, the results side by side
+              [R, N_0 + N_1 + ...]:
                   bf16  torch.ops.neuron_infer.ni_gemv_bf16_v8(x, [w_0, ...])                 w_m [N_m, K] bf16
                   int8  torch.ops.neuron_infer.ni_gemv_int8_v6(x, [q_0, ...], [s_0, ...])     q_m int8, s_m [N_m]
-                  w8a8  torch.ops.neuron_infer.ni_gemv_w8a8_v2(x, [q_0, ...], [s_0, ...])
+                  w8a8  torch.ops.neuron_infer.ni_gemv_w8a8_v3(x, [q_0, ...], [s_0, ...])
               attention over the cached keys for at most ops.FEW_QUERY_ROWS query rows per KV head (decode,
               verify; bf16, head dim a multiple of 32 up to 256) -> one call per layer (cpu_attention.cpp), reading
               the layer's block caches in place through the block table:
                   attn  torch.ops.neuron_infer.ni_attn_v2(q, k, v, table, positions)
                         q [B, H, R, D], k and v [N, H, bs, D], table [B, W], positions [B, R]
     compile:  aot_inductor.custom_ops_to_c_shims = C_SHIMS: the generated wrapper calls the C functions
-              aoti_torch_cpu_ni_gemv_bf16_v8, ..._int8_v6, ..._w8a8_v2 (cpu_gemv*.cpp), ..._attn_v2
+              aoti_torch_cpu_ni_gemv_bf16_v8, ..._int8_v6, ..._w8a8_v3 (cpu_gemv*.cpp), ..._attn_v2
               (cpu_attention.cpp) directly - no dispatcher
     build:    the sources a graph calls -> <graph>.gemv.so next to the graph (g++, the compiler Inductor uses),
               for one ISA level (ISAS); the level is recorded and checked against the CPU at load
@@ -53,13 +53,12 @@ from neuron_infer.errors import ArtifactError, NeuronInferError
 from neuron_infer.model.ops import few_rows_attention, gather_blocks
 from neuron_infer.quant.smoothquant import w8a8_matmul
 
-MAX_ROWS = 8  # the bf16 C kernel is instantiated for 1..8 input rows
-W8A8_MAX_ROWS = 8  # the w8a8 C kernel for 1..8; the int8 one takes any number (blocks of 8 beyond 8: prefill)
+MAX_ROWS = 8  # rows the kernels' GEMV takes (one pass over the weights for all rows); more: their GEMM blocks
 SOURCES = {"bf16": Path(__file__).with_name("cpu_gemv.cpp"), "int8": Path(__file__).with_name("cpu_gemv_int8.cpp"),
            "w8a8": Path(__file__).with_name("cpu_gemv_w8a8.cpp"), "attn": Path(__file__).with_name("cpu_attention.cpp")}
 LIB_SUFFIX = ".gemv.so"
 _SYMBOLS = {"bf16": "aoti_torch_cpu_ni_gemv_bf16_v8", "int8": "aoti_torch_cpu_ni_gemv_int8_v6",
-            "w8a8": "aoti_torch_cpu_ni_gemv_w8a8_v2", "attn": "aoti_torch_cpu_ni_attn_v2"}
+            "w8a8": "aoti_torch_cpu_ni_gemv_w8a8_v3", "attn": "aoti_torch_cpu_ni_attn_v2"}
 # ISA levels, highest first: the /proc/cpuinfo flags each needs and the compiler flags it is built with. Every CPU
 # with AVX512-BF16 has AVX512-VNNI (Cooper Lake, Sapphire Rapids, Zen 4 and later), so that level includes it.
 # avx2-vnni is AVX2 with the VEX-encoded VNNI dot products (AVX-VNNI: Alder Lake, Zen 5); an AVX-512 CPU may lack
@@ -94,7 +93,7 @@ def gemv_int8(x: torch.Tensor, qs: list[torch.Tensor], scales: list[torch.Tensor
                      -1).to(torch.bfloat16)
 
 
-@torch.library.custom_op("neuron_infer::ni_gemv_w8a8_v2", mutates_args=())
+@torch.library.custom_op("neuron_infer::ni_gemv_w8a8_v3", mutates_args=())
 def gemv_w8a8(x: torch.Tensor, qs: list[torch.Tensor], scales: list[torch.Tensor]) -> torch.Tensor:
     """x [R, K] bf16, qs[m] [N_m, K] int8, scales[m] [N_m] fp32 -> [R, sum N_m] bf16: per-token int8 activations,
     exact int32 dot products, both scales applied in fp32, one rounding. The reference is the scheme's own math."""
@@ -141,14 +140,14 @@ C_SHIMS = {
          "AtenTensorHandle* ret0)")],
     torch.ops.neuron_infer.ni_gemv_int8_v6.default: [
         f"AOTITorchError {_SYMBOLS['int8']}(AtenTensorHandle x, {_LISTS}, AtenTensorHandle* ret0)"],
-    torch.ops.neuron_infer.ni_gemv_w8a8_v2.default: [
+    torch.ops.neuron_infer.ni_gemv_w8a8_v3.default: [
         f"AOTITorchError {_SYMBOLS['w8a8']}(AtenTensorHandle x, {_LISTS}, AtenTensorHandle* ret0)"],
     torch.ops.neuron_infer.ni_attn_v2.default: [
         (f"AOTITorchError {_SYMBOLS['attn']}(AtenTensorHandle q, AtenTensorHandle k, AtenTensorHandle v, "
          "AtenTensorHandle table, AtenTensorHandle positions, AtenTensorHandle* ret0)")],
 }
 OPS = {"bf16": torch.ops.neuron_infer.ni_gemv_bf16_v8.default, "int8": torch.ops.neuron_infer.ni_gemv_int8_v6.default,
-       "w8a8": torch.ops.neuron_infer.ni_gemv_w8a8_v2.default}
+       "w8a8": torch.ops.neuron_infer.ni_gemv_w8a8_v3.default}
 MAX_GROUP = 4  # weight matrices per call (the C kernels' kMaxMats)
 KERNEL_OPS = {**OPS, "attn": torch.ops.neuron_infer.ni_attn_v2.default}  # every op a graph's library may provide
 

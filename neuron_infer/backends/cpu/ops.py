@@ -5,8 +5,8 @@ the model, its quantization schemes and its eager runs know nothing of the kerne
 
     op          operands (static at export)                              becomes
     linear      quant.int8 Int8Linear, bf16 input, any rows              gemv_int8(x [R, K], [q], [scale])
-                quant.smoothquant W8A8Linear, bf16 input, 1-8 rows       gemv_w8a8(x, [q], [scale])
-                float nn.Linear, bf16, 1-8 rows                          gemv_bf16(x, [w])
+                quant.smoothquant W8A8Linear, bf16 input, any rows       gemv_w8a8(x, [q], [scale])
+                float nn.Linear, bf16, any rows                          gemv_bf16(x, [w])
                 float nn.Linear on at most options.gemv_max_rows rows    Inductor-generated fp32 GEMV reductions
                   (fp32, or bf16 where the kernel is not built)
                 more rows                                                the GEMM
@@ -48,7 +48,7 @@ def cpu_ops(table: Ops, max_rows: int, isa: str | None) -> Ops:
 
 
 def cpu_linear(max_rows: int, available: tuple[str, ...]) -> Linear:
-    """The linear op: int8 modules on bf16 rows and w8a8 modules on few bf16 rows through their C kernels; float linears through
+    """The linear op: int8 and w8a8 modules on bf16 rows through their C kernels; float linears through
     `float_linear`; other modules through their own forward, whose float matmul (F.linear on dequantized weights:
     fp8, MX, tiled, int8 on fp32 activations) is computed as `float_linear` computes a float linear."""
     float_linear = few_row_linear(max_rows, "bf16" in available)
@@ -56,7 +56,7 @@ def cpu_linear(max_rows: int, available: tuple[str, ...]) -> Linear:
     def linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]  # a dynamic size in a prefill graph: no few-row path is known to apply
         kind = _quantized_kernel(module, x)
-        if kind in available and (kind == "int8" or known(rows <= kernels.W8A8_MAX_ROWS)):
+        if kind in available:
             return _kernel_linear(kind, module, x, rows)
         if type(module) is nn.Linear:
             return float_linear(x, module.weight, module.bias)
