@@ -324,48 +324,24 @@ constexpr std::array<Block, sizeof...(R) + 1> blocks_of(std::integer_sequence<in
 template <int C>
 constexpr auto kBlocks = blocks_of<C>(std::make_integer_sequence<int, kBlockRows>{});
 
-// The row blocks of a GEMM over r rows: at most kBlockRows rows each, sizes differing by at most one -> block b is
-// rows [start[b], start[b + 1]).
-std::vector<int64_t> row_blocks(int64_t r) {
-  const int64_t n = (r + kBlockRows - 1) / kBlockRows;
-  std::vector<int64_t> start;
-  for (int64_t b = 0; b <= n; b++) start.push_back(r * b / n);
-  return start;
-}
-
-// kMaxRows < R <= ni_gemv::kGemmMaxRows rows: the groups of every matrix (as ni_gemv::for_column_groups forms them,
-// width kGemmCols) split evenly between the threads; each thread runs its groups in order and, per group, every
-// block of rows while the group's weight rows are in L1. acts[b]: block b's activations.
-void gemm_rows(const std::vector<Act>& acts, const std::vector<int64_t>& start, const Gemv& g) {
+// kMaxRows < R <= ni_gemv::kGemmMaxRows rows, in blocks of at most kBlockRows rows per column group
+// (ni_gemv::for_row_blocks). acts[b]: block b's activations.
+void gemm_rows(const std::vector<Act>& acts, const Gemv& g) {
   constexpr int C = kGemmCols;
-  int64_t first[ni_gemv::kMaxMats + 1] = {0};
-  for (int64_t m = 0; m < g.mats; m++) first[m + 1] = first[m] + g.n[m] / C + g.n[m] % C;
-  const int64_t total = first[g.mats];
-#pragma omp parallel
-  {
-    const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num();
-    const int64_t end = total * (tid + 1) / nt;
-    for (int64_t t = total * tid / nt; t < end; t++) {
-      int64_t m = 0;
-      while (t >= first[m + 1]) m++;
-      const int64_t i = t - first[m], h = g.n[m] / C;
-      const bool wide = i < h;
-      const int64_t j = wide ? i : C * h + (i - h), cs = wide ? h : 0;
-      for (size_t b = 0; b < acts.size(); b++) {
-        const int64_t r0 = start[b], rows = start[b + 1] - r0;
-        (wide ? kBlocks<C> : kBlocks<1>)[rows](acts[b], g, m, j, cs, g.y + r0 * g.ntot + g.off[m] + j);
-      }
-    }
-  }
+  ni_gemv::for_row_blocks<C, kBlockRows>(g, [&](int64_t m, bool wide, int64_t b, int64_t r0, int64_t rows, int64_t j,
+                                                int64_t cs) {
+    (wide ? kBlocks<C> : kBlocks<1>)[rows](acts[b], g, m, j, cs, g.y + r0 * g.ntot + g.off[m] + j);
+  });
 }
 
 #ifdef __AVX512BF16__
 void run(const Gemv& g) {
   if (g.r <= kMaxRows) return kKernels[g.r](Act{g.x, g.x_stride}, g);
-  const std::vector<int64_t> start = row_blocks(g.r);
+  const int64_t n = ni_gemv::row_blocks(g.r, kBlockRows);
   std::vector<Act> acts;
-  for (size_t b = 0; b + 1 < start.size(); b++) acts.push_back(Act{g.x + start[b] * g.x_stride, g.x_stride});
-  gemm_rows(acts, start, g);
+  for (int64_t b = 0; b < n; b++)
+    acts.push_back(Act{g.x + ni_gemv::row_block_start(g.r, n, b) * g.x_stride, g.x_stride});
+  gemm_rows(acts, g);
 }
 #else
 // x [R, K] bf16 rows `xs` apart -> fp32 blocks of kBlock, block-major: block b of row r at (b R + r) kBlock (one
@@ -384,13 +360,15 @@ void run(const Gemv& g) {
     const std::vector<float> xf = widen_rows(g.x, g.x_stride, g.r, g.k);  // R x K floats, a few KB, once per call
     return kKernels[g.r](Act{xf.data()}, g);
   }
-  const std::vector<int64_t> start = row_blocks(g.r);  // each block widened on its own (block-major in it), once
-  std::vector<std::vector<float>> xf(start.size() - 1);
-  for (size_t b = 0; b < xf.size(); b++)
-    xf[b] = widen_rows(g.x + start[b] * g.x_stride, g.x_stride, start[b + 1] - start[b], g.k);
+  const int64_t n = ni_gemv::row_blocks(g.r, kBlockRows);  // each block widened on its own (block-major in it)
+  std::vector<std::vector<float>> xf(static_cast<size_t>(n));
+  for (int64_t b = 0; b < n; b++) {
+    const int64_t r0 = ni_gemv::row_block_start(g.r, n, b);
+    xf[b] = widen_rows(g.x + r0 * g.x_stride, g.x_stride, ni_gemv::row_block_start(g.r, n, b + 1) - r0, g.k);
+  }
   std::vector<Act> acts;
   for (const auto& v : xf) acts.push_back(Act{v.data()});
-  gemm_rows(acts, start, g);
+  gemm_rows(acts, g);
 }
 #endif
 
@@ -398,8 +376,8 @@ void run(const Gemv& g) {
 
 extern "C" {
 
-// x [R, K] bf16 (any R >= 1), ws[m] [N_m, K] bf16 (m < n_mats <= 4, the linears sharing x) -> *ret0 = new [R, N_0 + ... ] bf16
-// tensor, the matrices' results side by side. AOTI_TORCH_FAILURE on any other input (the generated wrapper turns
+// x [R, K] bf16 (any R >= 1), ws[m] [N_m, K] bf16 (m < n_mats <= 4, the linears sharing x) -> *ret0 = new [R, N_0 + ...
+// ] bf16 tensor, the matrices' results side by side. AOTI_TORCH_FAILURE on any other input (the generated wrapper turns
 // that into a RuntimeError).
 AOTITorchError aoti_torch_cpu_ni_gemv_bf16_v8(AtenTensorHandle x, const AtenTensorHandle* ws, int64_t n_mats,
                                               AtenTensorHandle* ret0) {

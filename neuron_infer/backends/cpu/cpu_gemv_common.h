@@ -274,4 +274,38 @@ void for_column_groups(const Gemv& g, F&& group) {
   }
 }
 
+// The kernels' GEMM loop (more than 8 rows), for blocks of at most B rows: r rows make row_blocks(r, B) blocks, block
+// b being rows [row_block_start(r, n, b), row_block_start(r, n, b + 1)) (sizes differing by at most one).
+inline int64_t row_blocks(int64_t r, int64_t b) { return (r + b - 1) / b; }
+inline int64_t row_block_start(int64_t r, int64_t n, int64_t b) { return r * b / n; }
+
+// The groups of every matrix (C columns j, j + h, ..., j + (C - 1) h, and the n % C last columns alone, as in
+// for_column_groups) split evenly between the threads; each thread runs its groups in order and, per group, every
+// block of rows, calling
+//     block(m, wide, b, r0, rows, j, cs)      wide: a group of C columns (cs = h), else one column (cs = 0)
+// so a group's weight rows are read from memory once and serve every block of rows from L1. The block writes its
+// results to y directly (rows g.ntot apart).
+template <int C, int B, class F>
+void for_row_blocks(const Gemv& g, F&& block) {
+  int64_t first[kMaxMats + 1] = {0};
+  for (int64_t m = 0; m < g.mats; m++) first[m + 1] = first[m] + g.n[m] / C + g.n[m] % C;
+  const int64_t total = first[g.mats], blocks = row_blocks(g.r, B);
+#pragma omp parallel
+  {
+    const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num();
+    const int64_t end = total * (tid + 1) / nt;
+    for (int64_t t = total * tid / nt; t < end; t++) {
+      int64_t m = 0;
+      while (t >= first[m + 1]) m++;
+      const int64_t i = t - first[m], h = g.n[m] / C;
+      const bool wide = i < h;
+      const int64_t j = wide ? i : C * h + (i - h), cs = wide ? h : 0;
+      for (int64_t b = 0; b < blocks; b++) {
+        const int64_t r0 = row_block_start(g.r, blocks, b);
+        block(m, wide, b, r0, row_block_start(g.r, blocks, b + 1) - r0, j, cs);
+      }
+    }
+  }
+}
+
 }  // namespace ni_gemv

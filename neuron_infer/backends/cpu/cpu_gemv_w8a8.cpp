@@ -191,35 +191,15 @@ template <int C>
 constexpr Block kBlocks[] = {nullptr, group<1, C>, group<2, C>, group<3, C>, group<4, C>,
                              group<5, C>, group<6, C>, group<7, C>, group<8, C>};
 
-// R > kMaxRows rows. The groups of every matrix (kGemmCols columns j, j + h, ..., as in ni_gemv::for_column_groups,
-// and the n % C last columns alone) are split evenly between the threads; each thread runs its groups in order and,
-// per group, every block of at most kBlockRows rows (sizes differing by at most one) while the group's weight rows
-// are in L1. Results go straight to y (rows ntot apart).
+// R > kMaxRows rows, in blocks of at most kBlockRows rows per column group (ni_gemv::for_row_blocks).
 void gemm_rows(const Act* xa, int64_t kp, const float* xs, const Gemv& g) {
   constexpr int C = kGemmCols;
-  int64_t first[ni_gemv::kMaxMats + 1] = {0};
-  for (int64_t m = 0; m < g.mats; m++) first[m + 1] = first[m] + g.n[m] / C + g.n[m] % C;
-  const int64_t total = first[g.mats], blocks = (g.r + kBlockRows - 1) / kBlockRows;
-#pragma omp parallel
-  {
-    const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num();
-    const int64_t end = total * (tid + 1) / nt;
-    for (int64_t t = total * tid / nt; t < end; t++) {
-      int64_t m = 0;
-      while (t >= first[m + 1]) m++;
-      const int64_t i = t - first[m], h = g.n[m] / C;
-      const bool wide = i < h;
-      const int64_t j = wide ? i : C * h + (i - h), cs = wide ? h : 0;
-      const int8_t* q = static_cast<const int8_t*>(g.w[m]);
-      const float* sc = static_cast<const float*>(g.scale[m]);
-      for (int64_t b = 0; b < blocks; b++) {
-        const int64_t r0 = g.r * b / blocks, r1 = g.r * (b + 1) / blocks;
-        const Block block = (wide ? kBlocks<C> : kBlocks<1>)[r1 - r0];
-        block(xa + r0 * kp, kp, xs + r0, q, g.w_stride[m], sc, g.k, j, cs, g.y + r0 * g.ntot + g.off[m] + j, g.ntot,
-              cs);
-      }
-    }
-  }
+  ni_gemv::for_row_blocks<C, kBlockRows>(g, [&](int64_t m, bool wide, int64_t, int64_t r0, int64_t rows, int64_t j,
+                                                int64_t cs) {
+    (wide ? kBlocks<C> : kBlocks<1>)[rows](xa + r0 * kp, kp, xs + r0, static_cast<const int8_t*>(g.w[m]),
+                                           g.w_stride[m], static_cast<const float*>(g.scale[m]), g.k, j, cs,
+                                           g.y + r0 * g.ntot + g.off[m] + j, g.ntot, cs);
+  });
 }
 
 // One row's per-token quantization, the reference's operations in fp32: s = max(max|x| / 127, FLT_MIN),
@@ -278,9 +258,9 @@ float quantize_row(const uint16_t* x, int64_t k, Act* out) {
 
 extern "C" {
 
-// x [R, K] bf16 (any R >= 1), qs[m] [N_m, K] int8, scales[m] [N_m] fp32 (m < n_mats <= 4, the linears sharing x) -> *ret0 = new
-// [R, N_0 + ... ] bf16 tensor, the matrices' results side by side. AOTI_TORCH_FAILURE on any other input (the
-// generated wrapper turns that into a RuntimeError).
+// x [R, K] bf16 (any R >= 1), qs[m] [N_m, K] int8, scales[m] [N_m] fp32 (m < n_mats <= 4, the linears sharing x) ->
+// *ret0 = new [R, N_0 + ... ] bf16 tensor, the matrices' results side by side. AOTI_TORCH_FAILURE on any other input
+// (the generated wrapper turns that into a RuntimeError).
 AOTITorchError aoti_torch_cpu_ni_gemv_w8a8_v3(AtenTensorHandle x, const AtenTensorHandle* qs, int64_t n_mats,
                                               const AtenTensorHandle* scales, int64_t n_scales,
                                               AtenTensorHandle* ret0) {
