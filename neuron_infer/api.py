@@ -54,7 +54,7 @@ from neuron_infer.runtime.options import RunOptions
 from neuron_infer.runtime.rank_group import RankGroup
 from neuron_infer.runtime.sequence import Sequence, StopRule, check_prompt, cut_at_stop
 from neuron_infer.runtime.speculation import Speculation, split
-from neuron_infer.text_input import check_text
+from neuron_infer.text_input import check_path, check_text
 
 OnTokens = Callable[[list[list[int]]], None]
 
@@ -144,13 +144,11 @@ class CompiledModel:
         speculation_gate: with a draft model, take plain steps while speculative steps are measured not to pay
         (False: speculate on every step that can, e.g. to measure speculation at a fixed k; docs/speculation.md).
         """
-        if not isinstance(artifact_dir, str | os.PathLike):
-            raise NeuronInferError(f"artifact_dir must be a path (str or pathlib.Path), not {reprlib.repr(artifact_dir)}")
+        root = Path(check_path(artifact_dir, "artifact_dir"))
         options = RunOptions(prefix_caching, prefill_chunk, speculation_gate)  # checked before the slow load
         check_kv_cache_gib(kv_cache_gib)
         if threads is not None:
             cpu_threads.use(threads)  # validated before the slow load
-        root = Path(artifact_dir)
         on_stage(LOAD_STAGES[0])
         manifest = read_manifest(root, verify_files=verify_files)
         if expect_checkpoint is not None:

@@ -13,7 +13,7 @@ import sys
 
 import click
 
-from neuron_infer.cli_help import examples, parse_logit_bias, sampling_options
+from neuron_infer.cli_help import examples, parse_logit_bias, path_param, sampling_options
 from neuron_infer.config import SamplingConfig
 from neuron_infer.errors import NeuronInferError
 from neuron_infer.presets import EMBEDDED_PRESET, default_artifact_dir, load_preset
@@ -72,7 +72,7 @@ def _read_message(stdin, interactive: bool) -> str | None:
     "neuron-infer chat artifacts/llama --temperature 0.7 --top-p 0.9 --seed 0",
     "printf 'Hi!\\nTell me more.\\n' | neuron-infer chat artifacts/llama > answers.txt",
 ))
-@click.argument("artifacts", required=False)
+@click.argument("artifacts", required=False, callback=path_param("ARTIFACTS"))
 @click.option("--system", default=None, help="system message that starts the conversation, e.g. 'Be brief.'")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=None,
               help="longest answer in tokens  [default: until EOS or the artifact's max_length]")

@@ -29,7 +29,7 @@ from neuron_infer.artifact.manifest import load_verified_tokenizer, read_manifes
 from neuron_infer.errors import NeuronInferError
 from neuron_infer.runtime.grammar import GrammarSpec
 from neuron_infer.runtime.sequence import cut_at_stop
-from neuron_infer.text_input import read_bounded
+from neuron_infer.text_input import read_bounded, read_text_file
 
 STDIN = "-"
 
@@ -188,11 +188,7 @@ def grammar_spec(json_schema: str | None, regex: str | None, choice: tuple[str, 
         return None
     text = None
     if json_schema is not None:
-        try:
-            text = Path(json_schema).read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise NeuronInferError(f"--json-schema {json_schema}: cannot read it ({e.__class__.__name__}: "
-                                   f"{getattr(e, 'strerror', None) or e}); give a UTF-8 JSON schema file") from None
+        text = read_text_file(json_schema, f"--json-schema {json_schema}")  # bounded; a device or FIFO never hangs
     if sum([json_schema is not None, regex is not None, bool(choice)]) > 1:
         raise NeuronInferError("--json-schema, --regex and --choice exclude each other; give one")
     return GrammarSpec(json_schema=text, regex=regex, choice=tuple(choice))

@@ -1,0 +1,113 @@
+"""More variants of hostile input, on the paths and files a user names: a symbolic link that loops, a name that is not
+UTF-8 (a byte a Linux file name may hold, given on the command line), a NUL character or an empty path from the Python
+API, a --json-schema file that is a named pipe nobody writes to. Each is one `error:` line naming the argument (exit
+status 2) or a NeuronInferError, never a traceback, a hang or a message blaming a sound file, and nothing changes."""
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+from pathlib import Path
+
+import pytest
+
+from neuron_infer.errors import NeuronInferError
+from tests.test_fuzz_hostile import tree
+from tests.test_user_errors import TINY, cli, one_error
+from tests.tiny_artifact import CLI_BUILD, compile_tiny
+
+DEADLINE_S = 60  # a hang guard only (PIPE_WAIT_S is 10 s); no timing is asserted
+GENERATE = ["--prompt", "hi", "--max-new-tokens", "1"]
+
+
+@contextlib.contextmanager
+def deadline(what: str):
+    def expired(*_):
+        raise AssertionError(f"{what}: still running after {DEADLINE_S} s (a hang)")
+
+    old = signal.signal(signal.SIGALRM, expired)
+    signal.alarm(DEADLINE_S)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+
+
+@pytest.fixture(scope="module")
+def art(tiny_dirs, tmp_path_factory) -> Path:
+    return compile_tiny(tiny_dirs("gqa"), tmp_path_factory.mktemp("audit") / "a")
+
+
+def path_commands(p: str, model: Path, art: Path, out: Path) -> dict[str, list]:
+    """Every command line that takes a path, with `p` as that path: {argument name: argv}."""
+    return {
+        "MODEL_DIR": ["compile", p, "-o", out, *TINY],
+        "-o": ["compile", model, "-o", p, *TINY],
+        "quantize MODEL_DIR": ["quantize", p, "-o", out, "--quant", "int8"],
+        "quantize -o": ["quantize", model, "-o", p, "--quant", "int8"],
+        "ARTIFACTS": ["generate", p, *GENERATE],
+        "chat ARTIFACTS": ["chat", p],
+        "info ARTIFACTS": ["info", p],
+        "--prompt-file": ["generate", art, "--prompt-file", p, "--max-new-tokens", "1"],
+        "--draft-model": ["compile", model, "-o", out, *TINY, "--draft-model", p, "--speculation-length", "2"],
+        "--json-schema": ["generate", art, *GENERATE, "--json-schema", p],
+    }
+
+
+@pytest.mark.parametrize("kind", ["link loop", "under a link loop", "not UTF-8", "not UTF-8 inside"])
+def test_paths_that_cannot_be_opened_are_named(tiny_dirs, art, tmp_path, capsys, kind):
+    """A link loop gave a RuntimeError traceback (-o, --draft-model); a name holding byte 0xff (decoded by Python as
+    U+DCFF) was reported as a corrupt safetensors file ("re-download it"), a broken tokenizer or an artifact to
+    recompile, and was a traceback in `quantize`."""
+    loop = tmp_path / "loop"
+    loop.symlink_to(loop)
+    odd = tmp_path / "odd\udcffdir"  # a real directory whose name is not UTF-8
+    shutil.copytree(art, odd)
+    p = {"link loop": str(loop), "under a link loop": str(loop / "x"), "not UTF-8": "\udcff",
+         "not UTF-8 inside": str(odd)}[kind]
+    words = ("loop",) if "loop" in kind else ("not a UTF-8 path", "byte 0xff", "rename")
+    model, out = tiny_dirs("gqa"), tmp_path / "out"
+    before = tree(tmp_path), tree(model), tree(art)
+    for name, args in path_commands(p, model, art, out).items():
+        with deadline(f"{name} {kind}"):
+            error = one_error(*cli(args, capsys), *words)
+        assert error.startswith(f"error: {name.split()[-1]} "), (name, error)
+    assert (tree(tmp_path), tree(model), tree(art)) == before
+
+
+def test_api_paths_that_cannot_be_opened(tiny_dirs, tmp_path):
+    from neuron_infer.api import CompiledModel, compile_model
+
+    loop = tmp_path / "loop"
+    loop.symlink_to(loop)
+    model = tiny_dirs("gqa")
+    for bad in (str(loop), loop / "x", "a\0b", "\udcff", "", b"/tmp"):
+        for name, call, args in (("artifact_dir", CompiledModel.load, (bad,)),
+                                 ("model_dir", compile_model, (bad, tmp_path / "o", CLI_BUILD)),
+                                 ("out_dir", compile_model, (model, bad, CLI_BUILD))):
+            with deadline(f"{name}={bad!r}"), pytest.raises(NeuronInferError, match=name):
+                call(*args)
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory", "socket"])
+def test_a_json_schema_that_is_not_a_text_file(art, tmp_path, capsys, monkeypatch, kind):
+    """--json-schema was read whole with no bound: /dev/zero filled the memory, and a named pipe nobody writes to
+    hung forever. It is read like --prompt-file: bounded, without blocking, and a device is refused."""
+    from neuron_infer import text_input
+
+    monkeypatch.setattr(text_input, "PIPE_WAIT_S", 0.5)
+    p = tmp_path / "schema.json"
+    if kind == "fifo":
+        os.mkfifo(p)
+    elif kind == "directory":
+        p.mkdir()
+    else:
+        sock = socket.socket(socket.AF_UNIX)
+        sock.bind(str(p))
+    with deadline(f"--json-schema {kind}"):
+        one_error(*cli(["generate", art, *GENERATE, "--json-schema", p], capsys), "--json-schema",
+                  {"fifo": "FIFO", "directory": "directory", "socket": "socket"}[kind])
