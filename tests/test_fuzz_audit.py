@@ -111,3 +111,57 @@ def test_a_json_schema_that_is_not_a_text_file(art, tmp_path, capsys, monkeypatc
     with deadline(f"--json-schema {kind}"):
         one_error(*cli(["generate", art, *GENERATE, "--json-schema", p], capsys), "--json-schema",
                   {"fifo": "FIFO", "directory": "directory", "socket": "socket"}[kind])
+
+
+def _cache_with_user_files(cache: Path, art: Path) -> dict[str, Path]:
+    """A cache whose model, artifact and graph entries (stale: built by other versions) each hold a user's file."""
+    import json
+
+    entries = {"artifact": cache / "artifacts" / "smollm2-135m-0123456789abcdef",
+               "graph": cache / "graphs" / ("a" * 32), "model": cache / "models" / "SmolLM2-135M-Instruct-0123456789abcdef"}
+    shutil.copytree(art, entries["artifact"])
+    manifest = json.loads((entries["artifact"] / "manifest.json").read_text())
+    manifest["versions"]["neuron_infer"] = "0.0.1"
+    (entries["artifact"] / "manifest.json").write_text(json.dumps(manifest))
+    entries["graph"].mkdir(parents=True)
+    (entries["graph"] / "g.pt2").write_text("graph")
+    (entries["graph"] / "neuron_infer_graph.json").write_text(json.dumps({"files": ["g.pt2"],
+                                                                          "versions": {"torch": "0"}}))
+    entries["model"].mkdir(parents=True)
+    (entries["model"] / "config.json").write_text("{}")
+    (entries["model"] / "neuron_infer_source.json").write_text(json.dumps({"gguf_sha256": "0123456789abcdef" * 4}))
+    for p in entries.values():
+        (p / "my-notes.txt").write_text("mine")
+    return entries
+
+
+def test_cache_prune_keeps_an_entry_holding_user_files(art, tmp_path, capsys, monkeypatch):
+    """`cache prune --all` deleted the whole directory of a recognised entry, user files inside included. An entry
+    holding anything neuron-infer did not write is kept and named with what is in the way; once the file is moved
+    out, the entry is pruned."""
+    cache = tmp_path / "cache"
+    entries = _cache_with_user_files(cache, art)
+    monkeypatch.setenv("NEURON_INFER_CACHE", str(cache))
+    before = tree(cache)
+    for args in (["cache", "prune"], ["cache", "prune", "--all"]):
+        code, out = cli_out(args, capsys)
+        assert code == 0 and tree(cache) == before, out
+        for p in entries.values():
+            assert f"kept {p}: holds my-notes.txt, which neuron-infer did not write" in out, out
+    code, listed = cli_out(["cache", "list"], capsys)
+    for p in entries.values():
+        assert f"{p.relative_to(cache)}  (holds my-notes.txt" in listed, listed
+    for p in entries.values():
+        (p / "my-notes.txt").unlink()
+    code, out = cli_out(["cache", "prune", "--all"], capsys)
+    assert code == 0 and not any(p.exists() for p in entries.values()), out
+
+
+def cli_out(args: list, capsys) -> tuple[int, str]:
+    """Run the CLI in this process: (exit status, stdout)."""
+    from neuron_infer.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main([str(a) for a in args])
+        raise SystemExit(0)
+    return e.value.code, capsys.readouterr().out
