@@ -17,7 +17,7 @@ from neuron_infer.cli_help import examples, parse_logit_bias, path_param, sampli
 from neuron_infer.config import SamplingConfig
 from neuron_infer.errors import NeuronInferError
 from neuron_infer.presets import EMBEDDED_PRESET, default_artifact_dir, load_preset
-from neuron_infer.text_input import MAX_INPUT_BYTES, check_text
+from neuron_infer.text_input import MAX_INPUT_BYTES, check_size, check_text
 
 EXIT_COMMANDS = ("/exit", "/quit")
 RESET_COMMAND = "/reset"
@@ -101,6 +101,8 @@ def chat_cmd(artifacts, system, max_new_tokens, temperature, top_k, top_p, seed,
         check_text(system, "--system")
     artifacts = _resolve_artifacts(artifacts, config, say)
     manifest, tokenizer = artifact_front(artifacts)  # cheap checks before the slow load
+    if system is not None:
+        check_size("--system", system, manifest.build.max_context_length)  # before it is tokenized
     start = [{"role": "system", "content": system}] if system else []
     encode_chat(tokenizer, start + [{"role": "user", "content": "hi"}])  # raises when there is no chat template
     model = CompiledModel.load(artifacts, threads=threads or "auto", tokenizer=tokenizer)
@@ -121,6 +123,7 @@ def chat_cmd(artifacts, system, max_new_tokens, temperature, top_k, top_p, seed,
             say("(conversation reset)")
             continue
         try:
+            check_size("this message", line, build.max_context_length)  # before it is tokenized
             messages, ids = fit_conversation(tokenizer, messages + [{"role": "user", "content": line}],
                                              build.max_context_length, say)
         except NeuronInferError as e:

@@ -37,6 +37,9 @@ STDIN = "-"
 def read_stdin(stream=None) -> str:
     """All of stdin as text (invalid UTF-8 is a clear error)."""
     if stream is None:
+        if sys.stdin is None:  # the process was started with stdin closed
+            raise NeuronInferError("stdin is closed, so no prompt can be read from it; pipe the prompt in, e.g. "
+                                   "`echo 'Hello' | neuron-infer generate --prompt -`, or pass --prompt TEXT")
         stream = getattr(sys.stdin, "buffer", sys.stdin)
     data = read_bounded(stream, "stdin")
     if isinstance(data, str):

@@ -165,3 +165,31 @@ def cli_out(args: list, capsys) -> tuple[int, str]:
         main([str(a) for a in args])
         raise SystemExit(0)
     return e.value.code, capsys.readouterr().out
+
+
+def test_prompt_from_a_closed_stdin(art, capsys, monkeypatch):
+    """`--prompt -` with stdin closed (`0<&-`: sys.stdin is None) was an AttributeError traceback."""
+    import sys
+
+    monkeypatch.setattr(sys, "stdin", None)
+    one_error(*cli(["generate", art, "--prompt", "-", "--max-new-tokens", "1"], capsys), "stdin is closed")
+
+
+def test_chat_text_too_long_to_fit_is_refused_before_it_is_tokenized(art, capsys, monkeypatch):
+    """A chat message or --system text longer than 64 characters per token of max_context_length was tokenized
+    whole first (a message of 6 M characters became 6 M tokens before the length check)."""
+    import io
+    import sys
+
+    from neuron_infer import api
+
+    calls = []
+    real = api.encode_chat
+    monkeypatch.setattr(api, "encode_chat", lambda tok, msgs, *a, **k: calls.append(
+        max(len(m["content"]) for m in msgs)) or real(tok, msgs, *a, **k))
+    long = "hi " * 10_000  # 30,000 characters: more than 64 x max_context_length (256)
+    one_error(*cli(["chat", art, "--system", long], capsys), "--system has 30000 characters", "cannot fit")
+    monkeypatch.setattr(sys, "stdin", io.StringIO(long + "\nhi\n"))
+    code, lines = cli(["chat", art, "--max-new-tokens", "1"], capsys)
+    assert code == 0 and any("this message has 30000 characters" in ln for ln in lines), lines
+    assert max(calls) < 30_000
