@@ -193,3 +193,22 @@ def test_chat_text_too_long_to_fit_is_refused_before_it_is_tokenized(art, capsys
     code, lines = cli(["chat", art, "--max-new-tokens", "1"], capsys)
     assert code == 0 and any("this message has 30000 characters" in ln for ln in lines), lines
     assert max(calls) < 30_000
+
+
+def test_api_values_past_their_types(art):
+    """Python values the type checks let through: an int too large for a float (10**400) raised OverflowError, a
+    lone surrogate in a chat message a TypeError from the tokenizer, a non-callable on_stage or a non-tokenizer
+    tokenizer a TypeError or AttributeError. Each is a NeuronInferError naming the parameter."""
+    from neuron_infer.api import CompiledModel
+    from neuron_infer.config import SamplingConfig
+
+    for name in ("temperature", "repetition_penalty", "top_p", "min_p", "presence_penalty"):
+        with pytest.raises(NeuronInferError, match=name):
+            SamplingConfig(**{name: 10**400})
+    for kw in ({"kv_cache_gib": 10**400}, {"on_stage": 5}, {"tokenizer": 5}, {"tokenizer": "x"}):
+        with deadline(f"load {kw}"), pytest.raises(NeuronInferError, match=next(iter(kw)).replace("_", "[_-]")):
+            CompiledModel.load(art, **kw)
+    m = CompiledModel.load(art)
+    for messages in ([{"role": "user", "content": "\ud800"}], [{"role": "\udcff", "content": "x"}]):
+        with deadline(f"generate_chat {messages!r}"), pytest.raises(NeuronInferError, match=r"messages\[0\]"):
+            m.generate_chat(messages, max_new_tokens=1)
