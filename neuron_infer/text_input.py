@@ -73,7 +73,8 @@ def read_text_file(path: str | Path, what: str) -> str:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as e:
         if e.errno == errno.ENXIO and stat.S_ISSOCK(os.stat(path).st_mode):  # a socket cannot be opened
-            raise NeuronInferError(f"{what}: it is a socket; give a text file, or pipe the text into stdin") from e
+            raise NeuronInferError(f"{what}: cannot read it: it is a socket; give a text file, or pipe the text "
+                                   "into stdin") from e
         raise NeuronInferError(f"{what}: cannot read it ({e.strerror or e})") from e
     try:
         _check_kind(fd, what)
