@@ -212,3 +212,25 @@ def test_api_values_past_their_types(art):
     for messages in ([{"role": "user", "content": "\ud800"}], [{"role": "\udcff", "content": "x"}]):
         with deadline(f"generate_chat {messages!r}"), pytest.raises(NeuronInferError, match=r"messages\[0\]"):
             m.generate_chat(messages, max_new_tokens=1)
+
+
+@pytest.mark.parametrize("kind", ["json not UTF-8", "text not UTF-8", "many entries", "distinct entries"])
+def test_a_modules_to_not_convert_file(tiny_dirs, tmp_path, capsys, kind):
+    """A --modules-to-not-convert file that is not UTF-8 was a UnicodeDecodeError traceback; one of 3 M lines ran
+    for minutes (every entry matched against every layer). Repeats are dropped; too many distinct names is one
+    error; a file read is bounded like --prompt-file."""
+    path = tmp_path / ("mods.json" if kind.startswith("json") else "mods.txt")
+    path.write_bytes({"json not UTF-8": b'["\xff"]', "text not UTF-8": b"lm_head\n\xff\n",
+                      "many entries": b"lm_head\n" * 1_000_000,
+                      "distinct entries": b"".join(b"m%d\n" % i for i in range(70_000))}[kind])
+    model, out = tiny_dirs("gqa"), tmp_path / "out"
+    before = tree(model)
+    for args in (["compile", model, "-o", out, *TINY], ["quantize", model, "-o", out]):
+        with deadline(f"{args[0]} {kind}"):
+            code, lines = cli([*args, "--quant", "int8", "--modules-to-not-convert", path], capsys)
+        if kind == "many entries":
+            assert code == 0, lines
+            shutil.rmtree(out)
+        else:
+            one_error(code, lines, str(path), "at most" if kind == "distinct entries" else "not UTF-8")
+    assert tree(model) == before
