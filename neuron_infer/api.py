@@ -19,7 +19,6 @@ does, and loads it.
 """
 from __future__ import annotations
 
-import math
 import os
 import reprlib
 from collections.abc import Callable, Mapping
@@ -54,7 +53,7 @@ from neuron_infer.runtime.options import RunOptions
 from neuron_infer.runtime.rank_group import RankGroup
 from neuron_infer.runtime.sequence import Sequence, StopRule, check_prompt, cut_at_stop
 from neuron_infer.runtime.speculation import Speculation, split
-from neuron_infer.text_input import check_text
+from neuron_infer.text_input import check_path, check_text
 
 OnTokens = Callable[[list[list[int]]], None]
 
@@ -144,13 +143,17 @@ class CompiledModel:
         speculation_gate: with a draft model, take plain steps while speculative steps are measured not to pay
         (False: speculate on every step that can, e.g. to measure speculation at a fixed k; docs/speculation.md).
         """
-        if not isinstance(artifact_dir, str | os.PathLike):
-            raise NeuronInferError(f"artifact_dir must be a path (str or pathlib.Path), not {reprlib.repr(artifact_dir)}")
+        root = Path(check_path(artifact_dir, "artifact_dir"))
+        if not callable(on_stage):
+            raise NeuronInferError(f"on_stage={on_stage!r} must be a callable")
+        if tokenizer is not None and (isinstance(tokenizer, str | bytes) or not hasattr(tokenizer, "eos_token_id")
+                                      or not callable(getattr(tokenizer, "encode", None))):
+            raise NeuronInferError(f"tokenizer={reprlib.repr(tokenizer)} must be a tokenizer (the one "
+                                   "load_verified_tokenizer returns), or None to load the artifact's own")
         options = RunOptions(prefix_caching, prefill_chunk, speculation_gate)  # checked before the slow load
         check_kv_cache_gib(kv_cache_gib)
         if threads is not None:
             cpu_threads.use(threads)  # validated before the slow load
-        root = Path(artifact_dir)
         on_stage(LOAD_STAGES[0])
         manifest = read_manifest(root, verify_files=verify_files)
         if expect_checkpoint is not None:
@@ -345,6 +348,8 @@ def check_messages(messages) -> None:
         if not isinstance(m, Mapping) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             raise NeuronInferError(f'messages[{i}] must be a dict with a string "role" and a string "content", not '
                                    f"{reprlib.repr(m)}")
+        check_text(m["role"], f"messages[{i}] role")
+        check_text(m["content"], f"messages[{i}] content")
 
 
 def check_kv_cache_gib(gib) -> None:
@@ -352,7 +357,7 @@ def check_kv_cache_gib(gib) -> None:
     if gib is None:
         return
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    if isinstance(gib, bool) or not isinstance(gib, int | float) or not math.isfinite(gib) or not 0 < gib <= total:
+    if isinstance(gib, bool) or not isinstance(gib, int | float) or not 0 < gib <= total:  # NaN compares False
         raise NeuronInferError(f"--kv-cache-gib {gib!r} must be a number above 0 and at most this machine's memory "
                                f"({total:.1f} GiB)")
 

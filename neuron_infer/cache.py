@@ -12,6 +12,8 @@
 An entry is ours only when its whole name has one of these exact shapes *and* it holds its marker file (models,
 artifacts, graphs: as above; leftovers: neuron_infer.output_dir.PARTIAL_MARKER); everything else in the cache (e.g.
 a virtualenv, a user's files) is listed as "other" and never deleted. Symbolic links are never followed or deleted.
+A model, artifact or graph entry holding anything neuron-infer did not write there (a file its manifest or marker
+does not list, a directory, a link) is `kept`: listed with what is in the way, and never pruned.
 
 States: `current` (loadable by this installation), `stale` (built by other package versions or graph sources, or
 converted from a GGUF file that is no longer the installed one) and `partial` (an interrupted build older than an
@@ -26,11 +28,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from neuron_infer.artifact.manifest import package_versions
+from neuron_infer.artifact.manifest import artifact_files, package_versions
 from neuron_infer.backends.graph_cache import KEY_RE, MARKER, PARTIAL_RE, current_versions
 from neuron_infer.embedded import MODEL_NAME, SOURCE_FILE, file_sha256, find_gguf
 from neuron_infer.errors import CheckpointError
-from neuron_infer.output_dir import is_marked
+from neuron_infer.output_dir import foreign_entries, is_marked
 from neuron_infer.typed import parse_json
 
 ARTIFACT_PREFIX = "smollm2-135m"  # neuron_infer.presets.default_artifact_dir names its compiles so
@@ -135,6 +137,48 @@ def _partial_entry(p: Path, now: float) -> CacheEntry | None:
     return CacheEntry(p, "partial", state, tree_size(p), f"interrupted build, {age / 60:.0f} min old")
 
 
+# the files a converted model holds (transformers' save_pretrained of the model and its tokenizer, and our marker)
+_MODEL_FILES = {"config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json",
+                "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                "chat_template.json", "added_tokens.json", SOURCE_FILE}
+_SHARD_RE = re.compile(r"\Amodel-\d{5}-of-\d{5}\.safetensors\Z")
+
+
+def owned_files(entry: CacheEntry) -> set[str] | None:
+    """The relative paths of the files neuron-infer wrote into a model, artifact or graph entry (None: unknown)."""
+    p = entry.path
+    if entry.kind == "artifact":
+        return artifact_files(p)
+    if entry.kind == "graph":
+        try:
+            files = parse_json((p / MARKER).read_bytes()).get("files")
+        except (OSError, ValueError, AttributeError):
+            return None
+        ok = isinstance(files, list) and all(isinstance(f, str) and Path(f).name == f for f in files)
+        return {MARKER, *files} if ok else None
+    if entry.kind == "model":
+        return {f.name for f in p.iterdir() if f.name in _MODEL_FILES or _SHARD_RE.match(f.name)}
+    return None
+
+
+def _kept_if_foreign(entry: CacheEntry) -> CacheEntry:
+    """`entry` itself, or (when it holds anything neuron-infer did not write) the same entry in state "kept", whose
+    reason names what is in the way: prune never removes it."""
+    if entry.kind not in ("model", "artifact", "graph"):
+        return entry
+    mine = owned_files(entry)
+    if mine is None:
+        return CacheEntry(entry.path, entry.kind, "kept", entry.size_bytes, "its marker lists no files neuron-infer "
+                          "wrote (not a complete entry of ours): never pruned; remove it yourself if it is not yours")
+    foreign = foreign_entries(entry.path, mine)
+    if not foreign:
+        return entry
+    more = f" and {len(foreign) - 1} more" if len(foreign) > 1 else ""
+    return CacheEntry(entry.path, entry.kind, "kept", entry.size_bytes,
+                      f"holds {foreign[0]}{more}, which neuron-infer did not write: never pruned; move it out to let "
+                      "prune remove this entry")
+
+
 def scan(root: Path) -> list[CacheEntry]:
     """Every entry of the cache root (ours classified, the rest as "other"), sorted by path."""
     if not root.is_dir():
@@ -154,7 +198,8 @@ def scan(root: Path) -> list[CacheEntry]:
                 entry = _partial_entry(p, now) or {"models": lambda: _model_entry(p, gguf16),
                                                    "artifacts": lambda: _artifact_entry(p, versions),
                                                    "graphs": lambda: _graph_entry(p, graph_versions)}[top.name]()
-            out.append(entry or CacheEntry(p, "other", "other", 0, "not recognised as a neuron-infer entry"))
+            out.append(_kept_if_foreign(entry) if entry else
+                       CacheEntry(p, "other", "other", 0, "not recognised as a neuron-infer entry"))
     return out
 
 
@@ -165,9 +210,11 @@ def prunable(entries: list[CacheEntry], everything: bool) -> list[CacheEntry]:
 
 
 def remove(entry: CacheEntry) -> None:
-    """Delete one of our entries (re-checked: never a symlink, never an "other")."""
-    if entry.kind == "other" or entry.path.is_symlink():
-        raise ValueError(f"refusing to delete {entry.path}: not a neuron-infer cache entry")
+    """Delete one of our entries (re-checked: never a symlink, never an "other", never one holding files that are
+    not ours)."""
+    if entry.kind == "other" or entry.path.is_symlink() or _kept_if_foreign(entry).state == "kept":
+        raise ValueError(f"refusing to delete {entry.path}: not a neuron-infer cache entry, or it holds files "
+                         "neuron-infer did not write")
     if entry.kind == "kernel":
         entry.path.unlink()
     else:

@@ -12,7 +12,14 @@ from pathlib import Path
 import click
 from safetensors import SafetensorError
 
-from neuron_infer.cli_help import SectionedCommand, examples, option_names, parse_logit_bias, sampling_options
+from neuron_infer.cli_help import (
+    SectionedCommand,
+    examples,
+    option_names,
+    parse_logit_bias,
+    path_param,
+    sampling_options,
+)
 from neuron_infer.errors import NeuronInferError
 from neuron_infer.oserrors import as_os_error, describe_os_error
 
@@ -64,7 +71,7 @@ def build_options(f):
                      help="store quantized weights in the tiled layout of the kernels"),
         click.option("--kv-cache-dtype", type=click.Choice(["auto", "fp8"]), default=None,
                      help="KV cache dtype: auto = the model dtype, fp8 halves the cache"),
-        click.option("--draft-model", default=None,
+        click.option("--draft-model", default=None, callback=path_param("--draft-model", ("self", "ngram")),
                      help="speculative decoding: a draft checkpoint dir sharing the tokenizer, 'self', or 'ngram' "
                           "(prompt lookup: drafts copied from the prompt and output, no draft model)"),
         click.option("--speculation-length", type=int, default=None, help="K tokens drafted per step, e.g. 4"),
@@ -143,8 +150,8 @@ def cli() -> None:
     "neuron-infer compile path/to/Llama-3.2-1B -o artifacts/llama-int8 --quant int8 --tp-degree 2",
     "neuron-infer compile -o artifacts/tiny-default --config tiny",
 ))
-@click.argument("model_dir", required=False)
-@click.option("-o", "--output", required=True, metavar="DIR",
+@click.argument("model_dir", required=False, callback=path_param("MODEL_DIR"))
+@click.option("-o", "--output", required=True, metavar="DIR", callback=path_param("-o"),
               help="artifact directory to write (new, empty, or with --overwrite a previous artifact)")
 @click.option("--backend", default=None,
               help="override the target's backend, e.g. cpu-eager (no graph compile; debugging)")
@@ -170,11 +177,11 @@ def compile_cmd(model_dir, output, backend, overwrite, **kw) -> None:
 @cli.command("generate", cls=SectionedCommand, epilog=GENERATE_EXAMPLES,
              sections=(("Build options (only without ARTIFACTS: compile or reuse the default model)",
                         BUILD_OPTION_NAMES),))
-@click.argument("artifacts", required=False)
+@click.argument("artifacts", required=False, callback=path_param("ARTIFACTS"))
 @click.option("--prompt", "prompts", multiple=True,
               help="prompt text; repeat for a batch; '-' reads it from stdin (also read when stdin is a pipe and "
                    "no prompt is given)")
-@click.option("--prompt-file", default=None, metavar="FILE",
+@click.option("--prompt-file", default=None, metavar="FILE", callback=path_param("--prompt-file"),
               help="a UTF-8 text file with one prompt per line, e.g. prompts.txt")
 @click.option("--chat", is_flag=True, help="wrap each prompt as a user message in the tokenizer's chat template")
 @click.option("--max-new-tokens", type=int, default=None,
@@ -186,7 +193,7 @@ def compile_cmd(model_dir, output, backend, overwrite, **kw) -> None:
               help="with --json: JSON Lines, one delta record per step, then the result record")
 @click.option("--logprobs", type=click.IntRange(min=0), default=None,
               help="with --json: each output token's logprob and the top N alternatives (with their text)")
-@click.option("--json-schema", "json_schema", default=None, metavar="FILE",
+@click.option("--json-schema", "json_schema", default=None, metavar="FILE", callback=path_param("--json-schema"),
               help="structured output: each output is JSON valid against this JSON schema file (needs xgrammar)")
 @click.option("--regex", default=None, help="structured output: each output matches this regex, e.g. '[0-9]{3}'")
 @click.option("--choice", "choice", multiple=True,

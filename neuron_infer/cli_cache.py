@@ -49,7 +49,11 @@ def list_cmd(as_json) -> None:
 def prune_cmd(everything, dry_run) -> None:
     """Remove stale cache entries (other versions, interrupted builds); only entries neuron-infer created."""
     root = _root()
-    victims = prunable(scan(root), everything)
+    entries = scan(root)
+    victims = prunable(entries, everything)
+    for e in entries:
+        if e.state == "kept":
+            click.echo(f"kept {e.path}: {e.reason}")
     freed = 0
     for e in victims:
         click.echo(f"{'would remove' if dry_run else 'removed'} {e.path}  ({human_bytes(e.size_bytes)}, "

@@ -13,11 +13,11 @@ import sys
 
 import click
 
-from neuron_infer.cli_help import examples, parse_logit_bias, sampling_options
+from neuron_infer.cli_help import examples, parse_logit_bias, path_param, sampling_options
 from neuron_infer.config import SamplingConfig
 from neuron_infer.errors import NeuronInferError
 from neuron_infer.presets import EMBEDDED_PRESET, default_artifact_dir, load_preset
-from neuron_infer.text_input import MAX_INPUT_BYTES, check_text
+from neuron_infer.text_input import MAX_INPUT_BYTES, check_size, check_text
 
 EXIT_COMMANDS = ("/exit", "/quit")
 RESET_COMMAND = "/reset"
@@ -72,7 +72,7 @@ def _read_message(stdin, interactive: bool) -> str | None:
     "neuron-infer chat artifacts/llama --temperature 0.7 --top-p 0.9 --seed 0",
     "printf 'Hi!\\nTell me more.\\n' | neuron-infer chat artifacts/llama > answers.txt",
 ))
-@click.argument("artifacts", required=False)
+@click.argument("artifacts", required=False, callback=path_param("ARTIFACTS"))
 @click.option("--system", default=None, help="system message that starts the conversation, e.g. 'Be brief.'")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=None,
               help="longest answer in tokens  [default: until EOS or the artifact's max_length]")
@@ -101,6 +101,8 @@ def chat_cmd(artifacts, system, max_new_tokens, temperature, top_k, top_p, seed,
         check_text(system, "--system")
     artifacts = _resolve_artifacts(artifacts, config, say)
     manifest, tokenizer = artifact_front(artifacts)  # cheap checks before the slow load
+    if system is not None:
+        check_size("--system", system, manifest.build.max_context_length)  # before it is tokenized
     start = [{"role": "system", "content": system}] if system else []
     encode_chat(tokenizer, start + [{"role": "user", "content": "hi"}])  # raises when there is no chat template
     model = CompiledModel.load(artifacts, threads=threads or "auto", tokenizer=tokenizer)
@@ -121,6 +123,7 @@ def chat_cmd(artifacts, system, max_new_tokens, temperature, top_k, top_p, seed,
             say("(conversation reset)")
             continue
         try:
+            check_size("this message", line, build.max_context_length)  # before it is tokenized
             messages, ids = fit_conversation(tokenizer, messages + [{"role": "user", "content": line}],
                                              build.max_context_length, say)
         except NeuronInferError as e:

@@ -6,6 +6,7 @@ from collections.abc import Callable, Iterable
 import click
 
 from neuron_infer.errors import NeuronInferError
+from neuron_infer.text_input import check_path
 
 
 def option_names(decorator: Callable) -> frozenset[str]:
@@ -92,3 +93,13 @@ def parse_logit_bias(values: tuple[str, ...]) -> tuple[tuple[int, float], ...]:
         if not sep:
             raise NeuronInferError(f"--logit-bias {v!r} must be TOKEN_ID:BIAS, e.g. 2:-100")
     return tuple(pairs)
+
+
+def path_param(what: str, keep: Iterable[str] = ()) -> Callable:
+    """A click callback that checks a path argument where it enters (`check_path`: no NUL, UTF-8, no link loop);
+    None and the words in `keep` (e.g. 'self' for --draft-model) pass unchanged."""
+
+    def check(_ctx: click.Context, _param: click.Parameter, value: str | None) -> str | None:
+        return value if value is None or value in keep else check_path(value, what)
+
+    return check

@@ -11,7 +11,7 @@ from pathlib import Path
 import click
 
 from neuron_infer.artifact.manifest import MANIFEST, parse_manifest, read_manifest
-from neuron_infer.cli_help import examples
+from neuron_infer.cli_help import examples, path_param
 from neuron_infer.errors import ArtifactError
 from neuron_infer.parallel.plan import ShardPlan
 from neuron_infer.typed import read_json
@@ -87,7 +87,7 @@ def info_record(m, size: tuple[int, int], problem: str | None) -> dict:
 
 @click.command("info", epilog=examples("neuron-infer info artifacts/llama",
                                        "neuron-infer info artifacts/llama --json | jq .build"))
-@click.argument("artifacts")
+@click.argument("artifacts", callback=path_param("ARTIFACTS"))
 @click.option("--json", "as_json", is_flag=True, help="print the whole manifest and the checks as one JSON line")
 @click.option("--no-verify", is_flag=True, help="skip hashing the files (fast; versions are still compared)")
 def info_cmd(artifacts, as_json, no_verify) -> None:

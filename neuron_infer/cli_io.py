@@ -29,7 +29,7 @@ from neuron_infer.artifact.manifest import load_verified_tokenizer, read_manifes
 from neuron_infer.errors import NeuronInferError
 from neuron_infer.runtime.grammar import GrammarSpec
 from neuron_infer.runtime.sequence import cut_at_stop
-from neuron_infer.text_input import read_bounded
+from neuron_infer.text_input import read_bounded, read_text_file
 
 STDIN = "-"
 
@@ -37,6 +37,9 @@ STDIN = "-"
 def read_stdin(stream=None) -> str:
     """All of stdin as text (invalid UTF-8 is a clear error)."""
     if stream is None:
+        if sys.stdin is None:  # the process was started with stdin closed
+            raise NeuronInferError("stdin is closed, so no prompt can be read from it; pipe the prompt in, e.g. "
+                                   "`echo 'Hello' | neuron-infer generate --prompt -`, or pass --prompt TEXT")
         stream = getattr(sys.stdin, "buffer", sys.stdin)
     data = read_bounded(stream, "stdin")
     if isinstance(data, str):
@@ -188,11 +191,7 @@ def grammar_spec(json_schema: str | None, regex: str | None, choice: tuple[str, 
         return None
     text = None
     if json_schema is not None:
-        try:
-            text = Path(json_schema).read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise NeuronInferError(f"--json-schema {json_schema}: cannot read it ({e.__class__.__name__}: "
-                                   f"{getattr(e, 'strerror', None) or e}); give a UTF-8 JSON schema file") from None
+        text = read_text_file(json_schema, f"--json-schema {json_schema}")  # bounded; a device or FIFO never hangs
     if sum([json_schema is not None, regex is not None, bool(choice)]) > 1:
         raise NeuronInferError("--json-schema, --regex and --choice exclude each other; give one")
     return GrammarSpec(json_schema=text, regex=regex, choice=tuple(choice))

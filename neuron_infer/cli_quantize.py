@@ -30,6 +30,7 @@ from pathlib import Path
 import click
 from safetensors import safe_open
 
+from neuron_infer.cli_help import path_param
 from neuron_infer.config import BuildConfig, ModelConfig, QuantConfig
 from neuron_infer.errors import CheckpointError, ConfigError
 from neuron_infer.oserrors import check_output_location, writing_to
@@ -161,8 +162,8 @@ def load_quantized_checkpoint(path: str | Path):
 @click.command("quantize", epilog="\b\nExamples:\n"
                "  neuron-infer quantize path/to/Llama-3.2-1B -o llama-int8 --quant int8\n"
                "  neuron-infer quantize path/to/fp8-checkpoint -o fp8-neuron --rescale")
-@click.argument("model_dir")
-@click.option("-o", "--output", required=True, metavar="DIR",
+@click.argument("model_dir", callback=path_param("MODEL_DIR"))
+@click.option("-o", "--output", required=True, metavar="DIR", callback=path_param("-o"),
               help="directory to write (new, empty, or with --overwrite a previous quantize output)")
 @click.option("--quant", type=click.Choice(["int8", "fp8", "mxfp8", "mxfp4", "w8a8"]), default=None,
               help="scheme for a float checkpoint (an FP8 checkpoint is only checked/rescaled)")

@@ -521,7 +521,11 @@ def _normalize_numbers(obj: Any, ints: tuple[str, ...], floats: tuple[str, ...])
         if isinstance(v, bool) or not isinstance(v, want):
             kind = "an integer" if name in ints else "a number"
             raise ConfigError(f"{name}={v!r} must be {kind}, not {type(v).__name__}")
-        object.__setattr__(obj, name, int(v) if name in ints else float(v))
+        try:
+            value = int(v) if name in ints else float(v)
+        except OverflowError:  # an int past float's range (10**400): infinite, which the range checks refuse
+            value = math.inf if v > 0 else -math.inf
+        object.__setattr__(obj, name, value)
 
 
 MAX_LOGIT_BIAS = 100.0  # OpenAI's (and vLLM's) bound on one logit_bias value

@@ -5,6 +5,7 @@ becomes a lone surrogate U+DC80..U+DCFF, which no tokenizer accepts. Both checks
 """
 from __future__ import annotations
 
+import errno
 import os
 import select
 import stat
@@ -28,6 +29,33 @@ def check_text(text: str, what: str) -> str:
     return text
 
 
+def check_path(path: str | os.PathLike, what: str) -> str:
+    """`path` as a str if a file could be opened under it, else NeuronInferError starting with `what`: not a path at
+    all, a NUL byte, a name that is not UTF-8 (safetensors and the tokenizer library open UTF-8 paths only, and
+    would report a sound file as corrupt), or a symbolic link loop on the way."""
+    if not isinstance(path, str | os.PathLike):
+        raise NeuronInferError(f"{what} must be a path (str or pathlib.Path), not {type(path).__name__}")
+    text = os.fspath(path)
+    if not isinstance(text, str) or "\x00" in text:
+        raise NeuronInferError(f"{what} {text!r} is not a usable path (it is bytes or holds a NUL character)")
+    if text == "":
+        raise NeuronInferError(f"{what} is an empty path; name a file or directory")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        ch = ord(text[e.start])
+        byte = f"byte 0x{ch - 0xDC00:02x}" if 0xDC80 <= ch <= 0xDCFF else f"character U+{ch:04X}"
+        raise NeuronInferError(f"{what} {text!r} is not a UTF-8 path ({byte}); the libraries that read models "
+                               "open UTF-8 paths only: rename it (or the directory it is in)") from None
+    try:
+        os.stat(text)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise NeuronInferError(f"{what} {text}: a symbolic link on the way points back to itself (a loop); "
+                                   "fix or remove the link") from None
+    return text
+
+
 PIPE_WAIT_S = 10.0  # how long a named pipe may stay without a writer before the read is given up
 _NOT_REGULAR = ((stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"),
                 (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
@@ -44,6 +72,9 @@ def read_text_file(path: str | Path, what: str) -> str:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as e:
+        if e.errno == errno.ENXIO and stat.S_ISSOCK(os.stat(path).st_mode):  # a socket cannot be opened
+            raise NeuronInferError(f"{what}: cannot read it: it is a socket; give a text file, or pipe the text "
+                                   "into stdin") from e
         raise NeuronInferError(f"{what}: cannot read it ({e.strerror or e})") from e
     try:
         _check_kind(fd, what)

@@ -36,6 +36,7 @@ from neuron_infer.compile.spec_builder import compile_spec_graphs, prepare_specu
 from neuron_infer.compile.tp import RankSet, is_spec_graph
 from neuron_infer.config import BuildConfig, ModelConfig
 from neuron_infer.oserrors import check_output_location, writing_to
+from neuron_infer.text_input import check_path
 from neuron_infer.typed import parse_dataclass
 
 Progress = Callable[[str], None]
@@ -51,6 +52,7 @@ def compile_model(model_dir: str | Path, out_dir: str | Path, build: BuildConfig
 
     A full disk, a read-only file system or missing permissions at `out_dir` raise one ArtifactError naming it.
     """
+    model_dir, out_dir = check_path(model_dir, "model_dir"), check_path(out_dir, "out_dir")
     check_output_location(Path(out_dir))
     build = build.replace(kv_block_size=build.block_size)  # the manifest records the block size it was built with
     with writing_to(Path(out_dir)):

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from neuron_infer.errors import ConfigError
+from neuron_infer.text_input import read_text_file
 from neuron_infer.typed import parse_json
 
 if TYPE_CHECKING:  # torch is imported lazily so `neuron_infer.quant.mx_golden` stays NumPy-only
@@ -118,11 +119,11 @@ def parse_modules_to_not_convert(value: str | Path | Iterable[str]) -> tuple[str
     """CLI value -> entries. Accepts a list, a comma-separated string, or a file: JSON (a list, {"modules_to_not_convert":
     [...]}, or NxDI's {"model": {"modules_to_not_convert": [...]}}) or text with one entry per line (# comments)."""
     if not isinstance(value, (str, Path)):
-        return tuple(str(v) for v in value)
+        return _bounded_modules(tuple(str(v) for v in value), "modules_to_not_convert")
     path = Path(value)
     if not path.is_file():
-        return tuple(v.strip() for v in str(value).split(",") if v.strip())
-    text = path.read_text()
+        return _bounded_modules(tuple(v.strip() for v in str(value).split(",") if v.strip()), "--modules-to-not-convert")
+    text = read_text_file(path, f"--modules-to-not-convert {path}")  # bounded, UTF-8 checked
     if path.suffix == ".json":
         try:
             data = parse_json(text)
@@ -133,9 +134,22 @@ def parse_modules_to_not_convert(value: str | Path | Iterable[str]) -> tuple[str
             data = data.get("modules_to_not_convert") if isinstance(data, dict) else None
         if not isinstance(data, list) or not all(isinstance(v, str) for v in data):
             raise ConfigError(f"{path}: expected a JSON list of module names or {{'modules_to_not_convert': [...]}}")
-        return tuple(data)
+        return _bounded_modules(tuple(data), str(path))
     lines = (ln.split("#", 1)[0].strip() for ln in text.splitlines())
-    return tuple(ln for ln in lines if ln)
+    return _bounded_modules(tuple(ln for ln in lines if ln), str(path))
+
+
+MAX_MODULES_TO_NOT_CONVERT = 1 << 16  # distinct entries: every linear layer of any model is far fewer
+
+
+def _bounded_modules(entries: tuple[str, ...], where: str) -> tuple[str, ...]:
+    """`entries` without repeats (first kept, order unchanged); more than MAX_MODULES_TO_NOT_CONVERT distinct ones
+    (each is matched against every linear layer) is a ConfigError."""
+    unique = tuple(dict.fromkeys(entries))
+    if len(unique) > MAX_MODULES_TO_NOT_CONVERT:
+        raise ConfigError(f"{where} names {len(unique)} modules to keep in float; at most "
+                          f"{MAX_MODULES_TO_NOT_CONVERT} are accepted (name layers or their prefixes, e.g. lm_head)")
+    return unique
 
 
 def check_combination(qcfg, model_dtype: str = "bf16") -> None:
