@@ -51,10 +51,10 @@ def cpu_linear(max_rows: int, available: tuple[str, ...]) -> Linear:
     """The linear op: int8 and w8a8 modules on bf16 rows through their C kernels; float linears through
     `float_linear`; other modules through their own forward, whose float matmul (F.linear on dequantized weights:
     fp8, MX, tiled, int8 on fp32 activations) is computed as `float_linear` computes a float linear."""
-    float_linear = few_row_linear(max_rows, "bf16" in available)
+    float_linear = float_linear_op(max_rows, "bf16" in available)
 
     def linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // x.shape[-1]  # a dynamic size in a prefill graph: no few-row path is known to apply
+        rows = x.numel() // x.shape[-1]  # dynamic in a prefill graph
         kind = _quantized_kernel(module, x)
         if kind in available:
             return _kernel_linear(kind, module, x, rows)
@@ -66,9 +66,10 @@ def cpu_linear(max_rows: int, available: tuple[str, ...]) -> Linear:
     return linear
 
 
-def few_row_linear(max_rows: int, kernel: bool) -> Callable[..., torch.Tensor]:
-    """F.linear(x, weight, bias) as a graph computes it: the bf16 C kernel for bf16 operands on 1-8 rows (`kernel`:
-    built here), fp32 GEMV reductions on at most max_rows rows, else the GEMM."""
+def float_linear_op(max_rows: int, kernel: bool) -> Callable[..., torch.Tensor]:
+    """F.linear(x, weight, bias) as a graph computes it: the bf16 C kernel for bf16 operands (`kernel`: built here;
+    any row count, the kernel picks its GEMV, GEMM blocks or ATen's GEMM by the rows of each call), else fp32 GEMV
+    reductions on at most max_rows rows, else the GEMM."""
 
     def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
