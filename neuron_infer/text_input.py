@@ -22,11 +22,15 @@ def check_text(text: str, what: str) -> str:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
-        ch = ord(text[e.start])
-        byte = f"byte 0x{ch - 0xDC00:02x}" if 0xDC80 <= ch <= 0xDCFF else f"character U+{ch:04X}"
-        raise NeuronInferError(f"{what} is not valid UTF-8 text ({byte} at character {e.start}); pass UTF-8 "
-                               "text (check the terminal's or the file's encoding)") from e
+        raise NeuronInferError(f"{what} is not valid UTF-8 text ({_not_utf8(text, e)} at character {e.start}); pass "
+                               "UTF-8 text (check the terminal's or the file's encoding)") from e
     return text
+
+
+def _not_utf8(text: str, e: UnicodeEncodeError) -> str:
+    """The first thing in `text` that is not UTF-8: an undecodable byte (kept as a lone surrogate) or a character."""
+    ch = ord(text[e.start])
+    return f"byte 0x{ch - 0xDC00:02x}" if 0xDC80 <= ch <= 0xDCFF else f"character U+{ch:04X}"
 
 
 def check_path(path: str | os.PathLike, what: str) -> str:
@@ -43,10 +47,8 @@ def check_path(path: str | os.PathLike, what: str) -> str:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
-        ch = ord(text[e.start])
-        byte = f"byte 0x{ch - 0xDC00:02x}" if 0xDC80 <= ch <= 0xDCFF else f"character U+{ch:04X}"
-        raise NeuronInferError(f"{what} {text!r} is not a UTF-8 path ({byte}); the libraries that read models "
-                               "open UTF-8 paths only: rename it (or the directory it is in)") from None
+        raise NeuronInferError(f"{what} {text!r} is not a UTF-8 path ({_not_utf8(text, e)}); the libraries that read "
+                               "models open UTF-8 paths only: rename it (or the directory it is in)") from None
     try:
         os.stat(text)
     except OSError as e:

@@ -4,36 +4,19 @@ API, a --json-schema file that is a named pipe nobody writes to. Each is one `er
 status 2) or a NeuronInferError, never a traceback, a hang or a message blaming a sound file, and nothing changes."""
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
-import signal
 import socket
 from pathlib import Path
 
 import pytest
 
 from neuron_infer.errors import NeuronInferError
-from tests.test_fuzz_hostile import tree
+from tests.test_fuzz_hostile import deadline, tree  # deadline: a hang guard only, no timing asserted
 from tests.test_user_errors import TINY, cli, one_error
 from tests.tiny_artifact import CLI_BUILD, compile_tiny
 
-DEADLINE_S = 60  # a hang guard only (PIPE_WAIT_S is 10 s); no timing is asserted
 GENERATE = ["--prompt", "hi", "--max-new-tokens", "1"]
-
-
-@contextlib.contextmanager
-def deadline(what: str):
-    def expired(*_):
-        raise AssertionError(f"{what}: still running after {DEADLINE_S} s (a hang)")
-
-    old = signal.signal(signal.SIGALRM, expired)
-    signal.alarm(DEADLINE_S)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
 
 
 @pytest.fixture(scope="module")
