@@ -60,7 +60,8 @@ def test_steps_use_the_smallest_graph_holding_the_running_sequences(models):
     calls.clear()
     three = [list(range(5, 15)), [9] * 20, list(range(40, 47))]
     got = [o.token_ids for o in m.generate_ids(three, 5, ignore_eos=True).outputs]
-    assert calls.get("tokengen_t1_s64") == 4 and not any("_b" in n for n in calls)  # 3 rows: the batch-4 graph
+    assert calls.get("tokengen_t1_s64") == 4 and not any("tokengen_b" in n for n in calls)  # 3 rows: batch-4 graph
+    assert calls.get("context_b4_t64_s64") == 1  # the three prompts encoded in one call
     assert got == [models[1].generate_ids([p], 5, ignore_eos=True).outputs[0].token_ids for p in three]
 
 

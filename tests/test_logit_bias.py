@@ -226,7 +226,7 @@ def test_slot_runner_applies_a_mask_to_one_step(model):
     only[17] = True
     runner.join("r", [5, 9, 14], SamplingConfig(), blocks=[1])
     runner.constrain("r", only)
-    assert runner.encode("r", 3) == [17]  # the prefill's token, masked
+    assert runner.encode({"r": 3}) == {"r": [17]}  # the prefill's token, masked
     assert runner.slots["r"].allowed is None
     nxt = runner.decode(["r"])["r"]
     alone = model.generate_ids([[5, 9, 14, 17]], 1, ignore_eos=True).outputs[0].token_ids

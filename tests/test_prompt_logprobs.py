@@ -96,8 +96,8 @@ def test_chunked_prefill_and_prefix_cache_keep_every_record(model, hf):
     runner = SlotRunner(model.engine, options=RunOptions())
     prompt = PROMPTS[0]
     runner.join("a", prompt, model_sampling(), blocks=[1, 2, 3], prompt_logprobs=2)
-    assert runner.encode("a", 5) == [] and runner.encode("a", 13) == []
-    first = runner.encode("a", len(prompt))
+    assert runner.encode({"a": 5}) == {"a": []} and runner.encode({"a": 13}) == {"a": []}
+    first = runner.encode({"a": len(prompt)})["a"]
     records = runner.take_prompt_logprobs("a")
     assert len(first) == 1 and runner.take_prompt_logprobs("a") is None  # handed out once
     ref = hf(prompt)

@@ -42,6 +42,8 @@ class GraphSpec:
             return fused_graph_name(self.tokens, self.attend, self.sample)
         if self.batch_bucket:
             return batch_graph_name(self.batch, self.attend)
+        if self.kind == "context" and self.batch > 1:
+            return batch_context_name(self.batch, self.tokens, self.attend)
         prefix = "draft_" if self.model == "draft" else ""
         return prefix + graph_name(self.kind, self.tokens, self.attend)
 
@@ -54,6 +56,11 @@ class GraphSpec:
 def batch_graph_name(batch: int, attend: int) -> str:
     """A token-generation graph over `batch` sequences, e.g. 'tokengen_b2_t1_s512'."""
     return f"tokengen_b{batch}_t1_s{attend}"
+
+
+def batch_context_name(batch: int, tokens: int, attend: int) -> str:
+    """A context graph encoding up to `batch` prompts (pieces) at once, e.g. 'context_b4_t512_s512'."""
+    return f"context_b{batch}_t{tokens}_s{attend}"
 
 
 def context_attends(build: BuildConfig, tokens: int) -> tuple[int, ...]:
@@ -69,7 +76,16 @@ def planned_graphs(build: BuildConfig) -> list[GraphSpec]:
     out += [GraphSpec("tokengen", 1, s, build.batch_size) for s in build.tokengen_bucket_list]
     out += [GraphSpec("tokengen", 1, s, b, True)
             for b in build.tokengen_batch_list if b < build.batch_size for s in build.tokengen_bucket_list]
-    return out
+    return out + batch_context_graphs(build)
+
+
+def batch_context_graphs(build: BuildConfig) -> list[GraphSpec]:
+    """The context graph that encodes several prompts in one call (Engine.prefill_rows): CPU builds of batch_size
+    >= 2 only (one dynamic-shape graph; the Neuron target keeps its static batch-1 context buckets)."""
+    if build.target != "cpu" or build.batch_size < 2:
+        return []
+    top = build.max_context_length
+    return [GraphSpec("context", top, top, build.batch_size)]
 
 
 TOKENS, BATCH, ROWS = "tokens", "batch", "rows"  # dynamic-dim names
@@ -82,9 +98,9 @@ class ShapeClass:
     """One compiled graph that serves every planned graph of a class (CPU): `example` gives its example inputs and
     `dynamic` the dims left dynamic, {argument index: {dim: (name, min, max)}}. Prefill: one graph for any prompt
     length (tokens 2..max_context_length), any attended length and 2..max_context_length logit rows (logit_index
-    [1, R]: the vocabulary head runs over the rows asked for, see Engine.prefill_row); decode and verify: one graph
-    per batch range
-    (1; 2..8; 9..batch_size, see _batch_range) for any attended length. Attended lengths are table widths of
+    [1, R]: the vocabulary head runs over the rows asked for, see Engine.prefill_row); batched prefill (batch_size
+    >= 2): one graph for 2..batch_size rows of any length (Engine.prefill_rows); decode and verify: one graph per
+    batch range (1; 2..8; 9..batch_size, see _batch_range) for any attended length. Attended lengths are table widths of
     2..max_length/bs blocks (a shorter table is padded with the scratch block: its positions are masked)."""
 
     name: str
@@ -106,6 +122,8 @@ def shape_class(spec: GraphSpec, build: BuildConfig) -> ShapeClass:
     bs, wmax = build.block_size, max_table_blocks(build)
     dynamic: dict = {TABLE: {1: ("blocks", 2, wmax)}} if wmax > 2 else {}
     w_example = min(3, wmax)
+    if spec.kind == "context" and spec.batch > 1:
+        return _batch_prefill_class(spec, build, dynamic, w_example)
     if spec.kind == "context" and not spec.batch_bucket:
         tmax = build.max_context_length
         if tmax > 2:
@@ -121,6 +139,20 @@ def shape_class(spec: GraphSpec, build: BuildConfig) -> ShapeClass:
     kind = "decode" if spec.kind == "tokengen" else spec.kind  # "verify": logits at every one of its T tokens
     name = f"{kind}_b{lo}_t{spec.tokens}" if hi == lo else f"{kind}_b{lo}-{hi}_t{spec.tokens}"
     return ShapeClass(name, example, dynamic)
+
+
+def _batch_prefill_class(spec: GraphSpec, build: BuildConfig, dynamic: dict, w_example: int) -> ShapeClass:
+    """Prompts (pieces) of several rows at once: ids, positions [2..batch_size, 2..max_context_length] (rows
+    right-padded to the longest piece), logit_index [B, 1] (each row's last token), table [B, blocks]."""
+    tmax, hi = build.max_context_length, spec.batch
+    if hi > 2:
+        for arg in (IDS, POSITIONS, LOGIT_INDEX, TABLE):
+            dynamic.setdefault(arg, {})[0] = (BATCH, 2, hi)
+    if tmax > 2:
+        for arg in (IDS, POSITIONS):
+            dynamic.setdefault(arg, {})[1] = (TOKENS, 2, tmax)
+    example = GraphSpec("context", min(tmax, 5), w_example * build.block_size, min(3, hi))
+    return ShapeClass("prefill_b2" if hi == 2 else f"prefill_b2-{hi}", example, dynamic)
 
 
 def _batch_range(batch: int, batch_size: int) -> tuple[int, int]:

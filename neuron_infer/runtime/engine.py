@@ -4,7 +4,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from neuron_infer.artifact.plan import batch_graph_name, graph_name, max_table_blocks
+from neuron_infer.artifact.plan import batch_context_name, batch_graph_name, graph_name, max_table_blocks
 from neuron_infer.config import BuildConfig
 from neuron_infer.errors import NeuronInferError
 from neuron_infer.model.kv_cache import CacheShape
@@ -12,6 +12,7 @@ from neuron_infer.runtime.blocks import BlockPool
 from neuron_infer.runtime.buckets import pick_bucket
 
 StepFn = Callable[..., torch.Tensor]
+Piece = tuple[int, list[int], int, int]  # (slot, prompt, start, end): prompt[start:end] into the blocks of `slot`
 
 
 def take_rows(t: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
@@ -130,13 +131,37 @@ class Engine:
         logits = self._run(name, ids, positions, index, self.table([slot], s, self.min_table_width))[0]  # [R, V]
         return logits[0] if logit_rows is None else logits[:want]  # [V] or [n_logits, V]
 
+    def prefill_rows(self, pieces: list[Piece]) -> torch.Tensor:
+        """Encode several pieces, each `(slot, prompt, start, end)` (distinct slots; end - start fits the largest
+        context bucket) -> logits [n, V] after each piece's last token. With the batched prefill graph (CPU builds
+        of batch_size >= 2, artifact/plan.py batch_context_graphs; or its eager module) one call encodes them all,
+        rows right-padded to the longest piece (padding tokens sit past their row's last token: the causal rule
+        hides them, and what they write is rewritten before it is read, or lands in the scratch block); otherwise
+        one prefill_row each."""
+        name = batch_context_name(self.build.batch_size, self.build.max_context_length,
+                                  self.build.max_context_length)
+        if len(pieces) < 2 or name not in self.graphs:
+            return torch.stack([self.prefill_row(slot, p, start, end) for slot, p, start, end in pieces])  # [n, V]
+        n = [end - start for _, _, start, end in pieces]
+        t = max(*n, 2)
+        ids = torch.zeros(len(pieces), t, dtype=torch.int64)  # [B, T], right-padded
+        for i, (_, p, start, end) in enumerate(pieces):
+            ids[i, : n[i]] = torch.tensor(p[start:end], dtype=torch.int64)
+        starts = torch.tensor([start for _, _, start, _ in pieces], dtype=torch.int64)  # [B]
+        positions = starts[:, None] + torch.arange(t, dtype=torch.int64)  # [B, T]
+        index = torch.tensor(n, dtype=torch.int64)[:, None] - 1  # [B, 1]: each row's last token
+        reach = max(start + m for (_, _, start, _), m in zip(pieces, n))  # positions the real tokens reach
+        s = self.block_size * min(max(2, -(-reach // self.block_size)), max_table_blocks(self.build))
+        table = self.table([slot for slot, *_ in pieces], s, self.min_table_width)  # [B, W]
+        return self._run(name, ids, positions, index, table)[:, 0]  # [B, V]
+
     def prefill(self, prompts: list[list[int]]) -> torch.Tensor:
         """Encode prompts into slots 0..n-1 of the static layout (`bind_stripes`) -> next-token logits [B, V] (idle
         slots: zeros)."""
         self.bind_stripes()
         out = torch.zeros(self.build.batch_size, self.vocab_size, dtype=torch.float32)  # [B, V]
-        for slot, p in enumerate(prompts):
-            out[slot] = self.prefill_row(slot, p)
+        if prompts:
+            out[: len(prompts)] = self.prefill_rows([(slot, p, 0, len(p)) for slot, p in enumerate(prompts)])
         return out
 
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,13 @@ from pathlib import Path
 import psutil
 
 from neuron_infer.artifact.manifest import Manifest, check_checkpoint, read_manifest
-from neuron_infer.artifact.plan import cache_shape, planned_graphs, shape_class, spec_graph_list
+from neuron_infer.artifact.plan import (
+    batch_context_graphs,
+    cache_shape,
+    planned_graphs,
+    shape_class,
+    spec_graph_list,
+)
 from neuron_infer.artifact.steps import speculation_modules, step_modules
 from neuron_infer.artifact.weights import DRAFT_WEIGHTS, empty_model, load_draft_weights, rank_model
 from neuron_infer.backends import get_backend
@@ -79,6 +85,9 @@ def load_rank(artifact: str | Path, rank: int = 0, manifest: Manifest | None = N
         model = rank_model(manifest.model, build, weights, rank_layout(plan.ranks[rank]), tp_ops(build.kernels))
         graphs_dir = root / "graphs" / f"rank{rank}"
     modules = step_modules(model, build)
+    for g in batch_context_graphs(build):  # artifacts compiled without the batched prefill graph encode row by row
+        if g.name not in manifest.graphs:
+            modules.pop(g.name)
     cache = cache_shape(model, build)
     if kv_cache_gib is not None:
         cache = cache.with_blocks(budget_blocks(cache, kv_cache_gib))

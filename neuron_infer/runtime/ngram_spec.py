@@ -31,7 +31,7 @@ from neuron_infer.errors import NeuronInferError
 from neuron_infer.model.sampling import host_argmax, processed_probs
 from neuron_infer.model.verify import greedy_accept, speculative_verify
 from neuron_infer.runtime.buckets import pick_bucket
-from neuron_infer.runtime.engine import Engine
+from neuron_infer.runtime.engine import Engine, Piece
 from neuron_infer.runtime.ngram import RowView, SeqState, plan_step, propose
 from neuron_infer.runtime.sequence import plain_only
 from neuron_infer.runtime.step_clock import StepClock
@@ -59,6 +59,9 @@ class NgramSpec:
     def prefill_row(self, row: int, prompt: list[int], start: int = 0, end: int | None = None,
                     logit_rows: Sequence[int] | None = None) -> torch.Tensor:
         return self.target.prefill_row(row, prompt, start, end, logit_rows)
+
+    def prefill_rows(self, pieces: list[Piece]) -> torch.Tensor:
+        return self.target.prefill_rows(pieces)
 
     def can_speculate(self, seqs: Mapping[int, Sequence[int]]) -> bool:
         """A verify step writes positions p..p+K of every listed row: p + K + 1 <= max_length."""

@@ -120,55 +120,75 @@ class Runner:
             self.begin(s)
         busy = self.chunk and any(s not in self.encoding for s in self.scheduler.running)
         budget = self.chunk if busy else None
-        done: list[tuple[Sequence, torch.Tensor]] = []
+        upto: dict[Sequence, int] = {}
         for s in list(self.encoding):
             if budget is not None and budget <= 0:
                 break
-            end = len(s) if budget is None else min(len(s), self.encoding[s] + budget)
+            upto[s] = len(s) if budget is None else min(len(s), self.encoding[s] + budget)
             if budget is not None:
-                budget -= end - self.encoding[s]
-            logits = self._encode(s, end)
-            if logits is not None:
-                done.append((s, logits))
-        return self._emit([s for s, _ in done], torch.stack([lg for _, lg in done])) if done else {}
+                budget -= upto[s] - self.encoding[s]
+        return self.prefill_to(upto)
 
     def begin(self, seq: Sequence) -> None:
         """`seq` (admitted) starts encoding after its cached positions; it sits decode steps out until its prompt is
         complete."""
         self.encoding[seq] = seq.cached
 
-    def prefill_to(self, seq: Sequence, end: int) -> list[int]:
-        """Encode `seq` (admitted, still encoding) up to position `end` -> [its first token] once its prompt is
-        complete, else [] (the vLLM worker: vLLM's scheduler chose the chunk)."""
-        self.encoding.setdefault(seq, seq.cached)
-        logits = self._encode(seq, min(end, len(seq)))
-        return self._emit([seq], logits[None])[seq] if logits is not None else []
+    def prefill_to(self, upto: dict[Sequence, int]) -> dict[Sequence, list[int]]:
+        """Encode each sequence (admitted, still encoding) up to its position in `upto` (the vLLM worker: vLLM's
+        scheduler chose the chunks) -> the first token of each whose prompt is now complete."""
+        for s in upto:
+            self.encoding.setdefault(s, s.cached)
+        done = self._encode_all({s: min(end, len(s)) for s, end in upto.items()})
+        return self._emit(list(done), torch.stack(list(done.values()))) if done else {}
 
     def release(self, seq: Sequence) -> None:
         """Free the slot and blocks of a running sequence, encoded or not."""
         self.scheduler.release(seq, cache=self.encoding.pop(seq, None) is None)
 
-    def _encode(self, seq: Sequence, end: int) -> torch.Tensor | None:
-        """Encode seq.tokens[encoded:end] in pieces of at most the largest context bucket -> next-token logits [V]
-        when the prompt is complete (it leaves `encoding` and its full blocks enter the prefix cache), else None."""
-        encode = self.spec.prefill_row if self.spec is not None else self.engine.prefill_row
-        self.scheduler.grow(seq, len(seq) + 1)  # the prompt and the first decode step's position
+    def _encode_all(self, upto: dict[Sequence, int]) -> dict[Sequence, torch.Tensor]:
+        """Encode each seq.tokens[encoded:end] -> next-token logits [V] of each sequence whose prompt is now complete
+        (it leaves `encoding` and its full blocks enter the prefix cache). Pieces that fit the largest context
+        bucket go through Engine.prefill_rows together (one call where the artifact has the batched prefill graph);
+        longer ones, and those scoring their prompt, one by one in pieces of at most that bucket."""
+        for s in upto:
+            self.scheduler.grow(s, len(s) + 1)  # the prompt and the first decode step's position
         self._bind()
-        start, piece, tokens = self.encoding[seq], self.engine.build.max_context_length, seq.tokens
-        logits = None
+        piece = self.engine.build.max_context_length
+        together = [s for s, end in upto.items()
+                    if 0 < end - self.encoding[s] <= piece and s.prompt_logprobs is None]
+        logits: dict[Sequence, torch.Tensor] = {}
+        if together:
+            encode = self.spec if self.spec is not None else self.engine  # a draft model notes its rows lag
+            rows = encode.prefill_rows([(s.row, s.tokens, self.encoding[s], upto[s]) for s in together])
+            logits.update(zip(together, rows))  # [V] each
+        for s, end in upto.items():
+            if s not in logits and self.encoding[s] < end:
+                logits[s] = self._encode_alone(s, end)
+        done = {}
+        for s, end in upto.items():
+            self.encoding[s] = max(self.encoding[s], end)
+            if self.encoding[s] < len(s):
+                continue
+            del self.encoding[s]
+            self.scheduler.cache_blocks(s)
+            done[s] = logits[s]
+        if done:
+            self._note_blocks()
+        return done
+
+    def _encode_alone(self, seq: Sequence, end: int) -> torch.Tensor:
+        """Encode seq.tokens[encoded:end] in pieces of at most the largest context bucket -> logits [V] after its
+        last token."""
+        encode = self.spec.prefill_row if self.spec is not None else self.engine.prefill_row
+        start, piece, logits = self.encoding[seq], self.engine.build.max_context_length, None
         while start < end:
             stop = min(end, start + piece)
             if seq.prompt_logprobs is not None:
                 logits = self._encode_scored(encode, seq, start, stop)
             else:
-                logits = encode(seq.row, tokens, start, stop)
+                logits = encode(seq.row, seq.tokens, start, stop)
             start = stop
-        self.encoding[seq] = start
-        if start < len(seq):
-            return None
-        del self.encoding[seq]
-        self.scheduler.cache_blocks(seq)
-        self._note_blocks()
         return logits
 
     def _encode_scored(self, encode: Callable, seq: Sequence, start: int, stop: int) -> torch.Tensor:

@@ -36,7 +36,7 @@ from neuron_infer.errors import NeuronInferError
 from neuron_infer.model.sampling import params_tensor
 from neuron_infer.model.spec_step import SpecCacheLayout, speculate, uniforms_width, unpack
 from neuron_infer.runtime.buckets import pick_bucket
-from neuron_infer.runtime.engine import Engine
+from neuron_infer.runtime.engine import Engine, Piece
 from neuron_infer.runtime.sequence import shared_rule
 from neuron_infer.runtime.spec_gate import SpecGate
 
@@ -123,6 +123,13 @@ class SpecEngine:
         The draft cache of the row is written before its first speculative step (`catch_up`)."""
         self.drafted[row] = []
         return self.target.prefill_row(row, prompt, start, end, logit_rows)
+
+    def prefill_rows(self, pieces: list[Piece]) -> torch.Tensor:
+        """Several pieces into the target blocks of their rows at once (Engine.prefill_rows) -> logits [n, V]; the
+        rows' draft caches are written before their first speculative step (`catch_up`)."""
+        for row, *_ in pieces:
+            self.drafted[row] = []
+        return self.target.prefill_rows(pieces)
 
     def catch_up(self, seqs: Mapping[int, Sequence[int]]) -> tuple[int, int]:
         """Write the draft K/V a speculative step over `seqs` needs (row -> all its tokens, the last one not yet

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from neuron_infer.runtime.engine import Engine
+from neuron_infer.runtime.engine import Engine, Piece
 
 if TYPE_CHECKING:
     from collections.abc import Sequence as Rows
@@ -30,6 +30,9 @@ class Speculation(Protocol):
     def prefill_row(self, row: int, prompt: list[int], start: int = 0, end: int | None = None,
                     logit_rows: Rows[int] | None = None) -> torch.Tensor:
         """Encode a prompt (piece) into a row of the target (and, with a draft model, the draft)."""
+
+    def prefill_rows(self, pieces: list[Piece]) -> torch.Tensor:
+        """Several prompt pieces into their target rows at once (Engine.prefill_rows) -> logits [n, V]."""
 
     def decode_rows(self, rows: list[int], tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """A plain step over the named rows -> logits [n, V]."""

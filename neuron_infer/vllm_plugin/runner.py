@@ -5,7 +5,7 @@ only maps its decisions onto the one runtime: a joining request becomes a `Seque
 is the block ids vLLM allocated (`Scheduler.admit_now`, then `extend` as vLLM adds blocks; vLLM's block manager counts
 the engine's blocks, block 0 being both vLLM's null block and our scratch block). Its first `computed` positions are
 vLLM's prefix-cache hit, already in those blocks; the rest is encoded chunk by chunk as vLLM's scheduler sends it
-(`Runner.prefill_to`; the first token comes with the last chunk), each step is `Runner.step` over the scheduled
+(`Runner.prefill_to`, every request's chunk of a step in one call; the first token comes with the last chunk), each step is `Runner.step` over the scheduled
 requests (plain, or speculative with a draft model: 1..K+1 tokens per request), and a finished request frees its
 row. vLLM applies its own stop rules (EOS, stop ids, max_tokens, max_model_len) and trims a speculative block, so
 the Sequences here never stop by themselves. A request asking for logprobs keeps its tokens' records (logprob, rank,
@@ -70,12 +70,14 @@ class SlotRunner:
               prompt_len: int | None = None, logprobs: int | None = None, stop_ids: tuple[int, ...] = ()) -> int:
         """`join`, encode all of `token_ids` and return the first sampled token."""
         self.join(req_id, token_ids, sampling, blocks, prompt_len=prompt_len, logprobs=logprobs, stop_ids=stop_ids)
-        return self.encode(req_id, len(token_ids))[0]
+        return self.encode({req_id: len(token_ids)})[req_id][0]
 
-    def encode(self, req_id: str, upto: int) -> list[int]:
-        """Encode the joined request's tokens up to position `upto` (a chunk of its prompt) -> [its first sampled
-        token] once all are encoded, else []."""
-        return self.runner.prefill_to(self.slots[req_id], upto)
+    def encode(self, upto: dict[str, int]) -> dict[str, list[int]]:
+        """Encode each joined request's tokens up to its position in `upto` (a chunk of its prompt; the pieces
+        together in one graph call where the artifact has the batched prefill graph) -> per request [its first
+        sampled token] once all are encoded, else []."""
+        got = self.runner.prefill_to({self.slots[r]: end for r, end in upto.items()})
+        return {r: got.get(self.slots[r], []) for r in upto}
 
     def join(self, req_id: str, token_ids: list[int], sampling: SamplingConfig, blocks: list[int], computed: int = 0,
              prompt_len: int | None = None, logprobs: int | None = None, stop_ids: tuple[int, ...] = (),

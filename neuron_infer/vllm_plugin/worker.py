@@ -234,9 +234,10 @@ class NeuronInferWorker(WorkerBase):
                 if req_id in self.runner.slots:
                     self.runner.constrain(req_id, allowed)
         sampled = self._decode_running(so)
-        for req_id, end in upto.items():  # then this step's prompt tokens (chunked prefill: part of a prompt)
-            sampled[req_id] = self.runner.encode(req_id, end)
-            if sampled[req_id]:
+        encoded = self.runner.encode(upto) if upto else {}  # then this step's prompt tokens (chunks of prompts)
+        for req_id, first in encoded.items():
+            sampled[req_id] = first
+            if first:
                 self._pending.discard(req_id)
         req_ids = list(so.num_scheduled_tokens)
         tokens = [sampled.get(r, []) for r in req_ids]

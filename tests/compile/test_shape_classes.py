@@ -21,8 +21,8 @@ BUILD = BuildConfig(dtype="fp32", max_context_length=48, max_length=96, context_
 
 def test_classes_cover_every_bucket_with_few_graphs():
     for batch, want in ((1, {"prefill", "decode_b1_t1"}),
-                        (4, {"prefill", "decode_b1_t1", "decode_b2-4_t1"}),
-                        (12, {"prefill", "decode_b1_t1", "decode_b2-8_t1", "decode_b9-12_t1"})):
+                        (4, {"prefill", "prefill_b2-4", "decode_b1_t1", "decode_b2-4_t1"}),
+                        (12, {"prefill", "prefill_b2-12", "decode_b1_t1", "decode_b2-8_t1", "decode_b9-12_t1"})):
         build = BuildConfig(batch_size=batch, max_context_length=512, max_length=1024)
         classes = {s.name: shape_class(s, build) for s in planned_graphs(build)}
         assert {c.name for c in classes.values()} == want

@@ -63,8 +63,13 @@ class Served:
         self.runner.join(rid, prompt, sampling, [])
 
     def encode(self, rid, upto):
-        self.runner.extend(rid, self.cover(rid, upto))
-        return self.runner.encode(rid, upto)
+        return self.encode_all({rid: upto})[rid]
+
+    def encode_all(self, upto: dict):
+        """This step's prompt chunks of every request still encoding, in one call (as the worker sends them)."""
+        for rid, end in upto.items():
+            self.runner.extend(rid, self.cover(rid, end))
+        return self.runner.encode(upto)
 
     def decode(self, rids):
         for r in rids:  # the pending token's position
@@ -117,12 +122,14 @@ def test_interleaved_requests_equal_each_request_alone(models):
 
 def test_prompts_sent_in_chunks_equal_each_request_alone(models):
     """A prompt arriving in chunks (as vLLM's chunked prefill would send it: 13 tokens per step, crossing block
-    boundaries) while the others decode gets no token until its last chunk, then equals its run alone."""
+    boundaries) while the others decode gets no token until its last chunk, then equals its run alone. A step's
+    chunks of several requests are encoded in one call of the batched prefill graph."""
+    assert "context_b4_t64_s64" in models[4].engine.graphs
     runner = Served(SlotRunner(models[4].engine))
     want = {i: alone(models[1], p, n, s) for i, (_, p, n, s) in enumerate(SCHEDULE)}
     got: dict[int, list[int]] = {}
     sent: dict[int, int] = {}  # prompt tokens sent so far, per request still encoding
-    waiting, step, partial = list(enumerate(SCHEDULE)), 0, 0
+    waiting, step, partial, batched = list(enumerate(SCHEDULE)), 0, 0, 0
     while waiting or runner.active:
         running = [str(i) for i in got if str(i) in runner.slots and i not in sent]
         for rid, toks in runner.decode(running).items():
@@ -132,9 +139,12 @@ def test_prompts_sent_in_chunks_equal_each_request_alone(models):
                 runner.join(str(i), prompt, s)
                 got[i], sent[i] = [], 0
                 waiting.remove((i, (join, prompt, n, s)))
-        for i in list(sent):
+        for i in sent:
             sent[i] = min(sent[i] + 13, len(SCHEDULE[i][1]))
-            first = runner.encode(str(i), sent[i])
+        firsts = runner.encode_all({str(i): end for i, end in sent.items()}) if sent else {}
+        batched += len(firsts) > 1
+        for i in list(sent):
+            first = firsts[str(i)]
             assert len(first) == (sent[i] == len(SCHEDULE[i][1]))
             partial += not first
             got[i].extend(first)
@@ -146,6 +156,7 @@ def test_prompts_sent_in_chunks_equal_each_request_alone(models):
         step += 1
     assert got == want
     assert partial == 10  # prompts of 20, 40, 33 and 64 tokens: 1 + 3 + 2 + 4 partial chunks
+    assert batched > 0  # steps whose chunks of several requests went through one (batched prefill) call
 
 
 def test_runner_errors_name_the_fix(models):
@@ -390,7 +401,7 @@ def test_a_prefix_cache_hit_encodes_only_the_rest_and_equals_alone(models, monke
     runner.held["b"] = list(shared)  # vLLM's hit: the block is shared, not copied
     runner.runner.join("b", b, SamplingConfig(), shared + runner.cover("b", len(b)), computed=bs)
     encoded.clear()
-    got["b"] = runner.runner.encode("b", len(b))
+    got["b"] = runner.runner.encode({"b": len(b)})["b"]
     assert encoded == [(bs, len(b))]  # the cached block is not encoded again
     for _ in range(5):
         for r, toks in runner.decode(["a", "b"]).items():
