@@ -196,3 +196,22 @@ def test_graph_workers_are_bounded_by_their_example_kv_cache(tiny_dirs, tmp_path
     for cache_bytes in (0, 4 * GIB):
         graph_workers.compile_in_workers(jobs, weights, cfg, build, tmp_path, print, cache_bytes)
     assert started == [2, 1]
+
+
+def test_sizes_are_checked_against_the_weights_before_the_memory(tiny_dirs, tmp_path, capsys):
+    """A config.json of 10^7 layers is refused as a mismatch with the weights (the fix: the config), not as a KV
+    cache too large for the machine (which would send the user to lower --batch-size)."""
+    model = edited_model(tiny_dirs, tmp_path, num_hidden_layers=10**7)
+    line = one_error(*cli(["compile", model, "-o", tmp_path / "out", *TINY], capsys), "num_hidden_layers=10000000",
+                     "2 layer(s)")
+    assert "--batch-size" not in line
+
+
+def test_a_bad_flag_value_is_not_blamed_on_the_preset_file(tiny_dirs, tmp_path, capsys):
+    line = one_error(*cli(["compile", tiny_dirs("gqa"), "-o", tmp_path / "out", "--batch-size", "0"], capsys),
+                     "default.json: build with the flags given: batch_size=0 must be >= 1")
+    preset = tmp_path / "p.json"
+    preset.write_text(json.dumps({"build": {"batch_size": 0}}))
+    line = one_error(*cli(["compile", tiny_dirs("gqa"), "-o", tmp_path / "out", "--config", preset], capsys),
+                     f"{preset}: build: batch_size=0")
+    assert "flags" not in line
