@@ -5,6 +5,7 @@ from collections.abc import Callable, Iterable
 
 import click
 
+from neuron_infer.artifact.manifest import check_digest
 from neuron_infer.errors import NeuronInferError
 from neuron_infer.text_input import check_path
 
@@ -106,8 +107,6 @@ def path_param(what: str, keep: Iterable[str] = ()) -> Callable:
 
 
 def _digest(_ctx: click.Context, _param: click.Parameter, value: str | None) -> str | None:
-    from neuron_infer.artifact.manifest import check_digest
-
     return None if value is None else check_digest(value, "--expect-digest")
 
 
