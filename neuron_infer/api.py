@@ -31,6 +31,7 @@ from neuron_infer.artifact.manifest import (
     TOKENIZER_DIR,
     Manifest,
     check_checkpoint,
+    check_digest,
     check_files,
     load_verified_tokenizer,
     read_manifest,
@@ -128,7 +129,8 @@ class CompiledModel:
              expect_checkpoint: str | Path | None = None, threads: int | str | None = None,
              tokenizer=None, on_stage: Callable[[str], None] = lambda _stage: None,
              kv_cache_gib: float | None = None, prefix_caching: bool = True,
-             prefill_chunk: int | None = None, speculation_gate: bool = True) -> CompiledModel:
+             prefill_chunk: int | None = None, speculation_gate: bool = True,
+             expect_digest: str | None = None) -> CompiledModel:
         """Load an artifact; with `expect_checkpoint`, also require that it was compiled from that checkpoint.
 
         threads: CPU threads of the graphs: "auto" follows the CPUs other processes leave free (see
@@ -142,6 +144,8 @@ class CompiledModel:
         prompts; see docs/kv-cache.md).
         speculation_gate: with a draft model, take plain steps while speculative steps are measured not to pay
         (False: speculate on every step that can, e.g. to measure speculation at a fixed k; docs/speculation.md).
+        expect_digest: the artifact's digest (the sha256 of its manifest.json, which `neuron-infer info` prints):
+        any other manifest is refused before anything in the artifact is used (docs/security.md).
         """
         root = Path(check_path(artifact_dir, "artifact_dir"))
         if not callable(on_stage):
@@ -152,10 +156,15 @@ class CompiledModel:
                                    "load_verified_tokenizer returns), or None to load the artifact's own")
         options = RunOptions(prefix_caching, prefill_chunk, speculation_gate)  # checked before the slow load
         check_kv_cache_gib(kv_cache_gib)
+        if expect_digest is not None:
+            expect_digest = check_digest(expect_digest)
+            if not verify_files:  # the digest pins the files through their hashes in the manifest
+                raise NeuronInferError("expect_digest pins the artifact's files through the manifest's sha256 of "
+                                       "each: it needs verify_files=True")
         if threads is not None:
             cpu_threads.use(threads)  # validated before the slow load
         on_stage(LOAD_STAGES[0])
-        manifest = read_manifest(root, verify_files=verify_files)
+        manifest = read_manifest(root, verify_files=verify_files, expect_digest=expect_digest)
         if expect_checkpoint is not None:
             check_checkpoint(manifest, root, Path(expect_checkpoint))
         on_stage(LOAD_STAGES[1])

@@ -15,6 +15,7 @@ from safetensors import SafetensorError
 from neuron_infer.cli_help import (
     SectionedCommand,
     examples,
+    expect_digest_option,
     option_names,
     parse_logit_bias,
     path_param,
@@ -209,11 +210,12 @@ def compile_cmd(model_dir, output, backend, overwrite, **kw) -> None:
 @click.option("--prefill-chunk", type=click.IntRange(min=0), default=None,
               help="prompt tokens encoded per step while other prompts decode (default: the largest context "
                    "bucket <= 256; 0: whole prompts)")
+@expect_digest_option
 @build_options
 def generate_cmd(artifacts, prompts, prompt_file, chat, max_new_tokens, temperature, top_k, top_p, seed, min_p, repetition_penalty,
                  presence_penalty, frequency_penalty, min_tokens, logit_bias, stop,
                  ignore_eos, as_json, stream_json, logprobs, json_schema, regex, choice, threads, kv_cache_gib,
-                 no_prefix_caching, prefill_chunk,
+                 no_prefix_caching, prefill_chunk, expect_digest,
                  **kw) -> None:
     """Generate from ARTIFACTS (omit to compile or reuse the embedded default model)."""
     from neuron_infer.api import LOAD_STAGES, CompiledModel, check_request, encode_prompt
@@ -247,14 +249,14 @@ def generate_cmd(artifacts, prompts, prompt_file, chat, max_new_tokens, temperat
         check_sizes(prompts, preset.build.max_context_length)
         check_request(preset.build, [len(encode_prompt(tokenizer, p, chat)) for p in prompts], max_new_tokens)
         artifacts = default_artifact_dir(preset.build, _say)
-    manifest, tokenizer = artifact_front(artifacts)  # cheap checks before the slow load of weights and graphs
+    manifest, tokenizer = artifact_front(artifacts, expect_digest)  # cheap checks before the slow load
     check_sizes(prompts, manifest.build.max_context_length)
     ids = [encode_prompt(tokenizer, p, chat) for p in prompts]
     check_request(manifest.build, [len(x) for x in ids], max_new_tokens)
     with stages("loading", list(LOAD_STAGES), None, leave=False) as stage:  # a bar on a terminal, else silent
         model = CompiledModel.load(artifacts, threads=threads or "auto", tokenizer=tokenizer, on_stage=stage,
                                    kv_cache_gib=kv_cache_gib, prefix_caching=not no_prefix_caching,
-                                   prefill_chunk=prefill_chunk)
+                                   prefill_chunk=prefill_chunk, expect_digest=expect_digest)
     if as_json:
         stream = JsonLinesStreamer(model.tokenizer, stop) if stream_json else None
     else:

@@ -13,7 +13,7 @@ import sys
 
 import click
 
-from neuron_infer.cli_help import examples, parse_logit_bias, path_param, sampling_options
+from neuron_infer.cli_help import examples, expect_digest_option, parse_logit_bias, path_param, sampling_options
 from neuron_infer.config import SamplingConfig
 from neuron_infer.errors import NeuronInferError
 from neuron_infer.presets import EMBEDDED_PRESET, default_artifact_dir, load_preset
@@ -81,8 +81,10 @@ def _read_message(stdin, interactive: bool) -> str | None:
               help="CPU threads for the graphs (default: the usable CPUs that other processes leave free)")
 @click.option("--config", default=None,
               help="without ARTIFACTS: the build preset of the default model (as for generate), e.g. tiny")
+@expect_digest_option
 def chat_cmd(artifacts, system, max_new_tokens, temperature, top_k, top_p, seed, min_p, repetition_penalty,
-                 presence_penalty, frequency_penalty, min_tokens, logit_bias, stop, threads, config) -> None:
+                 presence_penalty, frequency_penalty, min_tokens, logit_bias, stop, threads, config,
+                 expect_digest) -> None:
     """Chat with ARTIFACTS (omit for the embedded default model): one user message per line, answers streamed.
 
     /exit, /quit or end of input ends the chat; /reset forgets the conversation (the system message stays).
@@ -100,12 +102,12 @@ def chat_cmd(artifacts, system, max_new_tokens, temperature, top_k, top_p, seed,
     if system is not None:
         check_text(system, "--system")
     artifacts = _resolve_artifacts(artifacts, config, say)
-    manifest, tokenizer = artifact_front(artifacts)  # cheap checks before the slow load
+    manifest, tokenizer = artifact_front(artifacts, expect_digest)  # cheap checks before the slow load
     if system is not None:
         check_size("--system", system, manifest.build.max_context_length)  # before it is tokenized
     start = [{"role": "system", "content": system}] if system else []
     encode_chat(tokenizer, start + [{"role": "user", "content": "hi"}])  # raises when there is no chat template
-    model = CompiledModel.load(artifacts, threads=threads or "auto", tokenizer=tokenizer)
+    model = CompiledModel.load(artifacts, threads=threads or "auto", tokenizer=tokenizer, expect_digest=expect_digest)
     build = manifest.build
     stdin = sys.stdin
     interactive = stdin is not None and stdin.isatty()

@@ -5,6 +5,7 @@ from collections.abc import Callable, Iterable
 
 import click
 
+from neuron_infer.artifact.manifest import check_digest
 from neuron_infer.errors import NeuronInferError
 from neuron_infer.text_input import check_path
 
@@ -103,3 +104,13 @@ def path_param(what: str, keep: Iterable[str] = ()) -> Callable:
         return value if value is None or value in keep else check_path(value, what)
 
     return check
+
+
+def _digest(_ctx: click.Context, _param: click.Parameter, value: str | None) -> str | None:
+    return None if value is None else check_digest(value, "--expect-digest")
+
+
+expect_digest_option = click.option(
+    "--expect-digest", default=None, metavar="SHA256", callback=_digest,
+    help="load the artifact only if its digest (the sha256 of its manifest.json, which `neuron-infer info` prints) "
+         "is this one: checked before anything in it is used")

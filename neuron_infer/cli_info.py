@@ -10,11 +10,11 @@ from pathlib import Path
 
 import click
 
-from neuron_infer.artifact.manifest import MANIFEST, parse_manifest, read_manifest
+from neuron_infer.artifact.manifest import MANIFEST, manifest_digest, parse_manifest, read_manifest, read_manifest_bytes
 from neuron_infer.cli_help import examples, path_param
 from neuron_infer.errors import ArtifactError
 from neuron_infer.parallel.plan import ShardPlan
-from neuron_infer.typed import read_json
+from neuron_infer.typed import json_from_bytes
 
 
 def disk_size(root: Path) -> tuple[int, int]:
@@ -47,7 +47,7 @@ def _rank_weights(root: Path, m) -> str:
     return ", ".join(human_bytes(n) for n in sizes) or "missing"
 
 
-def summary_lines(root: Path, m, size: tuple[int, int], problem: str | None) -> list[str]:
+def summary_lines(root: Path, m, size: tuple[int, int], problem: str | None, digest: str) -> list[str]:
     """The human summary of manifest `m` (see `info_record` for the same facts as JSON)."""
     c, b = m.model, m.build
     q = b.quant
@@ -76,13 +76,14 @@ def summary_lines(root: Path, m, size: tuple[int, int], problem: str | None) -> 
         f"  size         {human_bytes(size[0])} on disk ({size[1]} files)",
         "  versions     " + ", ".join(f"{k} {v}" for k, v in sorted(m.versions.items())),
         f"  verified     {'yes: versions match and every file matches its sha256' if problem is None else 'NO'}",
+        f"  digest       {digest}  (sha256 of manifest.json; pin it: generate --expect-digest)",
     ]
     return lines
 
 
-def info_record(m, size: tuple[int, int], problem: str | None) -> dict:
+def info_record(m, size: tuple[int, int], problem: str | None, digest: str) -> dict:
     return {**m.to_dict(), "size_bytes": size[0], "num_files": size[1], "verified": problem is None,
-            "verify_error": problem}
+            "verify_error": problem, "digest": digest}
 
 
 @click.command("info", epilog=examples("neuron-infer info artifacts/llama",
@@ -95,20 +96,21 @@ def info_cmd(artifacts, as_json, no_verify) -> None:
     root = Path(artifacts)
     if not (root / MANIFEST).is_file():
         read_manifest(root, verify_files=False)  # raises its "not a complete artifact" error
-    data = read_json(root / MANIFEST, "recompile the model", ArtifactError)
+    raw = read_manifest_bytes(root / MANIFEST)
+    data = json_from_bytes(raw, root / MANIFEST, "recompile the model", ArtifactError)
     if not isinstance(data, dict):
         raise ArtifactError(f"{root / MANIFEST} holds a {type(data).__name__}, not a manifest object; recompile")
     m = parse_manifest(data, str(root / MANIFEST))
     problem = None
     try:
-        read_manifest(root, verify_files=not no_verify)
+        read_manifest(root, verify_files=not no_verify, expect_digest=manifest_digest(raw))  # the manifest shown
     except ArtifactError as e:
         problem = str(e)
     size = disk_size(root)
     if as_json:
-        click.echo(json.dumps(info_record(m, size, problem)))
+        click.echo(json.dumps(info_record(m, size, problem, manifest_digest(raw))))
     else:
-        click.echo("\n".join(summary_lines(root, m, size, problem)))
+        click.echo("\n".join(summary_lines(root, m, size, problem, manifest_digest(raw))))
     if problem is not None:
         raise ArtifactError(f"verification failed: {problem}")
 

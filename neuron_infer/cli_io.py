@@ -93,10 +93,10 @@ def _strip_final_newline(text: str) -> str:
     return text.removesuffix("\n")
 
 
-def artifact_front(artifacts: str | Path):
-    """The manifest (checksum checked, weights and graphs not hashed yet) and the tokenizer (its files verified
-    first): all the cheap checks need, before the slow load."""
-    manifest = read_manifest(Path(artifacts), verify_files=False)
+def artifact_front(artifacts: str | Path, expect_digest: str | None = None):
+    """The manifest (checksum and `expect_digest` checked, weights and graphs not hashed yet) and the tokenizer (its
+    files verified first): all the cheap checks need, before the slow load."""
+    manifest = read_manifest(Path(artifacts), verify_files=False, expect_digest=expect_digest)
     return manifest, load_verified_tokenizer(Path(artifacts), manifest)
 
 

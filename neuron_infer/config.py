@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from neuron_infer.errors import ConfigError
-from neuron_infer.typed import Field, parse_dataclass, parse_fields, read_json
+from neuron_infer.typed import Field, parse_dataclass, parse_fields, read_json, show
 
 # --------------------------------------------------------------------------------------------------------------
 # ModelConfig
@@ -110,8 +110,9 @@ class ModelConfig:
                 f"num_attention_heads={self.num_heads} is not a multiple of num_key_value_heads={self.num_kv_heads}; "
                 "grouped-query attention needs every KV head to serve the same number of query heads"
             )
-        if not (self.rms_norm_eps > 0 and self.rope_theta > 0):
-            raise ConfigError(f"rms_norm_eps={self.rms_norm_eps} and rope_theta={self.rope_theta} must be > 0")
+        for name in ("rms_norm_eps", "rope_theta"):  # the model's own hyperparameters: any finite value > 0
+            if not _finite_positive(getattr(self, name)):
+                raise ConfigError(f"model config field {name}={show(getattr(self, name))} must be a finite number > 0")
         if any(not 0 <= t < self.vocab_size for t in (*self.eos_token_ids, self.bos_token_id or 0)):
             raise ConfigError(f"token ids bos_token_id={self.bos_token_id}, eos_token_ids={self.eos_token_ids} "
                               f"must be in 0..{self.vocab_size - 1} (vocab_size={self.vocab_size}: an id past it "
@@ -183,6 +184,15 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, d: Any, where: str = "model config") -> "ModelConfig":
         return parse_dataclass(cls, d, where)
+
+
+def _finite_positive(v: Any) -> bool:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return False
+    try:
+        return math.isfinite(float(v)) and v > 0
+    except OverflowError:  # an integer too large for a float
+        return False
 
 
 def _eos_tuple(v: int | tuple[int, ...] | None) -> tuple[int, ...]:

@@ -53,7 +53,8 @@ def load_preset(name_or_path: str, overrides: Mapping[str, Any] | None = None) -
     unknown = set(data) - set(_PRESET_FIELDS)
     if unknown:
         raise ConfigError(f"{path}: unknown preset key(s) {sorted(unknown)}; allowed: description, model, build")
-    build = merge_build(v["build"], overrides or {}, where=f"{path}: build")
+    flags = any(x is not None for x in (overrides or {}).values())  # a bad value may be the user's flag
+    build = merge_build(v["build"], overrides or {}, where=f"{path}: build{' with the flags given' * flags}")
     return Preset(path.stem, v["description"], v["model"], build)
 
 

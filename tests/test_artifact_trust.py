@@ -286,3 +286,87 @@ def test_the_tokenizer_is_built_from_the_verified_bytes(copy, monkeypatch):
     model = CompiledModel.load(copy)
     assert model.tokenizer.chat_template == original
     assert Path(model.tokenizer.name_or_path) == copy / "tokenizer"
+
+
+# ---- the digest: a trust anchor outside the artifact -------------------------------------------------------------
+def _digest_line(root: Path) -> str:
+    from click.testing import CliRunner
+
+    from neuron_infer.cli import cli as click_cli
+
+    r = CliRunner().invoke(click_cli, ["info", str(root)])
+    assert r.exit_code == 0, r.output
+    line = next(ln for ln in r.stdout.splitlines() if ln.split()[:1] == ["digest"])
+    return line.split()[1]
+
+
+def test_info_prints_the_digest_of_the_manifest_as_stored(art):
+    import hashlib
+
+    from click.testing import CliRunner
+
+    from neuron_infer.cli import cli as click_cli
+
+    digest = hashlib.sha256((art / MANIFEST).read_bytes()).hexdigest()  # what sha256sum manifest.json prints
+    assert _digest_line(art) == digest
+    r = CliRunner().invoke(click_cli, ["info", str(art), "--json"])
+    assert r.exit_code == 0 and json.loads(r.stdout)["digest"] == digest
+
+
+def rewritten(root: Path) -> None:
+    """A rewrite the checksums cannot catch: rope_theta changed, a tokenizer file changed, every hash and the
+    manifest checksum recomputed (as whoever can write the artifact can do)."""
+    m = json.loads((root / MANIFEST).read_text())
+    m["model"]["rope_theta"] = 1.0
+    (root / MANIFEST).write_text(json.dumps(m))
+    cfg = root / "tokenizer" / "tokenizer_config.json"
+    cfg.write_text(json.dumps({**json.loads(cfg.read_text()), "model_max_length": 7}))
+    relist(root)
+
+
+def test_a_rewrite_with_recomputed_checksums_loads_unless_the_digest_is_pinned(art, copy, capsys, uses):
+    pinned = _digest_line(art)
+    rewritten(copy)
+    code, lines = cli([GENERATE[0], copy, *GENERATE[1:]], capsys)
+    assert code == 0, lines  # the checksums all match: without a pinned digest the rewrite loads
+    assert CompiledModel.load(copy).manifest.model.rope_theta == 1.0
+    for run in (GENERATE, ["chat"]):
+        uses.clear()
+        msg = one_error(*cli([run[0], copy, *run[1:], "--expect-digest", pinned], capsys), str(copy / MANIFEST),
+                        f"not the expected {pinned}", "nothing in it was used")
+        assert uses == [], (run, uses)  # neither the tokenizer nor the weights and graphs were read
+        assert _digest_line(copy) in msg
+    uses.clear()
+    with pytest.raises(ArtifactError, match=f"not the expected {pinned}"):
+        CompiledModel.load(copy, expect_digest=pinned)
+    assert uses == []
+    assert CompiledModel.load(copy, expect_digest=_digest_line(copy)).manifest.model.rope_theta == 1.0
+
+
+def test_the_pinned_digest_loads_the_artifact_it_names(art, capsys):
+    pinned = _digest_line(art)
+    for given in (pinned, pinned.upper(), f"sha256:{pinned}"):
+        code, lines = cli([GENERATE[0], art, *GENERATE[1:], "--expect-digest", given], capsys)
+        assert code == 0, (given, lines)
+    assert CompiledModel.load(art, expect_digest=f" {pinned}\n").manifest.files  # as pasted from a file
+
+
+@pytest.mark.parametrize("given", ["abc", "", "g" * 64, "a" * 63, "a" * 65, "sha1:" + "a" * 64,
+                                   "a" * 32 + " " + "a" * 31])
+def test_an_expected_digest_that_is_not_a_sha256_is_one_error(art, capsys, uses, given):
+    one_error(*cli([GENERATE[0], art, *GENERATE[1:], "--expect-digest", given], capsys), "--expect-digest",
+              "not a sha256 digest", "neuron-infer info")
+    assert uses == []
+    with pytest.raises(NeuronInferError, match="expect_digest=.* is not a sha256 digest"):
+        CompiledModel.load(art, expect_digest=given)
+
+
+@pytest.mark.parametrize("given", [123, b"a" * 64, ["a" * 64], None])
+def test_the_api_refuses_a_digest_of_the_wrong_type_or_without_hashing(art, uses, given):
+    if given is None:  # the digest pins the files through their hashes: the files must be hashed
+        with pytest.raises(NeuronInferError, match="needs verify_files=True"):
+            CompiledModel.load(art, verify_files=False, expect_digest=_digest_line(art))
+    else:
+        with pytest.raises(NeuronInferError, match="is not a sha256 digest"):
+            CompiledModel.load(art, expect_digest=given)
+    assert uses == []

@@ -196,6 +196,7 @@ GENERATE_FLAGS = {
     "--frequency-penalty": ["nan"], "--logprobs": ["-1", "abc"], "--threads": ["0", "100000", "abc"],
     "--kv-cache-gib": ["nan", "inf", "1e6", "0", "-1"], "--prefill-chunk": ["-1", "abc"],
     "--prompt-file": ["/dev/zero", "/nonexistent", "/"], "--stop": [""],
+    "--expect-digest": ["abc", "", "0" * 64, "0" * 65],
 }
 
 
@@ -212,11 +213,13 @@ def test_every_generate_and_chat_flag(art, model, tmp_path, capsys, monkeypatch)
             if flag not in ("--max-new-tokens", "--logprobs"):
                 args += ["--max-new-tokens", "1"]
             run(args, capsys, f"generate {flag} {value}", True, [art])
-            if flag in ("--temperature", "--top-k", "--seed", "--threads", "--max-new-tokens"):
+            if flag in ("--temperature", "--top-k", "--seed", "--threads", "--max-new-tokens", "--expect-digest"):
                 huge = value == str(2**70)  # an answer length beyond max_length: allowed (answers stop there)
                 run(["chat", art, flag, value], capsys, f"chat {flag} {value}", not huge, [art])
     for flag, value in [("--kv-block-size", "0"), ("--context-buckets", "a,b"), ("--quant", "int3"),
-                        ("--batch-size", "0"), ("--max-length", "-5"), ("--tp-degree", "0")]:
+                        ("--batch-size", "0"), ("--max-length", "-5"), ("--tp-degree", "0"),
+                        ("--batch-size", str(2**31)), ("--batch-size", str(2**63)), ("--max-length", str(10**12)),
+                        ("--tokengen-batch-buckets", str(2**62))]:
         out = tmp_path / "out"
         run(["compile", model, "-o", out, *TINY, flag, value], capsys, f"compile {flag} {value}", True, [model])
     for args in (["-o", "/"], ["-o", "/proc/x"]):
@@ -240,7 +243,7 @@ def test_prompt_files_split_only_at_newlines(art, tmp_path, capsys):
 
 
 API_LOAD = {"kv_cache_gib": [math.nan, math.inf, 1e9, -1, "1"], "threads": [0, 10**6, 1.5, "x"],
-            "prefill_chunk": [-1, 1.5]}
+            "prefill_chunk": [-1, 1.5], "expect_digest": [123, "abc", "0" * 64]}
 API_GENERATE = {"prompts": ["abc", [None], [1], None], "max_new_tokens": [0, 2.5, "3", True],
                 "stop": ["ab", [1], [""]], "logprobs": [-1, 1.5]}
 API_GENERATE_IDS = {"prompts": [[[1.0, 2.0]], [["a"]], [[10**9]], "abc"], "max_new_tokens": [2.5]}

@@ -148,3 +148,64 @@ def test_fuzz_manifest_json(artifact, capsys):
     finally:
         (artifact / MANIFEST).write_text(json.dumps(base))
     assert named > 200
+
+
+# ---- rms_norm_eps: the model's own hyperparameter (as rope_theta) ------------------------------------------------
+# Any finite number > 0 is a valid epsilon (transformers accepts it too); everything else is one error line, in
+# config.json at compile time and in a manifest (re-sealed: the field's check, not the checksum) at load.
+EPS_REFUSED = ["0", "0.0", "-0.0", "-1e-05", "-1", "1e-400", "NaN", "Infinity", "-Infinity", "1e400", "-1e400",
+               "true", "false", '"1e-5"', "null", "[1e-05]", "{}", "9" * 30, "9" * 5000]
+EPS_ACCEPTED = ["2.7", "1", "1e-300", "5e-324", "1e300", "1000000"]
+DIGITS = {"9" * 30: "30 digits", "9" * 5000: "5000 digits"}  # refused by the JSON bounds, before any field
+
+
+def raw_with(d: dict, section: str | None, text: str) -> str:
+    """d as JSON text with (d[section] or d)["rms_norm_eps"] replaced by the raw JSON `text`."""
+    d = copy.deepcopy(d)
+    (d[section] if section else d)["rms_norm_eps"] = "@EPS@"
+    return json.dumps(d).replace('"@EPS@"', text)
+
+
+def sealed_manifest(base: dict, text: str) -> str:
+    raw = raw_with(base, "model", text)
+    try:
+        return json.dumps(seal(json.loads(raw)))
+    except ValueError:  # an integer Python's json refuses to read: the artifact's reader refuses it first
+        return raw
+
+
+@pytest.mark.parametrize("text", EPS_REFUSED, ids=[t[:12] for t in EPS_REFUSED])
+def test_rms_norm_eps_that_is_not_a_finite_positive_number_is_one_error(tiny_dirs, artifact, tmp_path, capsys,
+                                                                        text):
+    from tests.test_user_errors import one_error
+
+    word = DIGITS.get(text, "rms_norm_eps")
+    model = tmp_path / "model"
+    shutil.copytree(tiny_dirs("gqa"), model)
+    (model / "config.json").write_text(raw_with(json.loads((model / "config.json").read_text()), None, text))
+    out = tmp_path / "art"
+    one_error(*cli(["compile", model, "-o", out, *TINY], capsys), "config.json", word)
+    assert not out.exists()
+    base = json.loads((artifact / MANIFEST).read_text())
+    try:
+        (artifact / MANIFEST).write_text(sealed_manifest(base, text))
+        one_error(*cli(["generate", artifact, "--prompt", "hi", "--max-new-tokens", "1"], capsys), "manifest.json",
+                  word)
+    finally:
+        (artifact / MANIFEST).write_text(json.dumps(base))
+
+
+@pytest.mark.parametrize("text", EPS_ACCEPTED)
+def test_any_finite_positive_rms_norm_eps_is_the_models_own(tiny_dirs, artifact, tmp_path, capsys, text):
+    model = tmp_path / "model"
+    shutil.copytree(tiny_dirs("gqa"), model)
+    (model / "config.json").write_text(raw_with(json.loads((model / "config.json").read_text()), None, text))
+    code, lines = cli(["plan", model, "--instance", "trn1.2xlarge", "--tp-degree", "1"], capsys)
+    assert code == 0, lines
+    base = json.loads((artifact / MANIFEST).read_text())
+    try:
+        (artifact / MANIFEST).write_text(sealed_manifest(base, text))
+        code, lines = cli(["generate", artifact, "--prompt", "hi", "--max-new-tokens", "1"], capsys)
+        assert code == 0, lines
+    finally:
+        (artifact / MANIFEST).write_text(json.dumps(base))

@@ -12,6 +12,10 @@ Loading checks the format version, the manifest's own checksum (`manifest_sha256
 package versions the graphs depend on, that every file in the directory is a regular file (no symbolic link, no
 entry outside the directory) listed in the manifest and that each matches its sha256, and names the differing field
 or file. The tokenizer files are verified before the tokenizer (and its chat template) is read.
+
+The checksums catch damage and edits, not a rewrite that recomputes them. The trust anchor outside the artifact is
+its digest, the sha256 of manifest.json as stored (`neuron-infer info` prints it): `read_manifest(root,
+expect_digest=...)` refuses any other manifest before it is parsed, and that manifest pins every listed file.
 """
 from __future__ import annotations
 
@@ -30,7 +34,7 @@ from neuron_infer.artifact.records import ManifestExtra
 from neuron_infer.config import BuildConfig, ModelConfig
 from neuron_infer.errors import ArtifactError, ConfigError
 from neuron_infer.output_dir import PARTIAL_MARKER, atomic_output
-from neuron_infer.typed import parse_dataclass, parse_json, read_json
+from neuron_infer.typed import json_from_bytes, parse_dataclass, parse_json, show
 
 FORMAT_VERSION = 4  # 2: block KV cache (build.kv_block_size); 3: manifest_sha256; 4: prefill class logit rows [1, R]
 MANIFEST = "manifest.json"
@@ -185,8 +189,30 @@ def _check_entry(rel: str, where: str) -> None:
                             "is damaged: recompile the model")
 
 
-def read_manifest(root: Path, verify_files: bool = True) -> Manifest:
-    """Read and check an artifact directory; every problem raises ArtifactError naming the field or file."""
+def manifest_digest(raw: bytes) -> str:
+    """An artifact's digest: the sha256 of its manifest.json as stored (what `sha256sum manifest.json` prints)."""
+    return hashlib.sha256(raw).hexdigest()
+
+
+def check_digest(value: Any, name: str = "expect_digest") -> str:
+    """An expected digest as given by the user: 64 hex digits (an optional `sha256:` prefix) -> lowercase hex."""
+    text = value.strip().lower().removeprefix("sha256:") if isinstance(value, str) else None
+    if text is None or len(text) != 64 or any(c not in "0123456789abcdef" for c in text):
+        raise ConfigError(f"{name}{' ' if name.startswith('--') else '='}{show(value)} is not a sha256 digest: give the 64 hex digits `neuron-infer info "
+                          "ARTIFACTS` prints (or `sha256sum ARTIFACTS/manifest.json`)")
+    return text
+
+
+def read_manifest_bytes(path: Path) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as e:
+        raise ArtifactError(f"cannot read {path}: {e.strerror or e}; recompile the model") from e
+
+
+def read_manifest(root: Path, verify_files: bool = True, expect_digest: str | None = None) -> Manifest:
+    """Read and check an artifact directory; every problem raises ArtifactError naming the field or file.
+    `expect_digest` (check_digest's form): the manifest's digest must be this one, checked before it is parsed."""
     root = Path(root)
     path = root / MANIFEST
     if not root.is_dir():
@@ -202,7 +228,12 @@ def read_manifest(root: Path, verify_files: bool = True) -> Manifest:
         hint = " (it looks like an interrupted compile)" if root.is_dir() else ""
         raise ArtifactError(f"{path} not found{hint}: {root} is not a complete neuron-infer artifact; run "
                             f"`neuron-infer compile MODEL_DIR -o {root}` first")
-    manifest = parse_manifest(read_json(path, "recompile the model", ArtifactError), str(path))
+    raw = read_manifest_bytes(path)
+    if expect_digest is not None and manifest_digest(raw) != expect_digest:
+        raise ArtifactError(f"{path} has the digest {manifest_digest(raw)}, not the expected {expect_digest}: this "
+                            "is not the artifact that digest pins (rebuilt, edited or replaced); nothing in it was "
+                            "used")
+    manifest = parse_manifest(json_from_bytes(raw, path, "recompile the model", ArtifactError), str(path))
     _check_versions(manifest, path)
     if verify_files:
         check_files(root, manifest)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from neuron_infer.config import BuildConfig
+from neuron_infer.config import BuildConfig, ModelConfig
 from neuron_infer.model.kv_cache import CacheShape
 from neuron_infer.model.llama import LlamaModel
 
@@ -189,11 +189,27 @@ def spec_graph_list(build: BuildConfig, draft: bool = True) -> list[GraphSpec]:
 # ---- the KV cache and the example inputs ------------------------------------------------------------------------
 def cache_shape(model: LlamaModel, build: BuildConfig, blocks: int | None = None) -> CacheShape:
     """The KV cache of one rank: `blocks` blocks (default: build.default_kv_blocks)."""
+    return kv_cache_shape(model.cfg, model.layout.num_kv_heads, build, blocks)
+
+
+def kv_cache_shape(cfg: ModelConfig, kv_heads: int, build: BuildConfig, blocks: int | None = None) -> CacheShape:
+    """The KV cache of `kv_heads` KV heads (a rank's, or every rank's together) before any model is built."""
     dtype = torch.float32 if build.dtype == "fp32" else torch.bfloat16
     if build.quant.kv_cache_dtype == "fp8":
         dtype = torch.float8_e4m3fn
-    return CacheShape(model.cfg.num_layers, blocks or build.default_kv_blocks, model.layout.num_kv_heads,
-                      build.block_size, model.cfg.head_dim, dtype)
+    return CacheShape(cfg.num_layers, blocks or build.default_kv_blocks, kv_heads, build.block_size, cfg.head_dim,
+                      dtype)
+
+
+LOGIT_COPIES = 13  # [B, V] fp32 tensors alive in one step: the graph's logits, the rows taken from them, and the
+# sampler's working tensors (model/sampling.py; measured: a top-k/top-p call peaks at 11 more, B=2000, V=50000)
+
+
+def run_bytes(cache: CacheShape, build: BuildConfig, vocab_size: int) -> int:
+    """Memory a loaded build allocates for its batch (the compile-time and the load-time check): the KV cache, and
+    the logits of a full-batch step, [B, V] fp32 (a verify step: [B, K+1, V]), LOGIT_COPIES of them at once."""
+    rows = build.batch_size * (build.speculation.length + 1 if build.speculation is not None else 1)
+    return cache.nbytes() + LOGIT_COPIES * 4 * rows * vocab_size
 
 
 def example_args(cache: CacheShape, spec: GraphSpec) -> tuple[torch.Tensor, ...]:

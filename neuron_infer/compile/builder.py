@@ -63,8 +63,8 @@ def _compile(model_dir: Path, out_dir: Path, build: BuildConfig, backend: str | 
              say: Progress) -> Manifest:
     t_start = time.perf_counter()
     cfg = ModelConfig.from_model_dir(model_dir)
+    check_weight_headers(model_dir, cfg)  # the sizes agree with the weights before anything is sized from them
     check_build_against_model(cfg, build)
-    check_weight_headers(model_dir, cfg)
     ranks = RankSet.of(cfg, build, backend, say)  # the plan, the graph backend; refusals before any work
     with atomic_directory(out_dir, overwrite, source_dirs(model_dir, build)) as tmp:
         copy_tokenizer(model_dir, tmp / "tokenizer")  # copied first, then the copies checked: what the artifact holds

@@ -6,7 +6,7 @@ Compiling a graph is single-threaded Python (export, Inductor's lowering and cod
 two graphs on two cores take about the time of one. Each worker (`python -m neuron_infer.compile.graph_worker`)
 rebuilds the rank's model from the weights file the compile already wrote, as the loader does, compiles one graph
 through the compile cache and prints its metadata as one JSON line. Workers are bounded by the usable cores and by
-the memory available (WORKER_BYTES each, plus the weights).
+the memory available (graph_compile_bytes each, plus the weights).
 """
 from __future__ import annotations
 
@@ -23,7 +23,16 @@ import psutil
 from neuron_infer import cpu_threads
 from neuron_infer.errors import ArtifactError
 
-WORKER_BYTES = 3 << 30  # peak memory of one graph compile beyond the weights (SmolLM2 prefill graph: ~2.4 GiB)
+WORKER_BYTES = 3 << 30  # peak memory of one graph compile beyond the weights and its example KV cache (SmolLM2
+# prefill graph: ~2.4 GiB)
+EXAMPLE_CACHE_COPIES = 2  # a graph compile holds its example KV cache (K and V of the build's default cache,
+# artifact/plan.py example_args) and the copy torch.export traces (backends/cpu/graph.py _export clones its inputs)
+
+
+def graph_compile_bytes(cache_bytes: int, base: int = WORKER_BYTES) -> int:
+    """Peak memory of one graph compile beyond the weights, for a rank whose default KV cache takes `cache_bytes`
+    (`base`: the rest of the compile's peak)."""
+    return base + EXAMPLE_CACHE_COPIES * cache_bytes
 
 
 def worker_count(jobs: int, weight_bytes: int, compile_bytes: int = WORKER_BYTES) -> int:
@@ -43,10 +52,11 @@ def all_cpus() -> None:
         pass  # not Linux, or not allowed: the inherited affinity stays
 
 
-def compile_in_workers(jobs: list, weights: Path, cfg, build, graphs_dir: Path,
-                       say: Callable[[str], None]) -> dict[str, dict]:
-    """Compile each (ShapeClass, key) job in a worker process; -> {class name: metadata}."""
-    n = worker_count(len(jobs), weights.stat().st_size)
+def compile_in_workers(jobs: list, weights: Path, cfg, build, graphs_dir: Path, say: Callable[[str], None],
+                       cache_bytes: int = 0) -> dict[str, dict]:
+    """Compile each (ShapeClass, key) job in a worker process (`cache_bytes`: the rank's default KV cache, which each
+    worker's example inputs hold); -> {class name: metadata}."""
+    n = worker_count(len(jobs), weights.stat().st_size, graph_compile_bytes(cache_bytes))
     named = [(cls.name, {"class": {"name": cls.name, "example": cls.example.__dict__,
                                    "dynamic": {str(i): {str(d): list(v) for d, v in dims.items()}
                                                for i, dims in cls.dynamic.items()}},

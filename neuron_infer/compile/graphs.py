@@ -95,7 +95,7 @@ def compile_classes(model, build, backend, graphs_dir: Path, say: Progress, clas
     # in workers even when one graph is missing: a worker's model, rebuilt from the weights file, holds its layers
     # stacked, so its graph runs them as one loop (docs/cpu-backend.md), compiled in a fraction of the time
     if misses and weights is not None and backend.name == "cpu":
-        out.update(compile_in_workers(misses, weights, model.cfg, build, graphs_dir, say))
+        out.update(compile_in_workers(misses, weights, model.cfg, build, graphs_dir, say, shape.nbytes()))
         return out
     for cls, key in steps(misses, "compiling", say, lambda j: f"{j[0].name} ({backend.name})", unit="graph"):
         out[cls.name] = compile_class(model, build, graphs_dir, cls, key, backend)

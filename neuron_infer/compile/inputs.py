@@ -7,6 +7,8 @@ from pathlib import Path
 
 import psutil
 
+from neuron_infer.artifact.plan import kv_cache_shape, run_bytes
+from neuron_infer.compile.graph_workers import graph_compile_bytes
 from neuron_infer.compile.spec_builder import check_speculation
 from neuron_infer.config import BuildConfig, ModelConfig
 from neuron_infer.errors import CheckpointError, ConfigError
@@ -22,23 +24,36 @@ def check_build_against_model(cfg: ModelConfig, build: BuildConfig) -> None:
             f"--max-length {build.max_length} exceeds the model's max_position_embeddings="
             f"{cfg.max_position_embeddings}; lower --max-length"
         )
-    check_kv_cache_fits(cfg, build)
+    check_memory_fits(cfg, build)
     if build.target == "cpu" and build.tp_degree != 1:
         ShardPlan.build(cfg, build.tp_degree)
     if build.speculation is not None:
         check_speculation(cfg, build)
 
 
-def check_kv_cache_fits(cfg: ModelConfig, build: BuildConfig) -> None:
-    """The default KV cache (batch_size sequences of max_length, K and V, all ranks together) must fit the machine's
-    memory: a sizing error names the fix instead of an allocation failure at load."""
-    elem = 4 if build.dtype == "fp32" else 1 if build.quant.kv_cache_dtype == "fp8" else 2
-    need = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * elem * build.batch_size * build.max_length
-    have = psutil.virtual_memory().total
+def check_memory_fits(cfg: ModelConfig, build: BuildConfig) -> None:
+    """Sizing errors before any work, each naming the bound and the fix (instead of an allocation failure or the
+    kernel's out-of-memory kill): the built model's batch (run_bytes: the KV cache of batch_size sequences of
+    max_length, every rank's together, and the logits of a full batch; the load checks the same) must fit this
+    machine's memory, and a graph compile's example KV cache (graph_compile_bytes: the rank's cache twice) the
+    memory available now."""
+    flags = f"--batch-size {build.batch_size} x --max-length {build.max_length}"
+    cache = kv_cache_shape(cfg, cfg.num_kv_heads, build)
+    need, have = run_bytes(cache, build, cfg.vocab_size), psutil.virtual_memory().total
     if need > have:
-        raise ConfigError(f"--batch-size {build.batch_size} x --max-length {build.max_length} needs a KV cache of "
-                          f"{need / 2**30:.1f} GiB, more than this machine's {have / 2**30:.1f} GiB of memory; lower "
+        raise ConfigError(f"{flags} needs {_gib(need)} GiB to run (a KV cache of {_gib(cache.nbytes())} GiB and the "
+                          f"logits of a full batch), more than this machine's {_gib(have)} GiB of memory; lower "
                           "--batch-size or --max-length")
+    rank = kv_cache_shape(cfg, -(-cfg.num_kv_heads // build.tp_degree), build)  # at least a rank's heads
+    need, free = graph_compile_bytes(rank.nbytes(), base=0), psutil.virtual_memory().available
+    if need > free:
+        raise ConfigError(f"{flags}: compiling a graph holds its example KV cache ({_gib(rank.nbytes())} GiB) twice, "
+                          f"at least {_gib(need)} GiB, more than the {_gib(free)} GiB of memory available on this "
+                          "machine now; lower --batch-size or --max-length, or free memory")
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.1f}"
 
 
 def source_dirs(model_dir: Path, build: BuildConfig) -> list[Path]:

@@ -23,6 +23,7 @@ from neuron_infer.artifact.plan import (
     batch_context_graphs,
     cache_shape,
     planned_graphs,
+    run_bytes,
     shape_class,
     spec_graph_list,
 )
@@ -91,7 +92,7 @@ def load_rank(artifact: str | Path, rank: int = 0, manifest: Manifest | None = N
     cache = cache_shape(model, build)
     if kv_cache_gib is not None:
         cache = cache.with_blocks(budget_blocks(cache, kv_cache_gib))
-    _check_cache_fits(cache, root, build, kv_cache_gib)
+    _check_cache_fits(cache, root, build, kv_cache_gib, manifest.model.vocab_size)
     files = _graph_files(manifest, modules, root)
     engine = Engine(_load_graphs(manifest.backend, graphs_dir, modules, files), build, cache,
                     manifest.model.vocab_size, shape_classes=any(f != n for n, f in files.items()))
@@ -131,14 +132,16 @@ def _check_layers(manifest: Manifest, root: Path, weights: Path) -> None:
                             "recompile the model")
 
 
-def _check_cache_fits(cache, root: Path, build: BuildConfig, kv_cache_gib: float | None) -> None:
-    """The KV cache must fit the memory available now: an error line instead of the kernel's out-of-memory kill."""
-    free = psutil.virtual_memory().available
-    if cache.nbytes() <= free:
+def _check_cache_fits(cache, root: Path, build: BuildConfig, kv_cache_gib: float | None, vocab_size: int) -> None:
+    """The KV cache and the batch's logits (run_bytes) must fit the memory available now: an error line instead of
+    the kernel's out-of-memory kill."""
+    free, need = psutil.virtual_memory().available, run_bytes(cache, build, vocab_size)
+    if need <= free:
         return
     what = (f"--kv-cache-gib {kv_cache_gib:g}" if kv_cache_gib is not None else
             f"the compiled batch_size={build.batch_size} x max_length={build.max_length}")
-    raise ArtifactError(f"{root}: {what} needs a KV cache of {cache.nbytes() / 2**30:.1f} GiB, more than the "
+    raise ArtifactError(f"{root}: {what} needs {need / 2**30:.1f} GiB (a KV cache of {cache.nbytes() / 2**30:.1f} "
+                        f"GiB and the logits of a full batch), more than the "
                         f"{free / 2**30:.1f} GiB of memory available on this machine now; give a smaller budget "
                         "(--kv-cache-gib, or kv_cache_gib=), free memory, or recompile with a lower --batch-size or "
                         "--max-length")
