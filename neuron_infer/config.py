@@ -337,7 +337,9 @@ class SpeculationConfig:
         return self.ngram_size or NGRAM_SIZE
 
 
-DEFAULT_BLOCK_SIZE = 128  # tokens per KV-cache block when every bucket allows it (as vendors' paged caches)
+# tokens per KV-cache block when every bucket allows it: Neuron 128 (as vendors' paged caches); CPU 32, since its
+# dynamic graphs attend over whole blocks (at least two): a 25-token prompt reads 64 keys, not 256 (docs/kv-cache.md)
+DEFAULT_BLOCK_SIZE = {"neuron": 128, "cpu": 32}
 
 
 def auto_buckets(lo: int, hi: int) -> tuple[int, ...]:
@@ -391,8 +393,9 @@ class BuildConfig:
 
     @property
     def block_size(self) -> int:
-        """Tokens per KV-cache block: kv_block_size, or the largest divisor of 128 that divides every bucket."""
-        return self.kv_block_size or math.gcd(DEFAULT_BLOCK_SIZE, *self.context_bucket_list,
+        """Tokens per KV-cache block: kv_block_size, or the largest divisor of the target's default (DEFAULT_BLOCK_SIZE)
+        that divides every bucket."""
+        return self.kv_block_size or math.gcd(DEFAULT_BLOCK_SIZE[self.target], *self.context_bucket_list,
                                               *self.tokengen_bucket_list)
 
     @property

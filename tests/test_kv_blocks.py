@@ -25,7 +25,8 @@ SHARED = [(i * 7) % 300 + 3 for i in range(40)]  # a 40-token prefix: two full b
 
 # ---- config ------------------------------------------------------------------------------------------------------
 def test_block_size_default_and_validation():
-    assert BuildConfig().block_size == 128  # buckets 128, 256, 512
+    assert BuildConfig().block_size == 32  # CPU: buckets 128, 256, 512, blocks of at most 32
+    assert BuildConfig(target="neuron").block_size == 128  # Neuron: at most 128
     assert BUILD.replace(kv_block_size=None).block_size == 32  # gcd(128, 32, 64, 128)
     with pytest.raises(ConfigError, match=r"kv_block_size=24 must be a positive divisor of every .* \[32, 64, 128\]"):
         BUILD.replace(kv_block_size=24)
