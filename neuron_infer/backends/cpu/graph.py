@@ -77,9 +77,11 @@ GRAPH_FORMAT = "aotinductor-pt2"
 # attention reductions are made of; every bf16 op's result is rounded to bf16 as eager PyTorch rounds it, also inside
 # fused kernels (emulate_precision_casts), so a value does not depend on what Inductor fused: a residual sum feeding
 # an RMSNorm was otherwise read unrounded in a one-token step and rounded in a verify pass over several tokens
-# (docs/cpu-backend.md, "Batch invariance").
+# (docs/cpu-backend.md, "Batch invariance"). The wrapper code (the C++ that calls the kernels) is compiled at -O1,
+# fixed here rather than left to AOT_INDUCTOR_COMPILE_WRAPPER_OPT_LEVEL: measured on SmolLM2, -O0 compiled no faster
+# and made a decode step 4% slower, and -O2 crashes g++ 12 (docs/performance.md, "Compile time and the first answer").
 INDUCTOR_CONFIGS = {"aot_inductor.package_constants_in_so": False, "cpp.enable_floating_point_contract_flag": "fast",
-                    "emulate_precision_casts": True}
+                    "emulate_precision_casts": True, "aot_inductor.compile_wrapper_opt_level": "O1"}
 PACKAGE_SUFFIX = ".pt2"
 SIDECAR_SUFFIX = ".json"
 
