@@ -106,6 +106,11 @@ class Engine:
         t = pick_bucket(tokens, self.build.context_bucket_list, "prompt", "--max-context-length/--context-buckets")
         return (t, t) if start == 0 else (t, self.build.max_context_length)
 
+    def reach_attend(self, positions: int) -> int:
+        """The attended length of a prefill whose tokens reach `positions` positions: the whole blocks holding them,
+        at least two (a dynamic table width of one would be specialised at export), at most the table."""
+        return self.block_size * min(max(2, -(-positions // self.block_size)), max_table_blocks(self.build))
+
     def prefill_row(self, slot: int, prompt: list[int], start: int = 0, end: int | None = None,
                     logit_rows: Sequence[int] | None = None) -> torch.Tensor:
         """Encode prompt[start:end] at positions start.. into the blocks of `slot` (positions < start are already
@@ -119,7 +124,7 @@ class Engine:
         name = graph_name("context", t, s)
         if self.shape_classes:  # the prompt's own rows (at least 2), attending to the blocks they reach
             t = max(n, 2)
-            s = self.block_size * min(max(2, -(-(start + t) // self.block_size)), max_table_blocks(self.build))
+            s = self.reach_attend(start + t)
         ids = torch.zeros(1, t, dtype=torch.int64)  # [1, T], right-padded; padding writes slots no one reads
         ids[0, :n] = torch.tensor(prompt[start:end], dtype=torch.int64)
         positions = torch.arange(start, start + t, dtype=torch.int64).view(1, t)  # [1, T]
@@ -151,8 +156,7 @@ class Engine:
         positions = starts[:, None] + torch.arange(t, dtype=torch.int64)  # [B, T]
         index = torch.tensor(n, dtype=torch.int64)[:, None] - 1  # [B, 1]: each row's last token
         reach = max(start + m for (_, _, start, _), m in zip(pieces, n))  # positions the real tokens reach
-        s = self.block_size * min(max(2, -(-reach // self.block_size)), max_table_blocks(self.build))
-        table = self.table([slot for slot, *_ in pieces], s, self.min_table_width)  # [B, W]
+        table = self.table([slot for slot, *_ in pieces], self.reach_attend(reach), self.min_table_width)  # [B, W]
         return self._run(name, ids, positions, index, table)[:, 0]  # [B, V]
 
     def prefill(self, prompts: list[list[int]]) -> torch.Tensor:

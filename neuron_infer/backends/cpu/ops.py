@@ -77,9 +77,9 @@ def float_linear_op(max_rows: int, kernel: bool) -> Callable[..., torch.Tensor]:
             x2 = x.reshape(rows, x.shape[-1]).contiguous()  # [R, K]; a copy only for computed views
             y = kernels.gemv_bf16(x2, [weight.contiguous()]).view(*x.shape[:-1], weight.shape[0])  # [..., N]
             return y if bias is None else y + bias
-        # one reduction per row: a row count fixed for the graph (a dynamic one, even if bounded by max_rows, would
-        # be specialised to the example's by the loop over rows)
-        if max_rows and (known(rows == 1) or (isinstance(rows, int) and rows <= max_rows)):
+        # one reduction per row: only for a row count fixed for the graph (a dynamic one, even if bounded by
+        # max_rows, would be specialised to the example's by the loop over rows)
+        if max_rows and isinstance(rows, int) and rows <= max_rows:
             return gemv_reductions(x, weight, bias, rows)
         if bias is None or x.dim() == 2:
             return F.linear(x, weight, bias)
