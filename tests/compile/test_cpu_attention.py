@@ -1,4 +1,4 @@
-"""The few-row attention kernel (backends/cpu/cpu_attention.cpp) against an fp64 twin, inside real AOTInductor graphs.
+"""The attention kernel (backends/cpu/cpu_attention.cpp) against an fp64 twin, inside real AOTInductor graphs.
 
 Numerics: scores, softmax and the weighted sum in fp32, one rounding to bf16. The fp64 twin computes the same
 attention exactly and rounds once; the kernel's fp32 sums differ from it by a few fp32 roundings of the summed terms,
@@ -8,7 +8,8 @@ margin), and almost all are bit-equal (>= 97%: the GEMV kernels' criterion). The
 bound. A kernel reading a wrong key, dropping a chunk's tail, mixing heads or rows is off by far more.
 
 Batch invariance (the property speculative verification relies on): a query row's result is the same bits whether
-it is computed alone, among 21 or 64 rows, in a batch of two, or over a longer cache bucket - checked with
+it is computed alone, among 150 rows (three of the kernel's 64-row work blocks), in a batch of two, or over a longer
+cache bucket - checked with
 torch.equal. Both ISA paths are tested on CPUs that have them (AVX-512, and AVX2 forced with gemv_isa="avx2"), each in
 its own process (fresh_process.py).
 """
@@ -33,10 +34,11 @@ from tests.paged import as_blocks
 ISAS = [isa for isa in ("avx512", "avx2") if cpu_gemv.has_isa(isa)]
 needs_kernel = pytest.mark.skipif(not ISAS, reason="this CPU has neither AVX-512 nor AVX2")
 
-# (B, H, R, S, D, bs): decode (G = 3 rows), verify (21 rows), the most rows the kernel takes (64), head dims 32-256,
+# (B, H, R, S, D, bs): decode (G = 3 rows), verify (21 rows), 64 rows (one work block), prefill (a 100-token prompt's
+# 300 folded rows over 260 keys: five row blocks, three chunks, blocks of 26), head dims 32-256,
 # buckets that are not multiples of the 16-key groups or the 128-key chunks, fewer keys than one group; cache blocks
 # of the kernel's chunk size, smaller (a chunk spans several), larger than a chunk, of one position.
-CASES = [(1, 3, 3, 640, 64, 128), (2, 3, 21, 300, 64, 25), (1, 2, FEW_QUERY_ROWS, 129, 64, 43),
+CASES = [(1, 3, 3, 640, 64, 128), (2, 3, 21, 300, 64, 25), (1, 2, 64, 129, 64, 43), (1, 3, 300, 260, 64, 26),
          (2, 1, 5, 37, 128, 1), (1, 4, 7, 200, 32, 8), (1, 1, 2, 9, 256, 3), (3, 2, 1, 260, 96, 260)]
 
 
@@ -63,15 +65,16 @@ def inputs():
 
 
 def invariance_inputs():
-    """A 21-row verify-like case (2 batch rows, 3 heads, 300 keys), then the same rows alone, over a longer bucket
-    (420 keys; the extra keys are never visible) and with the other batch row replaced."""
-    q, k, v, pos = case_inputs(2, 3, 21, 300, 64, 100, seed=99)
+    """A 150-row case (2 batch rows, 3 heads, 300 keys), then rows of it alone (from the first, second and third
+    64-row work block), over a longer bucket (420 keys; the extra keys are never visible) and with the other batch
+    row replaced."""
+    q, k, v, pos = case_inputs(2, 3, 150, 300, 64, 100, seed=99)
     pos = pos.clamp(0, 299)
     g = torch.Generator().manual_seed(100)
     extra = [torch.randn(2, 3, 120, 64, generator=g).to(torch.bfloat16) for _ in range(2)]
     longer = torch.cat([k, extra[0]], 2), torch.cat([v, extra[1]], 2)
     other = torch.randn(q.shape, generator=g).to(torch.bfloat16)
-    rows = [(q[:, :, i:i + 1], k, v, pos[:, i:i + 1]) for i in (0, 7, 20)]
+    rows = [(q[:, :, i:i + 1], k, v, pos[:, i:i + 1]) for i in (0, 70, 149)]
     return (q, k, v, pos), rows, (q, *longer, pos), (torch.cat([q[:1], other[1:]]), k, v, pos)
 
 
@@ -134,7 +137,7 @@ def check_graphs(out: str, isa: str) -> None:
             cases(*bad)
     full_inputs = invariance_inputs()[0]
     assert_one_rounding_apart(full, fp64_twin(*full_inputs), full_inputs[2])
-    for i, one in zip((0, 7, 20), alone):
+    for i, one in zip((0, 70, 149), alone):
         assert torch.equal(one, full[:, :, i:i + 1])
     assert torch.equal(longer, full)
     assert torch.equal(other[0], full[0])
@@ -170,8 +173,8 @@ def _attention_calls(model: torch.nn.Module, options: CpuCompileOptions, tokens:
 
 
 def test_model_attention_calls_the_kernel_only_where_it_applies():
-    """bf16 decode and verify steps of a model whose head dim the kernel takes call it once per layer; fp32 models,
-    head dims it does not take, more rows than FEW_QUERY_ROWS and gemv_kernel=False keep the reference."""
+    """bf16 decode, verify and prefill steps of a model whose head dim the kernel takes call it once per layer (at
+    any row count); fp32 models, head dims it does not take and gemv_kernel=False keep the reference."""
     bf16 = tiny_model(head_dim=32).to(torch.bfloat16)
     if not ISAS:
         assert _attention_calls(bf16, CpuCompileOptions()) == 0
@@ -179,7 +182,7 @@ def test_model_attention_calls_the_kernel_only_where_it_applies():
     layers = bf16.cfg.num_layers
     assert _attention_calls(bf16, CpuCompileOptions()) == layers
     assert _attention_calls(bf16, CpuCompileOptions(), tokens=8) == layers
-    assert _attention_calls(bf16, CpuCompileOptions(), tokens=FEW_QUERY_ROWS // 2 + 1) == 0  # G = 2: 66 rows
+    assert _attention_calls(bf16, CpuCompileOptions(), tokens=FEW_QUERY_ROWS // 2 + 1) == layers  # G = 2: 66 rows
     assert _attention_calls(bf16, CpuCompileOptions(gemv_kernel=False)) == 0
     assert _attention_calls(tiny_model(head_dim=32), CpuCompileOptions()) == 0  # fp32
     assert _attention_calls(tiny_model().to(torch.bfloat16), CpuCompileOptions()) == 0  # head dim 24

@@ -1,5 +1,5 @@
-// Causal attention for a few query rows per KV head (decode steps, batched steps, speculative verification) over the
-// block KV cache: out[b, h, r] = softmax(q[b, h, r] . k_j / sqrt(D), j <= positions[b, r]) @ v_j, where position j
+// Causal attention for any number of query rows per KV head (decode steps, batched steps, speculative verification,
+// prefill) over the block KV cache: out[b, h, r] = softmax(q[b, h, r] . k_j / sqrt(D), j <= positions[b, r]) @ v_j, where position j
 // of batch row b lives in block table[b, j / bs] at slot j % bs of the caches k, v [N blocks, H, bs, D]; q, k, v
 // bf16, every sum in fp32 and the result rounded once to bf16 (round to nearest even). The kernel reads the cached
 // keys and values in place through the table: no gathered copy of a row's blocks is made.
@@ -22,8 +22,9 @@
 //   sums over the chunk's key groups in order, then one horizontal sum), o = sum of p_j v_j (key by key in order).
 // * Per query row: M = max of the chunks' m; out = (sum of exp(m_c - M) o_c) / (sum of exp(m_c - M) l_c), chunks in
 //   order. Keys past a row's position are never read into its sums; a row that sees no key gets zeros.
-// The chunks of all (batch row, KV head) pairs are one OpenMP loop; the per-row merge a second loop in the same
-// parallel region.
+// The work items (batch row, KV head, chunk, block of kRowBlock query rows that sees part of the chunk) are one
+// OpenMP loop; the per-row merge a second loop in the same parallel region. A row's sums do not depend on which
+// other rows share its item or tile, so the split changes no result.
 #include "cpu_gemv_common.h"
 
 #include <immintrin.h>
@@ -43,6 +44,7 @@ using ni_gemv::view_nd;
 constexpr int64_t kChunk = 128;  // key positions per work item (K and V of a chunk widened: 2 x 32 KB at D = 64)
 constexpr int64_t kMaxD = 256;   // head dims up to this, a multiple of 32
 constexpr int64_t kMaxRows = 16;  // rows whose PV products a chunk batches (pv)
+constexpr int64_t kRowBlock = 64;  // query rows per work item (a prefill's rows spread over the threads)
 
 #ifdef __AVX512F__
 struct V {
@@ -264,12 +266,12 @@ void scores_rows(const V::F (&qv)[RT][kVecs<ND>], const float* kf, int64_t group
   }
 }
 
-// The raw scores of the n <= RT rows in `rows` (fewer: the instance for n), together.
+// The raw scores of the n <= RT rows in `rows` (fewer: the instance for n), together; row r's into sc[r - r0].
 template <int64_t ND, int RT = kTileQK<ND>>
-void scores(const Attn& a, int64_t bi, int64_t hi, const int64_t* rows, int64_t n, int64_t c0, float scale,
-            const float* kf, float* sc) {
+void scores(const Attn& a, int64_t bi, int64_t hi, const int64_t* rows, int64_t n, int64_t c0, int64_t r0,
+            float scale, const float* kf, float* sc) {
   if constexpr (RT > 1) {
-    if (n < RT) return scores<ND, RT - 1>(a, bi, hi, rows, n, c0, scale, kf, sc);
+    if (n < RT) return scores<ND, RT - 1>(a, bi, hi, rows, n, c0, r0, scale, kf, sc);
   }
   const int64_t nd = ND > 0 ? ND : a.d / L;
   V::F qv[RT][kVecs<ND>];
@@ -277,20 +279,20 @@ void scores(const Attn& a, int64_t bi, int64_t hi, const int64_t* rows, int64_t 
   int64_t most = 0;  // key groups of the row that sees the most keys of the chunk
   for (int r = 0; r < RT; r++) {
     for (int64_t i = 0; i < nd; i++) qv[r][i] = query(a, bi, hi, rows[r], i, scale);
-    s[r] = sc + rows[r] * kChunk;
+    s[r] = sc + (rows[r] - r0) * kChunk;
     most = std::max(most, (std::min(a.visible(bi, rows[r]), c0 + kChunk) - c0 + L - 1) / L);
   }
   scores_rows<RT, ND>(qv, kf, most, nd, s);
 }
 
-// One work item: chunk c of KV head (bi, hi) for every query row that sees part of it. Writes, per row, the chunk's
+// One work item: chunk c of KV head (bi, hi) for every query row in [r0, r0 + kRowBlock) that sees part of it. Writes, per row, the chunk's
 // max score m, sum of exponentials l and unnormalised output o [D] into part ([B][H][R][chunks][D + 2], fp32).
-// kf, vf: kChunk x D floats; sc: R x kChunk floats (this thread's buffers).
-void chunk(const Attn& a, int64_t bi, int64_t hi, int64_t c, int64_t chunks, float scale, float* kf, float* vf,
-           float* sc, float* part) {
-  const int64_t d = a.d, c0 = c * kChunk, nd = d / L;
-  int64_t end = c0;  // keys [c0, end) are seen by some row
-  for (int64_t row = 0; row < a.r; row++) end = std::max(end, std::min(a.visible(bi, row), c0 + kChunk));
+// kf, vf: kChunk x D floats; sc: kRowBlock x kChunk floats (this thread's buffers).
+void chunk(const Attn& a, int64_t bi, int64_t hi, int64_t c, int64_t r0, int64_t chunks, float scale, float* kf,
+           float* vf, float* sc, float* part) {
+  const int64_t d = a.d, c0 = c * kChunk, nd = d / L, r1 = std::min(a.r, r0 + kRowBlock);
+  int64_t end = c0;  // keys [c0, end) are seen by some row of the block
+  for (int64_t row = r0; row < r1; row++) end = std::max(end, std::min(a.visible(bi, row), c0 + kChunk));
   const int64_t nk = end - c0, groups = (nk + L - 1) / L;
   for (int64_t j = 0; j < groups * L; j++) {  // widen the chunk's keys and values once for all rows (zeros past nk)
     const uint16_t* vj = nullptr;
@@ -314,7 +316,7 @@ void chunk(const Attn& a, int64_t bi, int64_t hi, int64_t c, int64_t chunks, flo
   };
   auto finish = [&](int64_t row) {  // scores in sc -> m, probabilities, l; the PV products
     const int64_t seen = std::min(a.visible(bi, row), c0 + kChunk) - c0;
-    float* s = sc + row * kChunk;
+    float* s = sc + (row - r0) * kChunk;
     const int64_t row_groups = (seen + L - 1) / L;
     V::F mv = V::set1(-INFINITY);
     for (int64_t g = 0; g < row_groups; g++) {
@@ -336,13 +338,13 @@ void chunk(const Attn& a, int64_t bi, int64_t hi, int64_t c, int64_t chunks, flo
     if (++n == kMaxRows) pv_batch();
   };
   auto flush = [&]() {  // the scores of the rows in `tile`, then each row's softmax
-    nd == 4   ? scores<4>(a, bi, hi, tile, nt, c0, scale, kf, sc)
-    : nd == 8 ? scores<8>(a, bi, hi, tile, nt, c0, scale, kf, sc)
-              : scores<0>(a, bi, hi, tile, nt, c0, scale, kf, sc);
+    nd == 4   ? scores<4>(a, bi, hi, tile, nt, c0, r0, scale, kf, sc)
+    : nd == 8 ? scores<8>(a, bi, hi, tile, nt, c0, r0, scale, kf, sc)
+              : scores<0>(a, bi, hi, tile, nt, c0, r0, scale, kf, sc);
     for (int64_t t = 0; t < nt; t++) finish(tile[t]);
     nt = 0;
   };
-  for (int64_t row = 0; row < a.r; row++) {
+  for (int64_t row = r0; row < r1; row++) {
     if (std::min(a.visible(bi, row), c0 + kChunk) - c0 <= 0) continue;
     tile[nt++] = row;
     if (nt == tile_rows) flush();
@@ -375,28 +377,29 @@ void merge(const Attn& a, int64_t bi, int64_t hi, int64_t row, int64_t chunks, c
 
 void run(const Attn& a) {
   const float scale = 1.0f / std::sqrt(static_cast<float>(a.d));
-  // (bi, hi, c) flattened: every chunk some row of batch row bi sees
+  // (bi, hi, c, r0) flattened: every chunk c some row of the block [r0, r0 + kRowBlock) of batch row bi sees
   std::vector<int64_t>& items = ni_gemv::scratch_vector<int64_t>();
   items.clear();
   int64_t chunks = 1;
-  for (int64_t bi = 0; bi < a.b; bi++) {
-    int64_t seen = 0;
-    for (int64_t row = 0; row < a.r; row++) seen = std::max(seen, a.visible(bi, row));
-    chunks = std::max(chunks, (seen + kChunk - 1) / kChunk);
-    for (int64_t hi = 0; hi < a.h; hi++)
-      for (int64_t c = 0; c * kChunk < seen; c++) items.insert(items.end(), {bi, hi, c});
-  }
+  for (int64_t bi = 0; bi < a.b; bi++)
+    for (int64_t r0 = 0; r0 < a.r; r0 += kRowBlock) {
+      int64_t seen = 0;
+      for (int64_t row = r0; row < std::min(a.r, r0 + kRowBlock); row++) seen = std::max(seen, a.visible(bi, row));
+      chunks = std::max(chunks, (seen + kChunk - 1) / kChunk);
+      for (int64_t hi = 0; hi < a.h; hi++)
+        for (int64_t c = 0; c * kChunk < seen; c++) items.insert(items.end(), {bi, hi, c, r0});
+    }
   // Every (row, chunk) entry merge reads is written by chunk first, and so are the per-thread key/value/score
   // buffers: no zero-filling.
   float* part = ni_gemv::scratch<float, 1>(static_cast<size_t>(a.b * a.h * a.r * chunks * (a.d + 2)));
-  const int64_t n_items = static_cast<int64_t>(items.size() / 3), n_rows = a.b * a.h * a.r;
+  const int64_t n_items = static_cast<int64_t>(items.size() / 4), n_rows = a.b * a.h * a.r;
 #pragma omp parallel
   {
-    float* kf = ni_gemv::scratch<float, 2>(static_cast<size_t>(2 * kChunk * a.d + a.r * kChunk));
+    float* kf = ni_gemv::scratch<float, 2>(static_cast<size_t>(2 * kChunk * a.d + kRowBlock * kChunk));
     float *vf = kf + kChunk * a.d, *sc = vf + kChunk * a.d;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t t = 0; t < n_items; t++)
-      chunk(a, items[3 * t], items[3 * t + 1], items[3 * t + 2], chunks, scale, kf, vf, sc, part);
+      chunk(a, items[4 * t], items[4 * t + 1], items[4 * t + 2], items[4 * t + 3], chunks, scale, kf, vf, sc, part);
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < n_rows; t++) merge(a, t / (a.h * a.r), t / a.r % a.h, t % a.r, chunks, part);
   }

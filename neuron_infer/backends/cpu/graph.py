@@ -99,7 +99,7 @@ class CpuCompileOptions:
         the same levels), any row count and regardless of gemv_max_rows (> 0): on 1-8 rows a kernel streams the
         weights once for all rows, on more (prefill) it computes blocks of rows per weight block in cache (bf16 and
         int8 past 64 rows: ATen's GEMM, called from the kernel). Elsewhere, and for fp32, GEMVs are the reductions above. With it, bf16 attention
-        on at most ops.FEW_QUERY_ROWS query rows calls the attention kernel (cpu_attention.cpp).
+        (decode, verify and prefill) calls the attention kernel (cpu_attention.cpp).
     gemv_isa: the highest ISA level the C kernels may use ("auto": the best this CPU has; "avx512-vnni", "avx512",
         "avx2-vnni" or "avx2" force it down, e.g. to build and test the paths of CPUs without AVX512-BF16 or VNNI;
         a level this CPU lacks gives the next lower one it has).

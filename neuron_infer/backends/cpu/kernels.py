@@ -1,4 +1,4 @@
-"""The C kernels of the CPU backend (GEMV, few-row attention): custom ops, their PyTorch twins, and the C library
+"""The C kernels of the CPU backend (GEMV, attention): custom ops, their PyTorch twins, and the C library
 AOTInductor calls.
 
     export:   the linears that share one input x [R, K] (q/k/v, gate/up; any other linear alone: a group of one, see
@@ -7,9 +7,9 @@ AOTInductor calls.
                   bf16  torch.ops.neuron_infer.ni_gemv_bf16_v8(x, [w_0, ...])                 w_m [N_m, K] bf16
                   int8  torch.ops.neuron_infer.ni_gemv_int8_v6(x, [q_0, ...], [s_0, ...])     q_m int8, s_m [N_m]
                   w8a8  torch.ops.neuron_infer.ni_gemv_w8a8_v3(x, [q_0, ...], [s_0, ...])
-              attention over the cached keys for at most ops.FEW_QUERY_ROWS query rows per KV head (decode,
-              verify; bf16, head dim a multiple of 32 up to 256) -> one call per layer (cpu_attention.cpp), reading
-              the layer's block caches in place through the block table:
+              attention over the cached keys for any number of query rows per KV head (decode, verify, prefill;
+              bf16, head dim a multiple of 32 up to 256) -> one call per layer (cpu_attention.cpp), reading the
+              layer's block caches in place through the block table and skipping keys past each row's position:
                   attn  torch.ops.neuron_infer.ni_attn_v2(q, k, v, table, positions)
                         q [B, H, R, D], k and v [N, H, bs, D], table [B, W], positions [B, R]
     compile:  aot_inductor.custom_ops_to_c_shims = C_SHIMS: the generated wrapper calls the C functions

@@ -13,8 +13,9 @@ the model, its quantization schemes and its eager runs know nothing of the kerne
                 any other module (fp8, MX, tiled, int8 on fp32 input)    its own forward, whose F.linear on the
                                                                          dequantized weight is computed as a float
                                                                          linear's (the rows above)
-    attention   the reference attention, GQA folded, bf16, at most       attention(q, k_cache, v_cache, ...)
-                ops.FEW_QUERY_ROWS query rows, the kernel's head dims
+    attention   the reference attention, GQA folded, bf16, any number of  attention(q, k_cache, v_cache, ...)
+                query rows (decode, verify, prefill), the kernel's head
+                dims
     mlp         the reference SwiGLU                                     its projections through `linear` above
 
 A kernel applies only where the CPU compiling the graph builds it (CpuCompileOptions.kernel_isa). After export,
@@ -31,7 +32,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from neuron_infer.backends.cpu import kernels
-from neuron_infer.model.ops import FEW_QUERY_ROWS, Ops, attention_ref, computed_once
+from neuron_infer.model.ops import Ops, attention_ref, computed_once
 from neuron_infer.shapes import known
 
 Linear = Callable[[nn.Module, torch.Tensor], torch.Tensor]
@@ -142,9 +143,8 @@ def gemv_reductions(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 
 
 def attention(q, k_cache, v_cache, table, q_to_kv, positions):
-    """The reference attention's signature; GQA-folded bf16 few-row attention through the C kernel (which reads the
-    block caches in place), everything else through the reference."""
-    if (q_to_kv is None and known(q.shape[2] <= FEW_QUERY_ROWS)
-            and kernels.attention_fits(q, k_cache, v_cache)):
+    """The reference attention's signature; GQA-folded bf16 attention through the C kernel (which reads the block
+    caches in place and skips the keys past each row's position), everything else through the reference."""
+    if q_to_kv is None and kernels.attention_fits(q, k_cache, v_cache):
         return kernels.attention(q, k_cache, v_cache, table, positions)  # [B, H, R, D]
     return attention_ref(q, k_cache, v_cache, table, q_to_kv, positions)
