@@ -1,8 +1,8 @@
 // Causal attention for any number of query rows per KV head (decode steps, batched steps, speculative verification,
-// prefill) over the block KV cache: out[b, h, r] = softmax(q[b, h, r] . k_j / sqrt(D), j <= positions[b, r]) @ v_j, where position j
-// of batch row b lives in block table[b, j / bs] at slot j % bs of the caches k, v [N blocks, H, bs, D]; q, k, v
-// bf16, every sum in fp32 and the result rounded once to bf16 (round to nearest even). The kernel reads the cached
-// keys and values in place through the table: no gathered copy of a row's blocks is made.
+// prefill) over the block KV cache: out[b, h, r] = softmax(q[b, h, r] . k_j / sqrt(D), j <= positions[b, r]) @ v_j,
+// where position j of batch row b lives in block table[b, j / bs] at slot j % bs of the caches k, v [N blocks, H,
+// bs, D]; q, k, v bf16, every sum in fp32 and the result rounded once to bf16 (round to nearest even). The kernel
+// reads the cached keys and values in place through the table: no gathered copy of a row's blocks is made.
 //
 // Called directly from AOTInductor-generated wrappers (a C shim); see neuron_infer/backends/cpu/kernels.py for the op,
 // its PyTorch reference twin and how this file is built.
@@ -285,8 +285,9 @@ void scores(const Attn& a, int64_t bi, int64_t hi, const int64_t* rows, int64_t 
   scores_rows<RT, ND>(qv, kf, most, nd, s);
 }
 
-// One work item: chunk c of KV head (bi, hi) for every query row in [r0, r0 + kRowBlock) that sees part of it. Writes, per row, the chunk's
-// max score m, sum of exponentials l and unnormalised output o [D] into part ([B][H][R][chunks][D + 2], fp32).
+// One work item: chunk c of KV head (bi, hi) for every query row in [r0, r0 + kRowBlock) that sees part of it.
+// Writes, per row, the chunk's max score m, sum of exponentials l and unnormalised output o [D] into part
+// ([B][H][R][chunks][D + 2], fp32).
 // kf, vf: kChunk x D floats; sc: kRowBlock x kChunk floats (this thread's buffers).
 void chunk(const Attn& a, int64_t bi, int64_t hi, int64_t c, int64_t r0, int64_t chunks, float scale, float* kf,
            float* vf, float* sc, float* part) {
