@@ -26,7 +26,6 @@ from neuron_infer.backends.cpu import graph as cpu
 from neuron_infer.backends.cpu import kernels as cpu_gemv
 from neuron_infer.backends.cpu.graph import CpuBackend, CpuCompileOptions
 from neuron_infer.model.llama import BucketStep
-from neuron_infer.model.ops import FEW_QUERY_ROWS
 from tests.compile.fresh_process import run_check
 from tests.compile.test_cpu_backend import S, empty_cache, tg_args, tiny_model
 from tests.paged import as_blocks
@@ -164,11 +163,15 @@ def test_reference_op_is_the_model_reductions_with_zeros_for_rows_without_keys()
     assert not out[0, :, 0].any()  # pos[0, 0] = -1
 
 
-def _attention_calls(model: torch.nn.Module, options: CpuCompileOptions, tokens: int = 1) -> int:
+def _attention_calls(model: torch.nn.Module, options: CpuCompileOptions, tokens: int = 1,
+                     dynamic_tokens: bool = False) -> int:
+    """Kernel calls in the exported step of `tokens` tokens (dynamic_tokens: the token count a dimension of the
+    graph, 2..S, as in a shape-class prefill graph)."""
     k, v = (t.to(next(model.parameters()).dtype) for t in empty_cache(model))
     ids, pos, *_, idx, table = tg_args(k, v, 0)
     args = (ids.expand(-1, tokens), pos + torch.arange(tokens), k, v, idx, table)
-    program = cpu._export(BucketStep(model, S), args, options)
+    dynamic = {0: {1: ("tokens", 2, S)}, 1: {1: ("tokens", 2, S)}} if dynamic_tokens else None
+    program = cpu._export(BucketStep(model, S), args, options, dynamic)
     return sum(node.target is cpu_gemv.KERNEL_OPS["attn"] for node in program.graph.nodes)
 
 
@@ -182,7 +185,8 @@ def test_model_attention_calls_the_kernel_only_where_it_applies():
     layers = bf16.cfg.num_layers
     assert _attention_calls(bf16, CpuCompileOptions()) == layers
     assert _attention_calls(bf16, CpuCompileOptions(), tokens=8) == layers
-    assert _attention_calls(bf16, CpuCompileOptions(), tokens=FEW_QUERY_ROWS // 2 + 1) == layers  # G = 2: 66 rows
+    assert _attention_calls(bf16, CpuCompileOptions(), tokens=33) == layers  # G = 2: 66 rows, two work blocks
+    assert _attention_calls(bf16, CpuCompileOptions(), tokens=5, dynamic_tokens=True) == layers  # any prompt length
     assert _attention_calls(bf16, CpuCompileOptions(gemv_kernel=False)) == 0
     assert _attention_calls(tiny_model(head_dim=32), CpuCompileOptions()) == 0  # fp32
     assert _attention_calls(tiny_model().to(torch.bfloat16), CpuCompileOptions()) == 0  # head dim 24
