@@ -126,12 +126,18 @@ def check_against_engine(build: BuildConfig, args: EngineArgs, where: str) -> No
         )
 
 
-def ranks_in_one_process(backend: str | None, build: BuildConfig) -> bool:
-    """Whether one process drives every tensor-parallel rank of the served artifact. Neuron: yes,
-    neuronx-distributed runs the whole group on the NeuronCores from one process, so vLLM must start a single
-    worker (its "uni" executor, as vllm-neuron does). CPU: no, each rank is its own process (one vLLM worker per
-    rank, joined by vLLM's gloo group)."""
-    return build.tp_degree > 1 and (backend or build.target) == "neuron"
+def single_worker(backend: str | None, build: BuildConfig) -> bool:
+    """Whether vLLM runs one worker inside its engine-core process (its "uni" executor) instead of one worker
+    process per rank ("mp").
+    - One rank (tp 1, any target): yes. With "mp" the engine core waits for each step's reply by polling vLLM's
+      shared-memory queue, which keeps part of a core busy for the whole step (46% of one core, sampled with top
+      while a prompt was encoded on a 2-core machine), so vLLM's CPU default pins the worker to the cores left
+      (one of two there). In one process nothing polls, and the engine's thread policy gives the forward every
+      core the front end leaves free.
+    - Neuron, tp > 1: yes, neuronx-distributed runs the whole group on the NeuronCores from one process (as
+      vllm-neuron does).
+    - CPU, tp > 1: no, each rank is its own process (one vLLM worker per rank, joined by vLLM's gloo group)."""
+    return build.tp_degree == 1 or (backend or build.target) == "neuron"
 
 
 def cache_root(options: Mapping[str, Any]) -> Path:

@@ -20,8 +20,12 @@ Tensor parallelism on CPU: vLLM starts one worker process per rank and, by defau
 binds each rank's OpenMP threads to its own NUMA node, refusing more ranks than nodes. Our ranks need no node of
 their own (each holds 1/N of the weights), so when that variable is unset the platform splits this process's
 allowed CPUs into N contiguous groups instead ("0|1" for two ranks on two cores); a value the user set is kept.
+One worker process or one per rank (artifacts.single_worker): an artifact of one rank is served by vLLM's
+single-worker "uni" executor, the worker inside the engine-core process, where vLLM's CPU default is one worker
+process whose replies the engine core polls for (part of a core busy for every step, hence vLLM pins that worker to
+the other cores). In process the engine's thread policy uses every core the front end leaves free.
 Tensor parallelism on Neuron (not yet run on hardware): neuronx-distributed drives every NeuronCore of the group from
-one process, so the platform switches vLLM to its single-worker "uni" executor, like vllm-neuron.
+one process, so the platform also selects the "uni" executor, like vllm-neuron.
 """
 from __future__ import annotations
 
@@ -41,7 +45,7 @@ from neuron_infer.vllm_plugin.artifacts import (
     default_build,
     plugin_options,
     prefix_caching,
-    ranks_in_one_process,
+    single_worker,
     step_tokens,
 )
 from neuron_infer.vllm_plugin.params import UnsupportedRequestError, check_request
@@ -122,8 +126,8 @@ class NeuronInferPlatform(CpuPlatform):
             backend = options.get("neuron_infer_backend") or build.target  # what the plugin will compile with
         cls.max_prompt_len = build.max_context_length
         apply_step_budget(vllm_config, build)
-        if ranks_in_one_process(backend, build):
-            par.distributed_executor_backend = "uni"  # one worker drives the whole group (see artifacts.py)
+        if single_worker(backend, build):
+            par.distributed_executor_backend = "uni"  # the worker in the engine-core process (see artifacts.py)
         elif args.tensor_parallel_size > 1 and BIND_ENV not in os.environ:
             os.environ[BIND_ENV] = rank_cpu_binding(args.tensor_parallel_size)
 

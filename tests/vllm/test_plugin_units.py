@@ -23,7 +23,7 @@ from neuron_infer.vllm_plugin.artifacts import (
     kv_cache_gib,
     plugin_options,
     prefix_caching,
-    ranks_in_one_process,
+    single_worker,
     run_options,
     step_tokens,
 )
@@ -256,8 +256,11 @@ def test_vllm_version_pin():
             check_vllm_version(bad)
 
 
-def test_which_artifacts_run_every_rank_in_one_process():
+def test_which_artifacts_run_in_one_worker_process():
     neuron2, cpu2 = BuildConfig(target="neuron", tp_degree=2), BuildConfig(tp_degree=2)
-    assert ranks_in_one_process("neuron", neuron2) and ranks_in_one_process(None, neuron2)
-    assert not ranks_in_one_process("cpu-eager", cpu2) and not ranks_in_one_process(None, cpu2)
-    assert not ranks_in_one_process("neuron", BuildConfig(target="neuron"))  # tp 1: nothing to decide
+    assert single_worker("neuron", neuron2) and single_worker(None, neuron2)  # one process drives the group
+    assert single_worker("neuron", BuildConfig(target="neuron"))
+    assert single_worker(None, BuildConfig()) and single_worker("cpu-eager", BuildConfig())  # one CPU rank
+    assert not single_worker("cpu-eager", cpu2) and not single_worker(None, cpu2)  # a process per CPU rank
+
+

@@ -72,9 +72,9 @@ from vllm.engine.arg_utils import EngineArgs
 if __name__ == "__main__":
     os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
     res = {}
-    for name, build in (("neuron", {"target": "neuron"}), ("cpu", {})):
+    for name, build, tp in (("neuron", {"target": "neuron"}, 2), ("cpu1", {}, 1), ("cpu", {}, 2)):
         cfg = EngineArgs(model=sys.argv[1], dtype="bfloat16", max_model_len=128, max_num_seqs=2,
-                         tensor_parallel_size=2, enforce_eager=True,
+                         tensor_parallel_size=tp, enforce_eager=True,
                          additional_config={"neuron_infer_build": build}).create_engine_config()
         res[name] = {"executor": cfg.parallel_config.distributed_executor_backend,
                      "bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND")}
@@ -122,10 +122,12 @@ def test_artifact_of_another_tp_degree_is_refused(reference, tiny):
 
 
 def test_engine_config_per_target(tiny):
-    """CPU: one worker per rank (vLLM's multiprocess executor) and a CPU group per rank; Neuron: one worker drives
-    the group (vLLM's single-worker executor). The Neuron half is configuration only: not yet run on hardware."""
+    """CPU at tp 2: one worker per rank (vLLM's multiprocess executor) and a CPU group per rank; CPU at tp 1 and
+    Neuron: one worker inside the engine-core process (vLLM's single-worker executor; for one CPU rank vLLM's own
+    CPU default is the multiprocess one). The Neuron half is configuration only: not yet run on hardware."""
     got = run_script(CONFIG, [str(tiny)], timeout=300)
     assert got["cpu"]["executor"] == "mp" and got["cpu"]["bind"] is not None and got["cpu"]["bind"].count("|") == 1
+    assert got["cpu1"] == {"executor": "uni", "bind": None}
     assert got["neuron"] == {"executor": "uni", "bind": None}
 
 
