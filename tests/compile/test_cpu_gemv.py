@@ -4,7 +4,7 @@ The kernel and the reference both multiply the same bf16 values exactly (a produ
 fp32) and accumulate in fp32, then round once to bf16; they differ only in summation order (fp32 reassociation,
 ~1e-6 relative), so after the bf16 rounding almost every output is bit-equal and the rest differ by one bf16 step
 (2^-8 relative). Checked on 1-8 rows (the GEMV): at least 97% bit-equal and all within one step. On more rows (the
-kernel's GEMM blocks up to 64 rows, ATen's GEMM beyond): within one bf16 step of the exact (fp64) product plus the
+kernel's GEMM blocks; ATen's GEMM past 64 rows at the AVX512-BF16 level): within one bf16 step of the exact (fp64) product plus the
 bound of an fp32 sum's error, K 2^-23 sum|x||w| (an output that nearly cancels can differ by more than a step of
 itself). A kernel dropping the K tail, mixing rows or blocks, or misreading a stride fails both by far.
 Every ISA level this CPU has is tested (AVX512-BF16, AVX-512 and AVX2 + FMA: the lower ones forced with gemv_isa; each
@@ -46,7 +46,8 @@ needs_kernel = pytest.mark.skipif(not cpu_gemv.supported(), reason="this CPU has
 # at 2 rows; 1 and N < 2 at 3 rows; 0, 2, 4 and N < 5 at 4 rows (shared); 2, 3 at 5 rows; 1 and N < 4 at 6 rows;
 # 0, 1 at 7 rows; 1, 2 at 8 rows.
 # More rows: the GEMM's blocks (8 rows x 3 weight rows with AVX-512, 5 x 2 with AVX2): 9 (two blocks), 25, 17 with N
-# leaving single columns, 64 (the most for the kernel's GEMM), 65 and 200 (ATen's GEMM), with K tails.
+# leaving single columns, 64 (the most for the kernel's GEMM at the AVX512-BF16 level), 65 and 200 (ATen's GEMM there,
+# the blocks below it), with K tails.
 SHAPES = [(1, 70, 64), (2, 33, 96), (3, 1, 100), (4, 130, 600), (5, 48, 576), (6, 9, 1544), (7, 41, 5),
           (8, 65, 200), (8, 31, 17), (1, 257, 31), (2, 3, 48), (5, 37, 40), (3, 7, 33), (4, 9, 80), (1, 7, 16),
           (6, 2, 64), (7, 4, 48), (9, 70, 64), (25, 37, 600), (17, 131, 1544), (64, 33, 100), (65, 9, 200),
@@ -167,6 +168,54 @@ def test_graph_calls_the_c_function_not_the_dispatcher(linears):
         wrapper = "".join(z.read(n).decode() for n in z.namelist() if n.endswith("wrapper.cpp"))
     assert wrapper.count("aoti_torch_cpu_ni_gemv_bf16_v8(") >= len(SHAPES) + SHARED_CALLS
     assert "proxy_executor_call_function" not in wrapper  # the boxed-dispatcher route AOTI takes otherwise
+
+
+def blocks_rows(isa: str) -> int:
+    """The most rows a call at this level computes in the kernel's own blocks: 64 at AVX512-BF16 (ATen's GEMM,
+    oneDNN's bf16 GEMM, beyond), every count below it (there ATen's bf16 GEMM is several times slower); a prompt
+    of 200 rows stands for "every count"."""
+    return 64 if isa == "avx512-bf16" else 200
+
+
+class RowsApart(torch.nn.Module):
+    """One bf16 linear on a prompt-sized input [R, 4104] and on 8 of its rows alone (a GEMV call). Sums that long
+    over 1000 outputs: another summation order (ATen's GEMM) changes the bf16 rounding of some of them."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(3)
+        self.lin = torch.nn.Linear(4104, 1000, bias=False).to(torch.bfloat16)
+        self.ops = Ops(name="reference")
+
+    def forward(self, x: torch.Tensor, few: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.ops.linear(self.lin, x), self.ops.linear(self.lin, few)
+
+
+def rows_apart_inputs(rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    torch.manual_seed(4)
+    x = torch.randn(rows, 4104).to(torch.bfloat16)
+    return x, x[rows - 12:rows - 4].clone()  # 8 rows from the last block of the prompt
+
+
+def check_rows_apart(out: str, isa: str) -> None:
+    """Wherever the blocks take a call, a row's result does not depend on the call's other rows: the prompt's rows
+    equal the same rows through the GEMV bit for bit (ATen's GEMM sums in another order)."""
+    rows = blocks_rows(isa)
+    graph = CpuBackend().load_graph(Path(out), "apart", RowsApart().eval())
+    x, few = rows_apart_inputs(rows)
+    with torch.inference_mode():
+        big, small = graph(x, few)
+    assert torch.equal(big[rows - 12:rows - 4], small)
+    assert_within_fp32_sums(big, x, RowsApart().lin.weight, None)
+
+
+@needs_kernel
+@pytest.mark.parametrize("isa", ISAS)
+def test_prompt_rows_equal_the_same_rows_alone(isa, tmp_path):
+    module, xs = RowsApart().eval(), rows_apart_inputs(blocks_rows(isa))
+    with torch.inference_mode():
+        CpuBackend(CpuCompileOptions(gemv_isa=isa)).compile_graph(module, xs, tmp_path, "apart")
+    run_check("tests.compile.test_cpu_gemv", "check_rows_apart", str(tmp_path), isa)
 
 
 def step_args(k, v, tokens: int):

@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 #include <vector>
 
@@ -177,8 +178,14 @@ inline bool gemv_operands(AtenTensorHandle x, const AtenTensorHandle* ws, int64_
 }
 
 // Rows past which ATen's GEMM (oneDNN, packed bf16 weights) beats the kernels' own blocks (gemm_rows): measured with
-// the SmolLM2 prefill graph at one and two threads (docs/cpu-backend.md, "Prefill linears").
+// the SmolLM2 prefill graph at one and two threads (docs/cpu-backend.md, "Prefill linears"). Only CPUs with
+// AVX512-BF16 have a bf16 GEMM in oneDNN that fast; below that level its bf16 GEMM is several times slower than
+// the blocks, so they take every row count.
+#ifdef __AVX512BF16__
 constexpr int64_t kGemmMaxRows = 64;
+#else
+constexpr int64_t kGemmMaxRows = std::numeric_limits<int64_t>::max();
+#endif
 
 // y[:, off_m : off_m + N_m] = x @ ws[m]^T for every matrix of g, through ATen's mm_out on views: ws[m] [N_m, K] bf16
 // with unit stride in K, read as w^T by swapping its strides (_reinterpret_tensor adds its offset argument to the

@@ -23,7 +23,8 @@
 // from memory once and serve every block from L1, so a prompt computes int8 x int16 dot
 // products at the instruction's rate instead of widening every weight to bf16 for a GEMM. Up to kGemmMaxRows each
 // output is the same integer sum whatever the row count, so a row's result does not depend on the rows computed
-// with it. Past it (long prompts), widened_mm: the weights widened once per call and ATen's GEMM, faster there.
+// with it. Past it (long prompts; AVX512-BF16 builds only, see kGemmMaxRows), widened_mm: the weights widened once
+// per call and ATen's GEMM, faster there.
 //
 // Dot products, by the instruction set the library is built for:
 //   AVX512-VNNI  vpdpwssd: 32 int16 products summed pairwise into 16 int32 lanes per instruction.
