@@ -23,8 +23,8 @@ from neuron_infer.vllm_plugin.artifacts import (
     kv_cache_gib,
     plugin_options,
     prefix_caching,
-    single_worker,
     run_options,
+    single_worker,
     step_tokens,
 )
 from neuron_infer.vllm_plugin.logprobs import logprobs_arrays, prompt_logprobs_arrays
