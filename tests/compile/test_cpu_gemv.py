@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import math
 import shutil
 import zipfile
 from pathlib import Path
@@ -170,11 +171,15 @@ def test_graph_calls_the_c_function_not_the_dispatcher(linears):
     assert "proxy_executor_call_function" not in wrapper  # the boxed-dispatcher route AOTI takes otherwise
 
 
+def gemm_max_rows(isa: str) -> float:
+    """The most rows a bf16 or int8 kernel call at this level computes in the kernel's own blocks (kGemmMaxRows):
+    64 at AVX512-BF16 (ATen's GEMM beyond), every count below it (there ATen's bf16 GEMM is several times slower)."""
+    return 64 if isa == "avx512-bf16" else math.inf
+
+
 def blocks_rows(isa: str) -> int:
-    """The most rows a call at this level computes in the kernel's own blocks: 64 at AVX512-BF16 (ATen's GEMM,
-    oneDNN's bf16 GEMM, beyond), every count below it (there ATen's bf16 GEMM is several times slower); a prompt
-    of 200 rows stands for "every count"."""
-    return 64 if isa == "avx512-bf16" else 200
+    """A prompt the blocks take whole at this level: 64 rows at AVX512-BF16, 200 below it."""
+    return int(min(gemm_max_rows(isa), 200))
 
 
 class RowsApart(torch.nn.Module):
@@ -200,13 +205,13 @@ def rows_apart_inputs(rows: int) -> tuple[torch.Tensor, torch.Tensor]:
 def check_rows_apart(out: str, isa: str) -> None:
     """Wherever the blocks take a call, a row's result does not depend on the call's other rows: the prompt's rows
     equal the same rows through the GEMV bit for bit (ATen's GEMM sums in another order)."""
-    rows = blocks_rows(isa)
-    graph = CpuBackend().load_graph(Path(out), "apart", RowsApart().eval())
+    rows, module = blocks_rows(isa), RowsApart().eval()
+    graph = CpuBackend().load_graph(Path(out), "apart", module)
     x, few = rows_apart_inputs(rows)
     with torch.inference_mode():
         big, small = graph(x, few)
     assert torch.equal(big[rows - 12:rows - 4], small)
-    assert_within_fp32_sums(big, x, RowsApart().lin.weight, None)
+    assert_within_fp32_sums(big, x, module.lin.weight, None)
 
 
 @needs_kernel

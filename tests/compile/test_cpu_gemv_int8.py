@@ -42,6 +42,7 @@ from tests.compile.test_cpu_gemv import (
     SHARED_CALLS,
     assert_one_rounding_apart,
     assert_within_fp32_sums,
+    gemm_max_rows,
     sources,
     with_shared,
 )
@@ -61,7 +62,6 @@ SHAPES = [(1, 70, 64), (2, 33, 96), (3, 17, 100), (4, 130, 600), (5, 48, 576), (
           (1, 257, 31), (2, 3, 48), (5, 37, 40), (1, 7, 20), (4, 1, 24), (3, 7, 48), (6, 2, 64), (7, 4, 48),
           (2, 5, 8300), (9, 70, 64), (25, 37, 600), (17, 131, 1544), (40, 2, 8300), (64, 33, 96), (65, 9, 200),
           (300, 41, 600)]
-GEMM_MAX_ROWS = 64  # AVX512-BF16 level, more rows: the weights widened to bf16, ATen's GEMM, the scale after
 NONFINITE = 3  # the input (4 rows) whose first two rows get a NaN and an Inf, the third 2^-110 x, in check_graph
 
 
@@ -171,7 +171,7 @@ def check_graph(out: str, isa: str) -> None:
         got = graph(*xs)
         model = reference(module, xs, model=True)
     for g, m, lin, i in zip(got, model, module.lins, module.src):
-        if isa == "avx512-bf16" and xs[i].shape[0] > GEMM_MAX_ROWS:  # below that level: the blocks, any rows
+        if xs[i].shape[0] > gemm_max_rows(isa):  # the weights widened to bf16, ATen's GEMM, the scale after
             assert_within_fp32_sums(g, xs[i], lin.dequantized_weight(), lin.bias, roundings=2)
             continue
         assert torch.equal(g, m)

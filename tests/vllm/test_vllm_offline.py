@@ -25,11 +25,18 @@ N = 24
 SEEDED = SamplingConfig(temperature=0.9, top_k=40, top_p=0.95, seed=1234)
 
 SCRIPT = r"""
-import json, sys
+import json, os, sys
 from vllm import LLM, SamplingParams
 from vllm.platforms import current_platform
 
+
+def where(worker):
+    import torch
+    return {"pid": os.getpid(), "cpus": sorted(os.sched_getaffinity(0)), "threads": torch.get_num_threads()}
+
+
 if __name__ == "__main__":
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc with a function (the test's own)
     model, cache, prompts, n = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), int(sys.argv[4])
     # 16-token blocks and a 32-token step budget: vLLM splits the 60-token prompt into chunks (chunked prefill) and
     # finds the shared prompt's first blocks in its prefix cache
@@ -38,7 +45,9 @@ if __name__ == "__main__":
               enable_prefix_caching=True, disable_log_stats=False,
               additional_config={"neuron_infer_backend": "cpu-eager", "neuron_infer_cache_dir": cache,
                                  "neuron_infer_build": {"kv_block_size": 16}})
-    res = {"platform": type(current_platform).__name__}
+    res = {"platform": type(current_platform).__name__, "front": {"pid": os.getpid(),
+                                                                   "cpus": sorted(os.sched_getaffinity(0))}}
+    res["workers"] = llm.collective_rpc(where)
     greedy = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy)
     res["greedy"] = [o.outputs[0].token_ids for o in outs]
@@ -124,6 +133,16 @@ def test_chunked_prompts_and_prefix_cache_hits_equal_neuron_infer(vllm_result, r
 
 def test_plugin_platform_is_selected(vllm_result):
     assert vllm_result["platform"] == "NeuronInferPlatform"
+
+
+def test_one_rank_worker_runs_in_the_engine_process_on_every_allowed_cpu(vllm_result):
+    """One worker (vLLM's single-worker executor) in the engine-core process, not pinned by vLLM's CPU binding: it
+    may use every CPU the front end may (vLLM's multiprocess default pins its worker to the CPUs it does not reserve,
+    one of two on a 2-core machine)."""
+    (worker,) = vllm_result["workers"]
+    assert worker["pid"] != vllm_result["front"]["pid"]  # vLLM's engine-core process, spawned by the front end
+    assert worker["cpus"] == vllm_result["front"]["cpus"]
+    assert 1 <= worker["threads"] <= len(worker["cpus"])
 
 
 def test_greedy_equals_neuron_infer_and_hf(vllm_result, reference, tiny):

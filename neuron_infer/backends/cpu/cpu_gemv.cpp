@@ -3,7 +3,7 @@
 // batched steps, speculative verification): gemv_rows, below. Up to ni_gemv::kGemmMaxRows (short prompts):
 // gemm_rows, the same accumulators in blocks of rows inside each thread's column groups, so each group's weight rows
 // are read from memory once and serve every block from L1. Past it, ATen's GEMM (ni_gemv::aten_mm), faster there;
-// kGemmMaxRows is 64 with AVX512-BF16 only: below that level oneDNN's bf16 GEMM is slower than the blocks at any count.
+// kGemmMaxRows is 64 with AVX512-BF16 only: below that level ATen's bf16 GEMM is slower than the blocks at any count.
 //
 // Called directly from AOTInductor-generated wrappers (a "C shim": aot_inductor.custom_ops_to_c_shims); see
 // neuron_infer/backends/cpu/kernels.py for the op's definition, its PyTorch reference twin and how this file is built.

@@ -178,9 +178,9 @@ inline bool gemv_operands(AtenTensorHandle x, const AtenTensorHandle* ws, int64_
 }
 
 // Rows past which ATen's GEMM (oneDNN, packed bf16 weights) beats the kernels' own blocks (gemm_rows): measured with
-// the SmolLM2 prefill graph at one and two threads (docs/cpu-backend.md, "Prefill linears"). Only CPUs with
-// AVX512-BF16 have a bf16 GEMM in oneDNN that fast; below that level its bf16 GEMM is several times slower than
-// the blocks, so they take every row count.
+// the SmolLM2 prefill graph at one and two threads (docs/cpu-backend.md, "Prefill linears"). Only on CPUs with
+// AVX512-BF16 is ATen's bf16 GEMM that fast; below that level (oneDNN widening bf16 to fp32 with AVX-512, ATen's own
+// dot-product loops with AVX2) it is several times slower than the blocks, so they take every row count.
 #ifdef __AVX512BF16__
 constexpr int64_t kGemmMaxRows = 64;
 #else
